@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup services demo test test-unit lint clean
+
+setup: $(STAMP) services
+
+# torch is pinned to the CPU wheel; installing it first keeps any dependency from pulling a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+services:
+	@scripts/ensure-services.sh
+
+demo: setup
+	$(PY) -m loraplex.cli demo --report demo-report.json
+
+test: setup
+	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache demo-report.json

@@ -1,0 +1,49 @@
+"""The gateway app. Stateless: any number of replicas can run against the same Redis and database."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI
+
+from loraplex import __version__
+from loraplex.api.deps import Services
+from loraplex.api.errors import install_error_handlers
+from loraplex.api.routes import adapters, futures, health
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+from loraplex.settings import Settings, get_settings
+from loraplex.storage.db import make_engine, session_factory
+
+
+def build_services(settings: Settings) -> Services:
+    if not settings.redis_url:
+        raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=False)
+    engine = make_engine(settings.resolved_database_url)
+    return Services(
+        settings=settings,
+        sessions=session_factory(engine),
+        redis=client,
+        producer=Producer(client, settings.pool),
+        results=ResultStore(client),
+    )
+
+
+def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.services = services or build_services(settings)
+        yield
+        app.state.services.redis.close()
+
+    app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(adapters.router)
+    app.include_router(futures.router)
+    return app

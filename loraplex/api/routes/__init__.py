@@ -1,0 +1,1 @@
+"""Native routes under /v1."""

@@ -1,0 +1,36 @@
+"""Futures: a long-poll that answers as soon as the result is stored, or "pending" after the wait."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+
+from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.schemas import ErrorOut, FutureOut
+from loraplex.api.submit import owner_of
+from loraplex.errors import USER_ERRORS, NotFoundError
+
+router = APIRouter(prefix="/v1/futures", tags=["futures"])
+
+
+@router.get("/{request_id}")
+def get_future(
+    request_id: str,
+    tenant: TenantDep,
+    services: ServicesDep,
+    timeout: float = Query(10.0, ge=0, le=60, description="Seconds to wait for the result before answering pending"),
+) -> FutureOut:
+    if owner_of(services, request_id) != tenant.id:
+        raise NotFoundError(f"no request {request_id!r}")
+    wait_s = min(timeout, services.settings.long_poll_seconds)
+    outcome = services.results.wait(request_id, wait_s) if wait_s > 0 else services.results.get(request_id)
+    if outcome is None:
+        return FutureOut(request_id=request_id, state=str(services.results.state(request_id) or "queued"))
+    if outcome.ok:
+        return FutureOut(request_id=request_id, state="complete", result=outcome.result)
+    error_cls = USER_ERRORS.get(outcome.error_type or "")
+    category = error_cls.category if error_cls else "server"
+    return FutureOut(
+        request_id=request_id,
+        state="failed",
+        error=ErrorOut(type=outcome.error_type or "LoraplexError", message=outcome.error or "", category=category),
+    )

@@ -1,0 +1,88 @@
+"""Request and response bodies of the native routes (`/v1`). Requests forbid unknown fields so typos fail loudly (422)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateAdapterRequest(Strict):
+    base_model: str | None = Field(None, description="Must be the pool's base model; empty means the pool's")
+    rank: int = Field(8, ge=1, le=1024)
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha; empty means 2 x rank")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Datum(Strict):
+    model_input: list[int] = Field(..., min_length=1)
+    loss_fn_inputs: dict[str, list[float] | list[int]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> Datum:
+        n = len(self.model_input)
+        for name, values in self.loss_fn_inputs.items():
+            if len(values) != n:
+                raise ValueError(f"loss_fn_inputs.{name} has {len(values)} values, model_input has {n}")
+        if any(t < 0 for t in self.model_input):
+            raise ValueError("model_input holds a negative token id")
+        return self
+
+
+class ForwardBackwardRequest(Strict):
+    seq_id: int = Field(..., ge=0, lt=2**31)
+    data: list[Datum] = Field(..., min_length=1)
+    loss_fn: LossFn = "cross_entropy"
+    loss_fn_config: dict[str, float] = Field(default_factory=dict)
+
+
+class AdamParams(Strict):
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0)
+
+
+class OptimStepRequest(Strict):
+    seq_id: int = Field(..., ge=0, lt=2**31)
+    adam_params: AdamParams = Field(default_factory=AdamParams)
+
+
+class FutureRef(BaseModel):
+    request_id: str
+    model_id: str
+
+
+class AdapterOut(BaseModel):
+    model_id: str
+    base_model: str
+    rank: int
+    alpha: float
+    seed: int
+    status: str
+    applied_seq_id: int | None
+    target_modules: list[str]
+    created_at: Any
+    last_used_at: Any | None = None
+
+
+class ErrorOut(BaseModel):
+    type: str
+    message: str
+    category: str
+
+
+class FutureOut(BaseModel):
+    request_id: str
+    state: str
+    result: dict[str, Any] | None = None
+    error: ErrorOut | None = None

@@ -1,0 +1,35 @@
+"""Turning an accepted request into a queued envelope. The owner of each request id is kept beside it in Redis so
+that only the submitting tenant can read the future."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplex.api.deps import Services
+from loraplex.dispatch.plan import RequestKind
+from loraplex.queue import keys
+from loraplex.queue.envelope import Envelope
+
+OWNER_TTL_SECONDS = 7 * 24 * 3600
+
+
+def enqueue(
+    services: Services,
+    *,
+    tenant_id: str,
+    model_id: str,
+    kind: RequestKind,
+    payload: dict[str, Any],
+    seq_id: int | None = None,
+) -> str:
+    """Queue one request and return its request id (the first one's, if (model_id, seq_id) was already queued).
+    Create and delete take no seq_id: they sit outside the adapter's step order."""
+    envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
+    request_id = services.producer.submit(envelope)
+    services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
+    return request_id
+
+
+def owner_of(services: Services, request_id: str) -> str | None:
+    value = services.redis.get(keys.request_owner(request_id))
+    return value.decode() if isinstance(value, bytes) else value

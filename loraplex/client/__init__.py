@@ -1,0 +1,8 @@
+"""Python client for loraplex: `ServiceClient` -> `TrainingClient` -> futures (sync `.result()`, or `await`)."""
+
+from loraplex.client.futures import APIFuture
+from loraplex.client.service import ServiceClient
+from loraplex.client.training import TrainingClient
+from loraplex.client.types import AdamParams, Datum
+
+__all__ = ["APIFuture", "AdamParams", "Datum", "ServiceClient", "TrainingClient"]

@@ -1,0 +1,59 @@
+"""Entry point of the Python client: one per server and API key."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from loraplex.client.futures import APIFuture
+from loraplex.client.training import TrainingClient
+from loraplex.client.transport import Transport
+from loraplex.errors import AuthenticationError
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8700"
+
+
+class ServiceClient:
+    """`ServiceClient(base_url, api_key)`; both default to LORAPLEX_BASE_URL and LORAPLEX_API_KEY."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float = 120.0) -> None:
+        base_url = base_url or os.environ.get("LORAPLEX_BASE_URL", DEFAULT_BASE_URL)
+        api_key = api_key or os.environ.get("LORAPLEX_API_KEY", "")
+        if not api_key:
+            raise AuthenticationError("no API key: pass api_key= or set LORAPLEX_API_KEY")
+        self._transport = Transport(base_url, api_key, timeout)
+
+    def create_lora_training_client(
+        self,
+        base_model: str | None = None,
+        rank: int = 8,
+        alpha: float | None = None,
+        seed: int | None = None,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> TrainingClient:
+        """Create an adapter (waits until the pool has initialised it from its seed) and return its client."""
+        body = {"base_model": base_model, "rank": rank, "alpha": alpha, "seed": seed, "user_metadata": user_metadata or {}}
+        ref = self._transport.request("POST", "/v1/adapters", json=body)
+        APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
+        return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)
+
+    def training_client(self, model_id: str) -> TrainingClient:
+        """A client for an existing adapter; its seq_ids continue after the last applied one."""
+        info = self._transport.request("GET", f"/v1/adapters/{model_id}")
+        applied = info["applied_seq_id"]
+        return TrainingClient(self._transport, model_id, next_seq_id=(applied or 0) + 1)
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        return self._transport.request("GET", "/v1/adapters")
+
+    def health(self) -> dict[str, Any]:
+        return self._transport.request("GET", "/v1/healthz")
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,285 @@
+"""The dispatcher loop: thin I/O around dispatch/policy.py. One Dispatcher (the pool leader) per pool stream.
+
+Each `run_once`: read envelopes (this consumer's un-acked backlog first, entries of dead consumers every few seconds,
+then new ones), keep them in an arrival-ordered buffer, ask the policy for a plan, mark its requests running, execute
+it, store the outcomes, tell `on_outcomes`, and only then ack the entries (at-least-once delivery; with the
+idempotency keys and the stored-result check below, each request is applied once):
+- an entry whose request already has a stored result (a crash between storing and acking) is acked, never re-applied;
+- a duplicate (seq_id at or below the adapter's last applied one, or a second request for the same slot) is answered
+  with the first request's stored result;
+- requests of an adapter stuck behind a seq_id gap longer than `seq_gap_timeout_s` fail with InvalidRequestError
+  naming the missing seq_id, and the adapter moves past them.
+
+Every answered request, failed or not, advances its adapter's seq_id: the client holds an answer for it.
+
+`on_outcomes(outcomes, plan)` is where the caller records applied seq_ids and usage in SQL. `plan.requests` holds every
+request in `outcomes`; requests failed by the dispatcher itself (gap timeout) come in a plan made of them alone, under
+their natural step kind, each with a failed outcome. Record usage for `outcome.ok` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis as redis_lib
+
+from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.dispatch.policy import PolicyLimits, plan_batch
+from loraplex.queue import keys
+from loraplex.queue.consumer import Consumer, Entry
+from loraplex.queue.envelope import to_planned
+from loraplex.queue.keys import CONTROL_KINDS, JobState
+from loraplex.queue.results import ResultStore
+from loraplex.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+OnOutcomes = Callable[[list[Outcome], BatchPlan], None]
+AppliedSeqLookup = Callable[[str], int | None]
+
+
+class Executor(Protocol):
+    def execute(self, plan: BatchPlan) -> list[Outcome]: ...
+
+
+@dataclass
+class _Held:
+    stream_id: str
+    request: PlannedRequest
+    first_seen: float
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        redis: redis_lib.Redis,
+        pool: str,
+        executor: Executor,
+        on_outcomes: OnOutcomes | None = None,
+        settings: Settings | None = None,
+        *,
+        applied_seq_lookup: AppliedSeqLookup | None = None,
+        consumer_name: str = "dispatcher",
+        seq_gap_timeout_s: float = 60.0,
+        max_requests_per_plan: int = 256,
+        block_ms: int = 100,
+        read_count: int = 256,
+        claim_idle_ms: int = 30_000,
+        claim_every_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        settings = settings or get_settings()
+        self.executor = executor
+        self.on_outcomes = on_outcomes
+        self.applied_seq_lookup = applied_seq_lookup
+        self.results = ResultStore(redis)
+        self.consumer = Consumer(redis, pool, consumer_name, self.results)
+        self.redis = redis
+        self.limits = PolicyLimits(microbatch_tokens=settings.microbatch_tokens, max_requests=max_requests_per_plan)
+        self.seq_gap_timeout_s = seq_gap_timeout_s
+        self.block_ms = block_ms
+        self.read_count = read_count
+        self.claim_idle_ms = claim_idle_ms
+        self.claim_every_s = claim_every_s
+        self.clock = clock
+        self._buffer: list[_Held] = []  # arrival order
+        self._held_ids: set[str] = set()  # stream ids in the buffer
+        self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
+        self._next_claim = 0.0
+        self._more_ready = False  # the last plan was capped: read without blocking
+
+    # -- public ---------------------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> tuple[PlannedRequest, ...]:
+        return tuple(h.request for h in self._buffer)
+
+    def last_applied(self, model_id: str) -> int | None:
+        return self._applied.get(model_id)
+
+    def run_once(self) -> int:
+        """One read + plan + execute round; returns how many requests it answered."""
+        now = self.clock()
+        entries = self._claim_if_due(now)
+        entries += self.consumer.read(None if self._more_ready else self.block_ms, self.read_count)
+        self._admit(entries, now)
+        if not self._buffer:
+            self._more_ready = False
+            return 0
+        by_obj = {id(h.request): h for h in self._buffer}
+        view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
+        decision = plan_batch([h.request for h in self._buffer], view, self.limits)
+        answered = 0
+        if decision.plan.steps:
+            answered += self._execute(decision.plan, by_obj)
+        answered += self._answer_duplicates(decision.duplicates, by_obj)
+        answered += self._expire_gaps(decision.blocked, self.clock())
+        self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
+        return answered
+
+    def run_forever(self, stop_event: threading.Event) -> None:
+        while not stop_event.is_set():
+            try:
+                self.run_once()
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                stop_event.wait(0.5)
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    def _claim_if_due(self, now: float) -> list[Entry]:
+        if now < self._next_claim:
+            return []
+        self._next_claim = now + self.claim_every_s
+        return self.consumer.claim_stale(self.claim_idle_ms, self.read_count)
+
+    def _admit(self, entries: Sequence[Entry], now: float) -> None:
+        # A claim and the backlog scan can both return one of our own entries: keep one per stream id.
+        fresh = list({sid: env for sid, env in entries if sid not in self._held_ids}.items())
+        done = self.results.has_many([env.request_id for _, env in fresh])
+        stale: list[str] = []
+        for (sid, env), answered in zip(fresh, done, strict=True):
+            req = to_planned(env)
+            if req.model_id not in self._applied:
+                lookup = self.applied_seq_lookup
+                self._applied[req.model_id] = lookup(req.model_id) if lookup else None
+            if answered:  # stored before a crash, never acked: never apply twice
+                self._advance([req])
+                stale.append(sid)
+                continue
+            self._buffer.append(_Held(sid, req, now))
+            self._held_ids.add(sid)
+        self.consumer.ack(stale)
+
+    def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> int:
+        requests = plan.requests
+        self.results.set_states([r.request_id for r in requests], JobState.RUNNING)
+        try:
+            outcomes = list(self.executor.execute(plan))
+        except Exception as exc:  # the engine failed as a whole: every request of the plan gets the error
+            log.exception("plan of %d requests failed", len(requests))
+            outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
+        outcomes = _one_per_request(outcomes, requests)
+        self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
+        return len(outcomes)
+
+    def _answer_duplicates(self, duplicates: Sequence[PlannedRequest], by_obj: dict[int, _Held]) -> int:
+        if not duplicates:
+            return 0
+        dup_objs = {id(r) for r in duplicates}
+        live_slots = {_slot(h.request): h.request.request_id for h in self._buffer if id(h.request) not in dup_objs}
+        own = self.results.has_many([d.request_id for d in duplicates])
+        outcomes: list[Outcome] = []
+        drop: list[_Held] = []
+        for dup, answered in zip(duplicates, own, strict=True):
+            first_id = live_slots.get(_slot(dup))
+            if answered or first_id == dup.request_id:  # the same request delivered twice: its twin answers for it
+                drop.append(by_obj[id(dup)])
+            elif first_id is None:
+                outcomes.append(self._copy_first_result(dup))
+                drop.append(by_obj[id(dup)])
+            # else: the first request of this slot is still pending; answer this one after it
+        if outcomes:
+            self.results.put_many(outcomes)
+        self._release(drop)
+        return len(outcomes)
+
+    def _copy_first_result(self, dup: PlannedRequest) -> Outcome:
+        raw = self.redis.get(keys.request_idempotency_key(dup.kind, dup.model_id, dup.seq_id))
+        first_id = raw.decode() if isinstance(raw, bytes) else raw
+        first = self.results.get(first_id) if first_id and first_id != dup.request_id else None
+        if first is not None:
+            return Outcome(dup.request_id, first.result, first.error_type, first.error)
+        last = self._applied.get(dup.model_id)
+        return _failed(
+            dup,
+            "ConflictError",
+            f"adapter {dup.model_id}: {dup.kind} seq_id {dup.seq_id} is a repeat of an earlier request or at or below "
+            f"the last applied seq_id ({last}), and no stored result can answer it",
+        )
+
+    def _expire_gaps(self, blocked: dict[str, int], now: float) -> int:
+        held: list[_Held] = []
+        outcomes: list[Outcome] = []
+        for model_id, missing in blocked.items():
+            waiting = [
+                h for h in self._buffer if h.request.model_id == model_id and h.request.kind not in CONTROL_KINDS
+            ]
+            if not waiting or now - min(h.first_seen for h in waiting) < self.seq_gap_timeout_s:
+                continue
+            for h in waiting:
+                msg = (
+                    f"adapter {model_id}: seq_id {h.request.seq_id} waited over {self.seq_gap_timeout_s:g} s "
+                    f"for seq_id {missing}, which never arrived"
+                )
+                outcomes.append(_failed(h.request, "InvalidRequestError", msg))
+                held.append(h)
+        if not held:
+            return 0
+        plan = _plan_of([h.request for h in held])
+        self._finish(outcomes, plan, held)
+        return len(outcomes)
+
+    def _finish(self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held]) -> None:
+        """Store, report, advance seq_ids, then ack: in this order, so a crash never loses an answer."""
+        self.results.put_many(outcomes)
+        if self.on_outcomes is not None:
+            try:
+                self.on_outcomes(outcomes, plan)
+            except Exception:  # the results are stored: recording them must not stall every tenant
+                log.exception("on_outcomes failed for %d outcomes", len(outcomes))
+        self._advance(plan.requests)
+        self._release(held)
+
+    def _advance(self, requests: Iterable[PlannedRequest]) -> None:
+        for r in requests:
+            if r.kind in CONTROL_KINDS:
+                continue
+            last = self._applied.get(r.model_id)
+            self._applied[r.model_id] = r.seq_id if last is None else max(last, r.seq_id)
+
+    def _release(self, held: list[_Held]) -> None:
+        if not held:
+            return
+        gone = {h.stream_id for h in held}
+        self._buffer = [h for h in self._buffer if h.stream_id not in gone]
+        self._held_ids -= gone
+        self.consumer.ack(gone)
+
+
+def _slot(r: PlannedRequest) -> tuple[str, str | int]:
+    return (r.model_id, str(r.kind) if r.kind in CONTROL_KINDS else r.seq_id)
+
+
+def _failed(r: PlannedRequest, error_type: str, message: str) -> Outcome:
+    return Outcome(request_id=r.request_id, error_type=error_type, error=message)
+
+
+def _one_per_request(outcomes: list[Outcome], requests: Sequence[PlannedRequest]) -> list[Outcome]:
+    """Exactly one outcome per planned request, in plan order; a request the executor skipped gets an EngineError."""
+    by_id = {o.request_id: o for o in outcomes}
+    return [by_id.get(r.request_id) or _failed(r, "EngineError", "the engine returned no outcome") for r in requests]
+
+
+_STEP_OF = {
+    RequestKind.CREATE_ADAPTER: StepKind.CREATE,
+    RequestKind.DELETE_ADAPTER: StepKind.DELETE,
+    RequestKind.FORWARD_BACKWARD: StepKind.FORWARD_BACKWARD,
+    RequestKind.FORWARD: StepKind.FORWARD_BACKWARD,
+    RequestKind.OPTIM_STEP: StepKind.OPTIM_STEP,
+}
+
+
+def _plan_of(requests: Sequence[PlannedRequest]) -> BatchPlan:
+    """A plan holding `requests` under their natural step kinds (to report requests the loop failed itself)."""
+    steps: list[Step] = []
+    for r in requests:
+        kind = _STEP_OF[RequestKind(r.kind)]
+        if steps and steps[-1].kind == kind:
+            steps[-1] = Step(kind, (*steps[-1].requests, r))
+        else:
+            steps.append(Step(kind, (r,)))
+    return BatchPlan(tuple(steps))

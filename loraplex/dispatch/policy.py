@@ -1,0 +1,190 @@
+"""The dispatch policy: pending requests + what each adapter has applied -> one BatchPlan. Pure: no Redis, asyncio or
+torch; the loop (dispatch/loop.py) does the I/O around it.
+
+Ordering. Per adapter (model_id), training requests take effect strictly in seq_id order. A request is *ready* when its
+seq_id is last_applied + 1, or, when nothing is applied yet (last_applied None), when it is the adapter's smallest
+pending seq_id. seq_id <= last_applied (or a request_id / (model_id, seq_id) already seen earlier in the input) is a
+*duplicate*: reported apart, never planned. A higher seq_id waits; if the adapter has nothing ready because of a gap it
+is reported in `blocked` (model_id -> missing seq_id) so the loop can time it out. create_adapter and delete_adapter
+(seq_id -1) sit outside the chain: a create runs before anything else of its model_id, a delete after all of them.
+
+The plan's steps, in order:
+  1. one CREATE step with every pending create_adapter;
+  2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
+     forward requests form ONE FORWARD_BACKWARD step (up to the microbatch token cap; a single request over the cap
+     still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it. Taking a
+     request advances that adapter's seq_id, so its next request can join the next round (an adapter's
+     forward_backward in one step, its optim_step in a later step of the same plan). Rounds repeat while anything is
+     ready and the plan holds fewer than `max_requests` requests;
+  3. one DELETE step with the deletes whose adapter has nothing else pending.
+
+Fair share. Within a round, candidates are taken in order of (requests this plan already took for their tenant, how long
+their adapter has waited: its oldest pending request's arrival index). When the token cap closes the FORWARD_BACKWARD step,
+candidates behind are not skipped over by later ones: they lead the next round (or the next plan, since leftovers keep
+their arrival order). So a tenant with many adapters or many requests cannot starve another.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+
+_CONTROL = (RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER)
+_FORWARDS = (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD)
+
+
+@dataclass(frozen=True)
+class PolicyLimits:
+    microbatch_tokens: int = 4096  # token cap of one FORWARD_BACKWARD step
+    max_requests: int = 256  # requests in one plan, all steps together
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    plan: BatchPlan
+    pending: tuple[PlannedRequest, ...]  # not planned yet, in arrival order
+    duplicates: tuple[PlannedRequest, ...]  # already applied or repeated: answer with the stored result, never apply
+    blocked: dict[str, int] = field(default_factory=dict)  # model_id -> the missing seq_id its requests wait for
+
+    @property
+    def applied_seq(self) -> dict[str, int]:
+        """model_id -> the highest seq_id this plan takes (what last_applied becomes once the plan is answered)."""
+        out: dict[str, int] = {}
+        for r in self.plan.requests:
+            if r.kind not in _CONTROL:
+                out[r.model_id] = max(out.get(r.model_id, r.seq_id), r.seq_id)
+        return out
+
+
+def plan_batch(
+    pending: Sequence[PlannedRequest],
+    last_applied: Mapping[str, int | None],
+    limits: PolicyLimits | None = None,
+) -> PolicyResult:
+    """Plan the next batch. `pending` is in arrival order; `last_applied` maps model_id -> last applied seq_id (None or
+    absent: none yet)."""
+    limits = limits or PolicyLimits()
+    reqs = list(pending)  # requests are referred to by their index (= arrival order) below
+    duplicates, creates, deletes, chains = _sort_out(reqs, last_applied)
+
+    budget = limits.max_requests
+    taken: set[int] = set()
+    steps: list[Step] = []
+
+    create_step = creates[:budget]
+    budget -= len(create_step)
+    waiting_create = {reqs[i].model_id for i in creates[len(create_step) :]}  # their chains and deletes wait
+    if create_step:
+        steps.append(Step(StepKind.CREATE, tuple(reqs[i] for i in create_step)))
+
+    last = {m: last_applied.get(m) for m in chains}
+    pos = dict.fromkeys(chains, 0)
+    # waited[m][k]: arrival index of the oldest request in chains[m][k:] (how long the adapter has waited from there).
+    waited = {m: _suffix_min(chain) for m, chain in chains.items()}
+    served: Counter[str] = Counter()  # requests taken per tenant in this plan
+
+    def priority(i: int) -> tuple[int, int]:
+        m = reqs[i].model_id
+        return served[reqs[i].tenant_id], waited[m][pos[m]]
+
+    while budget > 0:
+        heads = [
+            chain[pos[m]]
+            for m, chain in chains.items()
+            if m not in waiting_create and pos[m] < len(chain) and _ready(reqs[chain[pos[m]]], last[m])
+        ]
+        if not heads:
+            break
+        fb: list[int] = []
+        opt: list[int] = []
+        fb_tokens, fb_closed = 0, False
+        while heads and budget > 0:
+            heads.sort(key=priority)
+            i = heads.pop(0)
+            r = reqs[i]
+            if r.kind in _FORWARDS:
+                if fb_closed:
+                    continue
+                if fb and fb_tokens + r.num_tokens > limits.microbatch_tokens:
+                    fb_closed = True  # later candidates must not jump it: it leads the next round
+                    continue
+                fb.append(i)
+                fb_tokens += r.num_tokens
+            else:
+                opt.append(i)
+            served[r.tenant_id] += 1
+            budget -= 1
+        for i in fb + opt:
+            m = reqs[i].model_id
+            pos[m] += 1
+            last[m] = reqs[i].seq_id
+        taken.update(fb + opt)
+        if fb:
+            steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(reqs[i] for i in fb)))
+        if opt:
+            steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
+
+    delete_step: list[int] = []
+    for i in deletes:
+        m = reqs[i].model_id
+        if budget > 0 and m not in waiting_create and pos.get(m, 0) >= len(chains.get(m, ())):
+            delete_step.append(i)
+            budget -= 1
+    if delete_step:
+        steps.append(Step(StepKind.DELETE, tuple(reqs[i] for i in delete_step)))
+    taken.update(create_step + delete_step)
+
+    blocked: dict[str, int] = {}
+    for m, chain in chains.items():
+        lm = last[m]
+        if m not in waiting_create and pos[m] < len(chain) and lm is not None and reqs[chain[pos[m]]].seq_id > lm + 1:
+            blocked[m] = lm + 1
+    dups = set(duplicates)
+    left = tuple(r for i, r in enumerate(reqs) if i not in taken and i not in dups)
+    return PolicyResult(BatchPlan(tuple(steps)), left, tuple(reqs[i] for i in duplicates), blocked)
+
+
+def _sort_out(
+    reqs: list[PlannedRequest], last_applied: Mapping[str, int | None]
+) -> tuple[list[int], list[int], list[int], dict[str, list[int]]]:
+    """Split request indices into duplicates, creates, deletes and per-adapter chains sorted by seq_id."""
+    duplicates: list[int] = []
+    creates: list[int] = []
+    deletes: list[int] = []
+    chains: dict[str, list[int]] = {}
+    seen_ids: set[str] = set()
+    seen_slots: set[tuple[str, str | int]] = set()
+    for i, r in enumerate(reqs):
+        control = r.kind in _CONTROL
+        slot = (r.model_id, str(r.kind) if control else r.seq_id)
+        last = last_applied.get(r.model_id)
+        already = not control and last is not None and r.seq_id <= last
+        if r.request_id in seen_ids or slot in seen_slots or already:
+            duplicates.append(i)
+            continue
+        seen_ids.add(r.request_id)
+        seen_slots.add(slot)
+        if r.kind == RequestKind.CREATE_ADAPTER:
+            creates.append(i)
+        elif r.kind == RequestKind.DELETE_ADAPTER:
+            deletes.append(i)
+        else:
+            chains.setdefault(r.model_id, []).append(i)
+    for chain in chains.values():
+        chain.sort(key=lambda i: reqs[i].seq_id)
+    return duplicates, creates, deletes, chains
+
+
+def _ready(r: PlannedRequest, last: int | None) -> bool:
+    # last is None only until the adapter's first request is taken, and chains are sorted: the head is the smallest.
+    return last is None or r.seq_id == last + 1
+
+
+def _suffix_min(values: list[int]) -> list[int]:
+    out = list(values)
+    for k in range(len(out) - 2, -1, -1):
+        out[k] = min(out[k], out[k + 1])
+    return out

@@ -1,0 +1,80 @@
+"""All user-facing errors. Each inherits its stdlib cousin so callers can catch either; all stay picklable
+(they cross process boundaries as `type name + message`). The API maps them to HTTP codes in `api/errors.py`."""
+
+from __future__ import annotations
+
+
+class LoraplexError(Exception):
+    """Base of every loraplex error."""
+
+    # Tinker's `category` for failed futures: "user" when the caller can fix it, "server" otherwise.
+    category = "server"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # keep pickling to (cls, (message,)) even with multiple inheritance
+        return (type(self), (self.message,))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class AuthenticationError(LoraplexError, PermissionError):
+    """Missing, malformed or unknown API key (HTTP 401)."""
+
+    category = "user"
+
+
+class NotFoundError(LoraplexError, LookupError):
+    """The thing does not exist, or belongs to another tenant (HTTP 404: we never confirm it exists)."""
+
+    category = "user"
+
+
+class InvalidRequestError(LoraplexError, ValueError):
+    """Well-formed but unacceptable input: bad shapes, unknown loss, rank above the pool's maximum (HTTP 400/422)."""
+
+    category = "user"
+
+
+class ConflictError(LoraplexError, ValueError):
+    """The request clashes with existing state: duplicate name, adapter deleted (HTTP 409)."""
+
+    category = "user"
+
+
+class CapacityError(LoraplexError, RuntimeError):
+    """The pool cannot take this now (no free slot, quota); retry later (HTTP 429)."""
+
+    category = "server"
+
+
+class EngineError(LoraplexError, RuntimeError):
+    """A training step failed inside a worker (non-finite gradients, a crash); reported for that request only."""
+
+    category = "server"
+
+
+class RequestFailedError(LoraplexError, RuntimeError):
+    """Client side: a future resolved to an error. `error_type` names the server-side class."""
+
+    def __init__(self, message: str = "", error_type: str = "", category: str = "server") -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.category = category
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.error_type, self.category))
+
+
+USER_ERRORS: dict[str, type[LoraplexError]] = {
+    cls.__name__: cls
+    for cls in (AuthenticationError, NotFoundError, InvalidRequestError, ConflictError, CapacityError, EngineError)
+}
+
+
+def error_from_name(name: str, message: str) -> LoraplexError:
+    """Rebuild a typed error from its class name and message (as stored in a result)."""
+    return USER_ERRORS.get(name, LoraplexError)(message)

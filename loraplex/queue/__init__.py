@@ -1,0 +1,1 @@
+"""Redis streams: key names (keys.py), the envelope codec, producer, consumer group, results + notify."""

@@ -1,0 +1,62 @@
+"""Every Redis key and stream name loraplex uses, in one place. All start with `loraplex:` so a shared Redis stays tidy
+and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
+
+    loraplex:pool:{pool}:requests        stream: one entry per accepted request (queue/envelope.py), read by the pool's group
+    loraplex:dispatchers                 consumer-group name on that stream (one leader per pool reads it)
+    loraplex:result:{request_id}         string: the Outcome JSON (queue/results.py), with a TTL
+    loraplex:notify:{request_id}         list: a token pushed when the result lands; waiters BLPOP it
+    loraplex:state:{request_id}          string: JobState, so a client can tell queued from running
+    loraplex:idem:{model_id}:{seq_id}    string: the request_id that first claimed this (model_id, seq_id)
+    loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
+    loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from loraplex.dispatch.plan import RequestKind
+
+PREFIX = "loraplex:"
+CONSUMER_GROUP = f"{PREFIX}dispatchers"
+
+# create/delete are not steps in the adapter's seq_id chain: they carry this seq_id and are idempotent per (model_id, kind).
+CONTROL_SEQ_ID = -1
+CONTROL_KINDS = frozenset({RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER})
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+def request_stream(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:requests"
+
+
+def result_key(request_id: str) -> str:
+    return f"{PREFIX}result:{request_id}"
+
+
+def notify_key(request_id: str) -> str:
+    return f"{PREFIX}notify:{request_id}"
+
+
+def state_key(request_id: str) -> str:
+    return f"{PREFIX}state:{request_id}"
+
+
+def idempotency_key(model_id: str, seq_id: int | str) -> str:
+    return f"{PREFIX}idem:{model_id}:{seq_id}"
+
+
+def request_idempotency_key(kind: RequestKind | str, model_id: str, seq_id: int) -> str:
+    """The idempotency key of one request: (model_id, seq_id) for training steps, (model_id, kind) for create/delete."""
+    kind = RequestKind(kind)
+    return idempotency_key(model_id, kind.value if kind in CONTROL_KINDS else seq_id)
+
+
+def request_owner(request_id: str) -> str:
+    return f"{PREFIX}owner:{request_id}"

@@ -1,0 +1,112 @@
+"""Results and job states in Redis. `put` writes the Outcome, its final JobState and a notify token in one MULTI, so a
+waiter that wakes on the token always finds the result.
+
+Waiting: `wait` BLPOPs the notify list in short slices (always below the client's socket timeout) and re-pushes the
+token it took, so any number of waiters, and repeated waits on the same id, all wake; it checks the result key first,
+so a finished request answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import redis as redis_lib
+
+from loraplex.dispatch.plan import Outcome
+from loraplex.queue import keys
+from loraplex.queue.keys import JobState
+
+DEFAULT_TTL_S = 24 * 3600
+# Longest single BLPOP; redis-py's default socket_timeout is 5 s, and a BLPOP longer than that would raise.
+WAIT_SLICE_S = 1.0
+_TOKEN = "1"
+
+
+def outcome_to_json(outcome: Outcome) -> str:
+    return json.dumps(
+        {
+            "request_id": outcome.request_id,
+            "result": outcome.result,
+            "error_type": outcome.error_type,
+            "error": outcome.error,
+        }
+    )
+
+
+def outcome_from_json(raw: bytes | str) -> Outcome:
+    data = json.loads(raw)
+    return Outcome(
+        request_id=data["request_id"],
+        result=data.get("result"),
+        error_type=data.get("error_type"),
+        error=data.get("error"),
+    )
+
+
+class ResultStore:
+    def __init__(self, redis: redis_lib.Redis, ttl_s: int = DEFAULT_TTL_S) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    def put(self, outcome: Outcome) -> None:
+        self.put_many([outcome])
+
+    def put_many(self, outcomes: Iterable[Outcome]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        for o in outcomes:
+            state = JobState.COMPLETE if o.ok else JobState.FAILED
+            pipe.set(keys.result_key(o.request_id), outcome_to_json(o), ex=self.ttl_s)
+            pipe.set(keys.state_key(o.request_id), state.value, ex=self.ttl_s)
+            pipe.rpush(keys.notify_key(o.request_id), _TOKEN)
+            pipe.expire(keys.notify_key(o.request_id), self.ttl_s)
+        pipe.execute()
+
+    def get(self, request_id: str) -> Outcome | None:
+        raw = self.redis.get(keys.result_key(request_id))
+        return None if raw is None else outcome_from_json(raw)
+
+    def has_many(self, request_ids: list[str]) -> list[bool]:
+        """Whether each request already has a stored result (one round trip)."""
+        if not request_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(keys.result_key(rid))
+        return [bool(n) for n in pipe.execute()]
+
+    def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
+        """The outcome, waiting up to `timeout_s` for it; None on timeout."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        notify = keys.notify_key(request_id)
+        while True:
+            outcome = self.get(request_id)
+            if outcome is not None:
+                return outcome
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            # BLPOP timeout 0 means "forever": never pass less than 10 ms.
+            popped = self.redis.blpop([notify], timeout=max(min(remaining, WAIT_SLICE_S), 0.01))
+            if popped is not None:
+                # Put the token back for the next waiter (or the next wait on this id).
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.rpush(notify, _TOKEN)
+                pipe.expire(notify, self.ttl_s)
+                pipe.execute()
+
+    def set_state(self, request_id: str, state: JobState) -> None:
+        self.set_states([request_id], state)
+
+    def set_states(self, request_ids: Iterable[str], state: JobState) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.set(keys.state_key(rid), JobState(state).value, ex=self.ttl_s)
+        pipe.execute()
+
+    def state(self, request_id: str) -> JobState | None:
+        raw = self.redis.get(keys.state_key(request_id))
+        if raw is None:
+            return None
+        return JobState(raw.decode() if isinstance(raw, bytes) else raw)

@@ -1,0 +1,69 @@
+"""Typed settings, one place. Every field reads `LORAPLEX_<NAME>` from the environment."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore")
+
+    # Where state lives when nothing else is said: SQLite file, blobs, model cache, logs.
+    home: Path = Field(default_factory=lambda: Path.home() / ".loraplex")
+    # SQLAlchemy URL; empty means SQLite under `home`.
+    database_url: str = ""
+    # Redis URL; empty means `serve --embedded` starts its own redis-server child.
+    redis_url: str = ""
+    # Checkpoint files; empty means `home/blobs`.
+    blob_root: Path | None = None
+    # Cache of built model presets (tiny weights + tokenizer), shared by every process.
+    model_cache: Path | None = None
+
+    base_model: str = "tiny"
+    pool: str = "default"
+    # Resident adapter slots per worker rank.
+    slots: int = 8
+    # Largest LoRA rank a pool accepts; every bank is padded to it.
+    max_rank: int = 16
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    # Tokens per microbatch before gradient accumulation kicks in.
+    microbatch_tokens: int = 4096
+    device: str = "cpu"
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8700
+    # Longest a `GET /v1/futures/{id}` long-poll waits before answering "pending".
+    long_poll_seconds: float = 20.0
+    # Largest forward_backward body (datums per request) the gateway accepts.
+    max_datums_per_request: int = 1024
+    max_tokens_per_datum: int = 32768
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'loraplex.db'}"
+
+    @property
+    def resolved_blob_root(self) -> Path:
+        return self.blob_root or self.home / "blobs"
+
+    @property
+    def resolved_model_cache(self) -> Path:
+        return self.model_cache or self.home / "models"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

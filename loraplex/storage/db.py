@@ -1,0 +1,117 @@
+"""Engines, sessions, transactions and schema migrations.
+
+SQLite notes (the default backend, shared by several processes: gateway, dispatcher, Celery workers):
+- WAL journal + a busy timeout let readers run beside one writer and make writers wait instead of failing.
+- pysqlite's own transaction handling breaks SAVEPOINT and defers BEGIN; we switch it off and emit BEGIN ourselves.
+- `unit_of_work` opens its transaction with BEGIN IMMEDIATE: it takes the write lock up front (waiting on the busy
+  timeout), so a read-then-write transaction cannot fail with SQLITE_BUSY when another process committed meanwhile.
+  Plain sessions (reads) keep a deferred BEGIN and never block writers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".
+SQLITE_BEGIN_OPTION = "loraplex_sqlite_begin"
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+ALEMBIC_INI = _REPO_ROOT / "alembic.ini"
+MIGRATIONS_DIR = _REPO_ROOT / "migrations"
+
+
+def make_engine(url: str | URL, *, echo: bool = False, sqlite_foreign_keys: bool = True) -> Engine:
+    """Engine for `url`. `sqlite_foreign_keys=False` is for migrations only (SQLite batch table rebuilds)."""
+    url = make_url(url)
+    if url.get_backend_name() != "sqlite":
+        return create_engine(url, echo=echo, pool_pre_ping=True)
+    return _sqlite_engine(url, echo=echo, foreign_keys=sqlite_foreign_keys)
+
+
+def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
+    database = url.database or ""
+    in_memory = database in ("", ":memory:") or "mode=memory" in database
+    kwargs: dict[str, Any] = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}}
+    if in_memory:
+        kwargs["poolclass"] = StaticPool  # one shared connection, else every connection sees its own empty database
+    elif not database.startswith("file:"):
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, echo=echo, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # driver autocommit; the "begin" hook below emits BEGIN
+        cursor = dbapi_conn.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")  # durable across app crashes in WAL mode
+        cursor.execute(f"PRAGMA foreign_keys = {'ON' if foreign_keys else 'OFF'}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        mode = conn.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+    return engine
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    # expire_on_commit=False: rows returned from a unit of work stay readable after it commits and closes.
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def unit_of_work(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """One write transaction: commits when the block ends, rolls back on any exception (nothing half-written)."""
+    with factory() as session:
+        if session.get_bind().dialect.name == "sqlite":
+            session.connection(execution_options={SQLITE_BEGIN_OPTION: "IMMEDIATE"})
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def alembic_config(url: str | URL) -> Config:
+    """Alembic config pointing at this repository's migrations, usable from any working directory."""
+    config = Config(str(ALEMBIC_INI)) if ALEMBIC_INI.exists() else Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # Passed as an attribute, not `sqlalchemy.url`: configparser would choke on '%' in passwords.
+    config.attributes["database_url"] = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+    config.attributes["configure_logging"] = False  # never reconfigure the host process's logging
+    return config
+
+
+def migrate(url: str | URL, revision: str = "head") -> None:
+    """`alembic upgrade <revision>` (head by default). Safe to call at every start; a no-op when up to date."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str | URL, revision: str) -> None:
+    """`alembic downgrade <revision>` ("base" removes every table)."""
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str | URL) -> str | None:
+    """The revision the database is at, or None before the first migration."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

@@ -1,0 +1,176 @@
+"""ORM models: one class per table. Every schema change here needs a migration in `migrations/versions/`
+(tests/integration/test_migrations.py fails when the two disagree)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, SnapshotTier
+from loraplex.storage.types import UTCDateTime, str_enum, utcnow
+
+# The enums are re-exported: callers reading a model's fields import them from here.
+__all__ = [
+    "Adapter",
+    "AdapterStatus",
+    "ApiKey",
+    "Base",
+    "Checkpoint",
+    "CheckpointKind",
+    "Pool",
+    "Snapshot",
+    "SnapshotTier",
+    "Tenant",
+    "TrainingSession",
+    "Usage",
+]
+
+# Deterministic constraint names: Alembic needs names to drop/alter constraints (SQLite batch mode especially).
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ID_LENGTH = 36  # str(uuid4())
+MODEL_ID_LENGTH = 128  # Tinker ids look like "<session uuid>:train:<n>"
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # sha256 hex of the whole key; the plaintext is shown once at issue time and never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(8))  # for display only ("tml-AbCd")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+
+    model_id: Mapped[str] = mapped_column(String(MODEL_ID_LENGTH), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(255))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[AdapterStatus] = mapped_column(str_enum(AdapterStatus), default=AdapterStatus.CREATING)
+    # Highest seq_id whose effect is in the weights; a restarted pool resumes after it.
+    applied_seq_id: Mapped[int | None] = mapped_column(BigInteger)
+    # The Tinker session that created it (not a foreign key: adapters outlive session rows being pruned).
+    session_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("model_id", "kind", "name"),
+        Index("ix_checkpoints_tenant_id_model_id", "tenant_id", "model_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    model_id: Mapped[str] = mapped_column(ForeignKey("adapters.model_id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    kind: Mapped[CheckpointKind] = mapped_column(str_enum(CheckpointKind))
+    name: Mapped[str] = mapped_column(String(255))
+    blob_uri: Mapped[str] = mapped_column(String(1024))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Snapshot(Base):
+    """Where one rank of one pool keeps an adapter's live state (GPU slot, pinned CPU, or a file on disk)."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_pool_rank", "pool", "rank"),)
+
+    model_id: Mapped[str] = mapped_column(ForeignKey("adapters.model_id", ondelete="CASCADE"), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tier: Mapped[SnapshotTier] = mapped_column(str_enum(SnapshotTier))
+    slot: Mapped[int | None] = mapped_column(Integer)
+    location: Mapped[str | None] = mapped_column(String(1024))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class Pool(Base):
+    __tablename__ = "pools"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(255))
+    world_size: Mapped[int] = mapped_column(Integer)
+    slots: Mapped[int] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class TrainingSession(Base):
+    """A client session (Tinker `create_session`): groups a run's adapters and carries its heartbeat."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finish_reason: Mapped[str | None] = mapped_column(String(255))
+
+
+class Usage(Base):
+    """One metered unit of work (a step, a sample, an export). Append-only; kept after the adapter is deleted."""
+
+    __tablename__ = "usage"
+    __table_args__ = (Index("ix_usage_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model_id: Mapped[str | None] = mapped_column(String(MODEL_ID_LENGTH))
+    kind: Mapped[str] = mapped_column(String(32))
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

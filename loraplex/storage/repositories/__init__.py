@@ -1,0 +1,26 @@
+"""Repositories: the only code that writes SQL. Tenant data is always reached through a repository bound to a tenant.
+
+Write methods flush but never commit; wrap them in `unit_of_work` (re-exported here from loraplex.storage.db)."""
+
+from loraplex.storage.db import unit_of_work
+from loraplex.storage.repositories.adapters import AdapterRepository
+from loraplex.storage.repositories.checkpoints import CheckpointRepository
+from loraplex.storage.repositories.pools import PoolRepository
+from loraplex.storage.repositories.sessions import SessionRepository
+from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
+from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
+
+__all__ = [
+    "API_KEY_PREFIX",
+    "AdapterRepository",
+    "CheckpointRepository",
+    "KindTotals",
+    "PoolRepository",
+    "SessionRepository",
+    "TenantRepository",
+    "UsageRepository",
+    "UsageTotals",
+    "hash_api_key",
+    "new_api_key",
+    "unit_of_work",
+]

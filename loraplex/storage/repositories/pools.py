@@ -1,0 +1,51 @@
+"""Worker pools: each pool leader upserts its row on every heartbeat. Not tenant data."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.errors import NotFoundError
+from loraplex.storage.models import Adapter, Pool
+from loraplex.storage.types import utcnow
+
+
+class PoolRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def applied_seq_id(self, model_id: str) -> int | None:
+        """The last seq_id applied to an adapter, for a (re)starting dispatcher. The pool knows model ids only from
+        requests the gateway already authorised, so this read needs no tenant."""
+        return self.session.scalar(select(Adapter.applied_seq_id).where(Adapter.model_id == model_id))
+
+    def heartbeat(self, name: str, base_model: str, world_size: int, slots: int, restarted: bool = False) -> Pool:
+        """Create or refresh the pool's row. `restarted=True` (first beat after a start) resets `started_at`."""
+        now = utcnow()
+        pool = self.session.get(Pool, name)
+        if pool is None:
+            pool = Pool(name=name, started_at=now)
+            self.session.add(pool)
+        elif restarted:
+            pool.started_at = now
+        pool.base_model = base_model
+        pool.world_size = world_size
+        pool.slots = slots
+        pool.heartbeat_at = now
+        self.session.flush()
+        return pool
+
+    def get(self, name: str) -> Pool:
+        pool = self.session.get(Pool, name)
+        if pool is None:
+            raise NotFoundError(f"pool {name!r} not found")
+        return pool
+
+    def list(self, alive_within: timedelta | None = None) -> list[Pool]:
+        """All pools, or only those that sent a heartbeat within `alive_within`."""
+        stmt = select(Pool)
+        if alive_within is not None:
+            stmt = stmt.where(Pool.heartbeat_at >= utcnow() - alive_within)
+        return list(self.session.scalars(stmt.order_by(Pool.name)))

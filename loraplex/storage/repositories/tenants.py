@@ -1,0 +1,92 @@
+"""Tenants and their API keys. Not tenant-scoped: this is what the gateway (auth) and operators use."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.errors import AuthenticationError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.storage.models import ApiKey, Tenant
+from loraplex.storage.repositories._common import add_or_conflict
+from loraplex.storage.types import utcnow
+
+# The official tinker SDK refuses keys that do not start with "tml-".
+API_KEY_PREFIX = "tml-"
+_KEY_RE = re.compile(r"^tml-[A-Za-z0-9_-]{16,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TenantRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def create_tenant(self, name: str) -> tuple[Tenant, str]:
+        """New tenant plus its first API key; the plaintext key is returned once and never stored."""
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise InvalidRequestError("tenant name must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if self.session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+            raise ConflictError(f"tenant {name!r} already exists")
+        tenant = Tenant(name=name)
+        add_or_conflict(self.session, tenant, f"tenant {name!r} already exists")
+        return tenant, self.issue_key(tenant.id)
+
+    def issue_key(self, tenant_id: str) -> str:
+        self.get(tenant_id)
+        key = new_api_key()
+        self.session.add(ApiKey(tenant_id=tenant_id, key_hash=hash_api_key(key), prefix=key[:8]))
+        self.session.flush()
+        return key
+
+    def revoke_key(self, tenant_id: str, key_id: str) -> None:
+        key = self.session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.tenant_id == tenant_id))
+        if key is None:
+            raise NotFoundError(f"API key {key_id!r} not found")
+        if key.revoked_at is None:
+            key.revoked_at = utcnow()
+            self.session.flush()
+
+    def list_keys(self, tenant_id: str) -> list[ApiKey]:
+        stmt = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at, ApiKey.id)
+        return list(self.session.scalars(stmt))
+
+    def authenticate(self, key: str | None) -> Tenant:
+        """The tenant owning an active key. Lookup is by hash, so no constant-time compare is needed."""
+        if not key:
+            raise AuthenticationError("missing API key")
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            raise AuthenticationError("malformed API key")
+        row = self.session.execute(
+            select(Tenant, ApiKey.revoked_at)
+            .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+            .where(ApiKey.key_hash == hash_api_key(key))
+        ).first()
+        if row is None or row.revoked_at is not None:
+            raise AuthenticationError("invalid or revoked API key")
+        return row.Tenant
+
+    def get(self, tenant_id: str) -> Tenant:
+        tenant = self.session.get(Tenant, tenant_id)
+        if tenant is None:
+            raise NotFoundError(f"tenant {tenant_id!r} not found")
+        return tenant
+
+    def get_by_name(self, name: str) -> Tenant:
+        tenant = self.session.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is None:
+            raise NotFoundError(f"tenant {name!r} not found")
+        return tenant
+
+    def list(self) -> list[Tenant]:
+        return list(self.session.scalars(select(Tenant).order_by(Tenant.name)))

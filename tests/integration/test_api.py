@@ -1,0 +1,100 @@
+"""The gateway against real Redis and SQLite (no worker pool): auth, validation, tenant isolation, idempotent submit,
+and that a rejected request leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loraplex.api.app import create_app
+from loraplex.settings import Settings
+from loraplex.storage.db import migrate
+from loraplex.storage.repositories import TenantRepository, unit_of_work
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def stack(tmp_path, redis_url):
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"api-{tmp_path.name}", max_rank=16)
+    migrate(settings.resolved_database_url)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        services = app.state.services
+        with unit_of_work(services.sessions) as session:
+            repo = TenantRepository(session)
+            keys = {name: repo.create_tenant(name)[1] for name in ("alice", "bob")}
+        yield client, keys, services
+
+
+def _create(client, key, **body):
+    return client.post("/v1/adapters", json=body, headers={"X-API-Key": key})
+
+
+def test_missing_or_wrong_key_is_401(stack):
+    client, keys, _ = stack
+    assert client.get("/v1/adapters").status_code == 401
+    assert client.get("/v1/adapters", headers={"X-API-Key": "tml-nope"}).status_code == 401
+    assert client.get("/v1/adapters", headers={"Authorization": f"Bearer {keys['alice']}"}).status_code == 200
+
+
+def test_other_tenants_adapter_is_404_and_invisible(stack):
+    client, keys, _ = stack
+    created = _create(client, keys["alice"], rank=4)
+    assert created.status_code == 202, created.text
+    model_id = created.json()["model_id"]
+    bob = {"X-API-Key": keys["bob"]}
+    assert client.get(f"/v1/adapters/{model_id}", headers=bob).status_code == 404
+    assert client.get("/v1/adapters", headers=bob).json() == []
+    body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
+    assert client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=bob).status_code == 404
+    assert client.delete(f"/v1/adapters/{model_id}", headers=bob).status_code == 404
+    # Bob cannot read Alice's future either.
+    request_id = created.json()["request_id"]
+    assert client.get(f"/v1/futures/{request_id}?timeout=0", headers=bob).status_code == 404
+    assert client.get(f"/v1/futures/{request_id}?timeout=0", headers={"X-API-Key": keys["alice"]}).status_code == 200
+
+
+def test_malformed_bodies_are_422_naming_the_field(stack):
+    client, keys, _ = stack
+    alice = {"X-API-Key": keys["alice"]}
+    model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
+    bad = client.post(f"/v1/adapters/{model_id}/forward_backward", json={"data": []}, headers=alice)
+    assert bad.status_code == 422
+    fields = {tuple(e["loc"]) for e in bad.json()["detail"]}
+    assert ("body", "seq_id") in fields and ("body", "data") in fields
+    mismatch = {"seq_id": 1, "data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [1]}}]}
+    bad = client.post(f"/v1/adapters/{model_id}/forward_backward", json=mismatch, headers=alice)
+    assert bad.status_code == 422 and "target_tokens" in bad.text
+    bad = client.post(f"/v1/adapters/{model_id}/optim_step", json={"seq_id": 2, "adam_params": {"lr": 1}}, headers=alice)
+    assert bad.status_code == 422 and "lr" in bad.text
+    assert _create(client, keys["alice"], rank="big").status_code == 422
+
+
+def test_rejected_create_writes_nothing(stack):
+    client, keys, _ = stack
+    alice = {"X-API-Key": keys["alice"]}
+    before = client.get("/v1/adapters", headers=alice).json()
+    too_big = _create(client, keys["alice"], rank=64)
+    assert too_big.status_code == 400 and "maximum rank 16" in too_big.json()["detail"]
+    wrong_model = _create(client, keys["alice"], base_model="gpt-5")
+    assert wrong_model.status_code == 400
+    assert client.get("/v1/adapters", headers=alice).json() == before
+
+
+def test_resubmitted_seq_id_returns_the_first_request(stack):
+    client, keys, _ = stack
+    alice = {"X-API-Key": keys["alice"]}
+    model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
+    body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
+    first = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).json()
+    again = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).json()
+    assert first["request_id"] == again["request_id"]
+
+
+def test_deleted_adapter_is_gone(stack):
+    client, keys, _ = stack
+    alice = {"X-API-Key": keys["alice"]}
+    model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
+    assert client.delete(f"/v1/adapters/{model_id}", headers=alice).status_code == 202
+    assert client.get(f"/v1/adapters/{model_id}", headers=alice).status_code == 404

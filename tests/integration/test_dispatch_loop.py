@@ -1,0 +1,324 @@
+"""The dispatcher loop end to end on a real redis-server, with a small arithmetic engine standing in for the workers
+(the real engine is built elsewhere; this one only has to make the order of application visible in its numbers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from loraplex.dispatch.loop import Dispatcher
+from loraplex.dispatch.plan import BatchPlan, Outcome, RequestKind, StepKind
+from loraplex.queue import keys
+from loraplex.queue.envelope import Envelope, encode
+from loraplex.queue.keys import JobState
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+from loraplex.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+class ArithmeticEngine:
+    """Each adapter is a weight w and a gradient g. forward_backward adds w * sum(tokens) to g; optim_step does
+    w -= lr * g and clears g. Applying steps in another order, or twice, gives other numbers."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.adapters: dict[str, dict[str, float]] = {m: {"w": w, "g": 0.0} for m, w in (weights or {}).items()}
+        self.applied: list[tuple[str, int, str]] = []
+        self.plans: list[BatchPlan] = []
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        self.plans.append(plan)
+        outcomes = []
+        for step in plan.steps:
+            for r in step.requests:
+                self.applied.append((r.model_id, r.seq_id, str(r.kind)))
+                outcomes.append(Outcome(r.request_id, result=self._apply(r.model_id, r.kind, r.payload)))
+        return outcomes
+
+    def _apply(self, model: str, kind: RequestKind, payload: dict[str, Any]) -> dict[str, Any]:
+        if kind == RequestKind.CREATE_ADAPTER:
+            self.adapters[model] = {"w": float(payload["seed"]), "g": 0.0}
+            return {"w": self.adapters[model]["w"]}
+        if kind == RequestKind.DELETE_ADAPTER:
+            self.adapters.pop(model)
+            return {}
+        a = self.adapters[model]
+        if kind == RequestKind.OPTIM_STEP:
+            a["w"] -= payload["adam_params"]["learning_rate"] * a["g"]
+            a["g"] = 0.0
+            return {"w": a["w"]}
+        total = sum(sum(d["model_input"]) for d in payload["data"])
+        if kind == RequestKind.FORWARD_BACKWARD:
+            a["g"] += a["w"] * total
+        return {"loss": a["w"] * total}
+
+
+def _fb(model: str, seq: int, tokens: list[int]) -> Envelope:
+    data = [{"model_input": tokens, "loss_fn_inputs": {"target_tokens": tokens, "weights": [1.0] * len(tokens)}}]
+    payload = {"data": data, "loss_fn": "cross_entropy", "loss_fn_config": {}}
+    return Envelope.new(tenant_id=f"t-{model}", model_id=model, seq_id=seq, kind="forward_backward", payload=payload)
+
+
+def _opt(model: str, seq: int, lr: float = 0.1) -> Envelope:
+    adam = {"learning_rate": lr, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    return Envelope.new(
+        tenant_id=f"t-{model}", model_id=model, seq_id=seq, kind="optim_step", payload={"adam_params": adam}
+    )
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _drain(d: Dispatcher, results: ResultStore, request_ids: list[str], limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not all(results.has_many(request_ids)):
+        assert time.monotonic() < deadline, "requests were not answered"
+        d.run_once()
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(microbatch_tokens=4096)
+
+
+def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a, b = _uid(), f"a-{_uid()}", f"b-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0, b: 2.0})
+    recorded: dict[str, int] = {a: 0, b: 0}  # "SQL": the last applied seq per adapter
+
+    def on_outcomes(outcomes: list[Outcome], plan: BatchPlan) -> None:
+        by_id = {r.request_id: r for r in plan.requests}
+        for o in outcomes:
+            r = by_id[o.request_id]
+            recorded[r.model_id] = max(recorded[r.model_id], r.seq_id)
+
+    d = Dispatcher(redis_client, pool, engine, on_outcomes, settings, applied_seq_lookup=recorded.get, block_ms=20)
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    late = [_opt(a, 2), _opt(b, 2), _fb(b, 3, [5])]
+    ids = [producer.submit(e) for e in late]
+    for _ in range(3):
+        d.run_once()
+    assert engine.applied == []  # everyone waits for seq 1
+    assert [results.state(i) for i in ids] == [JobState.QUEUED] * 3
+
+    first = [_fb(a, 1, [1, 2]), _fb(b, 1, [3])]
+    ids += [producer.submit(e) for e in first]
+    _drain(d, results, ids)
+
+    assert [x for x in engine.applied if x[0] == a] == [(a, 1, "forward_backward"), (a, 2, "optim_step")]
+    assert [(m, s) for m, s, _ in engine.applied if m == b] == [(b, 1), (b, 2), (b, 3)]
+    # Coalesced: both adapters' forward_backward in one step, both optim_steps in the next.
+    first_plan = engine.plans[0]
+    assert [(s.kind, sorted(r.model_id for r in s.requests)) for s in first_plan.steps[:2]] == [
+        (StepKind.FORWARD_BACKWARD, sorted([a, b])),
+        (StepKind.OPTIM_STEP, sorted([a, b])),
+    ]
+    # The numbers: a: g = 1*3, w = 1 - 0.1*3 = 0.7. b: g = 2*3, w = 2 - 0.6 = 1.4, then loss = 1.4*5.
+    assert results.get(ids[0]).result == pytest.approx({"w": 0.7})
+    assert results.get(ids[1]).result == pytest.approx({"w": 1.4})
+    assert results.get(ids[2]).result == pytest.approx({"loss": 7.0})
+    assert all(results.state(i) is JobState.COMPLETE for i in ids)
+    assert recorded == {a: 2, b: 3} and d.last_applied(b) == 3
+    assert redis_client.xlen(keys.request_stream(pool)) == 0  # everything acked and deleted
+
+
+def test_a_duplicate_submission_is_applied_once(redis_client: redis.Redis, settings: Settings) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20)
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    stream = keys.request_stream(pool)
+
+    first = _fb(a, 1, [4])
+    assert producer.submit(first) == first.request_id
+    assert producer.submit(_fb(a, 1, [4])) == first.request_id  # a client retry: nothing enqueued
+    # Something that bypassed the producer's idempotency: a second request_id for the same (model_id, seq_id).
+    rogue = _fb(a, 1, [4])
+    redis_client.xadd(stream, encode(rogue))
+    _drain(d, results, [first.request_id, rogue.request_id])
+    # Once more after it was applied (seq 1 <= last applied).
+    late = _fb(a, 1, [4])
+    redis_client.xadd(stream, encode(late))
+    _drain(d, results, [late.request_id])
+
+    assert engine.applied == [(a, 1, "forward_backward")]
+    expected = Outcome(first.request_id, result={"loss": 4.0})
+    assert results.get(first.request_id) == expected
+    for dup in (rogue, late):
+        assert results.get(dup.request_id) == Outcome(dup.request_id, result={"loss": 4.0})
+    assert redis_client.xlen(stream) == 0
+
+
+def test_create_steps_delete_in_one_plan_and_results_reach_a_waiting_client(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine()
+    reports: list[tuple[list[Outcome], BatchPlan]] = []
+    d = Dispatcher(redis_client, pool, engine, lambda o, p: reports.append((o, p)), settings, block_ms=20)
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    envs = [
+        Envelope.new(tenant_id="t", model_id=a, kind="delete_adapter"),
+        _fb(a, 1, [2]),
+        Envelope.new(tenant_id="t", model_id=a, kind="create_adapter", payload={"seed": 3, "rank": 4}),
+        _opt(a, 2, lr=0.5),
+    ]
+    ids = [producer.submit(e) for e in envs]
+
+    stop = threading.Event()
+    worker = threading.Thread(target=d.run_forever, args=(stop,))
+    worker.start()
+    try:
+        outcomes = [results.wait(i, timeout_s=10) for i in ids]
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert [o.result for o in outcomes] == [{}, {"loss": 6.0}, {"w": 3.0}, {"w": 0.0}]  # w = 3 - 0.5 * (3*2)
+    assert [(s, k) for _, s, k in engine.applied] == [
+        (-1, "create_adapter"),
+        (1, "forward_backward"),
+        (2, "optim_step"),
+        (-1, "delete_adapter"),
+    ]
+    assert [o.request_id for o, _ in ((o, p) for os, p in reports for o in os)] == [ids[2], ids[1], ids[3], ids[0]]
+
+
+def test_a_seq_gap_fails_after_the_timeout_naming_the_missing_seq(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    reports: list[tuple[list[Outcome], BatchPlan]] = []
+    d = Dispatcher(
+        redis_client,
+        pool,
+        engine,
+        lambda o, p: reports.append((o, p)),
+        settings,
+        applied_seq_lookup=lambda m: 1,
+        seq_gap_timeout_s=0.3,
+        block_ms=20,
+    )
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    stuck = [producer.submit(_fb(a, 3, [1])), producer.submit(_opt(a, 4))]
+    started = time.monotonic()
+    _drain(d, results, stuck)
+    assert time.monotonic() - started >= 0.3
+    for rid in stuck:
+        outcome = results.get(rid)
+        assert outcome.error_type == "InvalidRequestError" and "seq_id 2" in outcome.error
+    assert engine.applied == []
+    [(outs, plan)] = reports  # reported, so the caller records seq 4 as answered
+    assert {r.seq_id for r in plan.requests} == {3, 4} and not any(o.ok for o in outs)
+    # The adapter moved past the gap: seq 5 applies; the late seq 2 gets an answer, never applied.
+    nxt, late = _fb(a, 5, [2]), _fb(a, 2, [9])
+    producer.submit(nxt)
+    producer.submit(late)
+    _drain(d, results, [nxt.request_id, late.request_id])
+    assert results.get(nxt.request_id).result == {"loss": 2.0}
+    assert results.get(late.request_id).error_type == "ConflictError"
+    assert engine.applied == [(a, 5, "forward_backward")]
+
+
+def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    recorded: dict[str, int] = {a: 0}
+
+    class Crash(BaseException):
+        pass
+
+    def crash_after_storing(outcomes: list[Outcome], plan: BatchPlan) -> None:
+        raise Crash  # results stored, nothing recorded or acked yet
+
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    ids = [producer.submit(_fb(a, 1, [1])), producer.submit(_opt(a, 2))]
+    first = Dispatcher(redis_client, pool, engine, crash_after_storing, settings, applied_seq_lookup=recorded.get)
+    with pytest.raises(Crash):
+        first.run_once()
+    assert all(results.has_many(ids)) and redis_client.xlen(keys.request_stream(pool)) == 2
+    ids.append(producer.submit(_fb(a, 3, [1])))
+
+    second = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=recorded.get)
+    _drain(second, results, ids)
+    assert [s for _, s, _ in engine.applied] == [1, 2, 3]  # 1 and 2 not applied again
+    assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1
+    assert redis_client.xlen(keys.request_stream(pool)) == 0
+
+
+def test_entries_of_a_dead_dispatcher_are_claimed(redis_client: redis.Redis, settings: Settings) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    ids = [producer.submit(_fb(a, 1, [1]))]
+
+    class Crash(BaseException):
+        pass
+
+    class DyingEngine:
+        def execute(self, plan: BatchPlan) -> list[Outcome]:
+            raise Crash
+
+    dead = Dispatcher(redis_client, pool, DyingEngine(), settings=settings, consumer_name="node-1")
+    with pytest.raises(Crash):
+        dead.run_once()
+    time.sleep(0.1)
+    live = Dispatcher(redis_client, pool, engine, settings=settings, consumer_name="node-2", claim_idle_ms=50)
+    _drain(live, results, ids)
+    assert results.get(ids[0]).result == {"loss": 1.0}
+
+
+def test_an_engine_failure_fails_the_plan_and_the_adapter_moves_on(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+
+    class Flaky(ArithmeticEngine):
+        def execute(self, plan: BatchPlan) -> list[Outcome]:
+            if any(r.seq_id == 1 for r in plan.requests):
+                raise RuntimeError("worker rank 3 died")
+            return super().execute(plan)
+
+    engine = Flaky({a: 1.0})
+    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20)
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    bad = producer.submit(_fb(a, 1, [1]))
+    _drain(d, results, [bad])
+    assert results.get(bad).error_type == "EngineError" and "rank 3 died" in results.get(bad).error
+    assert results.state(bad) is JobState.FAILED
+    good = producer.submit(_fb(a, 2, [2]))
+    _drain(d, results, [good])
+    assert results.get(good).result == {"loss": 2.0}
+
+
+def test_a_restart_that_claims_its_own_backlog_keeps_each_entry_once(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    waiting = producer.submit(_fb(a, 3, [1]))  # behind a gap: stays in the buffer
+    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 1, block_ms=20)
+    d.run_once()
+    time.sleep(0.1)
+    # Same name after a restart, claiming idle entries at once: claim and backlog both return the entry.
+    again = Dispatcher(
+        redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 1, block_ms=20, claim_idle_ms=50
+    )
+    again.run_once()
+    assert [r.request_id for r in again.pending] == [waiting]
+    nxt = producer.submit(_fb(a, 2, [1]))
+    _drain(again, results, [waiting, nxt])
+    assert [s for _, s, _ in engine.applied] == [2, 3]

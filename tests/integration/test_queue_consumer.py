@@ -1,0 +1,108 @@
+"""Consumer group against a real redis-server: read/ack, redelivery after a crash, claims from a dead consumer,
+undecodable entries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from loraplex.queue import keys
+from loraplex.queue.consumer import Consumer
+from loraplex.queue.envelope import Envelope, encode
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+
+pytestmark = pytest.mark.integration
+
+
+def _pool() -> str:
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _submit(r: redis.Redis, pool: str, n: int) -> list[str]:
+    producer = Producer(r, pool)
+    model = uuid.uuid4().hex[:6]
+    return [producer.submit(Envelope.new(tenant_id="t", model_id=model, seq_id=i, kind="optim_step")) for i in range(n)]
+
+
+def test_read_then_ack_removes_entries(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    ids = _submit(redis_client, pool, 3)
+    consumer = Consumer(redis_client, pool, "c1")
+    entries = consumer.read(count=10)
+    assert [env.request_id for _, env in entries] == ids
+    assert consumer.read(block_ms=50) == []  # nothing new, and its own pending entries are not re-read
+    assert consumer.pending_count() == 3
+    consumer.ack([sid for sid, _ in entries])
+    assert consumer.pending_count() == 0
+    assert redis_client.xlen(keys.request_stream(pool)) == 0  # XDEL: answered requests leave the stream
+
+
+def test_entries_read_but_not_acked_come_back_after_a_crash(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    ids = _submit(redis_client, pool, 3)
+    first = Consumer(redis_client, pool, "leader")
+    assert len(first.read(count=2)) == 2  # ...and the process dies before acking
+    extra = _submit(redis_client, pool, 1)
+
+    restarted = Consumer(redis_client, pool, "leader")
+    backlog = restarted.read(count=10)
+    assert [env.request_id for _, env in backlog] == ids[:2]  # its own pending entries first
+    fresh = restarted.read(count=10)
+    assert [env.request_id for _, env in fresh] == [ids[2], *extra]
+    restarted.ack([sid for sid, _ in backlog + fresh])
+    assert restarted.pending_count() == 0
+
+
+def test_backlog_is_paged(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    ids = _submit(redis_client, pool, 5)
+    Consumer(redis_client, pool, "leader").read(count=5)
+    restarted = Consumer(redis_client, pool, "leader")
+    got = [env.request_id for _ in range(3) for _, env in restarted.read(count=2)]
+    assert got == ids
+
+
+def test_a_live_consumer_claims_the_idle_entries_of_a_dead_one(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    ids = _submit(redis_client, pool, 2)
+    dead = Consumer(redis_client, pool, "dead")
+    assert len(dead.read(count=10)) == 2
+    live = Consumer(redis_client, pool, "live")
+    assert live.claim_stale(min_idle_ms=60_000) == []  # not idle long enough yet
+    time.sleep(0.06)
+    claimed = live.claim_stale(min_idle_ms=50)
+    assert [env.request_id for _, env in claimed] == ids
+    live.ack([sid for sid, _ in claimed])
+    assert live.pending_count() == 0
+
+
+def test_an_undecodable_entry_is_acked_and_its_request_fails(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    stream = keys.request_stream(pool)
+    consumer = Consumer(redis_client, pool, "c")
+    good = Envelope.new(tenant_id="t", model_id="m", seq_id=1, kind="optim_step")
+    future = encode(good) | {"v": "99", "request_id": "req-from-the-future"}
+    redis_client.xadd(stream, future)
+    redis_client.xadd(stream, {"garbage": "x"})  # not even a request_id
+    redis_client.xadd(stream, encode(good))
+
+    entries = consumer.read(count=10)
+    assert [env for _, env in entries] == [good]
+    outcome = ResultStore(redis_client).get("req-from-the-future")
+    assert outcome is not None and not outcome.ok
+    assert outcome.error_type == "InvalidRequestError" and "version '99'" in (outcome.error or "")
+    consumer.ack([sid for sid, _ in entries])
+    assert consumer.pending_count() == 0 and redis_client.xlen(stream) == 0
+
+
+def test_the_group_is_recreated_if_the_stream_vanishes(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    consumer = Consumer(redis_client, pool, "c")
+    redis_client.delete(keys.request_stream(pool))
+    assert consumer.read(block_ms=10) == []
+    ids = _submit(redis_client, pool, 1)
+    assert [env.request_id for _, env in consumer.read(count=5)] == ids

@@ -1,0 +1,63 @@
+"""Producer against a real redis-server: enqueue, idempotency per (model_id, seq_id) and per (model_id, kind)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from loraplex.queue import keys
+from loraplex.queue.consumer import Consumer
+from loraplex.queue.envelope import Envelope
+from loraplex.queue.keys import JobState
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+
+pytestmark = pytest.mark.integration
+
+
+def _pool() -> str:
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _step(model: str, seq: int, kind: str = "forward_backward") -> Envelope:
+    return Envelope.new(tenant_id="t", model_id=model, seq_id=seq, kind=kind, payload={"data": [], "loss_fn": "x"})
+
+
+def test_submit_enqueues_and_marks_queued(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    env = _step("m", 1)
+    assert Producer(redis_client, pool).submit(env) == env.request_id
+    assert redis_client.xlen(keys.request_stream(pool)) == 1
+    assert ResultStore(redis_client).state(env.request_id) is JobState.QUEUED
+    # Entries queued before any dispatcher created the group are still delivered.
+    [(_, got)] = Consumer(redis_client, pool, "c").read(count=10)
+    assert got == env
+
+
+def test_a_retried_request_is_enqueued_once_and_returns_the_first_id(redis_client: redis.Redis) -> None:
+    pool, model = _pool(), f"m-{uuid.uuid4().hex[:6]}"
+    producer = Producer(redis_client, pool)
+    first = _step(model, 1)
+    retry = _step(model, 1)  # same (model_id, seq_id), new request_id: a client retry
+    assert producer.submit(first) == first.request_id
+    assert producer.submit_checked(retry) == (first.request_id, False)
+    assert producer.submit(first) == first.request_id
+    assert producer.submit(_step(model, 2)) != first.request_id
+    assert redis_client.xlen(keys.request_stream(pool)) == 2
+    assert ResultStore(redis_client).state(retry.request_id) is None  # the retry left no trace
+    assert redis_client.ttl(keys.idempotency_key(model, 1)) > 0  # keys expire, never pile up
+
+
+def test_create_and_delete_are_idempotent_per_adapter(redis_client: redis.Redis) -> None:
+    pool, model = _pool(), f"m-{uuid.uuid4().hex[:6]}"
+    producer = Producer(redis_client, pool)
+    create = Envelope.new(tenant_id="t", model_id=model, kind="create_adapter", payload={"rank": 8})
+    again = Envelope.new(tenant_id="t", model_id=model, kind="create_adapter", payload={"rank": 8})
+    delete = Envelope.new(tenant_id="t", model_id=model, kind="delete_adapter")
+    assert producer.submit(create) == create.request_id
+    assert producer.submit(again) == create.request_id
+    assert producer.submit(delete) == delete.request_id  # a different slot than the create
+    assert producer.submit(Envelope.new(tenant_id="t", model_id=model, kind="delete_adapter")) == delete.request_id
+    assert redis_client.xlen(keys.request_stream(pool)) == 2

@@ -1,0 +1,177 @@
+"""dispatch.policy: seq ordering, gaps, duplicates, coalescing, token cap, fairness, create-before / delete-after."""
+
+from __future__ import annotations
+
+import itertools
+
+from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, StepKind
+from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+
+FB, FWD, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP
+CREATE, DELETE = RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER
+_ids = itertools.count()
+
+
+def req(model: str, seq: int, kind: RequestKind = FB, tokens: int = 8, tenant: str | None = None) -> PlannedRequest:
+    payload: dict = {}
+    if kind in (FB, FWD):
+        payload = {"data": [{"model_input": [0] * tokens, "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"}
+    return PlannedRequest(f"r{next(_ids)}", tenant or f"t-{model}", model, seq, kind, payload)
+
+
+def steps(plan: BatchPlan) -> list[tuple[StepKind, list[tuple[str, int]]]]:
+    return [(s.kind, [(r.model_id, r.seq_id) for r in s.requests]) for s in plan.steps]
+
+
+def run(pending, last=None, **limits) -> PolicyResult:
+    return plan_batch(pending, last or {}, PolicyLimits(**limits))
+
+
+def test_one_adapter_applies_in_seq_order_whatever_the_arrival_order() -> None:
+    pending = [req("a", 3, OPT), req("a", 1), req("a", 4), req("a", 2, OPT)]
+    out = run(pending, {"a": 0})
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("a", 1)]),
+        (StepKind.OPTIM_STEP, [("a", 2)]),
+        (StepKind.OPTIM_STEP, [("a", 3)]),
+        (StepKind.FORWARD_BACKWARD, [("a", 4)]),
+    ]
+    assert out.pending == () and out.duplicates == () and out.blocked == {}
+    assert out.applied_seq == {"a": 4}
+
+
+def test_nothing_applied_yet_starts_at_the_smallest_pending_seq() -> None:
+    out = run([req("a", 6), req("a", 5), req("a", 8)])
+    assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("a", 5)]), (StepKind.FORWARD_BACKWARD, [("a", 6)])]
+    assert [r.seq_id for r in out.pending] == [8]
+    assert out.blocked == {"a": 7}
+
+
+def test_a_gap_holds_the_adapter_and_reports_the_missing_seq() -> None:
+    waiting = [req("a", 5), req("a", 6)]
+    out = run([*waiting, req("b", 1)], {"a": 3, "b": 0})
+    assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("b", 1)])]
+    assert out.pending == tuple(waiting)
+    assert out.blocked == {"a": 4}
+    # Once seq 4 arrives, all three go, in order.
+    out = run([*waiting, req("a", 4, OPT)], {"a": 3})
+    assert [s for _, s in steps(out.plan)] == [[("a", 4)], [("a", 5)], [("a", 6)]]
+
+
+def test_duplicates_are_reported_and_never_planned() -> None:
+    old = req("a", 2)
+    first = req("a", 3)
+    same_slot = req("a", 3)  # another request_id for an already pending (model, seq)
+    twin = PlannedRequest(first.request_id, first.tenant_id, "a", 3, FB, first.payload)  # redelivered entry
+    create, create_again = req("a", -1, CREATE), req("a", -1, CREATE)
+    out = run([old, first, same_slot, twin, create, create_again], {"a": 2})
+    assert out.duplicates == (old, same_slot, twin, create_again)
+    assert out.plan.requests == (create, first)
+    assert out.pending == ()
+
+
+def test_ready_requests_of_many_adapters_coalesce_into_one_step_per_kind() -> None:
+    pending = [req(m, 1) for m in "abc"] + [req(m, 2, OPT) for m in "abc"] + [req("d", 1, FWD)]
+    out = run(pending, dict.fromkeys("abcd", 0))
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("a", 1), ("b", 1), ("c", 1), ("d", 1)]),
+        (StepKind.OPTIM_STEP, [("a", 2), ("b", 2), ("c", 2)]),
+    ]
+
+
+def test_at_most_one_request_per_adapter_per_step_and_chains_span_steps() -> None:
+    # a is mid-way (its optim is next), b starts with a forward_backward: neither waits for the other.
+    pending = [req("a", 5, OPT), req("a", 6), req("a", 7, OPT), req("b", 1), req("b", 2), req("b", 3, OPT)]
+    out = run(pending, {"a": 4, "b": 0})
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("b", 1)]),
+        (StepKind.OPTIM_STEP, [("a", 5)]),
+        (StepKind.FORWARD_BACKWARD, [("a", 6), ("b", 2)]),
+        (StepKind.OPTIM_STEP, [("a", 7), ("b", 3)]),
+    ]
+    for step in out.plan.steps:
+        models = [r.model_id for r in step.requests]
+        assert len(models) == len(set(models))
+
+
+def test_token_cap_splits_steps_and_an_oversized_request_goes_alone() -> None:
+    pending = [req("a", 1, tokens=300), req("b", 1, tokens=300), req("c", 1, tokens=300)]
+    out = run(pending, microbatch_tokens=700)
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("a", 1), ("b", 1)]),
+        (StepKind.FORWARD_BACKWARD, [("c", 1)]),
+    ]
+    out = run([req("big", 1, tokens=5000), req("small", 1, tokens=10)], microbatch_tokens=4096)
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("big", 1)]),
+        (StepKind.FORWARD_BACKWARD, [("small", 1)]),
+    ]
+
+
+def test_max_requests_leaves_the_rest_pending_in_arrival_order() -> None:
+    pending = [req(m, 1) for m in "abcde"]
+    out = run(pending, max_requests=2)
+    assert out.plan.requests == tuple(pending[:2])
+    assert out.pending == tuple(pending[2:])
+    assert out.blocked == {}  # ready but capped is not blocked
+
+
+def test_oldest_waiting_adapter_goes_first_when_the_cap_forces_a_choice() -> None:
+    # b's oldest request arrived before a's: b waited longer, although a's head arrived first.
+    pending = [req("b", 3), req("a", 1, tokens=100), req("b", 2, tokens=100)]
+    out = run(pending, {"b": 1}, microbatch_tokens=100, max_requests=1)
+    assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("b", 2)])]
+    assert out.duplicates == ()
+
+
+def test_a_tenant_with_many_adapters_does_not_crowd_out_another() -> None:
+    # t1 floods with 6 adapters (arrived first); t2's single adapter arrived last. One request fits per step.
+    pending = [req(f"a{i}", 1, tokens=100, tenant="t1") for i in range(6)] + [req("z", 1, tokens=100, tenant="t2")]
+    out = run(pending, microbatch_tokens=100, max_requests=3)
+    assert [r.model_id for r in out.plan.requests] == ["a0", "z", "a1"]
+
+
+def test_no_tenant_starves_under_a_steady_flood() -> None:
+    # t1 keeps 8 adapters busy and resubmits after every plan; t2 sends one 3-step chain. Each plan takes 2 requests.
+    seq = {f"a{i}": 0 for i in range(8)}
+    pending = [req(m, 1, tokens=64, tenant="t1") for m in seq]
+    pending += [req("z", 1, tokens=64, tenant="t2"), req("z", 2, OPT, tenant="t2"), req("z", 3, tokens=64, tenant="t2")]
+    last: dict[str, int | None] = {}
+    served_z = []
+    for round_no in range(20):
+        out = run(pending, last, microbatch_tokens=64, max_requests=2)
+        assert out.plan.steps
+        last.update(out.applied_seq)
+        served_z += [(round_no, r.seq_id) for r in out.plan.requests if r.model_id == "z"]
+        pending = list(out.pending)
+        for r in out.plan.requests:  # t1 refills at once
+            if r.tenant_id == "t1":
+                seq[r.model_id] = r.seq_id + 1
+                pending.append(req(r.model_id, seq[r.model_id], tokens=64, tenant="t1"))
+    assert [s for _, s in served_z] == [1, 2, 3]
+    assert served_z[-1][0] <= 3  # t2 gets about half the plans, not the leftovers
+
+
+def test_create_runs_first_and_delete_last() -> None:
+    pending = [req("a", 1), req("a", -1, DELETE), req("a", 2, OPT), req("a", -1, CREATE), req("b", 4)]
+    out = run(pending, {"b": 3})
+    assert steps(out.plan) == [
+        (StepKind.CREATE, [("a", -1)]),
+        (StepKind.FORWARD_BACKWARD, [("a", 1), ("b", 4)]),
+        (StepKind.OPTIM_STEP, [("a", 2)]),
+        (StepKind.DELETE, [("a", -1)]),
+    ]
+
+
+def test_delete_waits_for_requests_still_pending_and_chains_wait_for_their_create() -> None:
+    blocked_delete = run([req("a", 3), req("a", -1, DELETE)], {"a": 1})
+    assert blocked_delete.plan.steps == () and blocked_delete.blocked == {"a": 2}
+    # The create does not fit in this plan: nothing of "a" may run before it.
+    out = run([req("b", -1, CREATE), req("a", -1, CREATE), req("a", 1)], max_requests=1)
+    assert steps(out.plan) == [(StepKind.CREATE, [("b", -1)])]
+    assert [r.model_id for r in out.pending] == ["a", "a"] and out.blocked == {}
+
+
+def test_empty_input_gives_an_empty_plan() -> None:
+    out = run([])
+    assert out.plan.steps == () and out.pending == () and out.duplicates == ()
