@@ -1,0 +1,129 @@
+"""The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set), the database migrated,
+one worker pool process (dispatcher + rank 0), and the gateway under uvicorn. Every child is stopped on exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loraplex.redis_child import RedisChild
+from loraplex.settings import Settings
+from loraplex.storage.db import migrate
+
+
+class Stack:
+    def __init__(self, settings: Settings, *, api_port: int | None = None, api_in_child: bool = True) -> None:
+        self.settings = settings
+        self.api_port = api_port or settings.api_port
+        self.api_in_child = api_in_child
+        self.redis: RedisChild | None = None
+        self.children: list[subprocess.Popen] = []
+        self.log_dir = settings.home / "logs"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.api_port}"
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        s = self.settings
+        env.update(
+            LORAPLEX_HOME=str(s.home),
+            LORAPLEX_DATABASE_URL=s.resolved_database_url,
+            LORAPLEX_REDIS_URL=s.redis_url,
+            LORAPLEX_BASE_MODEL=s.base_model,
+            LORAPLEX_POOL=s.pool,
+            LORAPLEX_SLOTS=str(s.slots),
+            LORAPLEX_MAX_RANK=str(s.max_rank),
+            LORAPLEX_MODEL_CACHE=str(s.resolved_model_cache),
+            LORAPLEX_BLOB_ROOT=str(s.resolved_blob_root),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        proc = subprocess.Popen([sys.executable, *args], env=self.child_env(), stdout=log, stderr=subprocess.STDOUT)
+        self.children.append(proc)
+        return proc
+
+    def start(self, timeout_s: float = 180.0) -> Stack:
+        self.settings.home.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.settings.redis_url:
+                self.redis = RedisChild(workdir=self.settings.home / "redis").start()
+                self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
+            migrate(self.settings.resolved_database_url)
+            pool = self._spawn("pool", ["-m", "loraplex.workers.pool"])
+            if self.api_in_child:
+                self._spawn(
+                    "api",
+                    ["-m", "uvicorn", "loraplex.api.main:app", "--host", self.settings.api_host,
+                     "--port", str(self.api_port), "--log-level", "warning"],
+                )  # fmt: skip
+                self._wait_http(timeout_s)
+            self._wait_pool_ready(pool, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_http(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_children()
+            try:
+                if httpx.get(f"{self.base_url}/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway did not answer on {self.base_url}; see {self.log_dir / 'api.log'}")
+
+    def _wait_pool_ready(self, pool: subprocess.Popen, timeout_s: float) -> None:
+        ready = ready_file(self.settings)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_children()
+            if ready.exists() and ready.read_text().strip() == str(pool.pid):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"worker pool not ready after {timeout_s} s; see {self.log_dir / 'pool.log'}")
+
+    def check_children(self) -> None:
+        for proc in self.children:
+            if proc.poll() is not None:
+                raise RuntimeError(f"child {proc.args[1:3]} exited with {proc.returncode}; logs in {self.log_dir}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.children):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def ready_file(settings: Settings) -> Path:
+    """Written by the pool process (its pid) once the model is loaded and the dispatcher is reading."""
+    return settings.home / f"pool-{settings.pool}.ready"

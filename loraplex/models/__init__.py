@@ -1,0 +1,14 @@
+"""Base-model registry: local Hugging Face folders and random-init presets (offline only)."""
+
+from loraplex.models.presets import PRESETS, SHAPE_PRESETS, TINY_SHAPES, build_preset_model
+from loraplex.models.registry import load_base_model, resolve, weights_digest
+
+__all__ = [
+    "PRESETS",
+    "SHAPE_PRESETS",
+    "TINY_SHAPES",
+    "build_preset_model",
+    "load_base_model",
+    "resolve",
+    "weights_digest",
+]

@@ -1,0 +1,116 @@
+"""Random-init model presets: `tiny` (CPU tests, saved to a folder) and real Qwen3 shapes (GPU benchmarks, built in place).
+
+Weights come from our own seeded init (not transformers' `_init_weights`), so they do not drift with transformers versions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from loraplex.errors import InvalidRequestError
+
+INIT_STD = 0.02
+PRESET_SEED = 1234
+
+# Small enough that a CPU step takes milliseconds, big enough that a rank-8 adapter memorises a few sentences fast.
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+}
+
+# The published Qwen3 configs (vocab 151936, head_dim 128, rope theta 1e6, tied embeddings as those models ship).
+SHAPE_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b-shape": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b-shape": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+}
+
+PRESETS = (*TINY_SHAPES, *SHAPE_PRESETS)
+
+
+def qwen3_config(shape: dict[str, Any], **extra: Any) -> Qwen3Config:
+    """A Qwen3Config from a shape dict: no sliding window, rope theta 1e6 and rms eps 1e-6 as Qwen3 ships."""
+    return Qwen3Config(
+        **shape,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        use_cache=False,
+        **extra,
+    )
+
+
+@torch.no_grad()
+def seeded_init_(model: torch.nn.Module, seed: int = PRESET_SEED) -> None:
+    """Matrices ~ N(0, 0.02) drawn in parameter order from one generator; vectors (norm gains) = 1.
+
+    An untied output head is drawn with std 1/sqrt(hidden) instead, so the initial logits have unit scale: with a frozen
+    0.02 head every logit stays within about +-1.3 and no adapter can fit anything (the tiny learning demo relies on it).
+    `model.parameters()` deduplicates tied weights, so a tied embedding is drawn once (with 0.02)."""
+    params = list(model.parameters())
+    device = params[0].device
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    untied_head = head.weight if head is not None and (embed is None or head.weight is not embed.weight) else None
+    gen = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
+    for p in params:
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            std = p.shape[1] ** -0.5 if p is untied_head else INIT_STD
+            # Draw in fp32 then cast, so a bf16 model gets the same values as the fp32 one (rounded).
+            p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen))
+
+
+def build_from_config(
+    config: Qwen3Config, dtype: torch.dtype, device: str | torch.device, seed: int = PRESET_SEED
+) -> Qwen3ForCausalLM:
+    """Instantiate directly on `device` in `dtype` (no CPU round trip for the 4B shape) and seed the weights."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    seeded_init_(model, seed)
+    model.eval()  # no dropout anywhere; eval keeps HF from toggling training-only paths
+    return model
+
+
+def build_preset_model(
+    name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = PRESET_SEED
+) -> Qwen3ForCausalLM:
+    """A real-shape preset (`qwen3-0.6b-shape`, `qwen3-4b-shape`) with random weights, built in place; never saved."""
+    if name not in SHAPE_PRESETS:
+        raise InvalidRequestError(f"unknown shape preset {name!r}; known: {sorted(SHAPE_PRESETS)}")
+    return build_from_config(qwen3_config(SHAPE_PRESETS[name]), dtype, device, seed)

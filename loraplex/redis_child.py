@@ -1,0 +1,97 @@
+"""A private `redis-server` child process (for `serve --embedded`, the demo and the tests): loopback only, no
+persistence, stopped with SHUTDOWN NOSAVE and reaped."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+INSTALL_HINT = "redis-server is not installed: run `apt-get install -y redis-server` (make demo/test do it as root)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisChild:
+    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+        self._fixed_port = port is not None
+        self.port = port or free_port()
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="loraplex-redis-"))
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisChild:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(INSTALL_HINT)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # A free port can be taken between our probe and the server's bind: try a few when we picked it.
+        for _ in range(1 if self._fixed_port else 5):
+            if self._launch(binary, timeout_s):
+                return self
+            self.port = free_port()
+        log = self.workdir / "redis.log"
+        raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else ''}")
+
+    def _launch(self, binary: str, timeout_s: float) -> bool:
+        # A direct child (not daemonized) so that we reap it: nothing is left behind, not even a zombie. Its own
+        # session keeps a terminal's Ctrl-C from killing it before the processes that use it have stopped.
+        self._proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"), "--dir", str(self.workdir)],
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            if self.ping():
+                return True
+            time.sleep(0.02)
+        self._reap()
+        return False
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _reap(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+                    s.sendall(b"SHUTDOWN NOSAVE\r\n")
+                    s.recv(16)  # the server closes the connection as it exits
+            except OSError:
+                self._proc.terminate()
+        self._reap()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisChild:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,153 @@
+"""Request data -> validated tensors, and the mixed batch layout (adapter-contiguous sequences, token-capped microbatches)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraplex.errors import InvalidRequestError
+from loraplex.workers.losses import LossSpec, get_loss, resolve_loss_config
+
+
+@dataclass(frozen=True)
+class PreparedDatum:
+    tokens: torch.Tensor  # int64 [T] (CPU)
+    targets: torch.Tensor  # int64 [T]
+    inputs: dict[str, torch.Tensor]  # the loss's float inputs, fp32 [T] each
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """One forward_backward / forward request, validated."""
+
+    model_id: str
+    datums: tuple[PreparedDatum, ...]
+    loss: LossSpec
+    loss_config: dict[str, float]
+    forward_only: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(d.length for d in self.datums)
+
+
+def _values(raw: Any, what: str) -> Any:
+    """Accept a list, tuple, numpy array, tensor, Tinker-style {"data": [...]} or {"tokens": [...]}/{"chunks": [...]}."""
+    if isinstance(raw, Mapping):
+        if "chunks" in raw:
+            return [t for chunk in raw["chunks"] for t in _values(chunk, what)]
+        for key in ("data", "tokens"):
+            if key in raw:
+                return raw[key]
+        raise InvalidRequestError(f"{what}: cannot read values from a mapping with keys {sorted(raw)}")
+    return raw
+
+
+def _int_tensor(raw: Any, what: str, vocab_size: int) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(_values(raw, what))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(f"{what}: not a list of token ids ({exc})") from None
+    if t.dim() != 1 or t.numel() == 0:
+        raise InvalidRequestError(f"{what}: expected a non-empty 1-D list of token ids, got shape {tuple(t.shape)}")
+    if t.dtype == torch.bool or t.is_complex() or (t.dtype.is_floating_point and not torch.equal(t, t.round())):
+        raise InvalidRequestError(f"{what}: token ids must be integers")
+    t = t.to(torch.int64)
+    low, high = int(t.min()), int(t.max())
+    if low < 0 or high >= vocab_size:
+        raise InvalidRequestError(f"{what}: token id out of range [0, {vocab_size}) (min {low}, max {high})")
+    return t
+
+
+def _float_tensor(raw: Any, what: str, length: int) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(_values(raw, what), dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(f"{what}: not a list of numbers ({exc})") from None
+    if t.dim() != 1 or t.numel() != length:
+        raise InvalidRequestError(f"{what}: length {t.numel()} (shape {tuple(t.shape)}) != model_input length {length}")
+    if not bool(torch.isfinite(t).all()):
+        raise InvalidRequestError(f"{what}: contains NaN or infinity")
+    return t
+
+
+def prepare_datum(datum: Mapping[str, Any], loss: LossSpec, vocab_size: int, where: str) -> PreparedDatum:
+    if not isinstance(datum, Mapping) or "model_input" not in datum:
+        raise InvalidRequestError(f"{where}: a datum needs model_input and loss_fn_inputs")
+    tokens = _int_tensor(datum["model_input"], f"{where}.model_input", vocab_size)
+    n = tokens.numel()
+    raw_inputs = datum.get("loss_fn_inputs") or {}
+    if "target_tokens" not in raw_inputs:
+        raise InvalidRequestError(f"{where}.loss_fn_inputs: target_tokens is required")
+    targets = _int_tensor(raw_inputs["target_tokens"], f"{where}.target_tokens", vocab_size)
+    if targets.numel() != n:
+        raise InvalidRequestError(f"{where}: target_tokens length {targets.numel()} != model_input length {n}")
+    inputs: dict[str, torch.Tensor] = {}
+    for key in loss.required:
+        if key not in raw_inputs:
+            raise InvalidRequestError(f"{where}.loss_fn_inputs: {key} is required by loss_fn {loss.name!r}")
+        inputs[key] = _float_tensor(raw_inputs[key], f"{where}.{key}", n)
+    for key, default in loss.defaults.items():
+        if key in raw_inputs:
+            inputs[key] = _float_tensor(raw_inputs[key], f"{where}.{key}", n)
+        else:
+            inputs[key] = torch.full((n,), default, dtype=torch.float32)
+    return PreparedDatum(tokens, targets, inputs)
+
+
+def prepare_item(
+    model_id: str,
+    data: Sequence[Mapping[str, Any]],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, Any] | None,
+    forward_only: bool,
+    vocab_size: int,
+) -> PreparedItem:
+    """Validate one request's data; raises InvalidRequestError naming the bad datum and field."""
+    loss = get_loss(loss_fn)
+    if not data:
+        raise InvalidRequestError("data is empty: forward_backward needs at least one datum")
+    datums = tuple(prepare_datum(d, loss, vocab_size, f"data[{i}]") for i, d in enumerate(data))
+    return PreparedItem(model_id, datums, loss, resolve_loss_config(loss, loss_fn_config), bool(forward_only))
+
+
+@dataclass(frozen=True)
+class SeqRef:
+    """One datum placed in the batch."""
+
+    item: int  # index into the prepared items
+    datum: int  # index into that item's datums
+    length: int
+
+
+def layout(items: Sequence[PreparedItem]) -> list[SeqRef]:
+    """All datums, adapter-contiguous: items grouped by model_id in order of first appearance (stable)."""
+    order: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        order.setdefault(item.model_id, []).append(i)
+    return [
+        SeqRef(i, j, d.length) for indices in order.values() for i in indices for j, d in enumerate(items[i].datums)
+    ]
+
+
+def split_microbatches(seqs: Sequence[SeqRef], max_tokens: int) -> list[list[SeqRef]]:
+    """Consecutive runs whose padded size (count * longest) stays within `max_tokens`; a longer datum goes alone."""
+    batches: list[list[SeqRef]] = []
+    current: list[SeqRef] = []
+    longest = 0
+    for seq in seqs:
+        if current and (len(current) + 1) * max(longest, seq.length) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(seq)
+        longest = max(longest, seq.length)
+    if current:
+        batches.append(current)
+    return batches

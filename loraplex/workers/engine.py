@@ -1,0 +1,310 @@
+"""The training engine of one worker: a frozen base model with slot banks, adapters in slots, mixed-batch
+forward/backward with gradient accumulation, and batched AdamW. Reference path (plain torch); fused paths plug in as ops."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
+from loraplex.workers.batching import PreparedItem, SeqRef, layout, prepare_item, split_microbatches
+from loraplex.workers.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoraContext,
+    Routing,
+    SlotBankLinear,
+    check_only_lora_trainable,
+    install_slot_banks,
+)
+from loraplex.workers.losses import LOSS_CHUNK_TOKENS, target_logprobs
+from loraplex.workers.optimizer import AdamParams, SlotAdamW
+
+# (model_id, data, loss_fn, loss_fn_config, forward_only)
+FBItem = tuple[str, Sequence[Mapping[str, Any]], str, Mapping[str, Any] | None, bool]
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    model_id: str
+    slot: int
+    rank: int
+    alpha: float
+    seed: int
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        slots: int = 8,
+        max_rank: int = 16,
+        target_modules: Iterable[str] = DEFAULT_TARGET_MODULES,
+        device: str | torch.device | None = None,
+        microbatch_tokens: int = 4096,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()  # eval: no dropout; LoRA has none either
+        self.num_slots = slots
+        self.max_rank = max_rank
+        self.microbatch_tokens = microbatch_tokens
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.context = LoraContext()
+        self.banks: dict[str, SlotBankLinear] = install_slot_banks(
+            model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context
+        )
+        self.target_modules = tuple(dict.fromkeys(target_modules))
+        self.body = model.get_decoder()  # runs embeddings -> layers -> final norm
+        self.head = model.get_output_embeddings()
+        self.vocab_size = int(self.head.weight.shape[0])
+        pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        params, rank_dims = [], []
+        for bank in self.banks.values():
+            params += [bank.lora_A, bank.lora_B]
+            rank_dims += [2, 1]  # A [S, in, r]: rank last; B [S, r, out]: rank in the middle
+        self.optimizer = SlotAdamW(params, rank_dims, slots)
+        self._adapters: dict[str, AdapterRecord] = {}
+        self._free = list(range(slots))
+        check_only_lora_trainable(model)
+
+    # ---- adapters ----------------------------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, AdapterRecord]:
+        return dict(self._adapters)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def adapter(self, model_id: str) -> AdapterRecord:
+        try:
+            return self._adapters[model_id]
+        except KeyError:
+            raise NotFoundError(f"adapter {model_id!r} is not resident on this worker") from None
+
+    def create_adapter(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+        """Put a new adapter in a free slot: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform a=sqrt(5), as PEFT) from a
+        CPU generator seeded by `seed` (same weights in any slot, on any device), B = 0, gradients and Adam state zero."""
+        if model_id in self._adapters:
+            raise ConflictError(f"adapter {model_id!r} already exists")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
+            raise InvalidRequestError(
+                f"rank must be an integer in [1, {self.max_rank}] (this pool's max), got {rank!r}"
+            )
+        if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+            raise InvalidRequestError(f"alpha must be a positive number, got {alpha!r}")
+        if not self._free:
+            raise CapacityError(f"all {self.num_slots} adapter slots are in use")
+        record = AdapterRecord(model_id, self._free.pop(0), rank, float(alpha), int(seed))
+        self._clear_slot(record.slot)
+        gen = torch.Generator().manual_seed(int(seed))
+        with torch.no_grad():
+            for bank in self.banks.values():
+                bound = 1.0 / math.sqrt(bank.in_features)
+                a = torch.empty(rank, bank.in_features).uniform_(-bound, bound, generator=gen)  # PEFT's [r, in] layout
+                bank.lora_A[record.slot, :, :rank] = a.t().to(self.device)
+        self._adapters[model_id] = record
+        return record
+
+    def delete_adapter(self, model_id: str) -> None:
+        record = self.adapter(model_id)
+        self._clear_slot(record.slot)
+        del self._adapters[model_id]
+        self._free.append(record.slot)
+        self._free.sort()
+
+    def _clear_slot(self, slot: int) -> None:
+        with torch.no_grad():
+            for bank in self.banks.values():
+                for p in (bank.lora_A, bank.lora_B):
+                    p[slot].zero_()
+                    if p.grad is not None:
+                        p.grad[slot].zero_()
+        self.optimizer.reset_slots([slot])
+
+    def adapter_weights(self, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per wrapped module: (A [in, r], B [r, out]) real-rank parts, fp32 CPU copies."""
+        r = self.adapter(model_id)
+        return {
+            name: (
+                b.lora_A[r.slot, :, : r.rank].detach().cpu().clone(),
+                b.lora_B[r.slot, : r.rank].detach().cpu().clone(),
+            )
+            for name, b in self.banks.items()
+        }
+
+    def adapter_grads(self, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Accumulated, not yet applied gradients, shaped as adapter_weights (zeros when none)."""
+        r = self.adapter(model_id)
+        out = {}
+        for name, b in self.banks.items():
+            ga, gb = (
+                (p.grad[r.slot] if p.grad is not None else torch.zeros_like(p[r.slot])) for p in (b.lora_A, b.lora_B)
+            )
+            out[name] = (ga[:, : r.rank].detach().cpu().clone(), gb[: r.rank].detach().cpu().clone())
+        return out
+
+    def load_adapter_weights(self, model_id: str, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Overwrite an adapter's weights (restore, tests); every wrapped module must be given, shaped as adapter_weights."""
+        r = self.adapter(model_id)
+        if set(weights) != set(self.banks):
+            raise InvalidRequestError(f"weights must cover exactly the modules {sorted(self.banks)[:3]}...")
+        with torch.no_grad():
+            for name, bank in self.banks.items():
+                a, b = weights[name]
+                if tuple(a.shape) != (bank.in_features, r.rank) or tuple(b.shape) != (r.rank, bank.out_features):
+                    raise InvalidRequestError(
+                        f"{name}: expected A {(bank.in_features, r.rank)}, B {(r.rank, bank.out_features)}"
+                    )
+                bank.lora_A[r.slot].zero_()
+                bank.lora_B[r.slot].zero_()
+                bank.lora_A[r.slot, :, : r.rank] = a.to(self.device, torch.float32)
+                bank.lora_B[r.slot, : r.rank] = b.to(self.device, torch.float32)
+
+    # ---- forward / backward ------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        model_id: str,
+        data: Sequence[Mapping[str, Any]],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, Any] | None = None,
+        forward_only: bool = False,
+    ) -> PreparedItem:
+        """Validate one request against this engine (adapter resident, ids in vocab, lengths, loss)."""
+        self.adapter(model_id)
+        return prepare_item(model_id, data, loss_fn, loss_fn_config, forward_only, self.vocab_size)
+
+    def forward_backward(self, items: Sequence[FBItem | PreparedItem]) -> list[dict[str, Any]]:
+        """Run every item in one mixed batch (adapter-contiguous rows, token-capped microbatches, gradients accumulated
+        into each trainable item's slot). Raises InvalidRequestError / NotFoundError on bad input before running."""
+        prepared = [it if isinstance(it, PreparedItem) else self.prepare(*it) for it in items]
+        check_only_lora_trainable(self.model)
+        logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]
+        losses: list[torch.Tensor] = [torch.zeros((), device=self.device) for _ in prepared]
+        for mb in split_microbatches(layout(prepared), self.microbatch_tokens):
+            self._run_microbatch(prepared, mb, logprobs, losses)
+        loss_values = torch.stack(losses).tolist() if losses else []
+        return [
+            {"loss_fn_outputs": [{"logprobs": lp} for lp in logprobs[i]], "metrics": {"loss:sum": loss_values[i]}}
+            for i in range(len(prepared))
+        ]
+
+    def _routing(self, items: Sequence[PreparedItem], mb: Sequence[SeqRef], seq_len: int) -> Routing:
+        """One group per run of consecutive sequences of the same adapter; computed once for every layer."""
+        slots: list[int] = []
+        ranks: list[int] = []
+        scales: list[float] = []
+        rows: list[int] = []
+        previous = None
+        for seq in mb:
+            model_id = items[seq.item].model_id
+            if model_id != previous:
+                r = self.adapter(model_id)
+                slots.append(r.slot)
+                ranks.append(r.rank)
+                scales.append(r.scale)
+                rows.append(0)
+                previous = model_id
+            rows[-1] += seq_len
+        return Routing.build(slots, ranks, scales, rows, self.device)
+
+    def _run_microbatch(
+        self,
+        items: Sequence[PreparedItem],
+        mb: Sequence[SeqRef],
+        logprobs: list[list[list[float]]],
+        losses: list[torch.Tensor],
+    ) -> None:
+        batch, seq_len = len(mb), max(s.length for s in mb)
+        datums = [items[s.item].datums[s.datum] for s in mb]
+        # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs are
+        # the same batched or alone without a padding mask; pad rows feed no loss, so their gradient is exactly zero.
+        tokens = torch.full((batch, seq_len), self.pad_id, dtype=torch.int64)
+        for b, d in enumerate(datums):
+            tokens[b, : d.length] = d.tokens
+        real_rows = torch.cat([torch.arange(d.length) + b * seq_len for b, d in enumerate(datums)])
+        targets = torch.cat([d.targets for d in datums])
+        tokens, real_rows, targets = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows, targets))
+        positions = torch.arange(seq_len, device=self.device).expand(batch, seq_len)
+        routing = self._routing(items, mb, seq_len)
+        trainable = any(not items[s.item].forward_only for s in mb)
+        with self.context.use(routing), torch.set_grad_enabled(trainable):
+            hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+            hidden = hidden.reshape(batch * seq_len, -1).index_select(0, real_rows)
+            lp = target_logprobs(hidden, self.head.weight, targets, self.loss_chunk_tokens)
+            total: torch.Tensor | None = None
+            start = 0
+            for item_index, run in _runs_by_item(mb):
+                item = items[item_index]
+                run_datums = [item.datums[s.datum] for s in run]
+                count = sum(d.length for d in run_datums)
+                inputs = {
+                    k: torch.cat([d.inputs[k] for d in run_datums]).to(self.device, non_blocking=True)
+                    for k in run_datums[0].inputs
+                }
+                item_loss = item.loss.fn(lp[start : start + count], inputs, item.loss_config).sum()
+                losses[item_index] = losses[item_index] + item_loss.detach()
+                if not item.forward_only:
+                    total = item_loss if total is None else total + item_loss
+                start += count
+            if total is not None:
+                total.backward()
+        for seq, values in zip(mb, lp.detach().cpu().split([s.length for s in mb]), strict=True):
+            logprobs[seq.item][seq.datum] = values.tolist()
+
+    # ---- optimizer ---------------------------------------------------------------------------------------------------
+    def optim_step(
+        self, items: Sequence[tuple[str, Mapping[str, Any] | AdamParams | None]]
+    ) -> list[dict[str, Any] | LoraplexError]:
+        """Batched AdamW over the items' adapters (apply, then clear their gradients). Per item: {"metrics": ...} or the
+        error for that item alone (unknown adapter, bad hyperparameters, non-finite gradient norm: step skipped)."""
+        results: list[dict[str, Any] | LoraplexError | None] = [None] * len(items)
+        rounds: list[list[tuple[int, AdapterRecord, AdamParams]]] = []
+        for i, (model_id, raw) in enumerate(items):
+            try:
+                record = self.adapter(model_id)
+                hp = raw if isinstance(raw, AdamParams) else AdamParams.from_dict(raw)
+            except LoraplexError as exc:
+                results[i] = exc
+                continue
+            # The same adapter twice in one call steps twice, in order: later rounds see the cleared gradients.
+            for round_ in rounds:
+                if all(r.slot != record.slot for _, r, _ in round_):
+                    round_.append((i, record, hp))
+                    break
+            else:
+                rounds.append([(i, record, hp)])
+        for round_ in rounds:
+            stepped = self.optimizer.step(
+                [r.slot for _, r, _ in round_], [h for _, _, h in round_], [r.rank for _, r, _ in round_]
+            )
+            for (i, record, hp), res in zip(round_, stepped, strict=True):
+                if res.stepped:
+                    results[i] = {"metrics": {"grad_norm:mean": res.grad_norm, "learning_rate:mean": hp.learning_rate}}
+                else:
+                    results[i] = EngineError(
+                        f"non-finite gradient norm ({res.grad_norm}) for adapter {record.model_id!r}: "
+                        "step skipped, gradients cleared"
+                    )
+        return [r if r is not None else EngineError("internal: no result") for r in results]
+
+
+def _runs_by_item(mb: Sequence[SeqRef]) -> list[tuple[int, list[SeqRef]]]:
+    runs: list[tuple[int, list[SeqRef]]] = []
+    for seq in mb:
+        if runs and runs[-1][0] == seq.item:
+            runs[-1][1].append(seq)
+        else:
+            runs.append((seq.item, [seq]))
+    return runs

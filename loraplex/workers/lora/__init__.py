@@ -1,0 +1,23 @@
+"""Slot banks and the LoRA ops (plain-torch reference; fused paths are tested against it)."""
+
+from loraplex.workers.lora.reference import lora_delta_reference, lora_delta_single
+from loraplex.workers.lora.routing import LoraContext, Routing
+from loraplex.workers.lora.slot_bank import (
+    DEFAULT_TARGET_MODULES,
+    LoraOp,
+    SlotBankLinear,
+    check_only_lora_trainable,
+    install_slot_banks,
+)
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "LoraContext",
+    "LoraOp",
+    "Routing",
+    "SlotBankLinear",
+    "check_only_lora_trainable",
+    "install_slot_banks",
+    "lora_delta_reference",
+    "lora_delta_single",
+]

@@ -1,0 +1,109 @@
+"""The embedded stack end to end: real redis-server child, SQLite with migrations, the gateway under uvicorn, the
+dispatcher and one CPU worker rank, driven through the Python client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from loraplex.client import AdamParams, Datum, ServiceClient
+from loraplex.embedded import Stack
+from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.redis_child import free_port
+from loraplex.settings import Settings
+from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.repositories import AdapterRepository, TenantRepository, unit_of_work
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("stack")
+    settings = Settings(home=home, slots=4, max_rank=16)
+    with Stack(settings, api_port=free_port()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def keys(stack):
+    with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
+        repo = TenantRepository(session)
+        return {name: repo.create_tenant(name)[1] for name in ("t-one", "t-two")}
+
+
+def _data(offset: int) -> list[Datum]:
+    return [Datum.for_next_token([(offset + 7 * i + j) % 200 + 10 for j in range(12)]) for i in range(3)]
+
+
+def _train(client: ServiceClient, offset: int, steps: int, out: dict) -> None:
+    trainer = client.create_lora_training_client(rank=8, seed=offset)
+    losses = []
+    for _ in range(steps):
+        fb = trainer.forward_backward(_data(offset))
+        opt = trainer.optim_step(AdamParams(learning_rate=2e-2))
+        result = fb.result()
+        assert len(result["loss_fn_outputs"]) == 3
+        assert len(result["loss_fn_outputs"][0]["logprobs"]) == 11
+        losses.append(result["metrics"]["loss:sum"])
+        opt.result()
+    out[offset] = (trainer, losses)
+
+
+def test_two_tenants_train_concurrently_and_stay_isolated(stack, keys):
+    one, two = ServiceClient(stack.base_url, keys["t-one"]), ServiceClient(stack.base_url, keys["t-two"])
+    results: dict = {}
+    threads = [threading.Thread(target=_train, args=(c, off, 12, results)) for c, off in ((one, 1), (two, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (trainer_one, losses_one), (trainer_two, losses_two) = results[1], results[2]
+    assert losses_one[-1] < 0.5 * losses_one[0] and losses_two[-1] < 0.5 * losses_two[0]
+    assert [a["model_id"] for a in one.list_adapters()] == [trainer_one.model_id]
+    assert [a["model_id"] for a in two.list_adapters()] == [trainer_two.model_id]
+    # Tenant two cannot read or train tenant one's adapter.
+    with pytest.raises(NotFoundError):
+        two.training_client(trainer_one.model_id)
+    with pytest.raises(NotFoundError):
+        from loraplex.client import TrainingClient
+
+        TrainingClient(two._transport, trainer_one.model_id).forward_backward(_data(1))
+    # The applied seq_id is recorded: 12 forward_backward + 12 optim_step after create (seq 0).
+    with session_factory(make_engine(stack.settings.resolved_database_url))() as session:
+        adapter = AdapterRepository(session, trainer_one_tenant(stack, keys["t-one"])).get(trainer_one.model_id)
+        assert adapter.applied_seq_id == 24 and str(adapter.status) == "ready"
+
+
+def trainer_one_tenant(stack: Stack, key: str) -> str:
+    with session_factory(make_engine(stack.settings.resolved_database_url))() as session:
+        return TenantRepository(session).authenticate(key).id
+
+
+def test_bad_step_fails_alone_and_training_continues(stack, keys):
+    client = ServiceClient(stack.base_url, keys["t-one"])
+    trainer = client.create_lora_training_client(rank=4, seed=5)
+    bad = trainer.forward_backward([Datum.for_next_token([1, 2, 10**7])])
+    with pytest.raises(InvalidRequestError):
+        bad.result()
+    good = trainer.forward_backward(_data(3)).result()
+    assert good["metrics"]["loss:sum"] > 0
+    assert trainer.optim_step().result() is not None
+    trainer.delete()
+    with pytest.raises(NotFoundError):
+        trainer.info()
+
+
+def test_cli_tenant_create_prints_the_key_last(stack):
+    env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home))
+    out = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "tenant", "create", "cli-tenant"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("tml-")
+    assert ServiceClient(stack.base_url, key).list_adapters() == []
