@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.losses import LossSpec, get_loss, resolve_loss_config
+from loraplex.workers.losses import LossSpec, check_clip_thresholds, get_loss, resolve_loss_config
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class PreparedItem:
     @property
     def num_tokens(self) -> int:
         return sum(d.length for d in self.datums)
+
+    def metrics(self, logprobs: Sequence[Sequence[float]]) -> dict[str, float]:
+        """The loss's metrics beyond loss:sum (e.g. ppo's clip_fraction:mean), from this item's per-datum logprobs."""
+        return self.loss.item_metrics(logprobs, [d.inputs for d in self.datums], self.loss_config)
 
 
 def _values(raw: Any, what: str) -> Any:
@@ -66,24 +70,36 @@ def _int_tensor(raw: Any, what: str, vocab_size: int) -> torch.Tensor:
     return t
 
 
-def _float_tensor(raw: Any, what: str, length: int) -> torch.Tensor:
+def _float_tensor(raw: Any, what: str, length: int, broadcast: bool = False) -> torch.Tensor:
+    """fp32 [length] from a list/array/tensor; with `broadcast`, one value (a scalar or a single-element list) for all."""
     try:
         t = torch.as_tensor(_values(raw, what), dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidRequestError(f"{what}: not a list of numbers ({exc})") from None
+    if broadcast and t.numel() == 1 and t.dim() <= 1:
+        t = t.reshape(1).expand(length).clone()
     if t.dim() != 1 or t.numel() != length:
-        raise InvalidRequestError(f"{what}: length {t.numel()} (shape {tuple(t.shape)}) != model_input length {length}")
+        one = " (or one value for the whole datum)" if broadcast else ""
+        raise InvalidRequestError(
+            f"{what}: length {t.numel()} (shape {tuple(t.shape)}) != model_input length {length}{one}"
+        )
     if not bool(torch.isfinite(t).all()):
         raise InvalidRequestError(f"{what}: contains NaN or infinity")
     return t
 
 
-def prepare_datum(datum: Mapping[str, Any], loss: LossSpec, vocab_size: int, where: str) -> PreparedDatum:
+def prepare_datum(
+    datum: Mapping[str, Any], loss: LossSpec, vocab_size: int, where: str, config: Mapping[str, float] | None = None
+) -> PreparedDatum:
+    """Validate one datum for `loss` (with its resolved `config`): token ids in the vocabulary, every float input the loss
+    reads present (or defaulted), one value per token, finite. Inputs the loss does not read are ignored, as Tinker does."""
     if not isinstance(datum, Mapping) or "model_input" not in datum:
         raise InvalidRequestError(f"{where}: a datum needs model_input and loss_fn_inputs")
     tokens = _int_tensor(datum["model_input"], f"{where}.model_input", vocab_size)
     n = tokens.numel()
     raw_inputs = datum.get("loss_fn_inputs") or {}
+    if not isinstance(raw_inputs, Mapping):
+        raise InvalidRequestError(f"{where}.loss_fn_inputs: expected a mapping of name -> values")
     if "target_tokens" not in raw_inputs:
         raise InvalidRequestError(f"{where}.loss_fn_inputs: target_tokens is required")
     targets = _int_tensor(raw_inputs["target_tokens"], f"{where}.target_tokens", vocab_size)
@@ -99,6 +115,14 @@ def prepare_datum(datum: Mapping[str, Any], loss: LossSpec, vocab_size: int, whe
             inputs[key] = _float_tensor(raw_inputs[key], f"{where}.{key}", n)
         else:
             inputs[key] = torch.full((n,), default, dtype=torch.float32)
+    resolved = config if config is not None else loss.config_defaults
+    for key in loss.per_token_config:  # e.g. ppo/cispo clip thresholds: the datum's own values win over loss_fn_config
+        if key in raw_inputs:
+            inputs[key] = _float_tensor(raw_inputs[key], f"{where}.{key}", n, broadcast=True)
+        else:
+            inputs[key] = torch.full((n,), resolved[key], dtype=torch.float32)
+    if "clip_low_threshold" in inputs:
+        check_clip_thresholds(inputs["clip_low_threshold"], inputs["clip_high_threshold"], f"{where}.loss_fn_inputs")
     return PreparedDatum(tokens, targets, inputs)
 
 
@@ -114,8 +138,9 @@ def prepare_item(
     loss = get_loss(loss_fn)
     if not data:
         raise InvalidRequestError("data is empty: forward_backward needs at least one datum")
-    datums = tuple(prepare_datum(d, loss, vocab_size, f"data[{i}]") for i, d in enumerate(data))
-    return PreparedItem(model_id, datums, loss, resolve_loss_config(loss, loss_fn_config), bool(forward_only))
+    config = resolve_loss_config(loss, loss_fn_config)
+    datums = tuple(prepare_datum(d, loss, vocab_size, f"data[{i}]", config) for i, d in enumerate(data))
+    return PreparedItem(model_id, datums, loss, config, bool(forward_only))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.workers.engine import Engine
 from loraplex.workers.losses import LOSSES, target_logprobs
@@ -60,10 +61,11 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     adv = torch.randn(n, generator=g)
     inputs = {**base["loss_fn_inputs"], "logprobs": sampling.tolist(), "advantages": adv.tolist()}
     ratio = torch.exp(lp - sampling)
-    expected = {
+    expected = {  # Tinker's defaults: ppo clips to [0.8, 1.2], cispo to [0, 4] (one-sided), dro has beta = 1
         "importance_sampling": -(ratio * adv).sum(),
         "ppo": -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum(),
-        "cispo": -(ratio.clamp(0.8, 1.2) * lp * adv).sum(),
+        "cispo": -(ratio.clamp(0.0, 4.0) * lp * adv).sum(),
+        "dro": -(lp * adv - 0.5 * (lp - sampling) ** 2).sum(),
     }
     for name, value in expected.items():
         out = engine.forward_backward(
@@ -84,7 +86,7 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     )[0]
     expected_tight = -torch.minimum(ratio * adv, ratio.clamp(0.95, 1.05) * adv).sum()
     assert tight["metrics"]["loss:sum"] == pytest.approx(expected_tight.item(), rel=1e-4, abs=1e-5)
-    assert set(LOSSES) >= {"cross_entropy", "importance_sampling", "ppo", "cispo"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
 
 
 def test_mixed_losses_share_one_batch(engine: Engine) -> None:
@@ -104,3 +106,166 @@ def test_mixed_losses_share_one_batch(engine: Engine) -> None:
     ]
     for t, a in zip(together, apart, strict=True):
         assert t["metrics"]["loss:sum"] == pytest.approx(a["metrics"]["loss:sum"], abs=1e-5)
+
+
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+
+
+def rl_datum(engine: Engine, n: int, seed: int, **extra: list[float]) -> tuple[dict, torch.Tensor]:
+    """An RL datum whose sampling logprobs sit near the model's own (ratios around 1, some outside [0.8, 1.2])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
+    probe = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}
+    lp = torch.tensor(
+        engine.forward_backward([("a", [probe], "cross_entropy", None, True)])[0]["loss_fn_outputs"][0]["logprobs"]
+    )
+    sampling = (lp + 0.3 * torch.randn(n, generator=g)).tolist()
+    adv = torch.randn(n, generator=g).tolist()
+    inputs = {"target_tokens": ids[1:], "logprobs": sampling, "advantages": adv, **extra}
+    return {"model_input": ids[:-1], "loss_fn_inputs": inputs}, lp
+
+
+def test_config_and_per_token_clip_thresholds(engine: Engine) -> None:
+    low, high = [0.9, 0.5, 0.95, 0.7, 0.85, 0.99, 0.8], [1.1, 1.5, 1.05, 1.3, 1.15, 1.01, 1.2]
+    d_tok, lp_tok = rl_datum(engine, 7, 1, clip_low_threshold=low, clip_high_threshold=high)
+    d_one, lp_one = rl_datum(engine, 5, 2, clip_low_threshold=[0.97])  # one value for the datum; high from the config
+    d_cfg, lp_cfg = rl_datum(engine, 6, 3)  # thresholds from the config alone
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.02, "beta": 123.0}  # beta: not ppo's, ignored
+
+    def ppo(d: dict, lp: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | float) -> torch.Tensor:
+        q, a = torch.tensor(d["loss_fn_inputs"]["logprobs"]), torch.tensor(d["loss_fn_inputs"]["advantages"])
+        r = torch.exp(lp - q)
+        return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+
+    out = engine.forward_backward([("a", [d_tok, d_one, d_cfg], "ppo", config, True)])[0]
+    expected = ppo(d_tok, lp_tok, torch.tensor(low), torch.tensor(high)) + ppo(d_one, lp_one, 0.97, 1.02)
+    expected += ppo(d_cfg, lp_cfg, 0.9, 1.02)
+    assert out["metrics"]["loss:sum"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-5)
+
+    for name, cfg, formula in [
+        ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, lambda lp, q, a: -(torch.exp(lp - q).clamp(0.9, 1.1) * lp * a)),
+        ("dro", {"beta": 0.05}, lambda lp, q, a: -(lp * a - 0.025 * (lp - q) ** 2)),
+    ]:  # fmt: skip
+        q, a = (torch.tensor(d_cfg["loss_fn_inputs"][k]) for k in ("logprobs", "advantages"))
+        got = engine.forward_backward([("a", [d_cfg], name, cfg, True)])[0]["metrics"]["loss:sum"]
+        assert got == pytest.approx(formula(lp_cfg, q, a).sum().item(), rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_token_gradients_follow_the_formulas(name: str) -> None:
+    """d loss / d lp per token, written out by hand: the stop-gradient of cispo and ppo's zero-gradient region included."""
+    g = torch.Generator().manual_seed(7)
+    n = 64
+    lp = (-3 * torch.rand(n, generator=g)).requires_grad_(True)
+    q = lp.detach() + 0.4 * torch.randn(n, generator=g)
+    a = torch.randn(n, generator=g)
+    lo, hi = torch.full((n,), 0.8), torch.full((n,), 1.25)
+    spec = LOSSES[name]
+    inputs = {"logprobs": q, "advantages": a, "clip_low_threshold": lo, "clip_high_threshold": hi}
+    (grad,) = torch.autograd.grad(spec.fn(lp, inputs, {"beta": 0.3}).sum(), lp)
+    r = torch.exp(lp.detach() - q)
+    if name == "importance_sampling":
+        expected = -r * a
+    elif name == "ppo":  # the unclipped term is the min (gradient -r*A) unless the clipped constant is smaller
+        expected = torch.where(r.clamp(lo, hi) * a < r * a, torch.zeros(n), -r * a)
+    elif name == "cispo":
+        expected = -r.clamp(lo, hi) * a
+    else:
+        expected = -(a - 0.3 * (lp.detach() - q))
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7)
+    if name == "ppo":
+        assert 0 < int((grad == 0).sum()) < n  # both regions exercised
+
+
+def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
+    d, lp = rl_datum(engine, 12, 5)
+    inputs = d["loss_fn_inputs"]
+    inputs["advantages"][:3] = [0.0, 0.0, 0.0]  # "prompt" tokens: not counted in the ratio metrics
+    active = torch.tensor(inputs["advantages"]) != 0
+    ratio = torch.exp(lp - torch.tensor(inputs["logprobs"]))
+    adv = torch.tensor(inputs["advantages"])
+    ce = {"model_input": d["model_input"], "loss_fn_inputs": {"target_tokens": inputs["target_tokens"]}}
+    outs = engine.forward_backward(
+        [("a", [ce], "cross_entropy", None, True)] + [("a", [d], name, None, True) for name in RL_LOSSES]
+    )
+    for out in outs:
+        assert "loss:sum" in out["metrics"]
+        for key, value in out["metrics"].items():
+            metric, reduction = key.split(":")
+            assert metric and reduction in {"sum", "mean", "min", "max"} and isinstance(value, float), key
+            assert value == value and abs(value) < float("inf"), key
+    by_loss = dict(zip(["cross_entropy", *RL_LOSSES], (o["metrics"] for o in outs), strict=True))
+    assert set(by_loss["cross_entropy"]) == {"loss:sum"}
+    assert by_loss["dro"]["importance_ratio:mean"] == pytest.approx(ratio[active].mean().item(), rel=1e-5)
+    assert by_loss["importance_sampling"]["importance_ratio:max"] == pytest.approx(ratio[active].max().item(), rel=1e-5)
+    ppo_clipped = (ratio.clamp(0.8, 1.2) * adv < ratio * adv) & active
+    assert by_loss["ppo"]["clip_fraction:mean"] == pytest.approx(ppo_clipped.sum().item() / active.sum().item())
+    assert 0 < by_loss["ppo"]["clip_fraction:mean"] < 1
+    cispo_out = ((ratio < 0.0) | (ratio > 4.0)) & active
+    assert by_loss["cispo"]["clip_fraction:mean"] == pytest.approx(cispo_out.sum().item() / active.sum().item())
+    # No active token at all: the ratio metrics are left out rather than NaN.
+    inputs["advantages"] = [0.0] * 12
+    quiet = engine.forward_backward([("a", [d], "ppo", None, True)])[0]["metrics"]
+    assert quiet == {"loss:sum": quiet["loss:sum"], "clip_fraction:mean": 0.0}
+
+
+def test_forward_only_rl_rows_return_logprobs_and_leave_no_gradient(tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
+    model, _ = load_base_model(str(folder), folder.parent)
+    e = Engine(model, slots=2, max_rank=8, loss_chunk_tokens=5)
+    e.create_adapter("a", 8, 16.0, seed=0)
+    d, lp = rl_datum(e, 9, 11)
+    for name in RL_LOSSES:
+        out = e.forward_backward([("a", [d], name, None, True)])[0]
+        assert out["loss_fn_outputs"][0]["logprobs"] == lp.tolist()
+    assert all(torch.count_nonzero(t) == 0 for pair in e.adapter_grads("a").values() for t in pair)
+    e.forward_backward([("a", [d], "dro", None, False)])
+    assert any(torch.count_nonzero(t) > 0 for pair in e.adapter_grads("a").values() for t in pair)
+
+
+def bad(n: int = 3, **inputs: object) -> dict:
+    return {"model_input": list(range(1, n + 1)), "loss_fn_inputs": {"target_tokens": list(range(2, n + 2)), **inputs}}
+
+
+RL_OK = {"logprobs": [-1.0, -2.0, -0.5], "advantages": [1.0, -1.0, 0.5]}
+
+
+@pytest.mark.parametrize(
+    ("datum", "loss_fn", "config", "match"),
+    [
+        (bad(advantages=[1.0, 1.0, 1.0]), "dro", None, "logprobs is required by loss_fn 'dro'"),
+        (bad(logprobs=[-1.0, -1.0, -1.0]), "cispo", None, "advantages is required by loss_fn 'cispo'"),
+        (bad(**{**RL_OK, "advantages": [1.0, 2.0]}), "ppo", None, r"data\[0\]\.advantages: length 2"),
+        (bad(**{**RL_OK, "logprobs": [-1.0, float("-inf"), -1.0]}), "importance_sampling", None, "NaN or infinity"),
+        (bad(**{**RL_OK, "advantages": [float("nan"), 0.0, 0.0]}), "dro", None, "NaN or infinity"),
+        (bad(**RL_OK, clip_low_threshold=[0.8, 0.9]), "ppo", None, r"clip_low_threshold: length 2 .* one value"),
+        (bad(**RL_OK, clip_high_threshold=[1.2, 0.5, 1.2]), "ppo", None, "clip_low_threshold must be <="),
+        (bad(**RL_OK, clip_high_threshold=[1.2, float("inf"), 1.2]), "cispo", None, "NaN or infinity"),
+        (bad(**RL_OK), "ppo", {"clip_low_threshold": 1.3}, "clip_low_threshold must be <="),
+        (bad(**RL_OK), "cispo", {"clip_high_threshold": float("nan")}, "must be finite"),
+        (bad(**RL_OK), "ppo", {"clip_low_threshold": "tight"}, "must be a number"),
+        (bad(**RL_OK), "dro", {"beta": -0.1}, "beta'] must be >= 0"),
+        (bad(**RL_OK), "dro", {"beta": True}, "must be a number"),
+        (bad(**RL_OK), "grpo", None, "unknown loss_fn 'grpo'"),
+    ],
+)
+def test_bad_loss_inputs_are_refused(
+    engine: Engine, datum: dict, loss_fn: str, config: dict | None, match: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.forward_backward([("a", [datum], loss_fn, config, False)])
+    assert all(torch.count_nonzero(t) == 0 for pair in engine.adapter_grads("a").values() for t in pair)
+
+
+def test_all_losses_share_one_batch(engine: Engine) -> None:
+    d1, _ = rl_datum(engine, 6, 21)
+    d2, _ = rl_datum(engine, 11, 22, clip_high_threshold=[1.1])
+    ce = {"model_input": d1["model_input"], "loss_fn_inputs": {"target_tokens": d1["loss_fn_inputs"]["target_tokens"]}}
+    items = [("a", [ce], "cross_entropy", None, True)]
+    items += [("a", [d1, d2], name, {"beta": 0.2}, True) for name in RL_LOSSES]
+    together = engine.forward_backward(items)
+    for item, got in zip(items, together, strict=True):
+        alone = engine.forward_backward([item])[0]
+        assert got["metrics"] == pytest.approx(alone["metrics"], rel=1e-5, abs=1e-6), item[2]
+        for x, y in zip(got["loss_fn_outputs"], alone["loss_fn_outputs"], strict=True):
+            torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)

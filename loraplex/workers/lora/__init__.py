@@ -1,5 +1,7 @@
-"""Slot banks and the LoRA ops (plain-torch reference; fused paths are tested against it)."""
+"""Slot banks and the LoRA ops (plain-torch reference; the grouped_mm path is tested against it; select_lora_op picks)."""
 
+from loraplex.workers.lora.grouped import lora_delta_grouped
+from loraplex.workers.lora.ops import select_lora_op
 from loraplex.workers.lora.reference import lora_delta_reference, lora_delta_single
 from loraplex.workers.lora.routing import LoraContext, Routing
 from loraplex.workers.lora.slot_bank import (
@@ -18,6 +20,8 @@ __all__ = [
     "SlotBankLinear",
     "check_only_lora_trainable",
     "install_slot_banks",
+    "lora_delta_grouped",
     "lora_delta_reference",
     "lora_delta_single",
+    "select_lora_op",
 ]

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 import torch
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device. To CUDA through pinned memory without blocking: a plain (pageable, blocking) copy waits
+    for the whole GPU queue, i.e. the previous microbatch's backward, and the host would lose its run-ahead every
+    microbatch. The caching host allocator keeps the pinned block alive until the copy has completed."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True)
 class Routing:
     # Host copies: the reference loop slices with them and never syncs the device.
@@ -24,6 +33,9 @@ class Routing:
     slot_ids: torch.Tensor  # int64 [G]
     offs: torch.Tensor  # int32 [G]
     scale_values: torch.Tensor  # fp32 [G]
+    # Per-row scale (the row's group scale), fp32 [N, 1]: the grouped op multiplies the rank-sized intermediate by it in
+    # place (fp32 maths, one rounding to the activation dtype), so no layer repeats the repeat_interleave.
+    row_scales: torch.Tensor
 
     @classmethod
     def build(
@@ -36,19 +48,26 @@ class Routing:
     ) -> Routing:
         if not (len(slots) == len(ranks) == len(scales) == len(group_rows)) or not slots:
             raise ValueError("routing needs one slot, rank, scale and row count per group, and at least one group")
+        if any(int(n) < 0 for n in group_rows):
+            raise ValueError(f"group row counts must be >= 0, got {list(group_rows)}")
         ends: list[int] = []
         total = 0
         for n in group_rows:
             total += int(n)
             ends.append(total)
+        # All built on the host (repeat_interleave on the device would sync to learn its output size), then copied.
+        scale_values = torch.tensor(list(scales), dtype=torch.float32)
+        row_scales = torch.repeat_interleave(scale_values, torch.tensor([int(n) for n in group_rows])).view(-1, 1)
+        device = torch.device(device)
         return cls(
             slots=tuple(int(s) for s in slots),
             ranks=tuple(int(r) for r in ranks),
             scales=tuple(float(a) for a in scales),
             ends=tuple(ends),
-            slot_ids=torch.tensor(list(slots), dtype=torch.int64, device=device),
-            offs=torch.tensor(ends, dtype=torch.int32, device=device),
-            scale_values=torch.tensor(list(scales), dtype=torch.float32, device=device),
+            slot_ids=_to_device(torch.tensor(list(slots), dtype=torch.int64), device),
+            offs=_to_device(torch.tensor(ends, dtype=torch.int32), device),
+            scale_values=_to_device(scale_values, device),
+            row_scales=_to_device(row_scales, device),
         )
 
     @property

@@ -59,8 +59,10 @@ def install_slot_banks(
     max_rank: int,
     target_modules: Iterable[str] = DEFAULT_TARGET_MODULES,
     context: LoraContext,
+    op: LoraOp | None = None,
 ) -> dict[str, SlotBankLinear]:
     """Freeze the base model and wrap every nn.Linear whose leaf name is in `target_modules` (in model order).
+    Every wrapped layer computes its LoRA delta with `op` (default: `lora_delta_reference`; see `select_lora_op`).
 
     Unknown target names (matching no nn.Linear) are an InvalidRequestError, as is wrapping the output head: the loss
     calls the head's weight directly, so a LoRA there would be silently ignored."""
@@ -84,7 +86,7 @@ def install_slot_banks(
         p.requires_grad_(False)
     banks: dict[str, SlotBankLinear] = {}
     for full_name, (parent, child_name, linear) in found.items():
-        wrapped = SlotBankLinear(linear, num_slots, max_rank, context)
+        wrapped = SlotBankLinear(linear, num_slots, max_rank, context, op)
         setattr(parent, child_name, wrapped)
         banks[full_name] = wrapped
     return banks

@@ -1,0 +1,15 @@
+"""GPU tests run on the GPU machine (`pytest -m gpu tests/gpu`); without CUDA every gpu-marked test is skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
