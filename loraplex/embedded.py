@@ -41,6 +41,7 @@ class Stack:
             LORAPLEX_POOL=s.pool,
             LORAPLEX_SLOTS=str(s.slots),
             LORAPLEX_MAX_RANK=str(s.max_rank),
+            LORAPLEX_WORLD_SIZE=str(s.world_size),
             LORAPLEX_MODEL_CACHE=str(s.resolved_model_cache),
             LORAPLEX_BLOB_ROOT=str(s.resolved_blob_root),
             PYTHONUNBUFFERED="1",

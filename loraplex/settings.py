@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
     device: str = "cpu"
+    # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
+    # torchrun its WORLD_SIZE wins.
+    world_size: int = Field(default=1, ge=1)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8700

@@ -13,16 +13,26 @@ from torch import nn
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
 from loraplex.workers.batching import PreparedItem, SeqRef, layout, prepare_item, split_microbatches
+from loraplex.workers.distributed import (
+    RankGroup,
+    all_gather_varlen,
+    all_reduce_slot_grads,
+    shard_base_model,
+    split_rows,
+)
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
     LoraContext,
+    LoraOp,
     Routing,
     SlotBankLinear,
     check_only_lora_trainable,
     install_slot_banks,
+    select_lora_op,
 )
-from loraplex.workers.losses import LOSS_CHUNK_TOKENS, target_logprobs
+from loraplex.workers.losses import LOSS_CHUNK_TOKENS
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
+from loraplex.workers.trunk import Trunk
 
 # (model_id, data, loss_fn, loss_fn_config, forward_only)
 FBItem = tuple[str, Sequence[Mapping[str, Any]], str, Mapping[str, Any] | None, bool]
@@ -52,7 +62,11 @@ class Engine:
         device: str | torch.device | None = None,
         microbatch_tokens: int = 4096,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        lora_op: LoraOp | None = None,
+        dist: RankGroup | None = None,
     ) -> None:
+        if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
+            device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()  # eval: no dropout; LoRA has none either
         self.num_slots = slots
@@ -60,8 +74,9 @@ class Engine:
         self.microbatch_tokens = microbatch_tokens
         self.loss_chunk_tokens = loss_chunk_tokens
         self.context = LoraContext()
+        op = lora_op or select_lora_op(self.device, next(model.parameters()).dtype)  # grouped_mm where it is faster
         self.banks: dict[str, SlotBankLinear] = install_slot_banks(
-            model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context
+            model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
         )
         self.target_modules = tuple(dict.fromkeys(target_modules))
         self.body = model.get_decoder()  # runs embeddings -> layers -> final norm
@@ -77,6 +92,11 @@ class Engine:
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(slots))
         check_only_lora_trainable(model)
+        self.trunk = Trunk(self.body, self.head)
+        self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
+        if self.dist is not None:
+            # FSDP2: each decoder layer a unit, the trunk the root; the banks stay whole, replicated (distributed.py).
+            shard_base_model(self.trunk, self.body.layers, self.optimizer.params, self.dist.mesh)
 
     # ---- adapters ----------------------------------------------------------------------------------------------------
     @property
@@ -192,11 +212,28 @@ class Engine:
         check_only_lora_trainable(self.model)
         logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]
         losses: list[torch.Tensor] = [torch.zeros((), device=self.device) for _ in prepared]
-        for mb in split_microbatches(layout(prepared), self.microbatch_tokens):
-            self._run_microbatch(prepared, mb, logprobs, losses)
+        # Rows split across ranks (one rank: all of them); every rank knows every rank's microbatches.
+        world, rank = (self.dist.world_size, self.dist.rank) if self.dist is not None else (1, 0)
+        per_rank = [split_microbatches(part, self.microbatch_tokens) for part in split_rows(layout(prepared), world)]
+        trained = sorted({self.adapter(it.model_id).slot for it in prepared if not it.forward_only})
+        earlier = self._take_grads(trained) if self.dist is not None and trained else None
+        for k in range(max(len(mbs) for mbs in per_rank)):
+            # Backward in microbatch k on every rank iff some rank trains in it: the FSDP collectives line up.
+            trainable = any(not prepared[s.item].forward_only for mbs in per_rank if k < len(mbs) for s in mbs[k])
+            if k < len(per_rank[rank]):
+                self._run_microbatch(prepared, per_rank[rank][k], logprobs, losses, trainable)
+            else:
+                self._run_dummy_microbatch(trainable)
+        if self.dist is not None:
+            if earlier is not None:
+                self._reduce_grads(trained, earlier)
+            losses = self._gather_outputs(per_rank, logprobs, losses)
         loss_values = torch.stack(losses).tolist() if losses else []
         return [
-            {"loss_fn_outputs": [{"logprobs": lp} for lp in logprobs[i]], "metrics": {"loss:sum": loss_values[i]}}
+            {
+                "loss_fn_outputs": [{"logprobs": lp} for lp in logprobs[i]],
+                "metrics": {"loss:sum": loss_values[i], **prepared[i].metrics(logprobs[i])},  # name:reduction keys
+            }
             for i in range(len(prepared))
         ]
 
@@ -225,7 +262,10 @@ class Engine:
         mb: Sequence[SeqRef],
         logprobs: list[list[list[float]]],
         losses: list[torch.Tensor],
+        trainable: bool | None = None,
     ) -> None:
+        """Forward (and backward when `trainable`: by default, when a row of `mb` trains) one microbatch; fills in its
+        datums' logprobs and adds to its items' losses."""
         batch, seq_len = len(mb), max(s.length for s in mb)
         datums = [items[s.item].datums[s.datum] for s in mb]
         # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs are
@@ -238,11 +278,10 @@ class Engine:
         tokens, real_rows, targets = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows, targets))
         positions = torch.arange(seq_len, device=self.device).expand(batch, seq_len)
         routing = self._routing(items, mb, seq_len)
-        trainable = any(not items[s.item].forward_only for s in mb)
+        if trainable is None:
+            trainable = any(not items[s.item].forward_only for s in mb)
         with self.context.use(routing), torch.set_grad_enabled(trainable):
-            hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-            hidden = hidden.reshape(batch * seq_len, -1).index_select(0, real_rows)
-            lp = target_logprobs(hidden, self.head.weight, targets, self.loss_chunk_tokens)
+            lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens)
             total: torch.Tensor | None = None
             start = 0
             for item_index, run in _runs_by_item(mb):
@@ -260,8 +299,70 @@ class Engine:
                 start += count
             if total is not None:
                 total.backward()
+            elif trainable:  # only forward-only rows here, but other ranks train: same backward, zero gradient
+                (lp.sum() * 0.0).backward()
+        self._after_forward(trainable)
         for seq, values in zip(mb, lp.detach().cpu().split([s.length for s in mb]), strict=True):
             logprobs[seq.item][seq.datum] = values.tolist()
+
+    # ---- several ranks (workers/distributed.py) ------------------------------------------------------------------------
+    def _run_dummy_microbatch(self, trainable: bool) -> None:
+        """This rank has no rows left in a microbatch other ranks run: one pad token through every layer (LoRA scale 0,
+        loss x 0), with a backward when they do one, so that every FSDP all-gather happens on every rank."""
+        one = torch.full((1, 1), self.pad_id, dtype=torch.int64, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        routing = Routing.build([0], [1], [0.0], [1], self.device)
+        with self.context.use(routing), torch.set_grad_enabled(trainable):
+            lp = self.trunk(one, zero.view(1, 1), zero, one.view(1), self.loss_chunk_tokens)
+            if trainable:
+                (lp.sum() * 0.0).backward()
+        self._after_forward(trainable)
+
+    def _after_forward(self, trainable: bool) -> None:
+        if self.dist is not None and not trainable:
+            # FSDP2 keeps the root unit (embeddings, head) gathered after a forward for its backward; none comes.
+            self.trunk.reshard()  # type: ignore[operator]
+
+    def _take_grads(self, slots: Sequence[int]) -> list[torch.Tensor | None]:
+        """Set aside the slots' accumulated gradients (global: equal on every rank) and zero them, so the coming
+        backward leaves this rank's own contribution there alone."""
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        earlier: list[torch.Tensor | None] = []
+        for p in self.optimizer.params:
+            earlier.append(p.grad.index_select(0, idx) if p.grad is not None else None)
+            if p.grad is not None:
+                p.grad.index_fill_(0, idx, 0.0)
+        return earlier
+
+    def _reduce_grads(self, slots: Sequence[int], earlier: Sequence[torch.Tensor | None]) -> None:
+        """grad[slots] = earlier + SUM over ranks of this step's contributions (one all-reduce for every bank)."""
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        summed = all_reduce_slot_grads(self.optimizer.params, slots)
+        for p, total, before in zip(self.optimizer.params, summed, earlier, strict=True):
+            if before is not None:
+                total = before + total
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.index_copy_(0, idx, total)
+
+    def _gather_outputs(
+        self, per_rank: Sequence[Sequence[Sequence[SeqRef]]], logprobs: list[list[list[float]]], losses: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Every rank's datum logprobs and loss partial sums on every rank (one all-gather); returns the summed losses."""
+        assert self.dist is not None
+        seqs = [[s for mb in mbs for s in mb] for mbs in per_rank]
+        tokens = [sum(s.length for s in rank_seqs) for rank_seqs in seqs]
+        mine = [v for s in seqs[self.dist.rank] for v in logprobs[s.item][s.datum]]
+        partial = torch.stack(losses).double().cpu() if losses else torch.zeros(0, dtype=torch.float64)
+        local = torch.cat([torch.tensor(mine, dtype=torch.float64), partial]).to(self.device)
+        pieces = all_gather_varlen(local, [n + len(losses) for n in tokens])
+        totals = torch.zeros(len(losses), dtype=torch.float64)
+        for rank_seqs, n, piece in zip(seqs, tokens, pieces, strict=True):
+            piece = piece.cpu()
+            for s, values in zip(rank_seqs, piece[:n].split([s.length for s in rank_seqs]), strict=True):
+                logprobs[s.item][s.datum] = values.tolist()
+            totals += piece[n:]
+        return list(totals.unbind())
 
     # ---- optimizer ---------------------------------------------------------------------------------------------------
     def optim_step(

@@ -1,67 +1,176 @@
 """The worker pool process (`python -m loraplex.workers.pool`): loads the base model, builds the engine, and runs the
 dispatcher as pool leader on rank 0. Service dependencies (redis, SQL) are imported here only, so the engine modules
-stay importable on the GPU machine without them."""
+stay importable on the GPU machine without them.
+
+World size N > 1 (setting `world_size`, or torchrun's WORLD_SIZE): this process is rank 0 and spawns ranks 1..N-1
+(under torchrun every rank runs this module and the non-zero ranks only follow). Each plan goes from rank 0 to every
+rank (workers/rank_loop.py); base weights are FSDP2-sharded and rows split across ranks (workers/distributed.py).
+World size 1 makes no process group at all.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
 import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loraplex.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    import torch
+    from torch.multiprocessing import ProcessContext
+
+    from loraplex.workers.distributed import RankGroup
+    from loraplex.workers.rank_loop import EngineSpec
 
 log = logging.getLogger("loraplex.pool")
 
 HEARTBEAT_SECONDS = 5.0
+RANK_CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class BaseModelLoader:
+    """Loads the pool's base model on a rank's device; picklable, so spawned ranks load it themselves."""
+
+    name: str
+    cache_dir: str
+
+    def prepare(self) -> None:
+        """Build a folder preset (tiny) into the cache now, before any process group exists: transformers'
+        save_pretrained writes nothing on a non-zero rank of an initialised group."""
+        from loraplex.models import SHAPE_PRESETS, resolve
+
+        if self.name not in SHAPE_PRESETS:
+            resolve(self.name, self.cache_dir)
+
+    def __call__(self, device: torch.device) -> torch.nn.Module:
+        from loraplex.models import load_base_model
+
+        model, _tokenizer = load_base_model(self.name, self.cache_dir, device=device)
+        return model
+
+
+def engine_spec(settings: Settings) -> EngineSpec:
+    from loraplex.workers.rank_loop import EngineSpec
+
+    return EngineSpec(
+        load_model=BaseModelLoader(settings.base_model, str(settings.resolved_model_cache)),
+        device=settings.device,
+        engine_kwargs={
+            "slots": settings.slots,
+            "max_rank": settings.max_rank,
+            "target_modules": tuple(settings.target_modules),
+            "microbatch_tokens": settings.microbatch_tokens,
+        },
+    )
 
 
 def run_pool(settings: Settings, stop: threading.Event) -> None:
+    from loraplex.workers.distributed import RankEnv, destroy_rank_group, init_rank_group, torchrun_env
+    from loraplex.workers.rank_loop import run_follower, spawn_ranks
+
+    spec = engine_spec(settings)
+    env = torchrun_env()
+    if settings.world_size > 1 or env is not None:
+        BaseModelLoader(settings.base_model, str(settings.resolved_model_cache)).prepare()
+    if env is not None and env.world_size > 1 and env.rank != 0:  # torchrun: a follower rank, nothing else
+        group = init_rank_group(env, settings.device)
+        run_follower(group, spec)
+        destroy_rank_group()
+        sys.stdout.flush()
+        os._exit(0)
+    world = env.world_size if env is not None else settings.world_size
+    ranks: ProcessContext | None = None
+    group: RankGroup | None = None
+    if world > 1:
+        if env is None:  # this process is rank 0; spawn the others
+            ranks, port = spawn_ranks(
+                run_follower, (spec,), world_size=world, ranks=range(1, world), device=settings.device
+            )
+            env = RankEnv(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
+        group = init_rank_group(env, settings.device)
+        log.info("rank 0 of %d joined the process group", world)
+    try:
+        _lead(settings, stop, spec, group, world, ranks)
+    finally:
+        if group is not None:
+            destroy_rank_group()
+        if ranks is not None:
+            try:
+                ranks.join(timeout=30)
+            except Exception:  # a rank failed: its traceback is in the exception
+                log.exception("a rank process failed")
+
+
+def _lead(
+    settings: Settings,
+    stop: threading.Event,
+    spec: EngineSpec,
+    group: RankGroup | None,
+    world: int,
+    ranks: ProcessContext | None,
+) -> None:
     import redis
 
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.records import OutcomeRecorder
     from loraplex.embedded import ready_file
-    from loraplex.models import load_base_model
     from loraplex.storage.db import make_engine, session_factory
     from loraplex.storage.repositories import PoolRepository, unit_of_work
-    from loraplex.workers.engine import Engine
     from loraplex.workers.executor import PlanExecutor
+    from loraplex.workers.rank_loop import LeaderExecutor, build_engine
 
     sessions = session_factory(make_engine(settings.resolved_database_url))
-    model, _tokenizer = load_base_model(settings.base_model, settings.resolved_model_cache, device=settings.device)
-    engine = Engine(
-        model,
-        slots=settings.slots,
-        max_rank=settings.max_rank,
-        target_modules=settings.target_modules,
-        device=settings.device,
-        microbatch_tokens=settings.microbatch_tokens,
-    )
+    engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
+    executor = PlanExecutor(engine)
+    leader = LeaderExecutor(executor, group) if group is not None else None
     recorder = OutcomeRecorder(sessions)
     dispatcher = Dispatcher(
         redis.Redis.from_url(settings.redis_url),
         settings.pool,
-        recorder.timed(PlanExecutor(engine)),
+        recorder.timed(leader or executor),
         on_outcomes=recorder,
         settings=settings,
         applied_seq_lookup=recorder.applied_seq,
     )
+    ready = ready_file(settings)
 
     def heartbeat() -> None:
         while not stop.is_set():
             with unit_of_work(sessions) as session:
-                PoolRepository(session).heartbeat(settings.pool, settings.base_model, 1, settings.slots)
+                PoolRepository(session).heartbeat(settings.pool, settings.base_model, world, settings.slots)
             stop.wait(HEARTBEAT_SECONDS)
 
+    def watch_ranks(context: ProcessContext) -> None:
+        """A rank that dies leaves the others stuck in a collective: end the pool (its state is durable elsewhere)."""
+        while not stop.wait(RANK_CHECK_SECONDS):
+            dead = [p for p in context.processes if not p.is_alive()]
+            if dead:
+                log.error("rank process(es) %s exited (%s): stopping the pool", [p.pid for p in dead],
+                          [p.exitcode for p in dead])  # fmt: skip
+                ready.unlink(missing_ok=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+
     threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True).start()
-    ready = ready_file(settings)
+    if ranks is not None:
+        threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
     ready.write_text(str(os.getpid()))
-    log.info("pool %s ready: base model %s, %d slots", settings.pool, settings.base_model, settings.slots)
+    log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
+             settings.slots, world)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
     finally:
         ready.unlink(missing_ok=True)
+        if leader is not None:
+            stop.set()  # the rank watcher stands down: the followers leave on purpose now
+            leader.close()
 
 
 def main() -> None:
@@ -69,7 +178,13 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    run_pool(get_settings(), stop)
+    settings = get_settings()
+    run_pool(settings, stop)
+    if settings.world_size > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        # After destroy_process_group, skip the interpreter's exit handlers (a rare abort there; platform.md).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

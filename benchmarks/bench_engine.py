@@ -1,0 +1,248 @@
+"""Engine benchmark (issue B): plain PEFT, our engine one adapter at a time ("single-resident", no swap costs), and our
+engine concurrent (one mixed forward/backward + one batched AdamW), on a random-init Qwen3-shaped model.
+
+    python3 benchmarks/bench_engine.py --model qwen3-4b-shape --rank 32 --seq-len 512 --cap 4096 --out results.json
+
+Workloads: "underfilled" (4 adapters x 1 sequence each) and "saturated" (4 adapters x 8 sequences each). Every variant
+is timed in the same process after warm-up; times are medians over --iters steps, with the GPU synchronised around
+each phase. Needs only torch, transformers, peft and loraplex.workers/models (runs on the GPU image)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from loraplex.workers.engine import Engine  # noqa: E402
+from loraplex.workers.losses import target_logprobs  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    dtype = getattr(torch, args.dtype)
+    if args.model.endswith("-shape"):
+        return build_preset_model(args.model, dtype=dtype, device=args.device)
+    model, _ = load_base_model(args.model, Path(args.cache), dtype=dtype, device=args.device)
+    return model
+
+
+def datums(vocab: int, n: int, seq_len: int, gen: torch.Generator) -> list[dict[str, Any]]:
+    out = []
+    for _ in range(n):
+        toks = torch.randint(0, vocab, (seq_len + 1,), generator=gen).tolist()
+        out.append({"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * seq_len}})
+    return out
+
+
+def timed(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def peak_reset() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+# ---- baselines ----------------------------------------------------------------------------------------------------
+def bench_frozen_base(model, args, tokens_per_step: int) -> dict[str, float]:
+    """Forward + backward of the frozen base alone (activation grads only): the floor LoRA is measured against."""
+    gen = torch.Generator().manual_seed(1)
+    n_seq = tokens_per_step // args.seq_len
+    ids = torch.randint(0, model.config.vocab_size, (n_seq, args.seq_len + 1), generator=gen).to(args.device)
+    body, head = model.get_decoder(), model.get_output_embeddings()
+
+    def step() -> None:
+        embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
+        hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
+        (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten())).sum().backward()
+
+    peak_reset()
+    times = timed(step, args.iters, args.warmup)
+    return {"step_s": statistics.median(times), "tok_s": tokens_per_step / statistics.median(times), "peak_gb": peak_gb()}
+
+
+def bench_peft(args, tokens_per_step: int) -> dict[str, float]:
+    """Plain PEFT, one adapter, HF causal-LM loss, torch AdamW (fused on CUDA)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_model(args)
+    peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(TARGETS)))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=torch.cuda.is_available())
+    gen = torch.Generator().manual_seed(2)
+    n_seq = tokens_per_step // args.seq_len
+    ids = torch.randint(0, model.config.vocab_size, (n_seq, args.seq_len), generator=gen).to(args.device)
+    phase: dict[str, list[float]] = {"fwd_bwd": [], "optim": []}
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        sync()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        phase["fwd_bwd"].append(t1 - t0)
+        phase["optim"].append(time.perf_counter() - t1)
+
+    peak_reset()
+    times = timed(step, args.iters, args.warmup)
+    result = {
+        "step_s": statistics.median(times),
+        "tok_s": tokens_per_step / statistics.median(times),
+        "fwd_bwd_s": statistics.median(phase["fwd_bwd"][args.warmup :]),
+        "optim_s": statistics.median(phase["optim"][args.warmup :]),
+        "peak_gb": peak_gb(),
+    }
+    return result  # the PEFT model is freed when this frame goes
+
+
+# ---- our engine ---------------------------------------------------------------------------------------------------
+def bench_engine_workload(engine: Engine, ids: list[str], per_adapter: int, args, concurrent: bool) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(3)
+    data = {m: datums(engine.vocab_size, per_adapter, args.seq_len, gen) for m in ids}
+    adam = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    tokens = len(ids) * per_adapter * args.seq_len
+    phase: dict[str, list[float]] = {"fwd_bwd": [], "optim": []}
+
+    def run(group: list[str]) -> None:
+        t0 = time.perf_counter()
+        engine.forward_backward([(m, data[m], "cross_entropy", None, False) for m in group])
+        sync()
+        t1 = time.perf_counter()
+        results = engine.optim_step([(m, adam) for m in group])
+        sync()
+        assert all(isinstance(r, dict) for r in results), results
+        phase["fwd_bwd"][-1] += t1 - t0
+        phase["optim"][-1] += time.perf_counter() - t1
+
+    def step() -> None:
+        phase["fwd_bwd"].append(0.0)
+        phase["optim"].append(0.0)
+        if concurrent:
+            run(ids)
+        else:
+            for m in ids:  # one tenant at a time, as a single-resident server would run them
+                run([m])
+
+    peak_reset()
+    times = timed(step, args.iters, args.warmup)
+    return {
+        "step_s": statistics.median(times),
+        "tok_s": tokens / statistics.median(times),
+        "fwd_bwd_s": statistics.median(phase["fwd_bwd"][args.warmup :]),
+        "optim_s": statistics.median(phase["optim"][args.warmup :]),
+        "peak_gb": peak_gb(),
+    }
+
+
+def lora_ops() -> dict[str, Any]:
+    from loraplex.workers import lora
+
+    ops = {"reference": lora.lora_delta_reference}
+    grouped = getattr(lora, "lora_delta_grouped", None)
+    if grouped is not None:
+        ops["grouped"] = grouped
+    return ops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen3-4b-shape")
+    p.add_argument("--cache", default=".loraplex/models", help="model cache (only for non-shape models)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--cap", type=int, default=4096, help="microbatch token cap")
+    p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--saturated-seqs", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ops", default="auto", help="comma list of LoRA ops to compare: auto,reference,grouped")
+    p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    env = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": args.model,
+        "dtype": args.dtype,
+        "rank": args.rank,
+        "seq_len": args.seq_len,
+        "cap": args.cap,
+        "adapters": args.adapters,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results: dict[str, Any] = {"env": env}
+    saturated_tokens = args.saturated_seqs * args.seq_len
+    if not args.skip_peft:
+        results["peft_single"] = bench_peft(args, saturated_tokens)
+        peak_reset()
+        print("peft", results["peft_single"], flush=True)
+
+    model = build_model(args)
+    results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
+    print("frozen base", results["frozen_base"], flush=True)
+    engine = Engine(model, slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+                    device=args.device, microbatch_tokens=args.cap)  # fmt: skip
+    for i in range(args.adapters):
+        engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
+    default_op = next(iter(engine.banks.values())).op
+    for op_name in args.ops.split(","):
+        op = default_op if op_name == "auto" else lora_ops()[op_name]
+        for bank in engine.banks.values():
+            bank.op = op
+        results.setdefault("ops", {})[op_name] = getattr(op, "__name__", str(op))
+        ids = [f"a{i}" for i in range(args.adapters)]
+        per_op: dict[str, Any] = {}
+        for workload, per_adapter in (("underfilled", 1), ("saturated", args.saturated_seqs)):
+            single = bench_engine_workload(engine, ids, per_adapter, args, concurrent=False)
+            mixed = bench_engine_workload(engine, ids, per_adapter, args, concurrent=True)
+            per_op[workload] = {"single": single, "concurrent": mixed, "ratio": mixed["tok_s"] / single["tok_s"]}
+            print(op_name, workload, per_op[workload], flush=True)
+        lone = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
+        per_op["lone_1x512"] = lone
+        per_op["one_adapter_8x512"] = bench_engine_workload(engine, ids[:1], args.saturated_seqs, args, concurrent=True)
+        print(op_name, "lone", lone, flush=True)
+        results[f"engine_{op_name}"] = per_op
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The rank loop: how a batch plan reaches every rank of a pool, and how the extra rank processes are started.
+
+Rank 0 is the pool leader: it runs the dispatcher, and its executor (`LeaderExecutor`) broadcasts each plan on the
+control group before executing it; every other rank sits in `follow`: receive a plan, execute it, repeat, until the
+leader's stop message. All ranks run the same PlanExecutor on the same plan and the same engine state, so they decide
+every validation error alike and take part in every collective; only rank 0's outcomes are used.
+
+Launch: under torchrun every process reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (see
+`distributed.torchrun_env`); otherwise the pool process is rank 0 and `spawn_ranks` starts ranks 1..N-1 with
+torch.multiprocessing (start method "spawn"). Imports: torch, stdlib, loraplex.dispatch.plan and workers/ only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from loraplex.dispatch.plan import BatchPlan, Outcome
+from loraplex.workers.distributed import (
+    RankEnv,
+    RankGroup,
+    barrier,
+    broadcast_message,
+    destroy_rank_group,
+    init_rank_group,
+)
+from loraplex.workers.engine import Engine
+from loraplex.workers.executor import PlanExecutor
+
+log = logging.getLogger(__name__)
+
+STOP = "stop"
+PLAN = "plan"
+
+# device -> base model on that device (a picklable callable: it crosses into spawned ranks).
+ModelLoader = Callable[[torch.device], nn.Module]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rank needs to build its engine; the same on every rank."""
+
+    load_model: ModelLoader
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL; each rank takes cuda:LOCAL_RANK)
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # slots, max_rank, target_modules, microbatch_tokens
+
+
+def build_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:
+    """The engine of this rank: with a group of several ranks, base weights sharded and rows split (distributed.py)."""
+    device = group.device if group is not None else torch.device(spec.device)
+    model = spec.load_model(device)
+    engine = Engine(model, device=device, dist=group, **dict(spec.engine_kwargs))
+    if group is not None:
+        barrier(group)  # every rank has its engine: a rank that failed to build one fails the pool's start here
+    return engine
+
+
+class LeaderExecutor:
+    """Rank 0's executor: every plan goes to all ranks first, then runs here (in step with them)."""
+
+    def __init__(self, executor: PlanExecutor, group: RankGroup) -> None:
+        if not group.is_leader:
+            raise ValueError("only rank 0 leads")
+        self.executor = executor
+        self.group = group
+        self.closed = False
+
+    @property
+    def engine(self) -> Engine:
+        return self.executor.engine
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        if self.closed:
+            raise RuntimeError("the pool's ranks were stopped")
+        broadcast_message(self.group, (PLAN, plan))
+        return self.executor.execute(plan)
+
+    def close(self) -> None:
+        """Tell the other ranks to leave `follow` (once)."""
+        if not self.closed:
+            self.closed = True
+            broadcast_message(self.group, (STOP, None))
+
+
+def follow(executor: PlanExecutor, group: RankGroup) -> int:
+    """A non-leader rank's loop: execute each plan the leader sends, until it says stop. Returns the plans executed."""
+    executed = 0
+    while True:
+        kind, plan = broadcast_message(group)  # type: ignore[misc]
+        if kind == STOP:
+            return executed
+        executor.execute(plan)  # outcomes are rank 0's to report; per-request errors are decided alike everywhere
+        executed += 1
+
+
+# ---- launching ranks -----------------------------------------------------------------------------------------------
+RankEntry = Callable[..., None]  # entry(group, *args), run in every spawned rank after the group is up
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_ranks(
+    entry: RankEntry,
+    args: tuple[Any, ...],
+    *,
+    world_size: int,
+    ranks: range,
+    device: str,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> tuple[mp.ProcessContext, int]:
+    """Start one process per rank in `ranks` (spawn): each joins the group (`init_rank_group`), runs
+    `entry(group, *args)`, leaves the group and exits with os._exit(0). Returns (the processes, the master port); the
+    caller joins them (`ProcessContext.join` raises with the child's traceback if one fails)."""
+    port = master_port or free_port()
+    context = mp.start_processes(
+        _rank_main,
+        args=(entry, args, world_size, ranks.start, master_addr, port, device),
+        nprocs=len(ranks),
+        join=False,
+        start_method="spawn",
+    )
+    assert context is not None
+    return context, port
+
+
+def _rank_main(
+    index: int,
+    entry: RankEntry,
+    args: tuple[Any, ...],
+    world_size: int,
+    first_rank: int,
+    master_addr: str,
+    master_port: int,
+    device: str,
+) -> None:
+    rank = first_rank + index
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    env = RankEnv(rank=rank, world_size=world_size, local_rank=rank, master_addr=master_addr, master_port=master_port)
+    group = init_rank_group(env, device)
+    entry(group, *args)  # an exception propagates: torch's wrapper reports it to the parent and exits 1
+    destroy_rank_group()
+    # A rare abort at interpreter exit after all work is done (platform.md): leave without the exit handlers.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_follower(group: RankGroup, spec: EngineSpec) -> None:
+    """A follower rank's whole life: build the engine (sharding takes part in collectives with the leader), then follow."""
+    engine = build_engine(spec, group)
+    executed = follow(PlanExecutor(engine), group)
+    log.info("rank %d stopped after %d plans", group.rank, executed)
