@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
+    # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
+    # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
+    # and one batched optimizer step instead of running one by one.
+    plan_tokens: int = 16384
     device: str = "cpu"
     # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
     # torchrun its WORLD_SIZE wins.

@@ -80,7 +80,7 @@ class Dispatcher:
         self.results = ResultStore(redis)
         self.consumer = Consumer(redis, pool, consumer_name, self.results)
         self.redis = redis
-        self.limits = PolicyLimits(microbatch_tokens=settings.microbatch_tokens, max_requests=max_requests_per_plan)
+        self.limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan)
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.block_ms = block_ms
         self.read_count = read_count

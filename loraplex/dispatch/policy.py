@@ -11,7 +11,7 @@ is reported in `blocked` (model_id -> missing seq_id) so the loop can time it ou
 The plan's steps, in order:
   1. one CREATE step with every pending create_adapter;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
-     forward requests form ONE FORWARD_BACKWARD step (up to the microbatch token cap; a single request over the cap
+     forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a single request over the cap
      still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it. Taking a
      request advances that adapter's seq_id, so its next request can join the next round (an adapter's
      forward_backward in one step, its optim_step in a later step of the same plan). Rounds repeat while anything is
@@ -38,7 +38,7 @@ _FORWARDS = (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD)
 
 @dataclass(frozen=True)
 class PolicyLimits:
-    microbatch_tokens: int = 4096  # token cap of one FORWARD_BACKWARD step
+    plan_tokens: int = 16384  # token cap of one FORWARD_BACKWARD step (the engine microbatches it)
     max_requests: int = 256  # requests in one plan, all steps together
 
 
@@ -108,7 +108,7 @@ def plan_batch(
             if r.kind in _FORWARDS:
                 if fb_closed:
                     continue
-                if fb and fb_tokens + r.num_tokens > limits.microbatch_tokens:
+                if fb and fb_tokens + r.num_tokens > limits.plan_tokens:
                     fb_closed = True  # later candidates must not jump it: it leads the next round
                     continue
                 fb.append(i)

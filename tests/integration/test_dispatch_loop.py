@@ -85,7 +85,7 @@ def _drain(d: Dispatcher, results: ResultStore, request_ids: list[str], limit_s:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(microbatch_tokens=4096)
+    return Settings(plan_tokens=4096)
 
 
 def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(

@@ -96,12 +96,12 @@ def test_at_most_one_request_per_adapter_per_step_and_chains_span_steps() -> Non
 
 def test_token_cap_splits_steps_and_an_oversized_request_goes_alone() -> None:
     pending = [req("a", 1, tokens=300), req("b", 1, tokens=300), req("c", 1, tokens=300)]
-    out = run(pending, microbatch_tokens=700)
+    out = run(pending, plan_tokens=700)
     assert steps(out.plan) == [
         (StepKind.FORWARD_BACKWARD, [("a", 1), ("b", 1)]),
         (StepKind.FORWARD_BACKWARD, [("c", 1)]),
     ]
-    out = run([req("big", 1, tokens=5000), req("small", 1, tokens=10)], microbatch_tokens=4096)
+    out = run([req("big", 1, tokens=5000), req("small", 1, tokens=10)], plan_tokens=4096)
     assert steps(out.plan) == [
         (StepKind.FORWARD_BACKWARD, [("big", 1)]),
         (StepKind.FORWARD_BACKWARD, [("small", 1)]),
@@ -119,7 +119,7 @@ def test_max_requests_leaves_the_rest_pending_in_arrival_order() -> None:
 def test_oldest_waiting_adapter_goes_first_when_the_cap_forces_a_choice() -> None:
     # b's oldest request arrived before a's: b waited longer, although a's head arrived first.
     pending = [req("b", 3), req("a", 1, tokens=100), req("b", 2, tokens=100)]
-    out = run(pending, {"b": 1}, microbatch_tokens=100, max_requests=1)
+    out = run(pending, {"b": 1}, plan_tokens=100, max_requests=1)
     assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("b", 2)])]
     assert out.duplicates == ()
 
@@ -127,7 +127,7 @@ def test_oldest_waiting_adapter_goes_first_when_the_cap_forces_a_choice() -> Non
 def test_a_tenant_with_many_adapters_does_not_crowd_out_another() -> None:
     # t1 floods with 6 adapters (arrived first); t2's single adapter arrived last. One request fits per step.
     pending = [req(f"a{i}", 1, tokens=100, tenant="t1") for i in range(6)] + [req("z", 1, tokens=100, tenant="t2")]
-    out = run(pending, microbatch_tokens=100, max_requests=3)
+    out = run(pending, plan_tokens=100, max_requests=3)
     assert [r.model_id for r in out.plan.requests] == ["a0", "z", "a1"]
 
 
@@ -139,7 +139,7 @@ def test_no_tenant_starves_under_a_steady_flood() -> None:
     last: dict[str, int | None] = {}
     served_z = []
     for round_no in range(20):
-        out = run(pending, last, microbatch_tokens=64, max_requests=2)
+        out = run(pending, last, plan_tokens=64, max_requests=2)
         assert out.plan.steps
         last.update(out.applied_seq)
         served_z += [(round_no, r.seq_id) for r in out.plan.requests if r.model_id == "z"]
