@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--saturated-seqs", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--ops", default="auto", help="comma list of LoRA ops to compare: auto,reference,grouped")
+    p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
@@ -223,10 +223,12 @@ def main() -> None:
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op
     for op_name in args.ops.split(","):
+        # auto: the engine's default (the fused per-microbatch path); a named op: that op per layer, unfused.
         op = default_op if op_name == "auto" else lora_ops()[op_name]
+        engine.fused_lora = op_name == "auto"
         for bank in engine.banks.values():
             bank.op = op
-        results.setdefault("ops", {})[op_name] = getattr(op, "__name__", str(op))
+        results.setdefault("ops", {})[op_name] = "fused" if engine.fused_lora else getattr(op, "__name__", str(op))
         ids = [f"a{i}" for i in range(args.adapters)]
         per_op: dict[str, Any] = {}
         for workload, per_adapter in (("underfilled", 1), ("saturated", args.saturated_seqs)):

@@ -26,9 +26,11 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--rows", default="1,8", help="sequences per profiled step")
     p.add_argument("--out", default=None, help="folder for the tables")
+    p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096)
+    engine = Engine(model, slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
+                    fused_lora=not args.unfused)  # fmt: skip
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     adam = {"learning_rate": 1e-5}
     for n in (int(r) for r in args.rows.split(",")):

@@ -1,5 +1,10 @@
 """The training engine of one worker: a frozen base model with slot banks, adapters in slots, mixed-batch
-forward/backward with gradient accumulation, and batched AdamW. Reference path (plain torch); fused paths plug in as ops."""
+forward/backward with gradient accumulation, and batched AdamW.
+
+LoRA path (DESIGN.md choices 1-3): by default the fused one (lora/fused.py): per microbatch the groups' slots are gathered
+from the optimizer's flat master buffer and cast once, every LoRA layer is one autograd node reading views of that, and
+the microbatch's gradients are folded into the optimizer's flat gradient with one index_add_. `fused_lora=False` (the
+default when an explicit `lora_op` is given) runs the op per layer on the master banks through autograd instead."""
 
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ from loraplex.workers.distributed import (
 )
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
+    BankLayout,
     LoraContext,
     LoraOp,
+    MicrobatchBanks,
     Routing,
     SlotBankLinear,
     check_only_lora_trainable,
     install_slot_banks,
+    lora_delta_grouped,
     select_lora_op,
 )
 from loraplex.workers.losses import LOSS_CHUNK_TOKENS
@@ -63,8 +71,13 @@ class Engine:
         microbatch_tokens: int = 4096,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
         lora_op: LoraOp | None = None,
+        fused_lora: bool | None = None,
         dist: RankGroup | None = None,
     ) -> None:
+        """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
+        cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
+        several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
+        else through the reference loop. The flag may be flipped between calls."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -74,7 +87,10 @@ class Engine:
         self.microbatch_tokens = microbatch_tokens
         self.loss_chunk_tokens = loss_chunk_tokens
         self.context = LoraContext()
-        op = lora_op or select_lora_op(self.device, next(model.parameters()).dtype)  # grouped_mm where it is faster
+        self.compute_dtype = next(model.parameters()).dtype  # the activations' dtype: banks are cast to it
+        op = lora_op or select_lora_op(self.device, self.compute_dtype)  # grouped_mm where it is faster
+        self.fused_lora = lora_op is None if fused_lora is None else bool(fused_lora)
+        self._fused_grouped = op is lora_delta_grouped
         self.banks: dict[str, SlotBankLinear] = install_slot_banks(
             model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
         )
@@ -89,6 +105,9 @@ class Engine:
             params += [bank.lora_A, bank.lora_B]
             rank_dims += [2, 1]  # A [S, in, r]: rank last; B [S, r, out]: rank in the middle
         self.optimizer = SlotAdamW(params, rank_dims, slots)
+        for i, bank in enumerate(self.banks.values()):
+            (a_start, _), (b_start, _) = self.optimizer._segments[2 * i], self.optimizer._segments[2 * i + 1]
+            bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(slots))
         check_only_lora_trainable(model)
@@ -210,6 +229,7 @@ class Engine:
         into each trainable item's slot). Raises InvalidRequestError / NotFoundError on bad input before running."""
         prepared = [it if isinstance(it, PreparedItem) else self.prepare(*it) for it in items]
         check_only_lora_trainable(self.model)
+        self.optimizer._adopt()  # the fused path reads and writes the flat buffers: the banks must be their views
         logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]
         losses: list[torch.Tensor] = [torch.zeros((), device=self.device) for _ in prepared]
         # Rows split across ranks (one rank: all of them); every rank knows every rank's microbatches.
@@ -243,10 +263,16 @@ class Engine:
         ranks: list[int] = []
         scales: list[float] = []
         rows: list[int] = []
+        seen: set[str] = set()
         previous = None
         for seq in mb:
             model_id = items[seq.item].model_id
             if model_id != previous:
+                if model_id in seen:
+                    # batching.layout keeps each adapter's rows contiguous; the fused path's one-op gradient fold
+                    # (index_add_ over the groups' slots) relies on it.
+                    raise EngineError(f"internal: adapter {model_id!r} has two row groups in one microbatch")
+                seen.add(model_id)
                 r = self.adapter(model_id)
                 slots.append(r.slot)
                 ranks.append(r.rank)
@@ -280,7 +306,8 @@ class Engine:
         routing = self._routing(items, mb, seq_len)
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
-        with self.context.use(routing), torch.set_grad_enabled(trainable):
+        banks = self._gather_banks(routing, trainable)
+        with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
             lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens)
             total: torch.Tensor | None = None
             start = 0
@@ -301,6 +328,7 @@ class Engine:
                 total.backward()
             elif trainable:  # only forward-only rows here, but other ranks train: same backward, zero gradient
                 (lp.sum() * 0.0).backward()
+        self._fold_grads(routing, banks)
         self._after_forward(trainable)
         for seq, values in zip(mb, lp.detach().cpu().split([s.length for s in mb]), strict=True):
             logprobs[seq.item][seq.datum] = values.tolist()
@@ -312,11 +340,27 @@ class Engine:
         one = torch.full((1, 1), self.pad_id, dtype=torch.int64, device=self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         routing = Routing.build([0], [1], [0.0], [1], self.device)
-        with self.context.use(routing), torch.set_grad_enabled(trainable):
+        banks = self._gather_banks(routing, trainable)
+        with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
             lp = self.trunk(one, zero.view(1, 1), zero, one.view(1), self.loss_chunk_tokens)
             if trainable:
                 (lp.sum() * 0.0).backward()
+        self._fold_grads(routing, banks)
         self._after_forward(trainable)
+
+    def _gather_banks(self, routing: Routing, trainable: bool) -> MicrobatchBanks | None:
+        """The fused path: the microbatch's slots gathered and cast once (and an fp32 gradient buffer when it trains)."""
+        if not self.fused_lora:
+            return None
+        return MicrobatchBanks.gather(
+            self.optimizer.data, routing, self.compute_dtype, trainable=trainable, grouped=self._fused_grouped
+        )
+
+    def _fold_grads(self, routing: Routing, banks: MicrobatchBanks | None) -> None:
+        """Add the microbatch's gradients into the optimizer's flat gradient (the banks' .grad views): one op. The
+        routing's slots are distinct (see `_routing`), so index_add_ adds each group's row once."""
+        if banks is not None and banks.grads is not None:
+            self.optimizer.grad.index_add_(0, routing.slot_ids, banks.grads)
 
     def _after_forward(self, trainable: bool) -> None:
         if self.dist is not None and not trainable:

@@ -16,7 +16,6 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 
-
 # The banks are strided views into one flat buffer, so autograd warns that their gradients are not laid out like a
 # dense tensor; it still accumulates into them in place, which is all we need (checked by the optimizer tests).
 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")

@@ -4,6 +4,7 @@ unaligned dims, uncovered rows); exact rank padding; op selection; and the whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_partial_requires_grad_and_no_grad() -> None:
     slots, ranks, scales, rows = [0, 5], [8, 2], [0.5, 4.0], [3, 9]
     a, b = make_banks(dict(zip(slots, ranks, strict=True)), 8, 16, 8, seed=5)
     routing = Routing.build(slots, ranks, scales, rows)
-    x = torch.randn(12, 8)  # the first layer's input: frozen embeddings, no grad
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(7))  # the first layer's input: frozen embeddings, no grad
     results = []
     for op in (lora_delta_grouped, lora_delta_reference):
         bank_a, bank_b = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -175,7 +176,13 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 
 
 def check_against_fp32_reference(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, routing: Routing, grad: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: Routing,
+    grad: torch.Tensor,
+    dtype: torch.dtype,
+    run: Callable[..., tuple[torch.Tensor, ...]] | None = None,
 ) -> dict[str, float]:
     """Run the grouped op in `dtype` (x and the incoming gradient rounded to it; banks stay fp32 masters, cast after the
     gather) and the fp32 reference on the same fp32 inputs, then bound every result elementwise:
@@ -187,8 +194,10 @@ def check_against_fp32_reference(
     GEMMs: 2 K u32 with K = in + out + rows + r_max, a generous inner length of the chained products (u32 = 2^-24).
     M is the same quantity computed with |x|, |A|, |B|, |grad| by the fp32 reference (scales are positive): the sum of
     the magnitudes that the rounding errors are relative to. M = 0 (padding, empty groups, unused slots) demands an exact 0.
-    Returns max(error / bound) per result (<= 1 passes)."""
-    got = run_op(lora_delta_grouped, x.to(dtype), a, b, routing, grad.to(dtype))
+    Returns max(error / bound) per result (<= 1 passes). `run(x, a, b, routing, grad)` runs the path under test (default:
+    `run_op` with the grouped op) and returns (delta, x.grad, A-bank grad, B-bank grad)."""
+    run = run or (lambda *args: run_op(lora_delta_grouped, *args))
+    got = run(x.to(dtype), a, b, routing, grad.to(dtype))
     want = run_op(lora_delta_reference, x, a, b, routing, grad)
     magnitude = run_op(lora_delta_reference, x.abs(), a.abs(), b.abs(), routing, grad.abs())
     inner = x.shape[1] + b.shape[2] + x.shape[0] + a.shape[2]
@@ -263,12 +272,15 @@ def make_data(seed: int, lengths: list[int]) -> list[dict]:
 
 
 # One microbatch of all 4 adapters (4 groups); or token-capped microbatches of 1-3 groups with r_max 6 (padded to 8).
+# op None: the engine's default fused path (grouped_mm for several groups); lora_delta_grouped: the per-layer grouped op.
+@pytest.mark.parametrize("op", [None, lora_delta_grouped], ids=["fused", "grouped-op"])
 @pytest.mark.parametrize(("max_rank", "microbatch_tokens"), [(8, 4096), (6, 40)])
 def test_engine_with_grouped_op_equals_engine_with_reference_op(
-    tiny_dir: Path, max_rank: int, microbatch_tokens: int
+    tiny_dir: Path, max_rank: int, microbatch_tokens: int, op: LoraOp | None
 ) -> None:
-    grouped, reference = (make_engine(tiny_dir, op, max_rank, microbatch_tokens) for op in (None, lora_delta_reference))
+    grouped, reference = (make_engine(tiny_dir, o, max_rank, microbatch_tokens) for o in (op, lora_delta_reference))
     assert all(bank.op is lora_delta_grouped for bank in grouped.banks.values())  # the CPU default
+    assert grouped.fused_lora == (op is None) and not reference.fused_lora
     items = [
         ("b", make_data(1, [9, 4]), "cross_entropy", None, False),
         ("a", make_data(2, [5, 11, 3]), "cross_entropy", None, False),

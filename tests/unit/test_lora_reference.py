@@ -10,7 +10,7 @@ import torch
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.workers.engine import Engine
-from loraplex.workers.lora import Routing, lora_delta_reference
+from loraplex.workers.lora import Routing, lora_delta_reference, slot_bank
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,25 @@ def test_reference_op_gradients_stay_in_real_rank_and_owner_slots() -> None:
     assert torch.count_nonzero(a_bank.grad[[0, 3]]) == 0 and torch.count_nonzero(b_bank.grad[[0, 3]]) == 0
 
 
-def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(tiny_dir: Path) -> None:
-    engine = make_engine(tiny_dir, microbatch_tokens=32)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per-layer-op"])
+def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
+    tiny_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layer of a microbatch sees the same Routing object (and, fused, the same gathered MicrobatchBanks)."""
+    engine = make_engine(tiny_dir, microbatch_tokens=32, fused_lora=fused)
     engine.create_adapter("a", 4, 8.0, seed=1)
     engine.create_adapter("b", 8, 8.0, seed=2)
     seen: list[object] = []  # the routing objects themselves: kept alive, so identity is meaningful
+    gathered: list[object] = []
+    if fused:
+        inner_fused = slot_bank.lora_delta_fused
+
+        def spy(x: torch.Tensor, layout: object, banks: object, routing: Routing) -> torch.Tensor:
+            seen.append(routing)
+            gathered.append(banks)
+            return inner_fused(x, layout, banks, routing)
+
+        monkeypatch.setattr(slot_bank, "lora_delta_fused", spy)
     for bank in engine.banks.values():
         inner = bank.op
         bank.op = lambda x, a, b, routing, inner=inner: (seen.append(routing), inner(x, a, b, routing))[1]
@@ -82,6 +96,9 @@ def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(tiny_dir
     distinct = list({id(r): r for r in seen}.values())
     assert len(seen) % per_layer == 0 and len(distinct) == len(seen) // per_layer == 2  # 2 microbatches of 2 rows
     assert all(r is distinct[i // per_layer] for i, r in enumerate(seen))
+    if fused:  # one gather per microbatch, shared by every layer
+        assert len(gathered) == len(seen) and len({id(b) for b in gathered}) == 2
+        assert all(b is gathered[i // per_layer * per_layer] for i, b in enumerate(gathered))
 
 
 def test_rank_padding_is_exact(tiny_dir: Path) -> None:

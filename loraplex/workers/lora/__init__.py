@@ -1,5 +1,7 @@
-"""Slot banks and the LoRA ops (plain-torch reference; the grouped_mm path is tested against it; select_lora_op picks)."""
+"""Slot banks and the LoRA ops (plain-torch reference; the grouped_mm and fused per-microbatch paths are tested against
+it; select_lora_op picks the kernel)."""
 
+from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, lora_delta_fused
 from loraplex.workers.lora.grouped import lora_delta_grouped
 from loraplex.workers.lora.ops import select_lora_op
 from loraplex.workers.lora.reference import lora_delta_reference, lora_delta_single
@@ -13,6 +15,9 @@ from loraplex.workers.lora.slot_bank import (
 )
 
 __all__ = [
+    "BankLayout",
+    "MicrobatchBanks",
+    "lora_delta_fused",
     "DEFAULT_TARGET_MODULES",
     "LoraContext",
     "LoraOp",

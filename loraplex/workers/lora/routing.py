@@ -9,8 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplex.workers.lora.fused import MicrobatchBanks
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -84,15 +88,18 @@ class Routing:
 
 
 class LoraContext:
-    """Shared by every wrapped layer of one model: the current microbatch's routing (None = base model only)."""
+    """Shared by every wrapped layer of one model: the current microbatch's routing (None = base model only) and, on
+    the fused path, its banks gathered and cast once (None = each layer runs its own op on the master banks)."""
 
     def __init__(self) -> None:
         self.routing: Routing | None = None
+        self.banks: MicrobatchBanks | None = None
 
     @contextmanager
-    def use(self, routing: Routing | None) -> Iterator[None]:
-        previous, self.routing = self.routing, routing
+    def use(self, routing: Routing | None, banks: MicrobatchBanks | None = None) -> Iterator[None]:
+        previous = self.routing, self.banks
+        self.routing, self.banks = routing, banks
         try:
             yield
         finally:
-            self.routing = previous
+            self.routing, self.banks = previous

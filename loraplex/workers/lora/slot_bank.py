@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from loraplex.errors import InvalidRequestError
+from loraplex.workers.lora.fused import BankLayout, lora_delta_fused
 from loraplex.workers.lora.reference import lora_delta_reference
 from loraplex.workers.lora.routing import LoraContext, Routing
 
@@ -38,13 +39,21 @@ class SlotBankLinear(nn.Module):
         )
         self.context = context  # a plain object, not a submodule: shared by all layers
         self.op: LoraOp = op or lora_delta_reference
+        # Where the banks sit in the optimizer's flat buffer (set by the engine): the fused path reads the microbatch's
+        # gathered banks (context.banks) through it instead of running `op` on the master banks.
+        self.layout: BankLayout | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         routing = self.context.routing
         if routing is None:
             return y
-        delta = self.op(x.reshape(-1, self.in_features), self.lora_A, self.lora_B, routing)
+        x2 = x.reshape(-1, self.in_features)
+        banks = self.context.banks
+        if banks is not None and self.layout is not None:
+            delta = lora_delta_fused(x2, self.layout, banks, routing)
+        else:
+            delta = self.op(x2, self.lora_A, self.lora_B, routing)
         return y + delta.view(y.shape)
 
     def extra_repr(self) -> str:
