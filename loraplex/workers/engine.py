@@ -143,16 +143,23 @@ class Engine:
             )
         if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
             raise InvalidRequestError(f"alpha must be a positive number, got {alpha!r}")
-        if not self._free:
-            raise CapacityError(f"all {self.num_slots} adapter slots are in use")
-        record = AdapterRecord(model_id, self._free.pop(0), rank, float(alpha), int(seed))
-        self._clear_slot(record.slot)
+        record = self.claim_slot(model_id, rank, alpha, seed)
         gen = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
             for bank in self.banks.values():
                 bound = 1.0 / math.sqrt(bank.in_features)
                 a = torch.empty(rank, bank.in_features).uniform_(-bound, bound, generator=gen)  # PEFT's [r, in] layout
                 bank.lora_A[record.slot, :, :rank] = a.t().to(self.device)
+        return record
+
+    def claim_slot(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+        """Register an adapter in a free, zeroed slot (weights, gradients, Adam state all zero); the caller fills it."""
+        if model_id in self._adapters:
+            raise ConflictError(f"adapter {model_id!r} already exists")
+        if not self._free:
+            raise CapacityError(f"all {self.num_slots} adapter slots are in use")
+        record = AdapterRecord(model_id, self._free.pop(0), int(rank), float(alpha), int(seed))
+        self._clear_slot(record.slot)
         self._adapters[model_id] = record
         return record
 

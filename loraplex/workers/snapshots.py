@@ -1,0 +1,80 @@
+"""An adapter's whole training state as one tensor, for swaps between the GPU slots and host memory or disk.
+
+A snapshot is the slot's four rows of the optimizer's flat buffer (weights, unconsumed gradients, Adam exp_avg and
+exp_avg_sq; zero padding included) plus its Adam step count and hyperparameters. The banks are replicated on every
+rank, so each rank snapshots and restores its own copy: no collective, nothing gathered. Restoring copies the rows
+back bit for bit into any free slot, so training continues exactly as if the adapter had never left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.errors import InvalidRequestError
+from loraplex.workers.engine import AdapterRecord, Engine
+
+ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class PoolSignature:
+    """What a snapshot's rows are laid out for: the same r_max and bank modules (in order) give the same layout."""
+
+    max_rank: int
+    modules: tuple[str, ...]
+    width: int  # P: floats per row
+
+    @classmethod
+    def of(cls, engine: Engine) -> PoolSignature:
+        return cls(engine.max_rank, tuple(engine.banks), int(engine.optimizer.data.shape[1]))
+
+
+@dataclass
+class AdapterSnapshot:
+    model_id: str
+    rank: int
+    alpha: float
+    seed: int
+    step: int
+    signature: PoolSignature
+    rows: torch.Tensor  # [4, P] fp32 on the CPU (pinned when the engine is on CUDA)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+
+def take_snapshot(engine: Engine, model_id: str, out: torch.Tensor | None = None) -> AdapterSnapshot:
+    """Copy an adapter's slot to host memory (into `out` [4, P] when given, e.g. a reused pinned buffer)."""
+    record = engine.adapter(model_id)
+    opt = engine.optimizer
+    opt._adopt()  # the bank views are the flat buffers (cheap check)
+    if out is None:
+        out = torch.empty((len(ROWS), opt.data.shape[1]), pin_memory=engine.device.type == "cuda")
+    for i, flat in enumerate((opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat)):
+        out[i].copy_(flat[record.slot], non_blocking=True)
+    if engine.device.type == "cuda":
+        torch.cuda.current_stream(engine.device).synchronize()  # the copies are done before the slot is reused
+    return AdapterSnapshot(
+        model_id, record.rank, record.alpha, record.seed, opt.steps[record.slot], PoolSignature.of(engine), out
+    )
+
+
+def restore_snapshot(engine: Engine, snapshot: AdapterSnapshot, model_id: str | None = None) -> AdapterRecord:
+    """Put a snapshot into a free slot (as `model_id`, default its own id); bit-identical to the state it was taken."""
+    if snapshot.signature != PoolSignature.of(engine):
+        raise InvalidRequestError(
+            f"adapter state laid out for r_max {snapshot.signature.max_rank} and {len(snapshot.signature.modules)} "
+            f"modules does not fit this pool (r_max {engine.max_rank}, {len(engine.banks)} modules)"
+        )
+    record = engine.claim_slot(model_id or snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed)
+    opt = engine.optimizer
+    with torch.no_grad():
+        for i, flat in enumerate((opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat)):
+            flat[record.slot].copy_(snapshot.rows[i], non_blocking=True)
+    opt.steps[record.slot] = snapshot.step
+    if engine.device.type == "cuda":
+        torch.cuda.current_stream(engine.device).synchronize()  # the host buffer may be reused right after
+    return record
