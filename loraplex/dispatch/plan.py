@@ -13,6 +13,9 @@ class RequestKind(StrEnum):
     FORWARD_BACKWARD = "forward_backward"
     FORWARD = "forward"
     OPTIM_STEP = "optim_step"
+    SAVE_STATE = "save_state"  # weights + optimizer state -> checkpoint files
+    SAVE_SAMPLER = "save_sampler"  # weights only (for sampling / export)
+    LOAD_STATE = "load_state"  # checkpoint files -> this (new or existing) adapter
 
 
 class StepKind(StrEnum):
@@ -20,6 +23,7 @@ class StepKind(StrEnum):
     DELETE = "delete"  # zero slots, drop state
     FORWARD_BACKWARD = "forward_backward"  # one mixed batch; rows of forward-only requests get no gradient
     OPTIM_STEP = "optim_step"  # one batched AdamW update over the requests' adapters
+    CHECKPOINT = "checkpoint"  # save_state / save_sampler / load_state requests, one by one, in seq_id order
 
 
 @dataclass(frozen=True)
