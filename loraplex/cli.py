@@ -1,4 +1,4 @@
-"""The `loraplex` command: serve the stack, manage tenants, run the demo."""
+"""The `loraplex` command: serve the stack, manage tenants, export adapters, run the demo."""
 
 from __future__ import annotations
 
@@ -58,6 +58,55 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
         for tenant in TenantRepository(session).list():
             print(f"{tenant.id}  {tenant.name}  {tenant.created_at:%Y-%m-%d %H:%M}")
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Operator-side PEFT export (it reads the database and the blob store directly): the adapter's latest sampler or
+    state checkpoint, verified, written as adapter_model.safetensors + adapter_config.json + the base model's
+    tokenizer, with base_model_name_or_path = the local base model folder."""
+    from loraplex.errors import LoraplexError
+
+    try:
+        out = export_adapter(_settings(args), args.model_id, Path(args.out), tenant=args.tenant)
+    except LoraplexError as exc:
+        print(f"loraplex export: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | None = None) -> Path:
+    """Export `model_id`'s latest saved checkpoint (sampler weights or state, whichever is newer) as a PEFT folder."""
+    from loraplex.errors import NotFoundError
+    from loraplex.models.registry import resolve
+    from loraplex.storage.blobs import BlobStore
+    from loraplex.storage.enums import CheckpointKind
+    from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository
+    from loraplex.workers.checkpoint import read_checkpoint
+    from loraplex.workers.export import export_peft
+
+    with _tenant_repo_session(settings)() as session:
+        tenants = [TenantRepository(session).get_by_name(tenant)] if tenant else TenantRepository(session).list()
+        for t in tenants:
+            try:
+                adapter = AdapterRepository(session, t.id).get(model_id, include_deleted=True)
+                break
+            except NotFoundError:
+                continue
+        else:
+            raise NotFoundError(f"adapter {model_id!r} not found" + (f" for tenant {tenant!r}" if tenant else ""))
+        checkpoint = CheckpointRepository(session, adapter.tenant_id).latest(
+            model_id, (CheckpointKind.SAMPLER, CheckpointKind.STATE)
+        )
+    if checkpoint is None:
+        raise NotFoundError(
+            f"adapter {model_id!r} has no saved checkpoint to export: save one first "
+            "(TrainingClient.save_weights_for_sampler(name) or save_state(name)), then run this again"
+        )
+    blobs = BlobStore(settings.resolved_blob_root)
+    state = read_checkpoint(blobs.path(blobs.key_for_uri(checkpoint.blob_uri)))  # every file's sha256 verified
+    base_dir = resolve(adapter.base_model, settings.resolved_model_cache).resolve()
+    return export_peft(state, out, base_model_path=str(base_dir), tokenizer_dir=base_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -148,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tenant_create)
     p = tenant.add_parser("list", help="list tenants")
     p.set_defaults(func=cmd_tenant_list)
+
+    p = sub.add_parser(
+        "export",
+        help="write an adapter's latest saved checkpoint as a PEFT folder (save_weights_for_sampler or save_state "
+        "first); reads the database and blob store of LORAPLEX_HOME",
+    )
+    p.add_argument("model_id")
+    p.add_argument("--out", required=True, help="folder to write adapter_model.safetensors + adapter_config.json to")
+    p.add_argument("--tenant", help="the adapter's tenant name (default: whichever tenant owns it)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("worker", help="run one worker pool process (dispatcher + rank 0)")
     p.set_defaults(func=cmd_worker)

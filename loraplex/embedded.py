@@ -44,6 +44,8 @@ class Stack:
             LORAPLEX_WORLD_SIZE=str(s.world_size),
             LORAPLEX_MODEL_CACHE=str(s.resolved_model_cache),
             LORAPLEX_BLOB_ROOT=str(s.resolved_blob_root),
+            LORAPLEX_HOST_BUDGET_MB=str(s.host_budget_mb),
+            LORAPLEX_SPILL_DIR=str(s.spill_dir or s.home / "spill"),
             PYTHONUNBUFFERED="1",
         )
         return env

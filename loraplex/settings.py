@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.
     plan_tokens: int = 16384
+    # Host memory (MiB) for adapters evicted from the slots (their whole training state, pinned on CUDA); past it the
+    # least recently used ones are spilled to disk, under `spill_dir` (empty: home/spill), one folder per pool and rank.
+    host_budget_mb: float = Field(default=2048, ge=0)
+    spill_dir: Path | None = None
     device: str = "cpu"
     # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
     # torchrun its WORLD_SIZE wins.
@@ -69,6 +73,15 @@ class Settings(BaseSettings):
     @property
     def resolved_model_cache(self) -> Path:
         return self.model_cache or self.home / "models"
+
+    @property
+    def resolved_spill_root(self) -> Path:
+        """This pool's spill folder; rank k spills to `<it>/rank<k>`."""
+        return (self.spill_dir or self.home / "spill") / self.pool
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return int(self.host_budget_mb * 2**20)
 
 
 @lru_cache(maxsize=1)

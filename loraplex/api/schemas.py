@@ -19,6 +19,11 @@ class CreateAdapterRequest(Strict):
     alpha: float | None = Field(None, gt=0, description="LoRA alpha; empty means 2 x rank")
     seed: int | None = Field(None, ge=0, lt=2**63)
     user_metadata: dict[str, Any] = Field(default_factory=dict)
+    from_checkpoint: str | None = Field(
+        None, description="tinker://<model_id>/<weights|sampler_weights>/<name>: start from this checkpoint (rank, "
+        "alpha and seed come from it) instead of from a seed"
+    )
+    with_optimizer: bool = Field(True, description="With from_checkpoint: also restore the Adam state (weights only if false)")
 
 
 class Datum(Strict):
@@ -55,6 +60,39 @@ class AdamParams(Strict):
 class OptimStepRequest(Strict):
     seq_id: int = Field(..., ge=0, lt=2**31)
     adam_params: AdamParams = Field(default_factory=AdamParams)
+
+
+class SaveCheckpointRequest(Strict):
+    seq_id: int = Field(..., ge=0, lt=2**31)
+    name: str = Field(..., min_length=1, max_length=255, description="Letters, digits, '_', '-', '.'; no path tricks")
+    ttl_seconds: int | None = Field(None, gt=0, description="Delete the checkpoint this long after it is saved")
+    overwrite: bool = Field(False, description="Replace an existing checkpoint of this name (else 409)")
+
+
+class LoadStateRequest(Strict):
+    seq_id: int = Field(..., ge=0, lt=2**31)
+    path: str = Field(..., description="tinker://<model_id>/<weights|sampler_weights>/<name>")
+    with_optimizer: bool = True
+
+
+class CheckpointOut(BaseModel):
+    """One checkpoint, with Tinker's listing fields (`checkpoint_id`, `checkpoint_type`, `tinker_path`, `time`)."""
+
+    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    checkpoint_type: str  # "training" or "sampler"
+    tinker_path: str
+    model_id: str
+    kind: str  # "state" or "sampler"
+    name: str
+    size_bytes: int
+    sha256: str
+    step: int
+    time: Any
+    expires_at: Any | None = None
+
+
+class CheckpointListOut(BaseModel):
+    checkpoints: list[CheckpointOut]
 
 
 class FutureRef(BaseModel):

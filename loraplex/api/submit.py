@@ -33,3 +33,8 @@ def enqueue(
 def owner_of(services: Services, request_id: str) -> str | None:
     value = services.redis.get(keys.request_owner(request_id))
     return value.decode() if isinstance(value, bytes) else value
+
+
+def already_submitted(services: Services, kind: RequestKind, model_id: str, seq_id: int) -> bool:
+    """Whether (model_id, seq_id) was queued before: a retry must get the first request back, not a fresh check."""
+    return bool(services.redis.exists(keys.request_idempotency_key(kind, model_id, seq_id)))

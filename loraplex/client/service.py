@@ -37,6 +37,20 @@ class ServiceClient:
         APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
         return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)
 
+    def create_training_client_from_state(self, path: str, with_optimizer: bool = True) -> TrainingClient:
+        """A NEW adapter restored from a checkpoint of this tenant (`tinker://<model_id>/weights/<name>`, as returned
+        by `save_state`): its weights, and its Adam state too `with_optimizer`, so training continues exactly where
+        the saved adapter was. Waits until the pool has loaded it; a checkpoint that does not fit this pool (rank,
+        target modules) raises InvalidRequestError, one of another tenant NotFoundError."""
+        body = {"from_checkpoint": path, "with_optimizer": with_optimizer}
+        ref = self._transport.request("POST", "/v1/adapters", json=body)
+        APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
+        return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)
+
+    def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        """An adapter's checkpoints (also after the adapter was deleted), oldest first."""
+        return self._transport.request("GET", f"/v1/adapters/{model_id}/checkpoints")["checkpoints"]
+
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing adapter; its seq_ids continue after the last applied one."""
         info = self._transport.request("GET", f"/v1/adapters/{model_id}")

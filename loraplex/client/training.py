@@ -10,6 +10,7 @@ from typing import Any
 from loraplex.client.futures import APIFuture
 from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
+from loraplex.errors import InvalidRequestError
 
 
 class TrainingClient:
@@ -71,9 +72,56 @@ class TrainingClient:
         params = adam_params.to_json() if isinstance(adam_params, AdamParams) else dict(adam_params or {})
         return await self._submit_async("optim_step", {"seq_id": self._take_seq(), "adam_params": params})
 
+    # ---- checkpoints (steps in seq_id order, like optim_step) ---------------------------------------------------------
+    def _save_body(self, name: str, ttl_seconds: int | None, overwrite: bool) -> dict[str, Any]:
+        return {"seq_id": self._take_seq(), "name": name, "ttl_seconds": ttl_seconds, "overwrite": overwrite}
+
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
+        """Save weights + optimizer state as `name`; the result's `path` (tinker://<model_id>/weights/<name>) is what
+        `load_state` and `ServiceClient.create_training_client_from_state` take. An existing name is a ConflictError
+        unless `overwrite`; `ttl_seconds` makes the checkpoint expire (the retention job deletes it)."""
+        return self._submit("save_state", self._save_body(name, ttl_seconds, overwrite))
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
+        """Save the weights only (tinker://<model_id>/sampler_weights/<name>): for sampling and `loraplex export`."""
+        return self._submit("save_weights_for_sampler", self._save_body(name, ttl_seconds, overwrite))
+
+    def load_state(self, path: str, with_optimizer: bool = True) -> APIFuture:
+        """Replace this adapter's weights (and Adam state, `with_optimizer`) with a checkpoint of this tenant."""
+        body = {"seq_id": self._take_seq(), "path": path, "with_optimizer": with_optimizer}
+        return self._submit("load_state", body)
+
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
+        return await self._submit_async("save_state", self._save_body(name, ttl_seconds, overwrite))
+
+    async def save_weights_for_sampler_async(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture:
+        return await self._submit_async("save_weights_for_sampler", self._save_body(name, ttl_seconds, overwrite))
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        """This adapter's checkpoints, oldest first (`tinker_path`, `kind`, `name`, `size_bytes`, `step`, ...)."""
+        return self._transport.request("GET", f"/v1/adapters/{self.model_id}/checkpoints")["checkpoints"]
+
+    def delete_checkpoint(self, path: str) -> dict[str, Any]:
+        """Delete one of this adapter's checkpoints (row and files) by its tinker path."""
+        model_id, segment, name = _split_tinker_path(path)
+        if model_id != self.model_id:
+            raise InvalidRequestError(f"{path} is not a checkpoint of adapter {self.model_id}")
+        return self._transport.request("DELETE", f"/v1/adapters/{model_id}/checkpoints/{segment}/{name}")
+
     def info(self) -> dict[str, Any]:
         return self._transport.request("GET", f"/v1/adapters/{self.model_id}")
 
     def delete(self) -> dict[str, Any]:
         ref = self._transport.request("DELETE", f"/v1/adapters/{self.model_id}")
         return APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
+
+
+def _split_tinker_path(path: str) -> tuple[str, str, str]:
+    """tinker://<model_id>/<weights|sampler_weights>/<name> -> its three parts."""
+    prefix = "tinker://"
+    parts = path[len(prefix) :].split("/") if path.startswith(prefix) else []
+    if len(parts) != 3 or not all(parts):
+        raise InvalidRequestError(f"not a checkpoint path: {path!r} (expected tinker://<model_id>/weights/<name>)")
+    return parts[0], parts[1], parts[2]

@@ -80,7 +80,9 @@ class Dispatcher:
         self.results = ResultStore(redis)
         self.consumer = Consumer(redis, pool, consumer_name, self.results)
         self.redis = redis
-        self.limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan)
+        self.limits = PolicyLimits(
+            plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan, max_adapters_per_step=settings.slots
+        )
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.block_ms = block_ms
         self.read_count = read_count
@@ -270,6 +272,9 @@ _STEP_OF = {
     RequestKind.FORWARD_BACKWARD: StepKind.FORWARD_BACKWARD,
     RequestKind.FORWARD: StepKind.FORWARD_BACKWARD,
     RequestKind.OPTIM_STEP: StepKind.OPTIM_STEP,
+    RequestKind.SAVE_STATE: StepKind.CHECKPOINT,
+    RequestKind.SAVE_SAMPLER: StepKind.CHECKPOINT,
+    RequestKind.LOAD_STATE: StepKind.CHECKPOINT,
 }
 
 

@@ -12,7 +12,8 @@ The plan's steps, in order:
   1. one CREATE step with every pending create_adapter;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
      forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a single request over the cap
-     still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it. Taking a
+     still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it, and its
+     checkpoint requests (save_state / save_sampler / load_state) ONE CHECKPOINT step after that. Taking a
      request advances that adapter's seq_id, so its next request can join the next round (an adapter's
      forward_backward in one step, its optim_step in a later step of the same plan). Rounds repeat while anything is
      ready and the plan holds fewer than `max_requests` requests;
@@ -21,7 +22,8 @@ The plan's steps, in order:
 Fair share. Within a round, candidates are taken in order of (requests this plan already took for their tenant, how long
 their adapter has waited: its oldest pending request's arrival index). When the token cap closes the FORWARD_BACKWARD step,
 candidates behind are not skipped over by later ones: they lead the next round (or the next plan, since leftovers keep
-their arrival order). So a tenant with many adapters or many requests cannot starve another.
+their arrival order). The same holds when a step reaches `max_adapters_per_step` (the resident slots). So a tenant with
+many adapters or many requests cannot starve another.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step,
 
 _CONTROL = (RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER)
 _FORWARDS = (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD)
+_CHECKPOINTS = (RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER, RequestKind.LOAD_STATE)
 
 
 @dataclass(frozen=True)
 class PolicyLimits:
     plan_tokens: int = 16384  # token cap of one FORWARD_BACKWARD step (the engine microbatches it)
     max_requests: int = 256  # requests in one plan, all steps together
+    # distinct adapters in one FORWARD_BACKWARD or OPTIM_STEP step: the pool's resident slots (each step's adapters are
+    # swapped in before it runs), so the Dispatcher sets it to settings.slots
+    max_adapters_per_step: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ def plan_batch(
             break
         fb: list[int] = []
         opt: list[int] = []
+        ckpt: list[int] = []
         fb_tokens, fb_closed = 0, False
         while heads and budget > 0:
             heads.sort(key=priority)
@@ -108,24 +115,31 @@ def plan_batch(
             if r.kind in _FORWARDS:
                 if fb_closed:
                     continue
-                if fb and fb_tokens + r.num_tokens > limits.plan_tokens:
+                full = len(fb) >= limits.max_adapters_per_step  # one request per adapter and round: len = adapters
+                if fb and (full or fb_tokens + r.num_tokens > limits.plan_tokens):
                     fb_closed = True  # later candidates must not jump it: it leads the next round
                     continue
                 fb.append(i)
                 fb_tokens += r.num_tokens
+            elif r.kind in _CHECKPOINTS:
+                ckpt.append(i)
             else:
+                if opt and len(opt) >= limits.max_adapters_per_step:
+                    continue  # the step holds as many adapters as there are slots: it leads the next round
                 opt.append(i)
             served[r.tenant_id] += 1
             budget -= 1
-        for i in fb + opt:
+        for i in fb + opt + ckpt:
             m = reqs[i].model_id
             pos[m] += 1
             last[m] = reqs[i].seq_id
-        taken.update(fb + opt)
+        taken.update(fb + opt + ckpt)
         if fb:
             steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(reqs[i] for i in fb)))
         if opt:
             steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
+        if ckpt:
+            steps.append(Step(StepKind.CHECKPOINT, tuple(reqs[i] for i in ckpt)))
 
     delete_step: list[int] = []
     for i in deletes:

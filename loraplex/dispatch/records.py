@@ -1,23 +1,51 @@
 """What the dispatcher writes to SQL after each plan: adapter status, the applied seq_id per adapter (so a restarted
-pool continues in order), and usage per tenant. One transaction per plan."""
+pool continues in order), usage per tenant, a `checkpoints` row per successful save (in its own transaction, before
+the results are stored: see `record_checkpoints`), and where the pool's adapter store moved adapters (`snapshots`).
+One transaction per plan."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from contextlib import suppress
+from datetime import timedelta
+from typing import Any, Protocol
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.dispatch.loop import Executor
-from loraplex.dispatch.plan import BatchPlan, Outcome, RequestKind
-from loraplex.errors import NotFoundError
-from loraplex.storage.models import AdapterStatus
-from loraplex.storage.repositories import AdapterRepository, PoolRepository, UsageRepository, unit_of_work
+from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind
+from loraplex.errors import LoraplexError, NotFoundError
+from loraplex.storage.models import AdapterStatus, CheckpointKind
+from loraplex.storage.repositories import (
+    AdapterRepository,
+    CheckpointRepository,
+    PoolRepository,
+    SnapshotRepository,
+    UsageRepository,
+    unit_of_work,
+)
+from loraplex.storage.types import utcnow
+
+log = logging.getLogger(__name__)
+
+_SAVES = {RequestKind.SAVE_STATE: CheckpointKind.STATE, RequestKind.SAVE_SAMPLER: CheckpointKind.SAMPLER}
+
+
+class TierChanges(Protocol):
+    """The rank-0 adapter store (workers/adapter_store.AdapterStore): where adapters moved since the last drain."""
+
+    def drain_changes(self) -> Sequence[Any]: ...
 
 
 class OutcomeRecorder:
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], store: TierChanges | None = None, pool: str = "") -> None:
+        """store, pool: record the store's tier changes in `snapshots` (as rank 0 of `pool`) with each plan."""
         self._sessions = sessions
+        self._store = store
+        self._pool = pool
         self._last_plan_seconds = 0.0
 
     def timed(self, executor: Executor) -> Executor:
@@ -28,11 +56,56 @@ class OutcomeRecorder:
             def execute(self, plan: BatchPlan) -> list[Outcome]:
                 started = time.monotonic()
                 try:
-                    return executor.execute(plan)
+                    outcomes = executor.execute(plan)
                 finally:
                     recorder._last_plan_seconds = time.monotonic() - started
+                return recorder.record_checkpoints(outcomes, plan)
 
         return _Timed()
+
+    def record_checkpoints(self, outcomes: list[Outcome], plan: BatchPlan) -> list[Outcome]:
+        """Add the `checkpoints` rows of the plan's successful saves, BEFORE the loop stores the results: a client that
+        sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it runs
+        again, rewrites its files and replaces the row.) A save whose row cannot be written fails."""
+        saves = [r for r in plan.requests if r.kind in _SAVES]
+        if not saves:
+            return outcomes
+        by_id = {o.request_id: o for o in outcomes}
+        failed: dict[str, Outcome] = {}
+
+        def fail(request: PlannedRequest, exc: Exception) -> None:
+            log.exception("checkpoint of %s (request %s) not recorded", request.model_id, request.request_id)
+            failed[request.request_id] = Outcome(
+                request.request_id, error_type="EngineError", error=f"checkpoint saved but not recorded: {exc}"
+            )
+
+        done = [r for r in saves if (o := by_id.get(r.request_id)) is not None and o.ok and o.result]
+        try:
+            with unit_of_work(self._sessions) as session:
+                for request in done:
+                    try:  # one row that cannot be written must not cost the others
+                        with session.begin_nested():
+                            _record_checkpoint(session, request, _SAVES[request.kind], by_id[request.request_id].result)
+                    except (LoraplexError, SQLAlchemyError) as exc:
+                        fail(request, exc)
+        except SQLAlchemyError as exc:  # the transaction itself failed: none of the rows is there
+            for request in done:
+                fail(request, exc)
+        return [failed.get(o.request_id, o) for o in outcomes]
+
+    def _record_tiers(self, session: Session) -> None:
+        """The store's tier moves since the last plan, in a SAVEPOINT: a failure there must not cost the other records
+        (the changes are then lost for the table only; later moves of the same adapters write their rows again)."""
+        if self._store is None:
+            return
+        changes = self._store.drain_changes()
+        if not changes:
+            return
+        try:
+            with session.begin_nested():
+                SnapshotRepository(session).record_changes(self._pool, 0, changes)
+        except SQLAlchemyError:
+            log.exception("tier changes of %d adapters not recorded", len(changes))
 
     def applied_seq(self, model_id: str) -> int | None:
         with self._sessions() as session:
@@ -43,6 +116,7 @@ class OutcomeRecorder:
         by_id = {o.request_id: o for o in outcomes}
         tokens = sum(r.num_tokens for r in plan.requests) or 1
         with unit_of_work(self._sessions) as session:
+            self._record_tiers(session)
             for request in plan.requests:
                 outcome = by_id.get(request.request_id)
                 if outcome is None:
@@ -60,3 +134,22 @@ class OutcomeRecorder:
                     UsageRepository(session, request.tenant_id).record(
                         request.model_id, str(request.kind), request.num_tokens, share
                     )
+
+
+def _record_checkpoint(session: Session, request: PlannedRequest, kind: CheckpointKind, result: dict) -> None:
+    """The row of a save the worker finished. The gateway put the name, folder URI and ttl in the payload; the files
+    now on disk are this save's, so a row of the same name (an overwrite, or a racing save) is replaced."""
+    p = request.payload
+    ttl = p.get("ttl_seconds")
+    CheckpointRepository(session, request.tenant_id).add(
+        request.model_id,
+        kind,
+        p["name"],
+        p["blob_uri"],
+        int(result.get("size_bytes", 0)),
+        str(result.get("sha256", "")),
+        step=int(result.get("step", 0)),
+        expires_at=utcnow() + timedelta(seconds=float(ttl)) if ttl else None,
+        include_deleted=True,
+        replace=True,
+    )

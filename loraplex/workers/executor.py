@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError
+from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.batching import PreparedItem
 from loraplex.workers.engine import Engine
 
 log = logging.getLogger(__name__)
+
+# Steps whose adapters must be in slots first (with a store: swapped in, LRU adapters out).
+RESIDENT_STEPS = frozenset({StepKind.FORWARD_BACKWARD, StepKind.OPTIM_STEP, StepKind.CHECKPOINT})
 
 # What a create payload may leave out (the gateway normally fills both): alpha = 2 x rank, as the API's default.
 DEFAULT_ALPHA_PER_RANK = 2.0
@@ -27,20 +32,51 @@ def _error(request: PlannedRequest, exc: BaseException) -> Outcome:
 
 
 class PlanExecutor:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, store: AdapterStore | None = None) -> None:
+        """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only."""
         self.engine = engine
+        self.store = store
         self._handlers: dict[StepKind, Callable[[Step], list[Outcome]]] = {
             StepKind.CREATE: self._create,
             StepKind.DELETE: self._delete,
             StepKind.FORWARD_BACKWARD: self._forward_backward,
             StepKind.OPTIM_STEP: self._optim_step,
+            StepKind.CHECKPOINT: self._checkpoint,
         }
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         """Run the steps in order; outcomes in the order of `plan.requests`."""
         outcomes: list[Outcome] = []
         for step in plan.steps:
-            outcomes.extend(self._handlers[step.kind](step))
+            if self.store is not None and step.kind in RESIDENT_STEPS:
+                outcomes.extend(self._resident_then(step))
+            else:
+                outcomes.extend(self._handlers[step.kind](step))
+        return outcomes
+
+    def _resident_then(self, step: Step) -> list[Outcome]:
+        """Swap the step's adapters in, then run it. The policy keeps a step within the slots; a longer one (a plan
+        built elsewhere) runs in consecutive parts of at most `slots` adapters, in request order. Ids the store does
+        not know are left to the handler (NotFoundError per request)."""
+        assert self.store is not None
+        parts: list[list[PlannedRequest]] = []
+        seen: set[str] = set()
+        for request in step.requests:
+            known = request.model_id in self.store
+            if not parts or (known and request.model_id not in seen and len(seen) == self.engine.num_slots):
+                parts.append([])
+                seen = set()
+            parts[-1].append(request)
+            if known:
+                seen.add(request.model_id)
+        outcomes: list[Outcome] = []
+        for part in parts:
+            try:
+                self.store.ensure_resident(r.model_id for r in part if r.model_id in self.store)
+            except Exception as exc:  # noqa: BLE001 - a failed swap (disk full...) fails this part's requests only
+                outcomes.extend(_error(r, exc) for r in part)
+                continue
+            outcomes.extend(self._handlers[step.kind](Step(step.kind, tuple(part))))
         return outcomes
 
     def _one_by_one(self, step: Step, call: Callable[[PlannedRequest], dict[str, Any]]) -> list[Outcome]:
@@ -65,14 +101,19 @@ class PlanExecutor:
             alpha = p.get("alpha")
             if alpha is None and isinstance(p["rank"], int):
                 alpha = DEFAULT_ALPHA_PER_RANK * p["rank"]
-            self.engine.create_adapter(request.model_id, p["rank"], alpha, p.get("seed", DEFAULT_SEED))
+            source = p.get("from_checkpoint")  # {directory, with_optimizer}: a new adapter from a checkpoint
+            if source:
+                self._create_from_checkpoint(request.model_id, Path(source["directory"]), source.get("with_optimizer"))
+            else:
+                create_adapter = self.store.create if self.store is not None else self.engine.create_adapter
+                create_adapter(request.model_id, p["rank"], alpha, p.get("seed", DEFAULT_SEED))
             return {"model_id": request.model_id}
 
         return self._one_by_one(step, create)
 
     def _delete(self, step: Step) -> list[Outcome]:
         def delete(request: PlannedRequest) -> dict[str, Any]:
-            self.engine.delete_adapter(request.model_id)
+            (self.store.delete if self.store is not None else self.engine.delete_adapter)(request.model_id)
             return {}
 
         return self._one_by_one(step, delete)
@@ -114,3 +155,54 @@ class PlanExecutor:
             _error(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, result=res)
             for r, res in zip(step.requests, results, strict=True)
         ]
+
+    def _create_from_checkpoint(self, model_id: str, directory: Path, with_optimizer: bool | None) -> None:
+        """A new adapter restored from a checkpoint folder (checked in full before a slot is claimed)."""
+        from loraplex.workers.checkpoint import check_signature, load_into_engine, read_checkpoint
+
+        state = read_checkpoint(directory)
+        with_optimizer = True if with_optimizer is None else bool(with_optimizer)
+        check_signature(self.engine, state)
+        if with_optimizer and state.optimizer is None:
+            raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
+        if self.store is None:
+            load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=False)
+        else:  # the store makes room and tracks it; the zeroed slot is then filled in place
+            self.store.claim_slot(model_id, state.rank, state.alpha, state.seed)
+            load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=True)
+
+    def _checkpoint(self, step: Step) -> list[Outcome]:
+        """save_state / save_sampler / load_state, one by one (at most one per adapter in a step). The payload names
+        the checkpoint's folder (the gateway chose it in the blob store); only the leader rank writes it (the banks are
+        replicated, every rank holds the same state), every rank loads it."""
+        return self._one_by_one(step, self._checkpoint_one)
+
+    def _checkpoint_one(self, request: PlannedRequest) -> dict[str, Any]:
+        from loraplex.workers.checkpoint import load_into_engine, read_checkpoint, state_from_engine, write_checkpoint
+
+        p = request.payload
+        if not p.get("directory"):
+            raise InvalidRequestError(f"{request.kind} needs the checkpoint's directory")
+        directory = Path(p["directory"])
+        if request.kind == RequestKind.LOAD_STATE:
+            state = read_checkpoint(directory)
+            with_optimizer = bool(p.get("with_optimizer", True))
+            load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
+            return {"model_id": request.model_id, "path": p.get("path"), "with_optimizer": with_optimizer}
+        if request.kind not in (RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER):
+            raise InvalidRequestError(f"{request.kind} is not a checkpoint request")
+        with_optimizer = request.kind == RequestKind.SAVE_STATE
+        state = state_from_engine(
+            self.engine, request.model_id, base_model=str(p.get("base_model", "")), with_optimizer=with_optimizer
+        )
+        state_slot = self.engine.adapter(request.model_id).slot
+        result: dict[str, Any] = {
+            "path": p.get("path"),
+            "kind": "state" if with_optimizer else "sampler",
+            "name": p.get("name"),
+            "step": state.step if with_optimizer else int(self.engine.optimizer.steps[state_slot]),
+        }
+        if self.engine.dist is None or self.engine.dist.is_leader:
+            files = write_checkpoint(state, directory)
+            result.update(size_bytes=int(files.total_size), sha256=files.sha256)
+        return result

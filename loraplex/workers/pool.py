@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
     from torch.multiprocessing import ProcessContext
 
+    from loraplex.workers.adapter_store import AdapterStoreSpec
     from loraplex.workers.distributed import RankGroup
     from loraplex.workers.rank_loop import EngineSpec
 
@@ -70,17 +71,36 @@ def engine_spec(settings: Settings) -> EngineSpec:
     )
 
 
+def store_spec(settings: Settings) -> AdapterStoreSpec:
+    """Each rank's tiered adapter store: host budget, and its spill folder (`resolved_spill_root`/rank<k>)."""
+    from loraplex.workers.adapter_store import AdapterStoreSpec
+
+    return AdapterStoreSpec(settings.host_budget_bytes, str(settings.resolved_spill_root))
+
+
+def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:
+    """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
+    rank 0, so it makes the same swaps."""
+    from loraplex.workers.executor import PlanExecutor
+    from loraplex.workers.rank_loop import build_engine, follow
+
+    engine = build_engine(spec, group)
+    executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
+    log.info("rank %d stopped after %d plans", group.rank, executed)
+
+
 def run_pool(settings: Settings, stop: threading.Event) -> None:
     from loraplex.workers.distributed import RankEnv, destroy_rank_group, init_rank_group, torchrun_env
-    from loraplex.workers.rank_loop import run_follower, spawn_ranks
+    from loraplex.workers.rank_loop import spawn_ranks
 
     spec = engine_spec(settings)
+    stores = store_spec(settings)
     env = torchrun_env()
     if settings.world_size > 1 or env is not None:
         BaseModelLoader(settings.base_model, str(settings.resolved_model_cache)).prepare()
     if env is not None and env.world_size > 1 and env.rank != 0:  # torchrun: a follower rank, nothing else
         group = init_rank_group(env, settings.device)
-        run_follower(group, spec)
+        run_store_follower(group, spec, stores)
         destroy_rank_group()
         sys.stdout.flush()
         os._exit(0)
@@ -90,13 +110,13 @@ def run_pool(settings: Settings, stop: threading.Event) -> None:
     if world > 1:
         if env is None:  # this process is rank 0; spawn the others
             ranks, port = spawn_ranks(
-                run_follower, (spec,), world_size=world, ranks=range(1, world), device=settings.device
+                run_store_follower, (spec, stores), world_size=world, ranks=range(1, world), device=settings.device
             )
             env = RankEnv(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
         group = init_rank_group(env, settings.device)
         log.info("rank 0 of %d joined the process group", world)
     try:
-        _lead(settings, stop, spec, group, world, ranks)
+        _lead(settings, stop, spec, stores, group, world, ranks)
     finally:
         if group is not None:
             destroy_rank_group()
@@ -111,6 +131,7 @@ def _lead(
     settings: Settings,
     stop: threading.Event,
     spec: EngineSpec,
+    stores: AdapterStoreSpec,
     group: RankGroup | None,
     world: int,
     ranks: ProcessContext | None,
@@ -121,15 +142,18 @@ def _lead(
     from loraplex.dispatch.records import OutcomeRecorder
     from loraplex.embedded import ready_file
     from loraplex.storage.db import make_engine, session_factory
-    from loraplex.storage.repositories import PoolRepository, unit_of_work
+    from loraplex.storage.repositories import PoolRepository, SnapshotRepository, unit_of_work
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import LeaderExecutor, build_engine
 
     sessions = session_factory(make_engine(settings.resolved_database_url))
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
-    executor = PlanExecutor(engine)
+    store = stores.build(engine, group.rank if group is not None else 0)
+    executor = PlanExecutor(engine, store)
     leader = LeaderExecutor(executor, group) if group is not None else None
-    recorder = OutcomeRecorder(sessions)
+    recorder = OutcomeRecorder(sessions, store, settings.pool)  # records rank 0's tier moves in `snapshots`
+    with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
+        SnapshotRepository(session).clear(settings.pool)
     dispatcher = Dispatcher(
         redis.Redis.from_url(settings.redis_url),
         settings.pool,

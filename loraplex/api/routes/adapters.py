@@ -8,6 +8,7 @@ import uuid
 from fastapi import APIRouter
 
 from loraplex.api.deps import DbDep, ServicesDep, TenantDep, write_session
+from loraplex.api.routes.checkpoints import checkpoint_dir, resolve_path
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, ForwardBackwardRequest, FutureRef, OptimStepRequest
 from loraplex.api.submit import enqueue
 from loraplex.dispatch.plan import RequestKind
@@ -34,21 +35,39 @@ def _out(adapter: Adapter) -> AdapterOut:
 
 @router.post("", status_code=202)
 def create_adapter(body: CreateAdapterRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    """A new adapter from its seed, or (`from_checkpoint`) from one of the tenant's checkpoints."""
     settings = services.settings
     base_model = body.base_model or settings.base_model
     if base_model != settings.base_model:
         raise InvalidRequestError(f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}")
-    if body.rank > settings.max_rank:
-        raise InvalidRequestError(f"rank {body.rank} exceeds this pool's maximum rank {settings.max_rank}")
-    alpha = body.alpha if body.alpha is not None else 2.0 * body.rank
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    rank, alpha, seed = body.rank, body.alpha, body.seed
+    from_checkpoint: dict[str, object] | None = None
+    if body.from_checkpoint is not None:
+        given = sorted({"rank", "alpha", "seed"} & body.model_fields_set)
+        if given:
+            raise InvalidRequestError(f"{', '.join(given)}: taken from the checkpoint; leave out with from_checkpoint")
+        with services.sessions() as db:  # 404 for a missing checkpoint or another tenant's
+            checkpoint = resolve_path(db, tenant.id, body.from_checkpoint, body.with_optimizer)
+            source = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
+        if list(source.target_modules) != list(settings.target_modules) or source.base_model != base_model:
+            raise InvalidRequestError(f"{body.from_checkpoint} was trained for another base model or target modules")
+        rank, alpha, seed = source.rank, source.alpha, source.seed
+        from_checkpoint = {
+            "path": body.from_checkpoint,
+            "directory": str(checkpoint_dir(services, checkpoint)),
+            "with_optimizer": body.with_optimizer,
+        }
+    if rank > settings.max_rank:
+        raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
+    alpha = alpha if alpha is not None else 2.0 * rank
+    seed = seed if seed is not None else secrets.randbelow(2**31)
     model_id = uuid.uuid4().hex
     with write_session(services) as db:  # committed before the worker can report on it
         adapters = AdapterRepository(db, tenant.id)
         adapters.create(
             model_id=model_id,
             base_model=base_model,
-            rank=body.rank,
+            rank=rank,
             alpha=alpha,
             target_modules=list(settings.target_modules),
             seed=seed,
@@ -58,11 +77,13 @@ def create_adapter(body: CreateAdapterRequest, tenant: TenantDep, services: Serv
         adapters.record_applied(model_id, 0)
     payload = {
         "base_model": base_model,
-        "rank": body.rank,
+        "rank": rank,
         "alpha": alpha,
         "seed": seed,
         "target_modules": list(settings.target_modules),
     }
+    if from_checkpoint is not None:
+        payload["from_checkpoint"] = from_checkpoint
     request_id = enqueue(
         services, tenant_id=tenant.id, model_id=model_id, kind=RequestKind.CREATE_ADAPTER, payload=payload
     )

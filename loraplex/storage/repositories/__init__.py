@@ -7,6 +7,7 @@ from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.sessions import SessionRepository
+from loraplex.storage.repositories.snapshots import SnapshotRepository
 from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
 from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
 
@@ -17,6 +18,7 @@ __all__ = [
     "KindTotals",
     "PoolRepository",
     "SessionRepository",
+    "SnapshotRepository",
     "TenantRepository",
     "UsageRepository",
     "UsageTotals",

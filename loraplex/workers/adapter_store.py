@@ -1,0 +1,447 @@
+"""The tiered adapter store (DESIGN.md, key technical choice 7): more adapters than resident slots, nothing lost on a swap.
+
+Tiers: *gpu* (resident in an engine slot) <-> *cpu* (an AdapterSnapshot in host memory, pinned when the engine is on
+CUDA) <-> *disk* (a safetensors file of the snapshot's [4, P] rows, its hyperparameters and pool signature in the
+file's metadata). A snapshot holds weights, unconsumed gradients and Adam state, so a swap at any point (even between
+forward_backward and optim_step) continues bit for bit.
+
+Policy: least recently used. `ensure_resident` brings a step's adapters into slots, evicting the LRU resident adapters
+that the step does not need; an evicted adapter goes to host memory; while the host tier holds more than the budget,
+its LRU snapshots are written to disk (atomically: temp file, fsync, os.replace, fsync of the folder). A swap-in from
+disk removes the file: each adapter lives in exactly one tier. Host buffers are recycled through a small free list
+(pinned allocations are slow on CUDA); `host_bytes` counts the snapshots of the cpu tier only, and is <= the budget
+after every call (during a call, one snapshot more may be in flight).
+
+A new store removes the spill files a previous run left (or adopts them: `recover=True`).
+
+Every rank of a pool has its own store over its own (replicated) banks and runs the same plans, so all ranks make the
+same swaps; swaps copy local data only, with a barrier after them when distributed. Each tier move is logged as a
+TierChange; `drain_changes` hands them (the last one per adapter) to whoever records them (the pool's recorder).
+
+Imports: torch, stdlib, loraplex.errors and workers/ only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.workers.distributed import barrier
+from loraplex.workers.engine import AdapterRecord, Engine
+from loraplex.workers.snapshots import ROWS, AdapterSnapshot, PoolSignature, restore_snapshot, take_snapshot
+
+GPU, CPU, DISK = "gpu", "cpu", "disk"
+SPILL_FORMAT = "loraplex-adapter-spill"
+SPILL_VERSION = "1"
+SPILL_SUFFIX = ".safetensors"
+SPARE_BUFFERS = 2  # host buffers kept for reuse beyond the cpu tier's own
+
+
+@dataclass(frozen=True)
+class TierChange:
+    """Where an adapter is now. tier None: it is gone (deleted); its record should be removed."""
+
+    model_id: str
+    tier: str | None  # "gpu" | "cpu" | "disk" | None
+    slot: int | None = None  # gpu only
+    location: str | None = None  # disk only: the file
+
+
+@dataclass
+class SwapStats:
+    """Cumulative swap counts and seconds (for benchmarks and logs)."""
+
+    out_host: int = 0  # gpu -> cpu
+    out_host_s: float = 0.0
+    in_host: int = 0  # cpu -> gpu
+    in_host_s: float = 0.0
+    spills: int = 0  # cpu -> disk
+    spill_s: float = 0.0
+    in_disk: int = 0  # disk -> gpu
+    in_disk_s: float = 0.0
+    bytes_per_adapter: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterStoreSpec:
+    """How each rank builds its store (picklable: it crosses into spawned ranks). Rank k spills to spill_root/rank<k>."""
+
+    host_budget_bytes: int
+    spill_root: str
+
+    def build(self, engine: Engine, rank: int = 0) -> AdapterStore:
+        return AdapterStore(engine, self.host_budget_bytes, Path(self.spill_root) / f"rank{rank}")
+
+
+class AdapterStore:
+    def __init__(
+        self, engine: Engine, host_budget_bytes: int, spill_dir: str | os.PathLike[str], *, recover: bool = False
+    ) -> None:
+        """recover: adopt the spill files a previous run left in `spill_dir` (as disk-tier adapters); by default they
+        are removed. Only safe when their state is known to match the applied seq_ids (a file written during a plan
+        whose results were never stored would apply those requests twice when they are redelivered)."""
+        if host_budget_bytes < 0:
+            raise ValueError("host_budget_bytes must be >= 0")
+        self.engine = engine
+        self.host_budget_bytes = int(host_budget_bytes)
+        self.spill_dir = Path(spill_dir)
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self.signature = PoolSignature.of(engine)
+        self._pinned = engine.device.type == "cuda"
+        self._lru: OrderedDict[str, None] = OrderedDict()  # every known adapter, least recently used first
+        self._host: dict[str, AdapterSnapshot] = {}
+        self._disk: dict[str, Path] = {}
+        self._spare: list[torch.Tensor] = []  # free host buffers, all [4, P]
+        self._changes: dict[str, TierChange] = {}  # model_id -> its latest change (insertion order kept)
+        self.stats = SwapStats(bytes_per_adapter=len(ROWS) * self.signature.width * 4)
+        self._scan_spill_dir(adopt=recover)
+
+    # ---- queries -----------------------------------------------------------------------------------------------------
+    def __contains__(self, model_id: object) -> bool:
+        self._sync()
+        return model_id in self._lru
+
+    def __len__(self) -> int:
+        self._sync()
+        return len(self._lru)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.nbytes for s in self._host.values())
+
+    @property
+    def spare_bytes(self) -> int:
+        """Host memory held by recycled buffers, outside the cpu tier (at most SPARE_BUFFERS of them)."""
+        return sum(b.numel() * b.element_size() for b in self._spare)
+
+    def tier_of(self, model_id: str) -> str:
+        self._sync()
+        if model_id in self.engine._adapters:
+            return GPU
+        if model_id in self._host:
+            return CPU
+        if model_id in self._disk:
+            return DISK
+        raise NotFoundError(f"adapter {model_id!r} not found on this pool")
+
+    def spill_path(self, model_id: str) -> Path:
+        """The adapter's file when on disk: a readable, filesystem-safe name made unique by a hash of the id."""
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)[:80]
+        return self.spill_dir / f"{safe}-{zlib.crc32(model_id.encode()):08x}{SPILL_SUFFIX}"
+
+    def peek(self, model_id: str) -> AdapterSnapshot:
+        """A copy of an adapter's whole state from whichever tier holds it, leaving it there (for checkpoints of
+        adapters out of their slot, and tests)."""
+        tier = self.tier_of(model_id)
+        out = torch.empty((len(ROWS), self.signature.width))
+        if tier == GPU:
+            return take_snapshot(self.engine, model_id, out=out)
+        if tier == CPU:
+            snap = self._host[model_id]
+            out.copy_(snap.rows)
+            return AdapterSnapshot(snap.model_id, snap.rank, snap.alpha, snap.seed, snap.step, snap.signature, out)
+        return read_spill(self._disk[model_id], out)
+
+    def lru_order(self) -> list[str]:
+        """Every known adapter, least recently used first."""
+        self._sync()
+        return list(self._lru)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------------
+    def create(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+        """A new adapter from its seed in a slot (the LRU resident adapter makes room when none is free)."""
+        self._check_new(model_id)
+        self._free_slots(1, protect=())
+        record = self.engine.create_adapter(model_id, rank, alpha, seed)
+        self._placed(record)
+        return record
+
+    def claim_slot(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+        """As Engine.claim_slot (a zeroed slot for the caller to fill, e.g. from a checkpoint), making room as `create`."""
+        self._check_new(model_id)
+        self._free_slots(1, protect=())
+        record = self.engine.claim_slot(model_id, rank, alpha, seed)
+        self._placed(record)
+        return record
+
+    def delete(self, model_id: str) -> None:
+        """Drop an adapter from whichever tier holds it (its file too)."""
+        tier = self.tier_of(model_id)
+        if tier == GPU:
+            self.engine.delete_adapter(model_id)
+        elif tier == CPU:
+            self._recycle(self._host.pop(model_id).rows)
+        else:
+            self._disk.pop(model_id).unlink(missing_ok=True)
+        del self._lru[model_id]
+        self._note(TierChange(model_id, None))
+
+    def touch(self, model_id: str) -> None:
+        """Mark as just used (most recently used)."""
+        self.tier_of(model_id)
+        self._lru.move_to_end(model_id)
+
+    def ensure_resident(self, model_ids: Iterable[str]) -> list[AdapterRecord]:
+        """Bring these adapters into slots (evicting LRU adapters not among them) and mark them used; their records
+        in the given order. CapacityError when they are more than the slots; NotFoundError for an unknown one."""
+        wanted = list(dict.fromkeys(model_ids))
+        for m in wanted:
+            self.tier_of(m)
+        if len(wanted) > self.engine.num_slots:
+            raise CapacityError(
+                f"{len(wanted)} adapters cannot be resident at once: this pool has {self.engine.num_slots} slots"
+            )
+        missing = [m for m in wanted if m not in self.engine._adapters]
+        protect = set(wanted)
+        for m in missing:
+            self._free_slots(1, protect=protect)
+            self._swap_in(m)
+            self._enforce_budget(prefer_keep=protect)
+        if missing and self.engine.dist is not None:
+            barrier(self.engine.dist)  # every rank made the same swaps; all are done before the step
+        for m in wanted:
+            self._lru.move_to_end(m)
+        return [self.engine._adapters[m] for m in wanted]
+
+    def evict(self, model_id: str) -> None:
+        """Move a resident adapter out of its slot (to host memory, or to disk past the budget)."""
+        if self.tier_of(model_id) == GPU:
+            self._swap_out(model_id)
+            self._enforce_budget(prefer_keep=())
+
+    def drain_changes(self) -> list[TierChange]:
+        """The tier changes since the last drain: the latest per adapter, oldest first."""
+        self._sync()
+        out = list(self._changes.values())
+        self._changes.clear()
+        return out
+
+    # ---- moves -------------------------------------------------------------------------------------------------------
+    def _check_new(self, model_id: str) -> None:
+        self._sync()
+        if model_id in self._lru:
+            raise ConflictError(f"adapter {model_id!r} already exists")
+
+    def _placed(self, record: AdapterRecord) -> None:
+        self._lru[record.model_id] = None
+        self._lru.move_to_end(record.model_id)
+        self._note(TierChange(record.model_id, GPU, record.slot))
+
+    def _free_slots(self, n: int, protect: Iterable[str]) -> None:
+        keep = set(protect)
+        while self.engine.free_slots < n:
+            victim = next((m for m in self._lru if m in self.engine._adapters and m not in keep), None)
+            if victim is None:  # cannot happen through ensure_resident (it checks the count first)
+                raise CapacityError(f"all {self.engine.num_slots} adapter slots hold adapters needed now")
+            self._swap_out(victim)
+            self._enforce_budget(prefer_keep=keep)
+
+    def _swap_out(self, model_id: str) -> None:
+        started = time.perf_counter()
+        snapshot = take_snapshot(self.engine, model_id, out=self._buffer())
+        self.engine.delete_adapter(model_id)
+        self._host[model_id] = snapshot
+        self._note(TierChange(model_id, CPU))
+        self.stats.out_host += 1
+        self.stats.out_host_s += time.perf_counter() - started
+
+    def _swap_in(self, model_id: str) -> None:
+        started = time.perf_counter()
+        if model_id in self._host:
+            snapshot = self._host.pop(model_id)
+            try:
+                record = restore_snapshot(self.engine, snapshot)
+            except BaseException:
+                self._host[model_id] = snapshot
+                raise
+            self._recycle(snapshot.rows)
+            self.stats.in_host += 1
+            self.stats.in_host_s += time.perf_counter() - started
+        else:
+            path = self._disk[model_id]
+            buf = self._buffer()
+            try:
+                snapshot = read_spill(path, buf)
+                record = restore_snapshot(self.engine, snapshot, model_id)
+            finally:
+                self._recycle(buf)
+            del self._disk[model_id]
+            path.unlink(missing_ok=True)
+            self.stats.in_disk += 1
+            self.stats.in_disk_s += time.perf_counter() - started
+        self._note(TierChange(model_id, GPU, record.slot))
+
+    def _enforce_budget(self, prefer_keep: Iterable[str]) -> None:
+        """Spill LRU host snapshots to disk until the cpu tier fits the budget (those in `prefer_keep` last)."""
+        keep = set(prefer_keep)
+        while self._host and self.host_bytes > self.host_budget_bytes:
+            order = [m for m in self._lru if m in self._host]
+            victim = next((m for m in order if m not in keep), order[0])
+            self._spill(victim)
+
+    def _spill(self, model_id: str) -> None:
+        started = time.perf_counter()
+        snapshot = self._host[model_id]
+        path = self.spill_path(model_id)
+        write_spill(path, snapshot)  # raises (disk full...) with the snapshot still in host memory: nothing lost
+        del self._host[model_id]
+        self._disk[model_id] = path
+        self._recycle(snapshot.rows)
+        self._note(TierChange(model_id, DISK, location=str(path)))
+        self.stats.spills += 1
+        self.stats.spill_s += time.perf_counter() - started
+
+    def _note(self, change: TierChange) -> None:
+        self._changes.pop(change.model_id, None)
+        self._changes[change.model_id] = change
+
+    # ---- host buffers ------------------------------------------------------------------------------------------------
+    def _buffer(self) -> torch.Tensor:
+        if self._spare:
+            return self._spare.pop()
+        return torch.empty((len(ROWS), self.signature.width), pin_memory=self._pinned)
+
+    def _recycle(self, buf: torch.Tensor) -> None:
+        if len(self._spare) < SPARE_BUFFERS:
+            self._spare.append(buf)
+
+    # ---- consistency with the engine ---------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Adopt adapters created or deleted on the engine directly (not through the store)."""
+        resident = self.engine._adapters
+        if len(self._lru) == len(resident) + len(self._host) + len(self._disk) and all(
+            m in self._lru for m in resident
+        ):
+            return
+        for m, record in resident.items():
+            if m not in self._lru:
+                self._placed(record)
+        for m in [m for m in self._lru if m not in resident and m not in self._host and m not in self._disk]:
+            del self._lru[m]
+            self._note(TierChange(m, None))
+
+    def _scan_spill_dir(self, adopt: bool) -> None:
+        """Spill files a previous run left: adopted (an adapter on disk is exactly its state when it was spilled: it was
+        not trained since) or removed. Unfinished temp files are removed; files that are not ours stay as they are."""
+        for tmp in self.spill_dir.glob(f"*{SPILL_SUFFIX}.tmp*"):
+            tmp.unlink(missing_ok=True)
+        for path in sorted(self.spill_dir.glob(f"*{SPILL_SUFFIX}")):
+            try:
+                meta = read_spill_metadata(path)
+            except (OSError, ValueError, KeyError):
+                continue
+            model_id = meta["model_id"]
+            if not adopt:
+                path.unlink(missing_ok=True)
+                continue
+            if meta["signature"] != self.signature or model_id in self._lru or path != self.spill_path(model_id):
+                continue
+            self._disk[model_id] = path
+            self._lru[model_id] = None
+            self._note(TierChange(model_id, DISK, location=str(path)))
+
+
+# ---- spill files (safetensors: one F32 tensor "rows" [4, P], metadata strings) -------------------------------------------
+def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
+    """Write atomically: a temp file next to it, fsync, os.replace, fsync of the folder. Streams the rows straight from
+    the (pinned) buffer: no extra copy in memory."""
+    rows = snapshot.rows
+    sig = snapshot.signature
+    metadata = {
+        "format": SPILL_FORMAT,
+        "version": SPILL_VERSION,
+        "model_id": snapshot.model_id,
+        "rank": str(snapshot.rank),
+        "alpha": repr(float(snapshot.alpha)),
+        "seed": str(snapshot.seed),
+        "step": str(snapshot.step),
+        "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
+    }
+    nbytes = rows.numel() * rows.element_size()
+    header = {
+        "__metadata__": metadata,
+        "rows": {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [0, nbytes]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            f.write(memoryview(rows.contiguous().numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _read_header(f) -> tuple[dict, int]:  # noqa: ANN001 - a binary file
+    size = int.from_bytes(f.read(8), "little")
+    if not 0 < size < 1 << 24:
+        raise ValueError("not a safetensors file")
+    return json.loads(f.read(size)), 8 + size
+
+
+def _parse_metadata(header: dict) -> dict:
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != SPILL_FORMAT or meta.get("version") != SPILL_VERSION:
+        raise ValueError(f"not a {SPILL_FORMAT} v{SPILL_VERSION} file")
+    sig = json.loads(meta["signature"])
+    return {
+        "model_id": meta["model_id"],
+        "rank": int(meta["rank"]),
+        "alpha": float(meta["alpha"]),
+        "seed": int(meta["seed"]),
+        "step": int(meta["step"]),
+        "signature": PoolSignature(int(sig["max_rank"]), tuple(sig["modules"]), int(sig["width"])),
+    }
+
+
+def read_spill_metadata(path: Path) -> dict:
+    with open(path, "rb") as f:
+        header, _ = _read_header(f)
+    return _parse_metadata(header)
+
+
+def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
+    """Read a spill file's rows straight into `out` [4, P] (e.g. a pinned buffer); checks the layout and length."""
+    with open(path, "rb") as f:
+        header, start = _read_header(f)
+        meta = _parse_metadata(header)
+        info = header["rows"]
+        begin, end = info["data_offsets"]
+        if info["dtype"] != "F32" or list(info["shape"]) != list(out.shape) or end - begin != out.numel() * 4:
+            raise InvalidRequestError(f"spill file {path.name} does not fit this pool's layout")
+        f.seek(start + begin)
+        view = memoryview(out.numpy()).cast("B")
+        if f.readinto(view) != len(view):
+            raise InvalidRequestError(f"spill file {path.name} is truncated")
+    return AdapterSnapshot(
+        meta["model_id"], meta["rank"], meta["alpha"], meta["seed"], meta["step"], meta["signature"], out
+    )
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not supported here (e.g. some platforms): the file itself is synced
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

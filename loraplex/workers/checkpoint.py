@@ -1,0 +1,616 @@
+"""Checkpoints: an adapter's weights (and Adam state) as versioned safetensors + JSON, restorable into any slot.
+
+One checkpoint is one directory:
+
+    adapter_model.safetensors  the weights, in PEFT's names and layout (so the file alone loads into PEFT):
+                               base_model.model.<module>.lora_A.weight [r, in], base_model.model.<module>.lora_B.weight
+                               [out, r]; its safetensors header's __metadata__ also carries "loraplex" (JSON: format
+                               version, kind, model id, base model, signature, hparams, step), covered by its sha256.
+    optimizer.safetensors      only with optimizer state: base_model.model.<module>.lora_A.exp_avg / .lora_A.exp_avg_sq
+                               [r, in] and .lora_B.exp_avg / .lora_B.exp_avg_sq [out, r] (AdamW's moments).
+    checkpoint.json            the manifest: format, format_version, kind ("state" | "sampler"), model_id, base_model,
+                               signature {max_rank, target_modules, modules}, hparams {rank, alpha, seed}, step (the Adam
+                               step count), user_metadata, created_at, files {name: {size, sha256}}, and manifest_sha256
+                               (sha256 of the manifest's canonical JSON without that field).
+
+Only the real-rank parts are stored (the zero padding up to the pool's r_max is not), all fp32. Gradients are never
+stored: like Tinker's save_state, a checkpoint holds weights + optimizer state; unconsumed gradients are dropped.
+
+Writing is atomic as a whole: every file goes into a temporary sibling directory, is fsynced, and the directory is then
+swapped into place (renameat2(RENAME_EXCHANGE) where the kernel has it, else two renames), so a failure at any point
+(disk full, a crash) leaves the previous checkpoint of that name intact and no temporary directory behind.
+
+Reading verifies everything before returning anything: the format version, the manifest's own hash, every file's size
+and sha256, the header embedded in the weights file against the manifest, and every tensor's name, dtype and shape
+against the hparams. Anything off is an InvalidRequestError saying what (these hashes detect corruption and careless
+edits; they are not a signature against a deliberate forger who rewrites every hash).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.workers.engine import AdapterRecord, Engine
+
+CHECKPOINT_FORMAT_VERSION = 1
+FORMAT_NAME = "loraplex-checkpoint"
+MANIFEST_FILE = "checkpoint.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+KINDS = ("state", "sampler")
+PEFT_PREFIX = "base_model.model."
+MOMENT_NAMES = ("lora_A.exp_avg", "lora_A.exp_avg_sq", "lora_B.exp_avg", "lora_B.exp_avg_sq")
+MAX_MANIFEST_BYTES = 64 << 20
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [r, in], B [out, r])
+Moments = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # module -> (m_A, v_A, m_B, v_B)
+
+
+@dataclass
+class CheckpointState:
+    """One adapter's checkpointable state, fp32 CPU tensors in PEFT's layout (A [r, in], B [out, r])."""
+
+    model_id: str
+    rank: int
+    alpha: float
+    seed: int
+    step: int  # the adapter's Adam step count when saved (restored only together with the optimizer state)
+    base_model: str
+    target_modules: tuple[str, ...]  # leaf names (q_proj, ...)
+    modules: tuple[str, ...]  # full module names, in the pool's bank order
+    max_rank_hint: int  # r_max of the pool it was saved from (informational: any pool with r_max >= rank loads it)
+    weights: Weights
+    optimizer: Moments | None = None  # same shapes as the weights: (exp_avg_A, exp_avg_sq_A, exp_avg_B, exp_avg_sq_B)
+    kind: str = "state"  # "state" (save_state) | "sampler" (save_weights_for_sampler: weights only)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What write_checkpoint wrote: every file (checkpoint.json included) with its size and sha256."""
+
+    directory: Path
+    files: dict[str, tuple[int, str]]
+    total_size: int
+    sha256: str  # of checkpoint.json as written (it names every other file's sha256)
+
+
+# ---- names -------------------------------------------------------------------------------------------------------------
+def validate_checkpoint_name(name: object) -> str:
+    """A checkpoint name usable as one path component: 1-128 of [A-Za-z0-9_.-], not "." or ".."."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise InvalidRequestError(
+            f"invalid checkpoint name {name!r}: use 1-128 characters from [A-Za-z0-9_.-], not '.' or '..'"
+        )
+    return name
+
+
+# ---- engine <-> state --------------------------------------------------------------------------------------------------
+def state_from_engine(
+    engine: Engine,
+    model_id: str,
+    *,
+    base_model: str,
+    with_optimizer: bool,
+    kind: str | None = None,
+    user_metadata: Mapping[str, Any] | None = None,
+) -> CheckpointState:
+    """Copy an adapter's weights (and Adam moments + step count when `with_optimizer`) out of its slot: fp32 CPU
+    copies of the real-rank parts. `kind` defaults to "state" with the optimizer, "sampler" without."""
+    record = engine.adapter(model_id)
+    kind = kind or ("state" if with_optimizer else "sampler")
+    if kind not in KINDS:
+        raise InvalidRequestError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    if kind == "sampler" and with_optimizer:
+        raise InvalidRequestError("a sampler checkpoint holds weights only (with_optimizer=False)")
+    opt = engine.optimizer
+    opt._adopt()  # the banks are views of the flat buffers
+    flats = [opt.data] + ([opt.exp_avg_flat, opt.exp_avg_sq_flat] if with_optimizer else [])
+    # One copy of the slot's rows to the host (one transfer on a GPU, not one per bank); stack always copies.
+    rows = torch.stack([f[record.slot] for f in flats]).to("cpu", torch.float32)
+    r = record.rank
+    weights: Weights = {}
+    moments: Moments = {}
+    for i, (name, bank) in enumerate(engine.banks.items()):
+        a_seg, b_seg = opt._segments[2 * i], opt._segments[2 * i + 1]
+        a_shape, b_shape = bank.lora_A.shape[1:], bank.lora_B.shape[1:]  # [in, r_max], [r_max, out]
+        weights[name] = _real_parts(rows[0], a_seg, a_shape, b_seg, b_shape, r)
+        if with_optimizer:
+            m_a, m_b = _real_parts(rows[1], a_seg, a_shape, b_seg, b_shape, r)
+            v_a, v_b = _real_parts(rows[2], a_seg, a_shape, b_seg, b_shape, r)
+            moments[name] = (m_a, v_a, m_b, v_b)
+    return CheckpointState(
+        model_id=model_id,
+        rank=record.rank,
+        alpha=record.alpha,
+        seed=record.seed,
+        step=int(opt.steps[record.slot]),
+        base_model=str(base_model),
+        target_modules=tuple(engine.target_modules),
+        modules=tuple(engine.banks),
+        max_rank_hint=engine.max_rank,
+        weights=weights,
+        optimizer=moments if with_optimizer else None,
+        kind=kind,
+        user_metadata=dict(user_metadata or {}),
+    )
+
+
+def check_signature(engine: Engine, state: CheckpointState) -> None:
+    """Whether `state` fits this pool: rank <= r_max, the same target-module set, the same modules with the same
+    shapes. InvalidRequestError naming what differs."""
+    if state.rank > engine.max_rank:
+        raise InvalidRequestError(f"checkpoint rank {state.rank} exceeds this pool's max rank {engine.max_rank}")
+    ours, theirs = set(engine.target_modules), set(state.target_modules)
+    if ours != theirs:
+        raise InvalidRequestError(
+            f"checkpoint target modules {sorted(theirs)} differ from this pool's {sorted(ours)} "
+            f"(missing here: {sorted(theirs - ours)}, not in checkpoint: {sorted(ours - theirs)})"
+        )
+    pool_modules = set(engine.banks)
+    if set(state.modules) != pool_modules:
+        extra, missing = sorted(set(state.modules) - pool_modules), sorted(pool_modules - set(state.modules))
+        raise InvalidRequestError(
+            f"checkpoint modules do not match this pool's base model: {len(extra)} unknown here "
+            f"(e.g. {extra[:3]}), {len(missing)} missing from the checkpoint (e.g. {missing[:3]})"
+        )
+    for name, bank in engine.banks.items():
+        a, b = state.weights[name]
+        want_a, want_b = (state.rank, bank.in_features), (bank.out_features, state.rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise InvalidRequestError(
+                f"checkpoint module {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit this pool's "
+                f"A {want_a}, B {want_b} (a different base model?)"
+            )
+
+
+def load_into_engine(
+    engine: Engine, state: CheckpointState, model_id: str, *, with_optimizer: bool, existing: bool
+) -> AdapterRecord:
+    """Restore `state` as adapter `model_id`: into a newly claimed slot (existing=False), or over that adapter's slot in
+    place (existing=True: its weights, Adam moments and step are replaced and its unconsumed gradients cleared; rank,
+    alpha and seed become the checkpoint's). With the optimizer: moments and step restored, so training continues
+    bit-identically to an uninterrupted run; without: zero moments, step 0 (a fresh AdamW from those weights).
+
+    Everything is checked before the engine is touched: a bad signature (InvalidRequestError), an unknown adapter
+    (existing=True: NotFoundError), a taken id or no free slot (existing=False: ConflictError / CapacityError)."""
+    validate_state(state)
+    check_signature(engine, state)
+    if with_optimizer and state.optimizer is None:
+        raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
+    if existing:
+        old = engine.adapter(model_id)
+        record = AdapterRecord(model_id, old.slot, int(state.rank), float(state.alpha), int(state.seed))
+        engine._clear_slot(old.slot)  # weights, gradients and Adam state zero, step 0
+        engine._adapters[model_id] = record  # same slot, the checkpoint's hparams
+    else:
+        record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed)  # a zeroed slot
+    opt = engine.optimizer
+    opt._adopt()
+    slot, r = record.slot, record.rank
+    device = engine.device
+    with torch.no_grad():
+        for i, (name, bank) in enumerate(engine.banks.items()):
+            a, b = state.weights[name]
+            bank.lora_A[slot, :, :r] = a.t().to(device, torch.float32)
+            bank.lora_B[slot, :r] = b.t().to(device, torch.float32)
+            if with_optimizer:
+                assert state.optimizer is not None
+                m_a, v_a, m_b, v_b = state.optimizer[name]
+                opt.exp_avg[2 * i][slot, :, :r] = m_a.t().to(device, torch.float32)
+                opt.exp_avg_sq[2 * i][slot, :, :r] = v_a.t().to(device, torch.float32)
+                opt.exp_avg[2 * i + 1][slot, :r] = m_b.t().to(device, torch.float32)
+                opt.exp_avg_sq[2 * i + 1][slot, :r] = v_b.t().to(device, torch.float32)
+    opt.steps[slot] = int(state.step) if with_optimizer else 0
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return record
+
+
+# ---- files -------------------------------------------------------------------------------------------------------------
+def write_checkpoint(state: CheckpointState, directory: Path) -> CheckpointFiles:
+    """Write `state` as a checkpoint directory (see the module docstring), atomically: a failure leaves whatever was at
+    `directory` before untouched. OSError (ENOSPC, EFBIG, ...) propagates as is."""
+    validate_state(state)
+    directory = Path(directory)
+    header = _header(state)
+    blobs: dict[str, bytes] = {WEIGHTS_FILE: weights_file_bytes(state, header)}
+    if state.optimizer is not None:
+        tensors: dict[str, torch.Tensor] = {}
+        for name in state.modules:
+            for key, t in zip(MOMENT_NAMES, state.optimizer[name], strict=True):
+                tensors[f"{PEFT_PREFIX}{name}.{key}"] = _own(t)
+        blobs[OPTIMIZER_FILE] = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    files = {name: (len(data), hashlib.sha256(data).hexdigest()) for name, data in blobs.items()}
+    manifest: dict[str, Any] = {
+        **header,
+        "user_metadata": state.user_metadata,
+        "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+        "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in files.items()},
+    }
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    blobs[MANIFEST_FILE] = manifest_bytes  # written last
+    files[MANIFEST_FILE] = (len(manifest_bytes), hashlib.sha256(manifest_bytes).hexdigest())
+    write_directory_atomic(directory, blobs)
+    return CheckpointFiles(
+        directory=directory,
+        files=files,
+        total_size=sum(size for size, _ in files.values()),
+        sha256=files[MANIFEST_FILE][1],
+    )
+
+
+def read_checkpoint(directory: Path) -> CheckpointState:
+    """Read and verify a checkpoint directory. NotFoundError when there is none; InvalidRequestError when any file is
+    missing, truncated, tampered with or inconsistent (nothing is returned then)."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not directory.is_dir() or not manifest_path.is_file():
+        raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
+    raw = _read_capped(manifest_path, MAX_MANIFEST_BYTES)
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
+    if not isinstance(manifest, dict):
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not a JSON object")
+    if manifest.get("format") != FORMAT_NAME:
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not a loraplex checkpoint manifest")
+    version = manifest.get("format_version")
+    if version != CHECKPOINT_FORMAT_VERSION:
+        raise InvalidRequestError(
+            f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
+        )
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
+
+    kind = _field(manifest, "kind", str)
+    if kind not in KINDS:
+        raise InvalidRequestError(f"{MANIFEST_FILE}: unknown kind {kind!r}")
+    files = _field(manifest, "files", dict)
+    if WEIGHTS_FILE not in files:
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
+    unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
+    if unknown:
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
+    if kind == "sampler" and OPTIMIZER_FILE in files:
+        raise InvalidRequestError("a sampler checkpoint must not carry optimizer state")
+    blobs = {name: _read_verified(directory, name, files[name]) for name in sorted(files)}
+
+    header = _embedded_header(blobs[WEIGHTS_FILE])
+    differs = sorted(k for k in set(header) | set(_HEADER_KEYS) if header.get(k) != manifest.get(k))
+    if differs:
+        raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
+
+    signature = _field(manifest, "signature", dict)
+    hparams = _field(manifest, "hparams", dict)
+    modules = tuple(_field(signature, "modules", list))
+    if not all(isinstance(m, str) for m in modules):
+        raise InvalidRequestError(f"{MANIFEST_FILE}: signature.modules must be names")
+    user_metadata = manifest.get("user_metadata", {})
+    if not isinstance(user_metadata, dict):
+        raise InvalidRequestError(f"{MANIFEST_FILE}: user_metadata must be an object")
+    weights_t = _load_tensors(blobs[WEIGHTS_FILE], WEIGHTS_FILE)
+    weights = {
+        name: (
+            _take(weights_t, f"{PEFT_PREFIX}{name}.lora_A.weight"),
+            _take(weights_t, f"{PEFT_PREFIX}{name}.lora_B.weight"),
+        )
+        for name in modules
+    }
+    _no_leftovers(weights_t, WEIGHTS_FILE)
+    moments: Moments | None = None
+    if OPTIMIZER_FILE in blobs:
+        opt_t = _load_tensors(blobs[OPTIMIZER_FILE], OPTIMIZER_FILE)
+        moments = {
+            name: tuple(_take(opt_t, f"{PEFT_PREFIX}{name}.{key}") for key in MOMENT_NAMES)  # type: ignore[misc]
+            for name in modules
+        }
+        _no_leftovers(opt_t, OPTIMIZER_FILE)
+    state = CheckpointState(
+        model_id=_field(manifest, "model_id", str),
+        rank=_field(hparams, "rank", int),
+        alpha=float(_field(hparams, "alpha", (int, float))),
+        seed=_field(hparams, "seed", int),
+        step=_field(manifest, "step", int),
+        base_model=_field(manifest, "base_model", str),
+        target_modules=tuple(_field(signature, "target_modules", list)),
+        modules=modules,
+        max_rank_hint=_field(signature, "max_rank", int),
+        weights=weights,
+        optimizer=moments,
+        kind=kind,
+        user_metadata=user_metadata,
+    )
+    validate_state(state)  # shapes vs hparams, module names, finite hparams
+    return state
+
+
+def weights_file_bytes(state: CheckpointState, header: Mapping[str, Any] | None = None) -> bytes:
+    """adapter_model.safetensors's bytes: PEFT key names and layout, fp32; the loraplex header in its metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in state.modules:
+        a, b = state.weights[name]
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _own(a)
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _own(b)
+    metadata = {"format": "pt"}
+    if header is not None:
+        metadata["loraplex"] = json.dumps(header, sort_keys=True, allow_nan=False)
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def write_directory_atomic(directory: Path, blobs: Mapping[str, bytes]) -> None:
+    """Write `blobs` ({file name: bytes}, in order) as the directory `directory`, all or nothing: into a temporary
+    sibling (every file fsynced, then the directory), swapped into place, the previous one (if any) removed after."""
+    directory = Path(directory)
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a sampler (vLLM) may run as another user
+        for name, data in blobs.items():
+            if "/" in name or name in ("", ".", ".."):
+                raise ValueError(f"bad file name {name!r}")
+            _write_file(tmp / name, data)
+        _fsync_path(tmp)
+        if os.path.lexists(directory):
+            if not directory.is_dir() or directory.is_symlink():
+                raise InvalidRequestError(f"{directory} exists and is not a checkpoint directory")
+            if _exchange(tmp, directory):  # atomic: `directory` is now the new one, `tmp` the old one
+                _fsync_path(parent)
+                return  # the finally removes the old one
+            old = parent / f".{directory.name}.old-{uuid.uuid4().hex[:12]}"
+            os.rename(directory, old)
+            try:
+                os.rename(tmp, directory)
+            except BaseException:
+                os.rename(old, directory)
+                raise
+            _fsync_path(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, directory)
+            _fsync_path(parent)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------------------
+_HEADER_KEYS = ("format", "format_version", "kind", "model_id", "base_model", "signature", "hparams", "step")
+
+
+def _header(state: CheckpointState) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "kind": state.kind,
+        "model_id": state.model_id,
+        "base_model": state.base_model,
+        "signature": {
+            "max_rank": int(state.max_rank_hint),
+            "target_modules": list(state.target_modules),
+            "modules": list(state.modules),
+        },
+        "hparams": {"rank": int(state.rank), "alpha": float(state.alpha), "seed": int(state.seed)},
+        "step": int(state.step),
+    }
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    try:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{MANIFEST_FILE}: values are not plain JSON") from None
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def validate_state(state: CheckpointState) -> None:
+    """Internal consistency: hparams in range, kind, modules named and unique, tensors fp32-able with the right shapes."""
+
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(f"checkpoint state invalid: {msg}")
+
+    if state.kind not in KINDS:
+        raise bad(f"kind must be one of {KINDS}, got {state.kind!r}")
+    if not isinstance(state.model_id, str) or not isinstance(state.base_model, str):
+        raise bad("model_id and base_model must be strings")
+    for name in ("rank", "seed", "step", "max_rank_hint"):
+        value = getattr(state, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(f"{name} must be an integer, got {value!r}")
+    if state.rank < 1 or state.step < 0 or state.rank > state.max_rank_hint:
+        raise bad(f"rank {state.rank} (max {state.max_rank_hint}) and step {state.step} out of range")
+    if isinstance(state.alpha, bool) or not isinstance(state.alpha, int | float):
+        raise bad(f"alpha must be a number, got {state.alpha!r}")
+    if not math.isfinite(state.alpha) or state.alpha <= 0:
+        raise bad(f"alpha must be positive and finite, got {state.alpha!r}")
+    if state.kind == "sampler" and state.optimizer is not None:
+        raise bad("a sampler checkpoint holds weights only")
+    if not isinstance(state.user_metadata, dict):
+        raise bad("user_metadata must be a dict")
+    try:
+        json.dumps(state.user_metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise bad(f"user_metadata must be plain JSON ({exc})") from None
+    modules = state.modules
+    if not modules or len(set(modules)) != len(modules) or not all(isinstance(m, str) and m for m in modules):
+        raise bad("modules must be distinct, non-empty names")
+    targets = state.target_modules
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise bad("target_modules must be non-empty names")
+    leaves = {m.rsplit(".", 1)[-1] for m in modules}
+    if leaves != set(targets):
+        raise bad(f"modules' leaf names {sorted(leaves)} do not match target_modules {sorted(set(targets))}")
+    if set(state.weights) != set(modules):
+        raise bad("weights must cover exactly the modules")
+    if state.optimizer is not None and set(state.optimizer) != set(modules):
+        raise bad("optimizer state must cover exactly the modules")
+    for name in modules:
+        a, b = state.weights[name]
+        if not (_is_matrix(a) and _is_matrix(b)) or a.shape[0] != state.rank or b.shape[1] != state.rank:
+            raise bad(f"{name}: A must be [rank={state.rank}, in] and B [out, rank], got "
+                      f"{tuple(getattr(a, 'shape', ()))}, {tuple(getattr(b, 'shape', ()))}")  # fmt: skip
+        if state.optimizer is not None:
+            for key, t, like in zip(MOMENT_NAMES, state.optimizer[name], (a, a, b, b), strict=True):
+                if not _is_matrix(t) or t.shape != like.shape:
+                    raise bad(f"{name}.{key} must be shaped like its weight {tuple(like.shape)}")
+
+
+def _real_parts(
+    row: torch.Tensor,
+    a_seg: tuple[int, int],
+    a_shape: torch.Size,
+    b_seg: tuple[int, int],
+    b_shape: torch.Size,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One bank's real-rank (A [r, in], B [out, r]) from a slot's flat row (A [in, r_max], B [r_max, out] segments)."""
+    a = row[a_seg[0] : a_seg[0] + a_seg[1]].view(a_shape)[:, :rank].t()
+    b = row[b_seg[0] : b_seg[0] + b_seg[1]].view(b_shape)[:rank].t()
+    return _own(a), _own(b)
+
+
+def _is_matrix(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and min(t.shape) > 0
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 CPU tensor with its own storage (safetensors refuses shared storage)."""
+    return t.detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)
+
+
+def _field(obj: Mapping[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise InvalidRequestError(f"{MANIFEST_FILE}: field {name!r} missing or of the wrong type ({value!r})")
+    return value
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidRequestError(f"{path.name} is larger than {limit} bytes")
+    return data
+
+
+def _read_verified(directory: Path, name: str, entry: object) -> bytes:
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("size"), int)
+        or not isinstance(entry.get("sha256"), str)
+    ):
+        raise InvalidRequestError(f"{MANIFEST_FILE}: bad entry for {name}")
+    path = directory / name
+    if not path.is_file():
+        raise InvalidRequestError(f"checkpoint file {name} is missing")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise InvalidRequestError(
+            f"checkpoint file {name} is {size} bytes, expected {entry['size']} (truncated or modified)"
+        )
+    data = _read_capped(path, entry["size"])  # hashed and parsed from the same bytes
+    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise InvalidRequestError(f"checkpoint file {name} is corrupted or tampered with (sha256 mismatch)")
+    return data
+
+
+def _embedded_header(data: bytes) -> dict[str, Any]:
+    """The loraplex header from a safetensors file's __metadata__ (the format: u64 LE header size, JSON header)."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+        header = json.loads(meta["loraplex"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidRequestError(f"{WEIGHTS_FILE} carries no readable loraplex header") from None
+    if not isinstance(header, dict):
+        raise InvalidRequestError(f"{WEIGHTS_FILE}'s loraplex header is not an object")
+    return header
+
+
+def _load_tensors(data: bytes, name: str) -> dict[str, torch.Tensor]:
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise InvalidRequestError(f"{name} is not a valid safetensors file ({exc})") from None
+    for key, t in tensors.items():
+        if t.dtype != torch.float32:
+            raise InvalidRequestError(f"{name}: {key} is {t.dtype}, expected float32")
+    return tensors
+
+
+def _take(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return tensors.pop(key)
+    except KeyError:
+        raise InvalidRequestError(f"checkpoint tensor {key} is missing") from None
+
+
+def _no_leftovers(tensors: dict[str, torch.Tensor], name: str) -> None:
+    if tensors:
+        raise InvalidRequestError(f"{name} holds unexpected tensors, e.g. {sorted(tensors)[:3]}")
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "xb") as handle:
+        view = memoryview(data)
+        while view:  # write() may be partial; a hard failure (ENOSPC, EFBIG) raises OSError
+            written = handle.write(view)
+            view = view[written:]
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where the OS or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))

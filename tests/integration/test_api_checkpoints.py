@@ -1,0 +1,179 @@
+"""Checkpoint routes of the gateway against real Redis and SQLite (no worker pool): name validation, the folder the
+gateway chooses, 409 on an existing name, retries, and tenant isolation (404) for load, create-from, list and delete."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loraplex.api.app import create_app
+from loraplex.queue import keys
+from loraplex.queue.envelope import decode
+from loraplex.settings import Settings
+from loraplex.storage.blobs import BlobStore
+from loraplex.storage.db import migrate
+from loraplex.storage.enums import CheckpointKind
+from loraplex.storage.repositories import CheckpointRepository, TenantRepository, unit_of_work
+from loraplex.storage.repositories.checkpoints import checkpoint_blob_key
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def stack(tmp_path, redis_url):
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"ckpt-{tmp_path.name}", max_rank=16)
+    migrate(settings.resolved_database_url)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        services = app.state.services
+        with unit_of_work(services.sessions) as session:
+            repo = TenantRepository(session)
+            created = {name: repo.create_tenant(name) for name in ("alice", "bob")}
+        tenants = {name: t.id for name, (t, _) in created.items()}
+        headers = {name: {"X-API-Key": key} for name, (_, key) in created.items()}
+        yield client, headers, tenants, services
+
+
+def _adapter(client, headers) -> str:
+    response = client.post("/v1/adapters", json={"rank": 4}, headers=headers)
+    assert response.status_code == 202, response.text
+    return response.json()["model_id"]
+
+
+def _saved(services, tenant_id: str, model_id: str, kind: CheckpointKind, name: str) -> str:
+    """What the recorder does after a worker's save: files in the gateway's folder, and the row. Returns the path."""
+    store = BlobStore(services.settings.resolved_blob_root)
+    folder = store.path(checkpoint_blob_key(tenant_id, model_id, kind, name))
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.json").write_text("{}")
+    with unit_of_work(services.sessions) as session:
+        CheckpointRepository(session, tenant_id).add(model_id, kind, name, folder.as_uri(), 2, "0" * 64, step=3)
+    segment = "weights" if kind == CheckpointKind.STATE else "sampler_weights"
+    return f"tinker://{model_id}/{segment}/{name}"
+
+
+def _queued(services, request_id: str):
+    for _, fields in services.redis.xrange(keys.request_stream(services.settings.pool)):
+        envelope = decode(fields)
+        if envelope.request_id == request_id:
+            return envelope
+    raise AssertionError(f"request {request_id} not in the stream")
+
+
+def test_save_queues_the_folder_the_gateway_chose(stack):
+    client, headers, tenants, services = stack
+    model_id = _adapter(client, headers["alice"])
+    response = client.post(
+        f"/v1/adapters/{model_id}/save_state",
+        json={"seq_id": 1, "name": "step-1", "ttl_seconds": 60},
+        headers=headers["alice"],
+    )
+    assert response.status_code == 202, response.text
+    envelope = _queued(services, response.json()["request_id"])
+    expected = services.settings.resolved_blob_root.resolve() / tenants["alice"] / model_id / "state" / "step-1"
+    assert str(envelope.kind) == "save_state" and envelope.seq_id == 1
+    assert envelope.payload["directory"] == str(expected)
+    assert envelope.payload["blob_uri"] == expected.as_uri()
+    assert envelope.payload["path"] == f"tinker://{model_id}/weights/step-1"
+    assert envelope.payload["ttl_seconds"] == 60
+    sampler = client.post(
+        f"/v1/adapters/{model_id}/save_weights_for_sampler", json={"seq_id": 2, "name": "s"}, headers=headers["alice"]
+    )
+    payload = _queued(services, sampler.json()["request_id"]).payload
+    assert payload["path"] == f"tinker://{model_id}/sampler_weights/s" and payload["directory"].endswith("/sampler/s")
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".", "with space", "x" * 129, "ü"])
+def test_bad_names_are_rejected_and_nothing_is_queued(stack, name):
+    client, headers, _, services = stack
+    model_id = _adapter(client, headers["alice"])
+    stream = keys.request_stream(services.settings.pool)
+    before = services.redis.xlen(stream)
+    for route in ("save_state", "save_weights_for_sampler"):
+        response = client.post(
+            f"/v1/adapters/{model_id}/{route}", json={"seq_id": 1, "name": name}, headers=headers["alice"]
+        )
+        assert response.status_code in (400, 422), (name, response.text)
+        assert "name" in response.text
+    assert services.redis.xlen(stream) == before
+    empty = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": ""}, headers=headers["alice"])
+    assert empty.status_code == 422
+
+
+def test_existing_name_is_409_unless_overwrite_and_a_retry_gets_its_first_request(stack):
+    client, headers, tenants, services = stack
+    model_id = _adapter(client, headers["alice"])
+    alice = headers["alice"]
+    first = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": "ckpt"}, headers=alice)
+    assert first.status_code == 202
+    _saved(services, tenants["alice"], model_id, CheckpointKind.STATE, "ckpt")  # the save finished
+    # The same request again (a client retry) gets the first request, not a conflict.
+    again = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": "ckpt"}, headers=alice)
+    assert again.status_code == 202 and again.json()["request_id"] == first.json()["request_id"]
+    clash = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 2, "name": "ckpt"}, headers=alice)
+    assert clash.status_code == 409 and "overwrite" in clash.json()["detail"]
+    replace = {"seq_id": 2, "name": "ckpt", "overwrite": True}
+    assert client.post(f"/v1/adapters/{model_id}/save_state", json=replace, headers=alice).status_code == 202
+    # The sampler kind is a separate namespace.
+    other = client.post(
+        f"/v1/adapters/{model_id}/save_weights_for_sampler", json={"seq_id": 3, "name": "ckpt"}, headers=alice
+    )
+    assert other.status_code == 202
+
+
+def test_other_tenants_checkpoints_are_404_everywhere(stack):
+    client, headers, tenants, services = stack
+    alice, bob = headers["alice"], headers["bob"]
+    model_id = _adapter(client, alice)
+    path = _saved(services, tenants["alice"], model_id, CheckpointKind.STATE, "final")
+    bobs = _adapter(client, bob)
+    # Load into bob's own adapter, create from it, list, delete: all 404, as for a checkpoint that does not exist.
+    for p in (path, f"tinker://{model_id}/weights/nope", f"tinker://{'0' * 32}/weights/final"):
+        load = client.post(f"/v1/adapters/{bobs}/load_state", json={"seq_id": 1, "path": p}, headers=bob)
+        assert load.status_code == 404, load.text
+        create = client.post("/v1/adapters", json={"from_checkpoint": p}, headers=bob)
+        assert create.status_code == 404, create.text
+    assert client.get(f"/v1/adapters/{model_id}/checkpoints", headers=bob).status_code == 404
+    assert client.delete(f"/v1/adapters/{model_id}/checkpoints/weights/final", headers=bob).status_code == 404
+    assert len(client.get("/v1/adapters", headers=bob).json()) == 1  # the failed creates left nothing behind
+    # Alice can do all of it.
+    listed = client.get(f"/v1/adapters/{model_id}/checkpoints", headers=alice).json()["checkpoints"]
+    assert [(c["tinker_path"], c["checkpoint_id"], c["checkpoint_type"], c["step"]) for c in listed] == [
+        (path, "weights/final", "training", 3)
+    ]
+    load = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": path}, headers=alice)
+    assert load.status_code == 202
+    payload = _queued(services, load.json()["request_id"]).payload
+    assert payload["directory"].endswith(f"/{model_id}/state/final") and payload["with_optimizer"] is True
+    created = client.post("/v1/adapters", json={"from_checkpoint": path, "with_optimizer": False}, headers=alice)
+    assert created.status_code == 202, created.text
+    envelope = _queued(services, created.json()["request_id"])
+    assert envelope.payload["from_checkpoint"]["directory"] == payload["directory"]
+    assert envelope.payload["rank"] == 4 and envelope.payload["from_checkpoint"]["with_optimizer"] is False
+    folder = services.settings.resolved_blob_root / tenants["alice"] / model_id / "state" / "final"
+    assert folder.is_dir()
+    deleted = client.delete(f"/v1/adapters/{model_id}/checkpoints/weights/final", headers=alice)
+    assert deleted.status_code == 200 and deleted.json()["tinker_path"] == path
+    assert not folder.exists()
+    assert client.get(f"/v1/adapters/{model_id}/checkpoints", headers=alice).json()["checkpoints"] == []
+    assert client.delete(f"/v1/adapters/{model_id}/checkpoints/weights/final", headers=alice).status_code == 404
+
+
+def test_bad_paths_and_options_are_400(stack):
+    client, headers, tenants, services = stack
+    alice = headers["alice"]
+    model_id = _adapter(client, alice)
+    sampler = _saved(services, tenants["alice"], model_id, CheckpointKind.SAMPLER, "s1")
+    for bad in ("weights/final", "tinker://x/weights", "tinker://x/other/n", "tinker://x/weights/a/b", "file:///etc"):
+        response = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": bad}, headers=alice)
+        assert response.status_code == 400, (bad, response.text)
+    # A sampler checkpoint holds no optimizer state.
+    response = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": sampler}, headers=alice)
+    assert response.status_code == 400 and "with_optimizer" in response.json()["detail"]
+    body = {"seq_id": 1, "path": sampler, "with_optimizer": False}
+    assert client.post(f"/v1/adapters/{model_id}/load_state", json=body, headers=alice).status_code == 202
+    # rank / alpha / seed come from the checkpoint.
+    response = client.post(
+        "/v1/adapters", json={"from_checkpoint": sampler, "rank": 8, "with_optimizer": False}, headers=alice
+    )
+    assert response.status_code == 400 and "rank" in response.json()["detail"]

@@ -1,0 +1,141 @@
+"""PEFT export: `PeftModel.from_pretrained(fresh base, out_dir)` gives the logits of our engine for that adapter (fp32),
+from a live adapter and from a checkpoint read back from disk; adapter_config.json's fields; the tokenizer travels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+from transformers import AutoTokenizer
+
+from loraplex.errors import InvalidRequestError
+from loraplex.models import load_base_model, resolve
+from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, state_from_engine, write_checkpoint
+from loraplex.workers.engine import Engine
+from loraplex.workers.export import export_peft
+from loraplex.workers.lora import Routing
+
+ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2)}  # model_id: (rank, alpha, seed); alpha 12.5 is not an integer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
+
+
+def make_data(seed: int, lengths: list[int]) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for n in lengths:
+        ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
+        data.append({"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}})
+    return data
+
+
+SEQUENCES = make_data(9, [7, 16, 3])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Engine:
+    """Two trained adapters (B far from zero) side by side in one engine."""
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    engine = Engine(model, slots=3, max_rank=8)
+    for model_id, (rank, alpha, seed) in ADAPTERS.items():
+        engine.create_adapter(model_id, rank, alpha, seed)
+    data = make_data(1, [12, 9])
+    for _ in range(4):
+        engine.forward_backward([(m, data, "cross_entropy", None, False) for m in ADAPTERS])
+        engine.optim_step([(m, {"learning_rate": 2e-2}) for m in ADAPTERS])
+    return engine
+
+
+def engine_logits(engine: Engine, model_id: str, ids: list[int]) -> torch.Tensor:
+    """The engine model's full logits for one sequence routed to `model_id`'s slot."""
+    record = engine.adapter(model_id)
+    tokens = torch.tensor([ids])
+    routing = Routing.build([record.slot], [record.rank], [record.scale], [tokens.numel()], engine.device)
+    with engine.context.use(routing), torch.no_grad():
+        return engine.model(input_ids=tokens).logits[0].float()
+
+
+@pytest.mark.parametrize("via_checkpoint", [False, True], ids=["live", "via-checkpoint"])
+@pytest.mark.parametrize("model_id", sorted(ADAPTERS))
+def test_peft_loads_export_to_engine_logits(
+    engine: Engine, tiny_dir: Path, tmp_path: Path, model_id: str, via_checkpoint: bool
+) -> None:
+    state: CheckpointState = state_from_engine(engine, model_id, base_model="tiny", with_optimizer=False)
+    if via_checkpoint:
+        write_checkpoint(state, tmp_path / "ckpt")
+        state = read_checkpoint(tmp_path / "ckpt")
+    out = export_peft(state, tmp_path / "export", base_model_path=str(tiny_dir), tokenizer_dir=tiny_dir)
+    assert out == tmp_path / "export"
+
+    base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    loaded = {k: v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    assert len(loaded) == 2 * len(state.modules)  # every module got its adapter
+    for name, (a, b) in state.weights.items():
+        assert torch.equal(loaded[f"base_model.model.{name}.lora_A.default.weight"], a)
+        assert torch.equal(loaded[f"base_model.model.{name}.lora_B.default.weight"], b)
+
+    rank, alpha, _ = ADAPTERS[model_id]
+    forward = engine.forward_backward([(model_id, SEQUENCES, "cross_entropy", None, True)])[0]
+    for datum, ours in zip(SEQUENCES, forward["loss_fn_outputs"], strict=True):
+        ids = datum["model_input"]
+        with torch.no_grad():
+            theirs = peft_model(input_ids=torch.tensor([ids])).logits[0].float()
+        assert (theirs - engine_logits(engine, model_id, ids)).abs().max() <= 1e-5
+        # ...and the engine's own (fused) training path gives the same target logprobs.
+        targets = torch.tensor(datum["loss_fn_inputs"]["target_tokens"])
+        peft_lp = theirs.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        assert (torch.tensor(ours["logprobs"]) - peft_lp).abs().max() <= 1e-5
+    # The adapter matters: the bare base model differs.
+    with torch.no_grad(), peft_model.disable_adapter():
+        bare = peft_model(input_ids=torch.tensor([SEQUENCES[1]["model_input"]])).logits[0]
+    assert (bare - engine_logits(engine, model_id, SEQUENCES[1]["model_input"])).abs().max() > 1e-3
+
+    config = LoraConfig.from_pretrained(out)
+    assert (config.r, config.lora_alpha) == (rank, alpha)
+
+
+def test_adapter_config_and_tokenizer(engine: Engine, tiny_dir: Path, tmp_path: Path) -> None:
+    state = state_from_engine(engine, "b", base_model="tiny", with_optimizer=True)  # the optimizer is not exported
+    out = export_peft(state, tmp_path / "nested" / "out", base_model_path=str(tiny_dir), tokenizer_dir=tiny_dir)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["r"] == 8 and config["lora_alpha"] == 12.5
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert config["lora_dropout"] == 0.0 and config["bias"] == "none"
+    assert config["base_model_name_or_path"] == str(tiny_dir)
+    assert config["modules_to_save"] is None and config["use_dora"] is False and config["use_rslora"] is False
+    files = {p.name for p in out.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert not any(name.startswith(".") for name in files)  # no temporaries
+    assert "model.safetensors" not in files and "config.json" not in files  # the base model is referenced, not copied
+    ours = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    base = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    assert ours.get_vocab() == base.get_vocab()
+    assert ours("the quick brown fox")["input_ids"] == base("the quick brown fox")["input_ids"]
+
+    # Defaults: no tokenizer, the checkpoint's base model name; an integer alpha stays an integer.
+    a = state_from_engine(engine, "a", base_model="tiny", with_optimizer=False)
+    plain = export_peft(a, tmp_path / "plain")
+    assert {p.name for p in plain.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    config = json.loads((plain / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny" and config["lora_alpha"] == 8 and config["r"] == 4
+    # Re-exporting over an earlier export replaces it.
+    export_peft(state, tmp_path / "plain")
+    assert json.loads((plain / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_tokenizer_dir_without_tokenizer_is_refused(engine: Engine, tmp_path: Path) -> None:
+    state = state_from_engine(engine, "a", base_model="tiny", with_optimizer=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidRequestError, match="no tokenizer files"):
+        export_peft(state, tmp_path / "out", base_model_path=None, tokenizer_dir=tmp_path / "empty")
+    assert not (tmp_path / "out").exists()

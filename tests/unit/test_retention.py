@@ -1,0 +1,54 @@
+"""storage.retention: expired checkpoints lose their rows and their folders; others (no expiry, or later) stay."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from loraplex.storage.blobs import BlobStore
+from loraplex.storage.db import make_engine, migrate, session_factory
+from loraplex.storage.enums import CheckpointKind
+from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository, unit_of_work
+from loraplex.storage.repositories.checkpoints import checkpoint_blob_key
+from loraplex.storage.retention import delete_expired
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def test_delete_expired_removes_rows_and_files(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    sessions = session_factory(make_engine(url))
+    blobs = BlobStore(tmp_path / "blobs")
+    folders = {}
+    with unit_of_work(sessions) as s:
+        tenants = [TenantRepository(s).create_tenant(name)[0].id for name in ("a", "b")]
+        for tenant in tenants:
+            AdapterRepository(s, tenant).create(f"m-{tenant}", "tiny", 4, 8.0, ["q_proj"], 0)
+        plan = [  # (tenant, name, expires_at)
+            (tenants[0], "old", NOW - timedelta(seconds=1)),
+            (tenants[0], "now", NOW),
+            (tenants[0], "later", NOW + timedelta(hours=1)),
+            (tenants[0], "forever", None),
+            (tenants[1], "old", NOW - timedelta(days=3)),
+        ]
+        for tenant, name, expires in plan:
+            key = checkpoint_blob_key(tenant, f"m-{tenant}", CheckpointKind.STATE, name)
+            folder = blobs.path(key)
+            folder.mkdir(parents=True)
+            (folder / "adapter.safetensors").write_bytes(b"x" * 10)
+            (folder / "metadata.json").write_text("{}")
+            folders[(tenant, name)] = folder
+            CheckpointRepository(s, tenant).add(
+                f"m-{tenant}", CheckpointKind.STATE, name, folder.as_uri(), 10, "0" * 64, expires_at=expires
+            )
+
+    assert delete_expired(sessions, blobs, now=NOW) == 3
+    with sessions() as s:
+        left = {(c.tenant_id, c.name) for t in tenants for c in CheckpointRepository(s, t).list(f"m-{t}")}
+    assert left == {(tenants[0], "later"), (tenants[0], "forever")}
+    for key, folder in folders.items():
+        assert folder.is_dir() == (key in left), key
+    # Nothing more is due now; an hour later "later" goes too; files already gone are no error.
+    assert delete_expired(sessions, blobs, now=NOW) == 0
+    assert delete_expired(sessions, blobs, now=NOW + timedelta(hours=2)) == 1
+    assert not folders[(tenants[0], "later")].exists() and folders[(tenants[0], "forever")].is_dir()
