@@ -19,9 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
-
 from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
+from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 from loraplex.workers.snapshots import restore_snapshot, take_snapshot  # noqa: E402
 
@@ -71,18 +70,19 @@ def main() -> None:
     results["floor_h2d_ms"] = median_ms(lambda: dev.copy_(buf, non_blocking=True), args.reps)
 
     # Through the store: host tier, then disk (budget 0 forces every eviction to disk).
+    engine.delete_adapter("a")
     with tempfile.TemporaryDirectory(dir=args.spill) as spill:
         for name, budget in (("host", 1 << 40), ("disk", 0)):
             store = AdapterStore(engine, host_budget_bytes=budget, spill_dir=Path(spill) / name)
-            store.create("b", rank=args.rank, alpha=2 * args.rank, seed=1)
-            store.create("c", rank=args.rank, alpha=2 * args.rank, seed=2)
+            for i, m in enumerate(("a", "b", "c")):  # 2 slots: creating c evicts a
+                store.create(m, rank=args.rank, alpha=2 * args.rank, seed=i)
 
             def swap(store: AdapterStore = store) -> None:  # c out, a in; then the other way
                 store.ensure_resident(["a", "b"])
                 store.ensure_resident(["c", "b"])
 
             results[f"store_{name}_two_swaps_ms"] = median_ms(swap, args.reps)
-            for m in ("b", "c"):
+            for m in ("a", "b", "c"):
                 store.delete(m)
         # Disk floor: write + fsync + read back the same bytes with plain file I/O.
         raw = buf.numpy().tobytes()

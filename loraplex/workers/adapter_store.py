@@ -127,7 +127,7 @@ class AdapterStore:
 
     def tier_of(self, model_id: str) -> str:
         self._sync()
-        if model_id in self.engine._adapters:
+        if self.engine.is_resident(model_id):
             return GPU
         if model_id in self._host:
             return CPU
@@ -202,7 +202,7 @@ class AdapterStore:
             raise CapacityError(
                 f"{len(wanted)} adapters cannot be resident at once: this pool has {self.engine.num_slots} slots"
             )
-        missing = [m for m in wanted if m not in self.engine._adapters]
+        missing = [m for m in wanted if not self.engine.is_resident(m)]
         protect = set(wanted)
         for m in missing:
             self._free_slots(1, protect=protect)
@@ -212,7 +212,7 @@ class AdapterStore:
             barrier(self.engine.dist)  # every rank made the same swaps; all are done before the step
         for m in wanted:
             self._lru.move_to_end(m)
-        return [self.engine._adapters[m] for m in wanted]
+        return [self.engine.adapter(m) for m in wanted]
 
     def evict(self, model_id: str) -> None:
         """Move a resident adapter out of its slot (to host memory, or to disk past the budget)."""
@@ -241,7 +241,7 @@ class AdapterStore:
     def _free_slots(self, n: int, protect: Iterable[str]) -> None:
         keep = set(protect)
         while self.engine.free_slots < n:
-            victim = next((m for m in self._lru if m in self.engine._adapters and m not in keep), None)
+            victim = next((m for m in self._lru if self.engine.is_resident(m) and m not in keep), None)
             if victim is None:  # cannot happen through ensure_resident (it checks the count first)
                 raise CapacityError(f"all {self.engine.num_slots} adapter slots hold adapters needed now")
             self._swap_out(victim)
@@ -319,7 +319,7 @@ class AdapterStore:
     # ---- consistency with the engine ---------------------------------------------------------------------------------
     def _sync(self) -> None:
         """Adopt adapters created or deleted on the engine directly (not through the store)."""
-        resident = self.engine._adapters
+        resident = self.engine.adapters
         if len(self._lru) == len(resident) + len(self._host) + len(self._disk) and all(
             m in self._lru for m in resident
         ):

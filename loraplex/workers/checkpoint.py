@@ -125,7 +125,7 @@ def state_from_engine(
     if kind == "sampler" and with_optimizer:
         raise InvalidRequestError("a sampler checkpoint holds weights only (with_optimizer=False)")
     opt = engine.optimizer
-    opt._adopt()  # the banks are views of the flat buffers
+    opt.adopt_views()  # the banks are views of the flat buffers
     flats = [opt.data] + ([opt.exp_avg_flat, opt.exp_avg_sq_flat] if with_optimizer else [])
     # One copy of the slot's rows to the host (one transfer on a GPU, not one per bank); stack always copies.
     rows = torch.stack([f[record.slot] for f in flats]).to("cpu", torch.float32)
@@ -133,7 +133,7 @@ def state_from_engine(
     weights: Weights = {}
     moments: Moments = {}
     for i, (name, bank) in enumerate(engine.banks.items()):
-        a_seg, b_seg = opt._segments[2 * i], opt._segments[2 * i + 1]
+        a_seg, b_seg = opt.segments[2 * i], opt.segments[2 * i + 1]
         a_shape, b_shape = bank.lora_A.shape[1:], bank.lora_B.shape[1:]  # [in, r_max], [r_max, out]
         weights[name] = _real_parts(rows[0], a_seg, a_shape, b_seg, b_shape, r)
         if with_optimizer:
@@ -200,14 +200,11 @@ def load_into_engine(
     if with_optimizer and state.optimizer is None:
         raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
     if existing:
-        old = engine.adapter(model_id)
-        record = AdapterRecord(model_id, old.slot, int(state.rank), float(state.alpha), int(state.seed))
-        engine._clear_slot(old.slot)  # weights, gradients and Adam state zero, step 0
-        engine._adapters[model_id] = record  # same slot, the checkpoint's hparams
+        record = engine.reset_adapter(model_id, state.rank, state.alpha, state.seed)  # same slot, zeroed
     else:
         record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed)  # a zeroed slot
     opt = engine.optimizer
-    opt._adopt()
+    opt.adopt_views()
     slot, r = record.slot, record.rank
     device = engine.device
     with torch.no_grad():

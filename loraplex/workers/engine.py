@@ -106,7 +106,7 @@ class Engine:
             rank_dims += [2, 1]  # A [S, in, r]: rank last; B [S, r, out]: rank in the middle
         self.optimizer = SlotAdamW(params, rank_dims, slots)
         for i, bank in enumerate(self.banks.values()):
-            (a_start, _), (b_start, _) = self.optimizer._segments[2 * i], self.optimizer._segments[2 * i + 1]
+            (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(slots))
@@ -163,6 +163,16 @@ class Engine:
         self._adapters[model_id] = record
         return record
 
+    def reset_adapter(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+        """Keep the adapter's slot but zero everything in it and give it new hyperparameters (a checkpoint load)."""
+        old = self.adapter(model_id)
+        self._clear_slot(old.slot)
+        record = self._adapters[model_id] = AdapterRecord(model_id, old.slot, int(rank), float(alpha), int(seed))
+        return record
+
+    def is_resident(self, model_id: str) -> bool:
+        return model_id in self._adapters
+
     def delete_adapter(self, model_id: str) -> None:
         record = self.adapter(model_id)
         self._clear_slot(record.slot)
@@ -171,12 +181,11 @@ class Engine:
         self._free.sort()
 
     def _clear_slot(self, slot: int) -> None:
+        """Zero the slot's weights, gradients and Adam state: four row fills on the flat buffers, not one per bank."""
+        self.optimizer.adopt_views()
         with torch.no_grad():
-            for bank in self.banks.values():
-                for p in (bank.lora_A, bank.lora_B):
-                    p[slot].zero_()
-                    if p.grad is not None:
-                        p.grad[slot].zero_()
+            self.optimizer.data[slot].zero_()
+            self.optimizer.grad[slot].zero_()
         self.optimizer.reset_slots([slot])
 
     def adapter_weights(self, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -236,7 +245,7 @@ class Engine:
         into each trainable item's slot). Raises InvalidRequestError / NotFoundError on bad input before running."""
         prepared = [it if isinstance(it, PreparedItem) else self.prepare(*it) for it in items]
         check_only_lora_trainable(self.model)
-        self.optimizer._adopt()  # the fused path reads and writes the flat buffers: the banks must be their views
+        self.optimizer.adopt_views()  # the fused path reads and writes the flat buffers: the banks must be their views
         logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]
         losses: list[torch.Tensor] = [torch.zeros((), device=self.device) for _ in prepared]
         # Rows split across ranks (one rank: all of them); every rank knows every rank's microbatches.

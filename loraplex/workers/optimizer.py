@@ -89,26 +89,26 @@ class SlotAdamW:
         self.rank_dims = list(rank_dims)
         device = self.params[0].device
         sizes = [p[0].numel() for p in self.params]
-        self._segments = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+        self.segments = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
         width = sum(sizes)
         self.data = torch.zeros(num_slots, width, device=device)
         self.grad = torch.zeros_like(self.data)
         self.exp_avg_flat = torch.zeros_like(self.data)
         self.exp_avg_sq_flat = torch.zeros_like(self.data)
         self._views = [(self._view(self.data, p, seg), self._view(self.grad, p, seg)) for p, seg in zip(
-            self.params, self._segments, strict=True)]  # fmt: skip
-        self._adopt()
+            self.params, self.segments, strict=True)]  # fmt: skip
+        self.adopt_views()
         self.exp_avg = [
-            self._view(self.exp_avg_flat, p, seg) for p, seg in zip(self.params, self._segments, strict=True)
+            self._view(self.exp_avg_flat, p, seg) for p, seg in zip(self.params, self.segments, strict=True)
         ]
         self.exp_avg_sq = [
-            self._view(self.exp_avg_sq_flat, p, seg) for p, seg in zip(self.params, self._segments, strict=True)
+            self._view(self.exp_avg_sq_flat, p, seg) for p, seg in zip(self.params, self.segments, strict=True)
         ]
         self.steps = [0] * num_slots  # host ints: bias corrections are computed in Python doubles, like torch
         self._rank_masks: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
-    def _adopt(self) -> None:
+    def adopt_views(self) -> None:
         """Make every bank's `.data` and `.grad` the flat buffers' views again, copying in whatever replaced them (code
         that assigns `p.grad = ...` or moves a module). Cheap when nothing changed: a pointer comparison per bank."""
         for p, (data_view, grad_view) in zip(self.params, self._views, strict=True):
@@ -144,7 +144,7 @@ class SlotAdamW:
         """Forget the slots' Adam state (a new or deleted adapter never inherits it)."""
         if not slots:
             return
-        self._adopt()
+        self.adopt_views()
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.data.device)
         self.exp_avg_flat.index_fill_(0, idx, 0.0)
         self.exp_avg_sq_flat.index_fill_(0, idx, 0.0)
@@ -153,7 +153,7 @@ class SlotAdamW:
 
     def grad_norms(self, idx: torch.Tensor) -> torch.Tensor:
         """Per selected slot: the L2 norm of all its bank gradients together (what clip_grad_norm_ computes). [n]."""
-        self._adopt()
+        self.adopt_views()
         return torch.linalg.vector_norm(self.grad.index_select(0, idx), dim=1)
 
     @torch.no_grad()

@@ -50,7 +50,7 @@ def take_snapshot(engine: Engine, model_id: str, out: torch.Tensor | None = None
     """Copy an adapter's slot to host memory (into `out` [4, P] when given, e.g. a reused pinned buffer)."""
     record = engine.adapter(model_id)
     opt = engine.optimizer
-    opt._adopt()  # the bank views are the flat buffers (cheap check)
+    opt.adopt_views()  # the bank views are the flat buffers (cheap check)
     if out is None:
         out = torch.empty((len(ROWS), opt.data.shape[1]), pin_memory=engine.device.type == "cuda")
     for i, flat in enumerate((opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat)):
