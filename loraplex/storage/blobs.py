@@ -16,6 +16,7 @@ from typing import BinaryIO, NamedTuple
 from urllib.parse import unquote, urlparse
 
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.fsutil import fsync_path
 
 _KEY_CHARS = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 _CHUNK = 1 << 20
@@ -80,7 +81,7 @@ class BlobStore:
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        _fsync_dir(path.parent)  # make the rename itself durable
+        fsync_path(path.parent)  # make the rename itself durable
         return StoredBlob(path.as_uri(), size, digest.hexdigest())
 
     def open(self, key: str, sha256: str | None = None) -> BinaryIO:
@@ -137,11 +138,3 @@ def _hash_file(path: Path) -> tuple[int, str]:
             digest.update(chunk)
             size += len(chunk)
     return size, digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

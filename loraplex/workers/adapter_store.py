@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.fsutil import fsync_path
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
 from loraplex.workers.snapshots import ROWS, AdapterSnapshot, PoolSignature, restore_snapshot, take_snapshot
@@ -387,7 +388,7 @@ def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _read_header(f) -> tuple[dict, int]:  # noqa: ANN001 - a binary file
@@ -434,14 +435,3 @@ def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
     return AdapterSnapshot(
         meta["model_id"], meta["rank"], meta["alpha"], meta["seed"], meta["step"], meta["signature"], out
     )
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not supported here (e.g. some platforms): the file itself is synced
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

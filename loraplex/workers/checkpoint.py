@@ -49,6 +49,7 @@ import safetensors.torch
 import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.fsutil import fsync_path
 from loraplex.workers.engine import AdapterRecord, Engine
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -371,12 +372,12 @@ def write_directory_atomic(directory: Path, blobs: Mapping[str, bytes]) -> None:
             if "/" in name or name in ("", ".", ".."):
                 raise ValueError(f"bad file name {name!r}")
             _write_file(tmp / name, data)
-        _fsync_path(tmp)
+        fsync_path(tmp)
         if os.path.lexists(directory):
             if not directory.is_dir() or directory.is_symlink():
                 raise InvalidRequestError(f"{directory} exists and is not a checkpoint directory")
             if _exchange(tmp, directory):  # atomic: `directory` is now the new one, `tmp` the old one
-                _fsync_path(parent)
+                fsync_path(parent)
                 return  # the finally removes the old one
             old = parent / f".{directory.name}.old-{uuid.uuid4().hex[:12]}"
             os.rename(directory, old)
@@ -385,11 +386,11 @@ def write_directory_atomic(directory: Path, blobs: Mapping[str, bytes]) -> None:
             except BaseException:
                 os.rename(old, directory)
                 raise
-            _fsync_path(parent)
+            fsync_path(parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, directory)
-            _fsync_path(parent)
+            fsync_path(parent)
     finally:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -580,14 +581,6 @@ def _write_file(path: Path, data: bytes) -> None:
             view = view[written:]
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _RENAME_EXCHANGE = 2

@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.models import load_base_model, resolve
-from loraplex.workers.engine import Engine
+from loraplex.models import resolve
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
 from loraplex.workers.lora.fused import _gmm_operand
-from tests.unit.test_lora_grouped import CASES, check_against_fp32_reference, make_banks, run_op
+from tests.unit.test_lora_grouped import (
+    ADAPTERS,
+    CASES,
+    check_against_fp32_reference,
+    make_banks,
+    make_data,
+    make_engine,
+    run_op,
+)
 
 
 def run_fused(
@@ -137,38 +144,9 @@ def test_fused_bf16_on_cpu_stays_within_the_bf16_rounding_bound(groups: int) -> 
 
 
 # ---- the whole engine ------------------------------------------------------------------------------------------------
-ADAPTERS = [("a", 2, 4.0, 1), ("b", 8, 16.0, 2), ("c", 3, 3.0, 3), ("d", 5, 10.0, 4)]  # model_id, rank, alpha, seed
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
-
-
-def make_engine(tiny_dir: Path, max_rank: int, microbatch_tokens: int, **kw: object) -> Engine:
-    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
-    engine.create_adapter("placeholder", 1, 1.0, seed=0)  # so the adapters' slots are not 0..3
-    for model_id, rank, alpha, seed in ADAPTERS:
-        engine.create_adapter(model_id, min(rank, max_rank), alpha, seed)
-        g = torch.Generator().manual_seed(seed + 1000)  # non-zero B: every adapter changes the outputs from step 1
-        engine.load_adapter_weights(
-            model_id,
-            {
-                n: (a, 0.05 * torch.randn(b.shape, generator=g))
-                for n, (a, b) in engine.adapter_weights(model_id).items()
-            },
-        )
-    return engine
-
-
-def make_data(seed: int, lengths: list[int]) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
-        out.append({"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * n}})
-    return out
 
 
 def _never(*_: object) -> torch.Tensor:

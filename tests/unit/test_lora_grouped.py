@@ -245,9 +245,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
-def make_engine(tiny_dir: Path, op: LoraOp | None, max_rank: int, microbatch_tokens: int) -> Engine:
+def make_engine(tiny_dir: Path, max_rank: int, microbatch_tokens: int, **kw: object) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, lora_op=op)
+    engine = Engine(model, slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
     engine.create_adapter("placeholder", 1, 1.0, seed=0)  # so the adapters' slots are not 0..3
     for model_id, rank, alpha, seed in ADAPTERS:
         engine.create_adapter(model_id, min(rank, max_rank), alpha, seed)
@@ -278,7 +278,9 @@ def make_data(seed: int, lengths: list[int]) -> list[dict]:
 def test_engine_with_grouped_op_equals_engine_with_reference_op(
     tiny_dir: Path, max_rank: int, microbatch_tokens: int, op: LoraOp | None
 ) -> None:
-    grouped, reference = (make_engine(tiny_dir, o, max_rank, microbatch_tokens) for o in (op, lora_delta_reference))
+    grouped, reference = (
+        make_engine(tiny_dir, max_rank, microbatch_tokens, lora_op=o) for o in (op, lora_delta_reference)
+    )
     assert all(bank.op is lora_delta_grouped for bank in grouped.banks.values())  # the CPU default
     assert grouped.fused_lora == (op is None) and not reference.fused_lora
     items = [
