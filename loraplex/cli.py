@@ -78,35 +78,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | None = None) -> Path:
     """Export `model_id`'s latest saved checkpoint (sampler weights or state, whichever is newer) as a PEFT folder."""
     from loraplex.errors import NotFoundError
-    from loraplex.models.registry import resolve
-    from loraplex.storage.blobs import BlobStore
-    from loraplex.storage.enums import CheckpointKind
-    from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository
-    from loraplex.workers.checkpoint import read_checkpoint
-    from loraplex.workers.export import export_peft
+    from loraplex.exporting import find_export_checkpoint, write_peft_folder
+    from loraplex.storage.repositories import AdapterRepository, TenantRepository
 
     with _tenant_repo_session(settings)() as session:
         tenants = [TenantRepository(session).get_by_name(tenant)] if tenant else TenantRepository(session).list()
         for t in tenants:
             try:
-                adapter = AdapterRepository(session, t.id).get(model_id, include_deleted=True)
+                AdapterRepository(session, t.id).get(model_id, include_deleted=True)
                 break
             except NotFoundError:
                 continue
         else:
             raise NotFoundError(f"adapter {model_id!r} not found" + (f" for tenant {tenant!r}" if tenant else ""))
-        checkpoint = CheckpointRepository(session, adapter.tenant_id).latest(
-            model_id, (CheckpointKind.SAMPLER, CheckpointKind.STATE)
-        )
-    if checkpoint is None:
-        raise NotFoundError(
-            f"adapter {model_id!r} has no saved checkpoint to export: save one first "
-            "(TrainingClient.save_weights_for_sampler(name) or save_state(name)), then run this again"
-        )
-    blobs = BlobStore(settings.resolved_blob_root)
-    state = read_checkpoint(blobs.path(blobs.key_for_uri(checkpoint.blob_uri)))  # every file's sha256 verified
-    base_dir = resolve(adapter.base_model, settings.resolved_model_cache).resolve()
-    return export_peft(state, out, base_model_path=str(base_dir), tokenizer_dir=base_dir)
+        adapter, checkpoint = find_export_checkpoint(session, t.id, model_id)
+    return write_peft_folder(settings, checkpoint, out, base_model=adapter.base_model)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

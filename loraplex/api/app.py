@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from loraplex import __version__
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
-from loraplex.api.routes import adapters, checkpoints, futures, health
+from loraplex.api.routes import adapters, checkpoints, export, futures, health
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
@@ -46,5 +46,6 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(health.router)
     app.include_router(adapters.router)
     app.include_router(checkpoints.router)
+    app.include_router(export.router)
     app.include_router(futures.router)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from loraplex.client.futures import APIFuture
@@ -50,6 +51,10 @@ class ServiceClient:
     def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
         """An adapter's checkpoints (also after the adapter was deleted), oldest first."""
         return self._transport.request("GET", f"/v1/adapters/{model_id}/checkpoints")["checkpoints"]
+
+    def export_peft(self, model_id: str, out_dir: str | os.PathLike[str], checkpoint: str | None = None) -> Path:
+        """Download an adapter's checkpoint as a PEFT folder into `out_dir` (see TrainingClient.export_peft)."""
+        return TrainingClient(self._transport, model_id).export_peft(out_dir, checkpoint)
 
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing adapter; its seq_ids continue after the last applied one."""

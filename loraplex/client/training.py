@@ -3,9 +3,13 @@ when they are sent concurrently; a retried call with the same seq_id is answered
 
 from __future__ import annotations
 
+import os
+import tarfile
+import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
 
 from loraplex.client.futures import APIFuture
 from loraplex.client.transport import Transport
@@ -110,12 +114,44 @@ class TrainingClient:
             raise InvalidRequestError(f"{path} is not a checkpoint of adapter {self.model_id}")
         return self._transport.request("DELETE", f"/v1/adapters/{model_id}/checkpoints/{segment}/{name}")
 
+    def export_peft(self, out_dir: str | os.PathLike[str], checkpoint: str | None = None) -> Path:
+        """Download a saved checkpoint of this adapter as a PEFT folder into `out_dir` (created if needed; returned):
+        adapter_model.safetensors + adapter_config.json (base_model_name_or_path: the base model's name) + the base
+        model's tokenizer, for `peft.PeftModel.from_pretrained(base, out_dir)` or a vLLM server. `checkpoint`: a tinker
+        path of this adapter or `<weights|sampler_weights>/<name>`; default the latest sampler or state checkpoint.
+        NotFoundError when nothing is saved yet (or the adapter is not this tenant's); InvalidRequestError for a
+        tampered checkpoint."""
+        params = {"checkpoint": checkpoint} if checkpoint is not None else None
+        with tempfile.TemporaryFile() as archive:
+            self._transport.download(f"/v1/adapters/{self.model_id}/export", archive, params=params)
+            archive.seek(0)
+            return extract_tar(archive, Path(out_dir))
+
     def info(self) -> dict[str, Any]:
         return self._transport.request("GET", f"/v1/adapters/{self.model_id}")
 
     def delete(self) -> dict[str, Any]:
         ref = self._transport.request("DELETE", f"/v1/adapters/{self.model_id}")
         return APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
+
+
+def extract_tar(archive: IO[bytes], out_dir: Path) -> Path:
+    """Extract a tar archive of plain files and folders into `out_dir`, checking every member first: an absolute
+    name, a '..' component, a link or a device anywhere is an InvalidRequestError and nothing is extracted."""
+    try:
+        with tarfile.open(fileobj=archive, mode="r:*") as tar:
+            members = tar.getmembers()
+            for member in members:
+                name = PurePosixPath(member.name)
+                if not member.name or name.is_absolute() or ".." in name.parts or "\\" in member.name:
+                    raise InvalidRequestError(f"unsafe path {member.name!r} in the export archive")
+                if not (member.isfile() or member.isdir()):
+                    raise InvalidRequestError(f"{member.name!r} in the export archive is not a plain file")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            tar.extractall(out_dir, members=members, filter="data")
+    except tarfile.TarError as exc:
+        raise InvalidRequestError(f"the export archive is unreadable: {exc}") from None
+    return out_dir
 
 
 def _split_tinker_path(path: str) -> tuple[str, str, str]:

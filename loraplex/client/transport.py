@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -48,6 +48,16 @@ class Transport:
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         return raise_for_status(self._sync.request(method, path, **kwargs))
+
+    def download(self, path: str, sink: BinaryIO, **kwargs: Any) -> httpx.Headers:
+        """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""
+        with self._sync.stream("GET", path, **kwargs) as response:
+            if not response.is_success:
+                response.read()
+                raise_for_status(response)
+            for chunk in response.iter_bytes():
+                sink.write(chunk)
+            return response.headers
 
     async def request_async(self, method: str, path: str, **kwargs: Any) -> Any:
         if self._async is None:
