@@ -12,15 +12,12 @@ import pytest
 import torch
 
 from loraplex.client import AdamParams, Datum, ServiceClient, TrainingClient
-from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.redis_child import free_port
-from loraplex.settings import Settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_engine, session_factory
-from loraplex.storage.repositories import TenantRepository, unit_of_work
 from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
+from tests.e2e.conftest import create_tenants
 
 pytestmark = pytest.mark.e2e
 
@@ -28,17 +25,8 @@ ADAM = AdamParams(learning_rate=2e-2)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("ckpt-stack")
-    with Stack(Settings(home=home, slots=4, max_rank=16), api_port=free_port()) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def clients(stack):
-    with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
-        repo = TenantRepository(session)
-        keys = {name: repo.create_tenant(name)[1] for name in ("ck-one", "ck-two")}
+    keys = create_tenants(stack, "ck-one", "ck-two")
     return {name: ServiceClient(stack.base_url, key) for name, key in keys.items()}
 
 

@@ -13,27 +13,16 @@ import pytest
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.redis_child import free_port
-from loraplex.settings import Settings
 from loraplex.storage.db import make_engine, session_factory
-from loraplex.storage.repositories import AdapterRepository, TenantRepository, unit_of_work
+from loraplex.storage.repositories import AdapterRepository, TenantRepository
+from tests.e2e.conftest import create_tenants
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("stack")
-    settings = Settings(home=home, slots=4, max_rank=16)
-    with Stack(settings, api_port=free_port()) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def keys(stack):
-    with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
-        repo = TenantRepository(session)
-        return {name: repo.create_tenant(name)[1] for name in ("t-one", "t-two")}
+    return create_tenants(stack, "t-one", "t-two")
 
 
 def _data(offset: int) -> list[Datum]:
