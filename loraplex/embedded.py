@@ -86,7 +86,7 @@ class Stack:
                 if httpx.get(f"{self.base_url}/v1/healthz", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
-                pass
+                pass  # not listening yet
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not answer on {self.base_url}; see {self.log_dir / 'api.log'}")
 
