@@ -79,19 +79,13 @@ def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | N
     """Export `model_id`'s latest saved checkpoint (sampler weights or state, whichever is newer) as a PEFT folder."""
     from loraplex.errors import NotFoundError
     from loraplex.exporting import find_export_checkpoint, write_peft_folder
-    from loraplex.storage.repositories import AdapterRepository, TenantRepository
+    from loraplex.storage.repositories import TenantRepository
 
     with _tenant_repo_session(settings)() as session:
-        tenants = [TenantRepository(session).get_by_name(tenant)] if tenant else TenantRepository(session).list()
-        for t in tenants:
-            try:
-                AdapterRepository(session, t.id).get(model_id, include_deleted=True)
-                break
-            except NotFoundError:
-                continue
-        else:
-            raise NotFoundError(f"adapter {model_id!r} not found" + (f" for tenant {tenant!r}" if tenant else ""))
-        adapter, checkpoint = find_export_checkpoint(session, t.id, model_id)
+        owner = TenantRepository(session).owner_of_adapter(model_id)
+        if tenant is not None and owner.name != tenant:
+            raise NotFoundError(f"adapter {model_id!r} not found for tenant {tenant!r}")
+        adapter, checkpoint = find_export_checkpoint(session, owner.id, model_id)
     return write_peft_folder(settings, checkpoint, out, base_model=adapter.base_model)
 
 

@@ -332,3 +332,13 @@ def test_datetimes_come_back_timezone_aware_utc(factory: sessionmaker[Session]) 
         created = s.get(Tenant, a).created_at  # type: ignore[union-attr]
         assert created.tzinfo is not None and created.utcoffset() == timedelta(0)
         assert abs(datetime.now(UTC) - created) < timedelta(minutes=1)
+
+
+def test_owner_of_adapter_is_found_for_operator_tools(factory: sessionmaker[Session]) -> None:
+    alice, _ = _tenant(factory, "alice")
+    bob, _ = _tenant(factory, "bob")
+    _adapter(factory, bob, "m-bob")
+    with factory() as s:
+        assert TenantRepository(s).owner_of_adapter("m-bob").id == bob != alice
+        with pytest.raises(errors.NotFoundError):
+            TenantRepository(s).owner_of_adapter("m-nobody")

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.errors import AuthenticationError, ConflictError, InvalidRequestError, NotFoundError
-from loraplex.storage.models import ApiKey, Tenant
+from loraplex.storage.models import Adapter, ApiKey, Tenant
 from loraplex.storage.repositories._common import add_or_conflict
 from loraplex.storage.types import utcnow
 
@@ -86,6 +86,14 @@ class TenantRepository:
         tenant = self.session.scalar(select(Tenant).where(Tenant.name == name))
         if tenant is None:
             raise NotFoundError(f"tenant {name!r} not found")
+        return tenant
+
+    def owner_of_adapter(self, model_id: str) -> Tenant:
+        """The tenant an adapter belongs to, for operator tools (the CLI); tenant-facing code never needs this."""
+        tenant = self.session.scalar(select(Tenant).join(Adapter, Adapter.tenant_id == Tenant.id).where(
+            Adapter.model_id == model_id))  # fmt: skip
+        if tenant is None:
+            raise NotFoundError(f"adapter {model_id!r} not found")
         return tenant
 
     def list(self) -> list[Tenant]:
