@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from loraplex.client import ServiceClient
 from loraplex.embedded import Stack
 from loraplex.redis_child import free_port
 from loraplex.settings import Settings
@@ -24,3 +25,8 @@ def create_tenants(stack: Stack, *names: str) -> dict[str, str]:
     with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
         repo = TenantRepository(session)
         return {name: repo.create_tenant(name)[1] for name in names}
+
+
+def tenant_clients(stack: Stack, *names: str) -> dict[str, ServiceClient]:
+    """New tenants and a client for each: name -> ServiceClient."""
+    return {name: ServiceClient(stack.base_url, key) for name, key in create_tenants(stack, *names).items()}

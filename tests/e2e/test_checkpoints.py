@@ -11,13 +11,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from loraplex.client import AdamParams, Datum, ServiceClient, TrainingClient
+from loraplex.client import AdamParams, Datum, TrainingClient
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_engine, session_factory
 from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
-from tests.e2e.conftest import create_tenants
+from tests.e2e.conftest import tenant_clients
 
 pytestmark = pytest.mark.e2e
 
@@ -26,8 +26,7 @@ ADAM = AdamParams(learning_rate=2e-2)
 
 @pytest.fixture(scope="module")
 def clients(stack):
-    keys = create_tenants(stack, "ck-one", "ck-two")
-    return {name: ServiceClient(stack.base_url, key) for name, key in keys.items()}
+    return tenant_clients(stack, "ck-one", "ck-two")
 
 
 def _data() -> list[Datum]:

@@ -12,11 +12,11 @@ import tarfile
 import pytest
 import torch
 
-from loraplex.client import AdamParams, Datum, ServiceClient, TrainingClient
+from loraplex.client import AdamParams, Datum, TrainingClient
 from loraplex.client.training import extract_tar
 from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
-from tests.e2e.conftest import create_tenants
+from tests.e2e.conftest import tenant_clients
 
 pytestmark = pytest.mark.e2e
 
@@ -25,8 +25,7 @@ ADAM = AdamParams(learning_rate=2e-2)
 
 @pytest.fixture(scope="module")
 def clients(stack):
-    keys = create_tenants(stack, "ex-one", "ex-two")
-    return {name: ServiceClient(stack.base_url, key) for name, key in keys.items()}
+    return tenant_clients(stack, "ex-one", "ex-two")
 
 
 def _data() -> list[Datum]:

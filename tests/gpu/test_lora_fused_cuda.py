@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import lora_delta_grouped, lora_delta_reference, select_lora_op
+from tests.gpu.conftest import flat_logprobs, random_data
 from tests.gpu.test_lora_grouped_cuda import QWEN3_4B, cuda_case
 from tests.unit.test_lora_fused import run_fused
 from tests.unit.test_lora_grouped import check_against_fp32_reference
@@ -86,24 +87,12 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
     assert fused_bf16.fused_lora and fused_bf16.compute_dtype == torch.bfloat16
     g = torch.Generator().manual_seed(0)
 
-    def data(n: int, length: int) -> list[dict]:
-        out = []
-        for _ in range(n):
-            ids = torch.randint(0, 512, (length + 1,), generator=g).tolist()
-            out.append(
-                {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * length}}
-            )
-        return out
-
-    def logprobs(out: list[dict]) -> torch.Tensor:
-        return torch.tensor([lp for res in out for d in res["loss_fn_outputs"] for lp in d["logprobs"]])
-
-    mixed = [(m, data(2, 64), "cross_entropy", None, False) for m in "abcd"]
-    lone = [("b", data(1, 64), "cross_entropy", None, False)]
+    mixed = [(m, random_data(g, 2, 64), "cross_entropy", None, False) for m in "abcd"]
+    lone = [("b", random_data(g, 1, 64), "cross_entropy", None, False)]
     for items in (mixed, lone):
         for _ in range(2):
             outs = [e.forward_backward(items) for e in (oracle, ref_bf16, fused_bf16)]
-            lp_oracle, lp_ref, lp_fused = (logprobs(o) for o in outs)
+            lp_oracle, lp_ref, lp_fused = (flat_logprobs(o) for o in outs)
             err_ref, err_fused = (lp_ref - lp_oracle).abs().max().item(), (lp_fused - lp_oracle).abs().max().item()
             print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 fused {err_fused:.3g}")
             assert err_fused <= 2 * err_ref + 1e-3

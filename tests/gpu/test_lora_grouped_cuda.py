@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
+from tests.gpu.conftest import flat_logprobs, random_data
 from tests.unit.test_lora_grouped import check_against_fp32_reference, make_banks, run_op
 
 pytestmark = pytest.mark.gpu
@@ -151,22 +152,10 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
     assert all(bank.op is select_lora_op(CUDA, torch.bfloat16) for bank in grouped_bf16.banks.values())
     g = torch.Generator().manual_seed(0)
 
-    def data(n: int, length: int) -> list[dict]:
-        out = []
-        for _ in range(n):
-            ids = torch.randint(0, 512, (length + 1,), generator=g).tolist()
-            out.append(
-                {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * length}}
-            )
-        return out
-
-    def logprobs(out: list[dict]) -> torch.Tensor:
-        return torch.tensor([lp for res in out for d in res["loss_fn_outputs"] for lp in d["logprobs"]])
-
-    items = [(m, data(2, 64), "cross_entropy", None, False) for m in "abcd"]
+    items = [(m, random_data(g, 2, 64), "cross_entropy", None, False) for m in "abcd"]
     for _ in range(2):
         outs = [e.forward_backward(items) for e in (oracle, ref_bf16, grouped_bf16)]
-        lp_oracle, lp_ref, lp_grouped = (logprobs(o) for o in outs)
+        lp_oracle, lp_ref, lp_grouped = (flat_logprobs(o) for o in outs)
         err_ref, err_grouped = (lp_ref - lp_oracle).abs().max().item(), (lp_grouped - lp_oracle).abs().max().item()
         print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 grouped {err_grouped:.3g}")
         assert err_grouped <= 2 * err_ref + 1e-3

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import redis
+from fastapi.testclient import TestClient
 
+from loraplex.api.app import create_app
+from loraplex.api.deps import Services
+from loraplex.settings import Settings
+from loraplex.storage.db import migrate
+from loraplex.storage.repositories import TenantRepository, unit_of_work
 from tests.services.redis import redis_server
 
 
@@ -26,3 +33,31 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@dataclass
+class Gateway:
+    """The gateway app under FastAPI's TestClient, on real Redis and a fresh SQLite database, with two tenants."""
+
+    client: TestClient
+    services: Services
+    tenant_ids: dict[str, str]  # name -> tenant id
+    keys: dict[str, str]  # name -> API key
+
+
+@pytest.fixture()
+def gateway(tmp_path, redis_url: str) -> Iterator[Gateway]:
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"gw-{tmp_path.name}", max_rank=16)
+    migrate(settings.resolved_database_url)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        services = app.state.services
+        with unit_of_work(services.sessions) as session:
+            repo = TenantRepository(session)
+            created = {name: repo.create_tenant(name) for name in ("alice", "bob")}
+        yield Gateway(
+            client,
+            services,
+            {name: tenant.id for name, (tenant, _) in created.items()},
+            {name: key for name, (_, key) in created.items()},
+        )

@@ -4,27 +4,13 @@ and that a rejected request leaves nothing behind."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
-
-from loraplex.api.app import create_app
-from loraplex.settings import Settings
-from loraplex.storage.db import migrate
-from loraplex.storage.repositories import TenantRepository, unit_of_work
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def stack(tmp_path, redis_url):
-    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"api-{tmp_path.name}", max_rank=16)
-    migrate(settings.resolved_database_url)
-    app = create_app(settings)
-    with TestClient(app) as client:
-        services = app.state.services
-        with unit_of_work(services.sessions) as session:
-            repo = TenantRepository(session)
-            keys = {name: repo.create_tenant(name)[1] for name in ("alice", "bob")}
-        yield client, keys, services
+def stack(gateway):
+    return gateway.client, gateway.keys, gateway.services
 
 
 def _create(client, key, **body):

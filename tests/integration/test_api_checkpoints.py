@@ -4,34 +4,21 @@ gateway chooses, 409 on an existing name, retries, and tenant isolation (404) fo
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from loraplex.api.app import create_app
 from loraplex.queue import keys
 from loraplex.queue.envelope import decode
-from loraplex.settings import Settings
 from loraplex.storage.blobs import BlobStore
-from loraplex.storage.db import migrate
 from loraplex.storage.enums import CheckpointKind
-from loraplex.storage.repositories import CheckpointRepository, TenantRepository, unit_of_work
+from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.repositories.checkpoints import checkpoint_blob_key
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def stack(tmp_path, redis_url):
-    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"ckpt-{tmp_path.name}", max_rank=16)
-    migrate(settings.resolved_database_url)
-    app = create_app(settings)
-    with TestClient(app) as client:
-        services = app.state.services
-        with unit_of_work(services.sessions) as session:
-            repo = TenantRepository(session)
-            created = {name: repo.create_tenant(name) for name in ("alice", "bob")}
-        tenants = {name: t.id for name, (t, _) in created.items()}
-        headers = {name: {"X-API-Key": key} for name, (_, key) in created.items()}
-        yield client, headers, tenants, services
+def stack(gateway):
+    headers = {name: {"X-API-Key": key} for name, key in gateway.keys.items()}
+    return gateway.client, headers, gateway.tenant_ids, gateway.services
 
 
 def _adapter(client, headers) -> str:

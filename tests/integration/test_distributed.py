@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.distributed import RankGroup, is_sharded
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
@@ -156,11 +156,6 @@ def _scenario(group: RankGroup, spec: EngineSpec, plans: list[BatchPlan], out_di
         report["followed"] = follow(PlanExecutor(engine), group)
     report["state"] = _state(engine)
     torch.save(report, Path(out_dir) / f"rank{group.rank}.pt")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 @pytest.fixture(scope="module")

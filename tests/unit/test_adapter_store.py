@@ -13,18 +13,13 @@ from safetensors import safe_open
 
 from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.errors import CapacityError, ConflictError, NotFoundError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.adapter_store import AdapterStore, TierChange
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
 from loraplex.workers.snapshots import AdapterSnapshot
 
 ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 @pytest.fixture

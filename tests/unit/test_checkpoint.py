@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.checkpoint import (
     OPTIMIZER_FILE,
     CheckpointState,
@@ -25,11 +25,6 @@ from loraplex.workers.engine import Engine
 
 ADAM = {"learning_rate": 1e-2, "beta2": 0.99, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 RANK, ALPHA, SEED = 4, 8.0, 7
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def new_engine(tiny_dir: Path, **kwargs: Any) -> Engine:

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     MANIFEST_FILE,
@@ -35,11 +35,6 @@ from loraplex.workers.checkpoint import (
 from loraplex.workers.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 @pytest.fixture(scope="module")

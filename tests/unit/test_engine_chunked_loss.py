@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 from loraplex.workers.losses import target_logprobs
 
@@ -110,11 +110,6 @@ def test_chunked_head_handles_empty_and_rejects_a_zero_chunk() -> None:
     assert target_logprobs(torch.zeros(0, H), weight, torch.zeros(0, dtype=torch.int64)).shape == (0,)
     with pytest.raises(ValueError):
         target_logprobs(torch.zeros(2, H), weight, torch.zeros(2, dtype=torch.int64), chunk_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> None:

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, NotFoundError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 @pytest.fixture

@@ -7,14 +7,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 @pytest.fixture

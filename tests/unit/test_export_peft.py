@@ -12,18 +12,13 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoTokenizer
 
 from loraplex.errors import InvalidRequestError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, state_from_engine, write_checkpoint
 from loraplex.workers.engine import Engine
 from loraplex.workers.export import export_peft
 from loraplex.workers.lora import Routing
 
 ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2)}  # model_id: (rank, alpha, seed); alpha 12.5 is not an integer
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:

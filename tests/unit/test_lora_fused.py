@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.models import resolve
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
 from loraplex.workers.lora.fused import _gmm_operand
 from tests.unit.test_lora_grouped import (
@@ -144,11 +143,6 @@ def test_fused_bf16_on_cpu_stays_within_the_bf16_rounding_bound(groups: int) -> 
 
 
 # ---- the whole engine ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
-
-
 def _never(*_: object) -> torch.Tensor:
     raise AssertionError("the fused engine must not run the per-layer op")
 

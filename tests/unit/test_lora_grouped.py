@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 from loraplex.workers.lora import Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
 from loraplex.workers.lora.slot_bank import LoraOp
@@ -238,11 +238,6 @@ def test_select_lora_op(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- the whole engine ------------------------------------------------------------------------------------------------
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 8, 16.0, 2), ("c", 3, 3.0, 3), ("d", 5, 10.0, 4)]  # model_id, rank, alpha, seed
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def make_engine(tiny_dir: Path, max_rank: int, microbatch_tokens: int, **kw: object) -> Engine:

@@ -9,13 +9,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:

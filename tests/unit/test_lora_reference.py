@@ -8,14 +8,9 @@ import pytest
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 from loraplex.workers.lora import Routing, lora_delta_reference, slot_bank
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 
 STEPS = 5
@@ -66,11 +66,6 @@ SPECS = [
         lengths=(8, 4),
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
 
 def make_engine(tiny_dir: Path, **kw: Any) -> Engine:

@@ -1,0 +1,15 @@
+"""Fixtures every test layer shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.models import resolve
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` preset's folder (random-init Qwen3 + byte-level BPE), built once per test session."""
+    return resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
