@@ -31,23 +31,24 @@ class Stack:
         return f"http://{self.settings.api_host}:{self.api_port}"
 
     def child_env(self) -> dict[str, str]:
+        """The environment of the stack's children: every setting of this stack as a LORAPLEX_* variable (so a
+        Settings object built in code reaches the pool and the gateway whole), paths resolved."""
         env = dict(os.environ)
-        s = self.settings
-        env.update(
-            LORAPLEX_HOME=str(s.home),
-            LORAPLEX_DATABASE_URL=s.resolved_database_url,
-            LORAPLEX_REDIS_URL=s.redis_url,
-            LORAPLEX_BASE_MODEL=s.base_model,
-            LORAPLEX_POOL=s.pool,
-            LORAPLEX_SLOTS=str(s.slots),
-            LORAPLEX_MAX_RANK=str(s.max_rank),
-            LORAPLEX_WORLD_SIZE=str(s.world_size),
-            LORAPLEX_MODEL_CACHE=str(s.resolved_model_cache),
-            LORAPLEX_BLOB_ROOT=str(s.resolved_blob_root),
-            LORAPLEX_HOST_BUDGET_MB=str(s.host_budget_mb),
-            LORAPLEX_SPILL_DIR=str(s.spill_dir or s.home / "spill"),
-            PYTHONUNBUFFERED="1",
+        s = self.settings.model_copy(
+            update={
+                "database_url": self.settings.resolved_database_url,
+                "blob_root": self.settings.resolved_blob_root,
+                "model_cache": self.settings.resolved_model_cache,
+                "spill_dir": self.settings.spill_dir or self.settings.home / "spill",
+                "api_port": self.api_port,
+            }
         )
+        for name in type(s).model_fields:
+            value = getattr(s, name)
+            if value is None:
+                continue
+            env[f"LORAPLEX_{name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
+        env["PYTHONUNBUFFERED"] = "1"
         return env
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -31,7 +32,8 @@ class Settings(BaseSettings):
     slots: int = 8
     # Largest LoRA rank a pool accepts; every bank is padded to it.
     max_rank: int = 16
-    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    # Comma-separated in the environment (NoDecode: not parsed as JSON first).
+    target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into

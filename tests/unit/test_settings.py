@@ -1,0 +1,30 @@
+"""Settings from the environment, and the stack handing its whole Settings object to its child processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.embedded import Stack
+from loraplex.settings import Settings
+
+
+def test_target_modules_read_as_a_comma_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_TARGET_MODULES", "q_proj, v_proj")
+    assert Settings().target_modules == ("q_proj", "v_proj")
+
+
+def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    given = Settings(
+        home=tmp_path, plan_tokens=123, slots=3, host_budget_mb=7.5, target_modules=("q_proj", "v_proj"), world_size=2
+    )
+    env = Stack(given, api_port=9123).child_env()
+    for key, value in env.items():
+        if key.startswith("LORAPLEX_"):
+            monkeypatch.setenv(key, value)
+    seen = Settings()
+    assert (seen.plan_tokens, seen.slots, seen.host_budget_mb, seen.world_size) == (123, 3, 7.5, 2)
+    assert seen.target_modules == ("q_proj", "v_proj") and seen.api_port == 9123
+    assert seen.resolved_database_url == given.resolved_database_url
+    assert seen.resolved_blob_root == given.resolved_blob_root and seen.spill_dir == tmp_path / "spill"
