@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# Spellings of the `dtype` setting besides bf16 / fp16 / fp32 (torch's names).
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -45,6 +47,9 @@ class Settings(BaseSettings):
     host_budget_mb: float = Field(default=2048, ge=0)
     spill_dir: Path | None = None
     device: str = "cpu"
+    # The base model's weights and activations on every rank: auto = bf16 on CUDA, fp32 on CPU. The LoRA banks keep
+    # fp32 master weights (and Adam state) whatever this is; they are cast to it per microbatch.
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
     # torchrun its WORLD_SIZE wins.
     world_size: int = Field(default=1, ge=1)
@@ -63,6 +68,21 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.strip().lower()
+            return DTYPE_ALIASES.get(value, value)
+        return value
+
+    @property
+    def resolved_dtype(self) -> str:
+        """bf16, fp16 or fp32: `dtype` with auto decided by the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if self.device.startswith("cuda") else "fp32"
 
     @property
     def resolved_database_url(self) -> str:

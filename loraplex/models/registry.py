@@ -22,6 +22,17 @@ from loraplex.errors import InvalidRequestError
 from loraplex.models.presets import SHAPE_PRESETS, TINY_SHAPES, build_from_config, build_preset_model, qwen3_config
 from loraplex.models.tokenizer import train_tiny_tokenizer
 
+# The `dtype` setting's names (settings.Settings.resolved_dtype) -> torch dtypes.
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise InvalidRequestError(f"unknown dtype {name!r}; one of {sorted(TORCH_DTYPES)}") from None
+
+
 # The file every complete HF model folder has; the atomic rename guarantees the rest is there too.
 _CONFIG = "config.json"
 

@@ -117,6 +117,22 @@ class Engine:
             # FSDP2: each decoder layer a unit, the trunk the root; the banks stay whole, replicated (distributed.py).
             shard_base_model(self.trunk, self.body.layers, self.optimizer.params, self.dist.mesh)
 
+    def summary(self) -> str:
+        """One line for the pool's start log: device, dtype, capacity and the memory the rank holds now."""
+        base = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            memory = f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f} of {total / 2**30:.0f} GiB on the GPU"
+        else:
+            import resource  # max RSS in KiB on Linux
+
+            memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB peak host memory"
+        return (
+            f"device {self.device}, dtype {str(self.compute_dtype).removeprefix('torch.')}, {base / 1e9:.2f} B base "
+            f"parameters, {self.num_slots} slots, max rank {self.max_rank}, LoRA state (fp32) "
+            f"{4 * self.optimizer.data.numel() * 4 / 2**30:.2f} GiB, {memory}"
+        )
+
     # ---- adapters ----------------------------------------------------------------------------------------------------
     @property
     def adapters(self) -> dict[str, AdapterRecord]:

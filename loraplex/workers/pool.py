@@ -40,6 +40,7 @@ class BaseModelLoader:
 
     name: str
     cache_dir: str
+    dtype: str = "fp32"  # settings.resolved_dtype: every rank loads the base model in it
 
     def prepare(self) -> None:
         """Build a folder preset (tiny) into the cache now, before any process group exists: transformers'
@@ -50,17 +51,21 @@ class BaseModelLoader:
             resolve(self.name, self.cache_dir)
 
     def __call__(self, device: torch.device) -> torch.nn.Module:
-        from loraplex.models import load_base_model
+        from loraplex.models import load_base_model, torch_dtype
 
-        model, _tokenizer = load_base_model(self.name, self.cache_dir, device=device)
+        model, _tokenizer = load_base_model(self.name, self.cache_dir, dtype=torch_dtype(self.dtype), device=device)
         return model
+
+
+def model_loader(settings: Settings) -> BaseModelLoader:
+    return BaseModelLoader(settings.base_model, str(settings.resolved_model_cache), settings.resolved_dtype)
 
 
 def engine_spec(settings: Settings) -> EngineSpec:
     from loraplex.workers.rank_loop import EngineSpec
 
     return EngineSpec(
-        load_model=BaseModelLoader(settings.base_model, str(settings.resolved_model_cache)),
+        load_model=model_loader(settings),
         device=settings.device,
         engine_kwargs={
             "slots": settings.slots,
@@ -97,7 +102,7 @@ def run_pool(settings: Settings, stop: threading.Event) -> None:
     stores = store_spec(settings)
     env = torchrun_env()
     if settings.world_size > 1 or env is not None:
-        BaseModelLoader(settings.base_model, str(settings.resolved_model_cache)).prepare()
+        model_loader(settings).prepare()
     if env is not None and env.world_size > 1 and env.rank != 0:  # torchrun: a follower rank, nothing else
         group = init_rank_group(env, settings.device)
         run_store_follower(group, spec, stores)

@@ -61,6 +61,7 @@ def build_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:
     engine = Engine(model, device=device, dist=group, **dict(spec.engine_kwargs))
     if group is not None:
         barrier(group)  # every rank has its engine: a rank that failed to build one fails the pool's start here
+    log.info("rank %d engine: %s", group.rank if group is not None else 0, engine.summary())
     return engine
 
 
