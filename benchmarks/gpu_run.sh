@@ -1,11 +1,37 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the gpu-marked correctness tests, then the engine benchmark. Results land in $OUT.
-# Usage (device tool): bash benchmarks/gpu_run.sh [bench args...]
+# One call on the GPU machine. Results land in $OUT.
+#   bash benchmarks/gpu_run.sh engine [bench_engine args...]    the gpu-marked tests, then the engine benchmark
+#   bash benchmarks/gpu_run.sh service [bench_service args...]  the whole service (needs .whl/ carried: gpu_wheels.sh)
+#   bash benchmarks/gpu_run.sh tests                            the gpu-marked tests only
+# With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
+# temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+mode=${1:-engine}
+[ $# -gt 0 ] && shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 LORAPLEX_HOME=/tmp/loraplex
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -d .whl ]; then
+  site=/tmp/loraplex-site root=/tmp/loraplex-root
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  for deb in .whl/*.deb; do dpkg -x "$deb" "$root"; done
+  export PYTHONPATH=$PWD:$site PATH=$root/usr/bin:$PATH LD_LIBRARY_PATH=$root/usr/lib/x86_64-linux-gnu
+  redis-server --version | tee -a "$OUT/gpu.txt"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
-python3 benchmarks/bench_engine.py --out "$OUT/bench_engine.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}'
+case $mode in
+  tests)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5 ;;
+  engine)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
+    python3 benchmarks/bench_engine.py --out "$OUT/bench_engine.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}' ;;
+  service)
+    python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
+    status=${PIPESTATUS[0]}
+    cp /tmp/loraplex/logs/pool.log "$OUT/pool.log" 2>/dev/null
+    cp /tmp/loraplex/logs/api.log "$OUT/api.log" 2>/dev/null
+    exit "$status" ;;
+  *) echo "unknown mode $mode (engine | service | tests)"; exit 2 ;;
+esac

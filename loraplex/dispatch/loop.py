@@ -30,7 +30,7 @@ import redis as redis_lib
 
 from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
-from loraplex.queue import keys
+from loraplex.queue import keys, stats
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.queue.envelope import to_planned
 from loraplex.queue.keys import CONTROL_KINDS, JobState
@@ -77,6 +77,7 @@ class Dispatcher:
         self.executor = executor
         self.on_outcomes = on_outcomes
         self.applied_seq_lookup = applied_seq_lookup
+        self.pool = pool
         self.results = ResultStore(redis)
         self.consumer = Consumer(redis, pool, consumer_name, self.results)
         self.redis = redis
@@ -106,9 +107,11 @@ class Dispatcher:
     def run_once(self) -> int:
         """One read + plan + execute round; returns how many requests it answered."""
         now = self.clock()
+        t_start = time.monotonic()
         entries = self._claim_if_due(now)
         entries += self.consumer.read(None if self._more_ready else self.block_ms, self.read_count)
         self._admit(entries, now)
+        t_read = time.monotonic()
         if not self._buffer:
             self._more_ready = False
             return 0
@@ -116,11 +119,16 @@ class Dispatcher:
         view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
         decision = plan_batch([h.request for h in self._buffer], view, self.limits)
         answered = 0
+        busy = 0.0
         if decision.plan.steps:
-            answered += self._execute(decision.plan, by_obj)
+            answered, busy = self._execute(decision.plan, by_obj)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
+        if decision.plan.steps:
+            done = time.monotonic()
+            timing = {"busy_s": busy, "read_s": t_read - t_start, "overhead_s": done - t_read - busy}
+            stats.add(self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
         return answered
 
     def run_forever(self, stop_event: threading.Event) -> None:
@@ -156,17 +164,20 @@ class Dispatcher:
             self._held_ids.add(sid)
         self.consumer.ack(stale)
 
-    def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> int:
+    def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
+        """Run the plan and finish its requests; returns (requests answered, seconds the executor took)."""
         requests = plan.requests
         self.results.set_states([r.request_id for r in requests], JobState.RUNNING)
+        started = time.monotonic()
         try:
             outcomes = list(self.executor.execute(plan))
         except Exception as exc:  # the engine failed as a whole: every request of the plan gets the error
             log.exception("plan of %d requests failed", len(requests))
             outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
+        busy = time.monotonic() - started
         outcomes = _one_per_request(outcomes, requests)
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
-        return len(outcomes)
+        return len(outcomes), busy
 
     def _answer_duplicates(self, duplicates: Sequence[PlannedRequest], by_obj: dict[int, _Held]) -> int:
         if not duplicates:

@@ -9,6 +9,7 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:idem:{model_id}:{seq_id}    string: the request_id that first claimed this (model_id, seq_id)
     loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
+    loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class JobState(StrEnum):
 
 def request_stream(pool: str) -> str:
     return f"{PREFIX}pool:{pool}:requests"
+
+
+def pool_stats(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:stats"
 
 
 def result_key(request_id: str) -> str:

@@ -1,0 +1,270 @@
+"""Service benchmark: the real stack (the embedded stack's redis-server, SQLite, gateway under uvicorn, dispatcher and
+pool process) driven over HTTP by N concurrent tenants with the Python client, and the same work through the engine
+alone (PlanExecutor over the plans the dispatch policy makes of the same requests: no HTTP, Redis or SQL) in the same
+call, so service / engine is the service's own cost.
+
+    python3 benchmarks/bench_service.py --model qwen3-4b-shape --device cuda --rank 32 --tenants 1,2,4,8,16
+    python3 benchmarks/bench_service.py                    # CPU, tiny model: the same code path, seconds (not in CI)
+
+Each tenant is one thread with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
+back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
+underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch).
+Prints tokens/s, p50/p99 step latency, adapters per forward_backward step (the pool's plan stats in Redis), the
+service/engine ratio, and create_lora_training_client latency (warm pool). Engine-only runs first, in this process,
+and is freed before the stack starts, so the two never share the device."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loraplex.client import AdamParams, Datum, ServiceClient  # noqa: E402
+from loraplex.dispatch.plan import PlannedRequest, RequestKind  # noqa: E402
+from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
+from loraplex.embedded import Stack  # noqa: E402
+from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
+from loraplex.queue import stats as plan_stats  # noqa: E402
+from loraplex.redis_child import free_port  # noqa: E402
+from loraplex.settings import Settings  # noqa: E402
+from loraplex.storage.db import make_engine, session_factory  # noqa: E402
+from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402
+from loraplex.workers.engine import Engine  # noqa: E402
+from loraplex.workers.executor import PlanExecutor  # noqa: E402
+
+ADAM = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def tenant_data(vocab: int, seqs: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(seqs):
+        ids = torch.randint(0, vocab, (seq_len + 1,), generator=g).tolist()
+        out.append({"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * seq_len}})
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(times: list[float], tokens: int, wall: float, steps: int) -> dict[str, float]:
+    return {
+        "tok_s": tokens / wall,
+        "round_s": wall / steps,
+        "p50_ms": 1e3 * statistics.median(times),
+        "p99_ms": 1e3 * percentile(times, 0.99),
+    }
+
+
+# ---- engine alone ---------------------------------------------------------------------------------------------------
+def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: argparse.Namespace, vocab: int) -> dict:
+    """Each config's rounds through the policy + PlanExecutor (what the pool runs), timed with the device synced."""
+    model, _ = load_base_model(settings.base_model, settings.resolved_model_cache, torch_dtype(settings.resolved_dtype),
+                               settings.device)  # fmt: skip
+    engine = Engine(model, slots=settings.slots, max_rank=settings.max_rank, target_modules=settings.target_modules,
+                    device=settings.device, microbatch_tokens=settings.microbatch_tokens)  # fmt: skip
+    print("engine:", engine.summary(), flush=True)
+    executor = PlanExecutor(engine)
+    limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_adapters_per_step=settings.slots)
+    out: dict[str, Any] = {}
+    for workload, tenants, seqs in configs:
+        ids = [f"t{i}" for i in range(tenants)]
+        for i, m in enumerate(ids):
+            engine.create_adapter(m, args.rank, 2.0 * args.rank, seed=i)
+        data = {m: tenant_data(vocab, seqs, args.seq_len, 1000 + i) for i, m in enumerate(ids)}
+        applied: dict[str, int | None] = dict.fromkeys(ids, 0)
+        times: list[float] = []
+        adapters: list[int] = []
+
+        def one_round(seq: int) -> None:
+            pending: list[PlannedRequest] = []
+            for m in ids:
+                fb = {"data": data[m], "loss_fn": "cross_entropy", "loss_fn_config": {}}
+                pending.append(PlannedRequest(f"{m}-{seq}", m, m, seq, RequestKind.FORWARD_BACKWARD, fb))
+                pending.append(PlannedRequest(f"{m}-{seq}o", m, m, seq + 1, RequestKind.OPTIM_STEP, {"adam_params": ADAM}))
+            while pending:
+                decision = plan_batch(pending, applied, limits)
+                outcomes = executor.execute(decision.plan)
+                assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+                adapters.extend(len(s.requests) for s in decision.plan.steps if s.kind == "forward_backward")
+                applied.update(decision.applied_seq)
+                pending = list(decision.pending)
+
+        seq = 1
+        for _ in range(args.warmup):
+            one_round(seq)
+            seq += 2
+        sync()
+        adapters.clear()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            one_round(seq)
+            sync()
+            times.append(time.perf_counter() - t0)
+            seq += 2
+        wall = time.perf_counter() - start
+        tokens = tenants * seqs * args.seq_len * args.steps
+        out[f"{workload}/{tenants}"] = summary(times, tokens, wall, args.steps) | {
+            "adapters_per_fb_step": statistics.mean(adapters) if adapters else 0.0
+        }
+        print("engine", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
+        for m in ids:
+            engine.delete_adapter(m)
+    del engine, executor, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---- through the service ----------------------------------------------------------------------------------------------
+def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args: argparse.Namespace, vocab: int) -> dict:
+    out: dict[str, Any] = {"create_ms": []}
+    t0 = time.perf_counter()
+    with Stack(settings, api_port=free_port()) as stack:
+        out["stack_start_s"] = time.perf_counter() - t0
+        print(f"stack up in {out['stack_start_s']:.1f} s; logs in {stack.log_dir}", flush=True)
+        sessions = session_factory(make_engine(settings.resolved_database_url))
+        with unit_of_work(sessions) as session:
+            keys = [TenantRepository(session).create_tenant(f"tenant{i}")[1] for i in range(max(t for _, t, _ in configs))]
+        clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
+        import redis
+
+        r = redis.Redis.from_url(stack.settings.redis_url)
+        for workload, tenants, seqs in configs:
+            trainers = []
+            for i in range(tenants):
+                c0 = time.perf_counter()
+                trainers.append(clients[i].create_lora_training_client(rank=args.rank, seed=i))
+                out["create_ms"].append(1e3 * (time.perf_counter() - c0))
+            data = [[Datum(**d) for d in tenant_data(vocab, seqs, args.seq_len, 1000 + i)] for i in range(tenants)]
+            times: list[list[float]] = [[] for _ in range(tenants)]
+            start_barrier = threading.Barrier(tenants + 1)
+            end_barrier = threading.Barrier(tenants + 1)
+            errors: list[BaseException] = []
+
+            def tenant(i: int) -> None:
+                try:
+                    tc = trainers[i]
+                    adam = AdamParams(**ADAM)
+
+                    def step() -> None:
+                        fb = tc.forward_backward(data[i], "cross_entropy")
+                        opt = tc.optim_step(adam)
+                        fb.result()
+                        opt.result()
+
+                    for _ in range(args.warmup):
+                        step()
+                    start_barrier.wait()
+                    for _ in range(args.steps):
+                        s0 = time.perf_counter()
+                        step()
+                        times[i].append(time.perf_counter() - s0)
+                    end_barrier.wait()
+                except BaseException as exc:  # noqa: BLE001 - reported after the run
+                    errors.append(exc)
+                    start_barrier.abort()
+                    end_barrier.abort()
+
+            threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
+            for t in threads:
+                t.start()
+            start_barrier.wait()
+            before = plan_stats.read(r, settings.pool)
+            start = time.perf_counter()
+            end_barrier.wait()
+            wall = time.perf_counter() - start
+            after = plan_stats.read(r, settings.pool).minus(before)
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            tokens = tenants * seqs * args.seq_len * args.steps
+            out[f"{workload}/{tenants}"] = summary([x for ts in times for x in ts], tokens, wall, args.steps) | {
+                "adapters_per_fb_step": after.adapters_per_fb_step,
+                "plans": after.plans,
+                "pool_busy_fraction": after.busy_s / wall,
+                "read_ms_per_plan": 1e3 * after.read_s / max(after.plans, 1),
+                "overhead_ms_per_plan": 1e3 * after.overhead_s / max(after.plans, 1),
+            }
+            print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
+            for tc in trainers:
+                tc.delete()
+        for c in clients:
+            c.close()
+    return out
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen3-4b-shape" if cuda else "tiny")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--rank", type=int, default=32 if cuda else 8)
+    p.add_argument("--seq-len", type=int, default=512 if cuda else 64)
+    p.add_argument("--saturated-seqs", type=int, default=8)
+    p.add_argument("--tenants", default="1,2,4,8,16")
+    p.add_argument("--workloads", default="underfilled,saturated")
+    p.add_argument("--cap", type=int, default=4096, help="engine microbatch tokens")
+    p.add_argument("--plan-tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--home", help="the stack's LORAPLEX_HOME (default: a temp folder)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+
+    tenants = [int(t) for t in args.tenants.split(",")]
+    seqs = {"underfilled": 1, "saturated": args.saturated_seqs}
+    configs = [(w, n, seqs[w]) for w in args.workloads.split(",") for n in tenants]
+    home = Path(args.home or tempfile.mkdtemp(prefix="bench-service-"))
+    settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype, slots=max(8, *tenants),
+                        max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens)  # fmt: skip
+    vocab = SHAPE_PRESETS[args.model]["vocab_size"] if args.model in SHAPE_PRESETS else 512
+    results: dict[str, Any] = {
+        "env": {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "model": args.model, "dtype": settings.resolved_dtype, "rank": args.rank, "seq_len": args.seq_len,
+                "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup},
+    }  # fmt: skip
+    if not args.skip_engine:
+        results["engine"] = bench_engine(settings, configs, args, vocab)
+    results["service"] = bench_service(settings, configs, args, vocab)
+    creates = results["service"]["create_ms"]
+    print(f"\ncreate_lora_training_client (warm pool): p50 {statistics.median(creates):.1f} ms, "
+          f"max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
+    print(f"{'workload':12} {'tenants':>7} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'adapters/fb':>11} {'busy':>5}")  # fmt: skip
+    for workload, n, _ in configs:
+        s = results["service"][f"{workload}/{n}"]
+        e = results.get("engine", {}).get(f"{workload}/{n}")
+        ratio = f"{s['tok_s'] / e['tok_s']:.3f}" if e else "-"
+        etok = f"{e['tok_s']:,.0f}" if e else "-"
+        print(f"{workload:12} {n:>7} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
+              f"{s['p99_ms']:>8.1f} {s['adapters_per_fb_step']:>11.2f} {s['pool_busy_fraction']:>5.2f}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Running totals of a pool's plans in one Redis hash (keys.pool_stats): how many plans, forward_backward steps,
+adapters and tokens per step, optimizer steps, and the seconds the pool spent executing. Operators and
+benchmarks/bench_service.py read them; two readings apart give the mean adapters per step over that stretch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis as redis_lib
+
+from loraplex.dispatch.plan import BatchPlan, StepKind
+from loraplex.queue import keys
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    plans: int = 0
+    fb_steps: int = 0
+    fb_requests: int = 0
+    fb_adapters: int = 0
+    fb_tokens: int = 0
+    optim_steps: int = 0
+    busy_s: float = 0.0  # executing plans
+    read_s: float = 0.0  # reading the stream before a plan (waits for entries included)
+    overhead_s: float = 0.0  # planning, storing results, SQL records and acks around each plan
+
+    @classmethod
+    def of(cls, plan: BatchPlan, busy_s: float = 0.0, read_s: float = 0.0, overhead_s: float = 0.0) -> PlanStats:
+        fb = [s for s in plan.steps if s.kind == StepKind.FORWARD_BACKWARD]
+        return cls(
+            plans=1,
+            fb_steps=len(fb),
+            fb_requests=sum(len(s.requests) for s in fb),
+            fb_adapters=sum(len({r.model_id for r in s.requests}) for s in fb),
+            fb_tokens=sum(r.num_tokens for s in fb for r in s.requests),
+            optim_steps=sum(s.kind == StepKind.OPTIM_STEP for s in plan.steps),
+            busy_s=busy_s,
+            read_s=read_s,
+            overhead_s=overhead_s,
+        )
+
+    def minus(self, earlier: PlanStats) -> PlanStats:
+        return PlanStats(**{f: getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__})
+
+    @property
+    def adapters_per_fb_step(self) -> float:
+        return self.fb_adapters / self.fb_steps if self.fb_steps else 0.0
+
+
+def add(redis: redis_lib.Redis, pool: str, stats: PlanStats) -> None:
+    """Add one plan's numbers to the pool's totals (one round trip)."""
+    key = keys.pool_stats(pool)
+    pipe = redis.pipeline(transaction=False)
+    for name in PlanStats.__dataclass_fields__:
+        value = getattr(stats, name)
+        if isinstance(value, float):
+            pipe.hincrbyfloat(key, name, value)
+        elif value:
+            pipe.hincrby(key, name, value)
+    pipe.execute()
+
+
+def read(redis: redis_lib.Redis, pool: str) -> PlanStats:
+    raw: Mapping[bytes | str, bytes | str] = redis.hgetall(keys.pool_stats(pool))  # type: ignore[assignment]
+    text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+    return PlanStats(
+        **{f: (float if f.endswith("_s") else int)(text[f]) for f in PlanStats.__dataclass_fields__ if f in text}
+    )
