@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.
     plan_tokens: int = 16384
+    # How long (ms) an underfilled plan may wait for the tenants whose results it just handed out, so tenants training
+    # in a closed loop keep sharing one step (dispatch/coalescing.py). 0: plan at the first arrival.
+    coalesce_ms: float = Field(default=50.0, ge=0)
     # Host memory (MiB) for adapters evicted from the slots (their whole training state, pinned on CUDA); past it the
     # least recently used ones are spilled to disk, under `spill_dir` (empty: home/spill), one folder per pool and rank.
     host_budget_mb: float = Field(default=2048, ge=0)

@@ -12,6 +12,12 @@ idempotency keys and the stored-result check below, each request is applied once
 
 Every answered request, failed or not, advances its adapter's seq_id: the client holds an answer for it.
 
+Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the stream
+while a plan runs, and a finisher thread stores each plan's results, writes its SQL records (`on_outcomes`) and acks
+its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
+the next plan never waits for the finisher. An underfilled plan waits a moment for the tenants it just answered
+(dispatch/coalescing.py, `settings.coalesce_ms`), so closed-loop tenants keep sharing one step.
+
 `on_outcomes(outcomes, plan)` is where the caller records applied seq_ids and usage in SQL. `plan.requests` holds every
 request in `outcomes`; requests failed by the dispatcher itself (gap timeout) come in a plan made of them alone, under
 their natural step kind, each with a failed outcome. Record usage for `outcome.ok` only.
@@ -28,8 +34,10 @@ from typing import Protocol
 
 import redis as redis_lib
 
+from loraplex.dispatch.coalescing import Coalescer
+from loraplex.dispatch.pipeline import Finisher, Prefetcher
 from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.dispatch.policy import PolicyLimits, plan_batch
+from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
 from loraplex.queue import keys, stats
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.queue.envelope import to_planned
@@ -72,7 +80,11 @@ class Dispatcher:
         claim_idle_ms: int = 30_000,
         claim_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        pipelined: bool = False,
+        coalesce_s: float | None = None,
     ) -> None:
+        """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
+        coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting)."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
@@ -95,6 +107,11 @@ class Dispatcher:
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
         self._next_claim = 0.0
         self._more_ready = False  # the last plan was capped: read without blocking
+        window = settings.coalesce_ms / 1000 if coalesce_s is None else coalesce_s
+        self.coalescer = Coalescer(window)
+        self.pipelined = pipelined
+        self._finisher = Finisher(background=pipelined)
+        self._prefetcher: Prefetcher | None = None  # started by the first read
 
     # -- public ---------------------------------------------------------------------------------------------------
     @property
@@ -109,15 +126,14 @@ class Dispatcher:
         now = self.clock()
         t_start = time.monotonic()
         entries = self._claim_if_due(now)
-        entries += self.consumer.read(None if self._more_ready else self.block_ms, self.read_count)
+        entries += self._read(None if self._more_ready else self.block_ms / 1000)
         self._admit(entries, now)
         t_read = time.monotonic()
         if not self._buffer:
             self._more_ready = False
             return 0
+        decision = self._coalesce(self._plan())
         by_obj = {id(h.request): h for h in self._buffer}
-        view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
-        decision = plan_batch([h.request for h in self._buffer], view, self.limits)
         answered = 0
         busy = 0.0
         if decision.plan.steps:
@@ -126,18 +142,58 @@ class Dispatcher:
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
         if decision.plan.steps:
-            done = time.monotonic()
-            timing = {"busy_s": busy, "read_s": t_read - t_start, "overhead_s": done - t_read - busy}
-            stats.add(self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
+            timing = {"busy_s": busy, "read_s": t_read - t_start, "overhead_s": time.monotonic() - t_read - busy}
+            self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
         return answered
 
     def run_forever(self, stop_event: threading.Event) -> None:
-        while not stop_event.is_set():
-            try:
-                self.run_once()
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                stop_event.wait(0.5)
+        try:
+            while not stop_event.is_set():
+                try:
+                    self.run_once()
+                except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
+                    log.warning("redis unavailable (%s); retrying", exc)
+                    stop_event.wait(0.5)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead and finish every plan handed to the finisher (pipelined mode; a no-op otherwise)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        self._finisher.close()
+
+    # -- reading and planning ---------------------------------------------------------------------------------------
+    def _read(self, wait_s: float | None) -> list[Entry]:
+        """New entries, waiting up to `wait_s` seconds for some (None: don't wait)."""
+        if not self.pipelined:
+            block = None if wait_s is None else max(1, round(wait_s * 1000))
+            return self.consumer.read(block, self.read_count)
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self.consumer, self.block_ms, self.read_count)
+        return self._prefetcher.take(wait_s)
+
+    def _plan(self) -> PolicyResult:
+        view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
+        return plan_batch([h.request for h in self._buffer], view, self.limits)
+
+    def _coalesce(self, decision: PolicyResult) -> PolicyResult:
+        """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back."""
+        if decision.pending or not any(s.kind == StepKind.FORWARD_BACKWARD for s in decision.plan.steps):
+            return decision
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            wait = self.coalescer.wait_s(now, {h.request.model_id for h in self._buffer}, started)
+            if wait <= 0:
+                return decision
+            entries = self._read(wait)
+            if entries:
+                self._admit(entries, self.clock())
+                decision = self._plan()
+                if decision.pending:  # full now
+                    return decision
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _claim_if_due(self, now: float) -> list[Entry]:
@@ -162,12 +218,13 @@ class Dispatcher:
                 continue
             self._buffer.append(_Held(sid, req, now))
             self._held_ids.add(sid)
+        self.coalescer.arrived((env.model_id for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
 
     def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """Run the plan and finish its requests; returns (requests answered, seconds the executor took)."""
         requests = plan.requests
-        self.results.set_states([r.request_id for r in requests], JobState.RUNNING)
+        self._finisher.submit(self.results.set_states, [r.request_id for r in requests], JobState.RUNNING)
         started = time.monotonic()
         try:
             outcomes = list(self.executor.execute(plan))
@@ -177,11 +234,13 @@ class Dispatcher:
         busy = time.monotonic() - started
         outcomes = _one_per_request(outcomes, requests)
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
+        self.coalescer.answered((r.model_id for r in requests if r.kind not in CONTROL_KINDS), time.monotonic())
         return len(outcomes), busy
 
     def _answer_duplicates(self, duplicates: Sequence[PlannedRequest], by_obj: dict[int, _Held]) -> int:
         if not duplicates:
             return 0
+        self._finisher.drain()  # the first requests' results must be stored before they answer for their repeats
         dup_objs = {id(r) for r in duplicates}
         live_slots = {_slot(h.request): h.request.request_id for h in self._buffer if id(h.request) not in dup_objs}
         own = self.results.has_many([d.request_id for d in duplicates])
@@ -237,15 +296,20 @@ class Dispatcher:
         return len(outcomes)
 
     def _finish(self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held]) -> None:
-        """Store, report, advance seq_ids, then ack: in this order, so a crash never loses an answer."""
-        self.results.put_many(outcomes)
+        """Advance seq_ids and drop the requests from the buffer now; then (finisher) store, report and ack, in this
+        order, so a crash never loses an answer."""
+        self._advance(plan.requests)
+        self._forget(held)
+        self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held])
+
+    def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[str]) -> None:
+        _retry_redis(lambda: self.results.put_many(outcomes))
         if self.on_outcomes is not None:
             try:
                 self.on_outcomes(outcomes, plan)
             except Exception:  # the results are stored: recording them must not stall every tenant
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
-        self._advance(plan.requests)
-        self._release(held)
+        _retry_redis(lambda: self.consumer.ack(stream_ids))
 
     def _advance(self, requests: Iterable[PlannedRequest]) -> None:
         for r in requests:
@@ -255,12 +319,28 @@ class Dispatcher:
             self._applied[r.model_id] = r.seq_id if last is None else max(last, r.seq_id)
 
     def _release(self, held: list[_Held]) -> None:
+        self._forget(held)
+        self.consumer.ack(h.stream_id for h in held)
+
+    def _forget(self, held: list[_Held]) -> None:
         if not held:
             return
         gone = {h.stream_id for h in held}
         self._buffer = [h for h in self._buffer if h.stream_id not in gone]
         self._held_ids -= gone
-        self.consumer.ack(gone)
+
+
+def _retry_redis(call: Callable[[], object], attempts: int = 120) -> None:
+    """A finisher write must land (the plan already ran): ride out a Redis restart for up to a minute."""
+    for attempt in range(attempts):
+        try:
+            call()
+            return
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError):
+            if attempt == attempts - 1:
+                raise
+            log.warning("redis unavailable while finishing a plan; retrying")
+            time.sleep(0.5)
 
 
 def _slot(r: PlannedRequest) -> tuple[str, str | int]:

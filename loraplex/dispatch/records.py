@@ -46,7 +46,9 @@ class OutcomeRecorder:
         self._sessions = sessions
         self._store = store
         self._pool = pool
-        self._last_plan_seconds = 0.0
+        # id(plan) -> its execution seconds, until its outcomes are recorded (the finisher records plan k while plan k+1
+        # runs, so one "last plan" value would be the wrong plan's).
+        self._plan_seconds: dict[int, float] = {}
 
     def timed(self, executor: Executor) -> Executor:
         """Wrap the executor so each plan's wall time is known when its outcomes are recorded (usage seconds)."""
@@ -58,7 +60,7 @@ class OutcomeRecorder:
                 try:
                     outcomes = executor.execute(plan)
                 finally:
-                    recorder._last_plan_seconds = time.monotonic() - started
+                    recorder._plan_seconds[id(plan)] = time.monotonic() - started
                 return recorder.record_checkpoints(outcomes, plan)
 
         return _Timed()
@@ -112,7 +114,7 @@ class OutcomeRecorder:
             return PoolRepository(session).applied_seq_id(model_id)
 
     def __call__(self, outcomes: list[Outcome], plan: BatchPlan) -> None:
-        seconds = self._last_plan_seconds
+        seconds = self._plan_seconds.pop(id(plan), 0.0)
         by_id = {o.request_id: o for o in outcomes}
         tokens = sum(r.num_tokens for r in plan.requests) or 1
         with unit_of_work(self._sessions) as session:

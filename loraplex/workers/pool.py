@@ -166,6 +166,7 @@ def _lead(
         on_outcomes=recorder,
         settings=settings,
         applied_seq_lookup=recorder.applied_seq,
+        pipelined=True,
     )
     ready = ready_file(settings)
 

@@ -322,3 +322,60 @@ def test_a_restart_that_claims_its_own_backlog_keeps_each_entry_once(
     nxt = producer.submit(_fb(a, 2, [1]))
     _drain(again, results, [waiting, nxt])
     assert [s for _, s, _ in engine.applied] == [2, 3]
+
+
+def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_in_order(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """The pool's mode: prefetch + background finisher + coalescing. Four tenants each send forward_backward +
+    optim_step, await both, repeat (a training loop): every step is applied once, in seq order, the numbers are the
+    arithmetic engine's, and plans mix the tenants (not one tenant per plan, as arrival order alone would make them)."""
+    pool = _uid()
+    models = [f"m{i}-{_uid()}" for i in range(4)]
+    weights = {m: 1.0 + i for i, m in enumerate(models)}
+    engine = ArithmeticEngine(dict(weights))
+    recorded: dict[str, int] = dict.fromkeys(models, 0)
+
+    class SlowEngine:  # a step that takes GPU-like time, so arrivals during it are read ahead
+        def execute(self, plan: BatchPlan) -> list[Outcome]:
+            time.sleep(0.02)
+            return engine.execute(plan)
+
+    def on_outcomes(outcomes: list[Outcome], plan: BatchPlan) -> None:
+        for r in plan.requests:
+            recorded[r.model_id] = max(recorded[r.model_id], r.seq_id)
+
+    d = Dispatcher(redis_client, pool, SlowEngine(), on_outcomes, settings, applied_seq_lookup=recorded.get,
+                   block_ms=20, pipelined=True, coalesce_s=0.2)  # fmt: skip
+    stop = threading.Event()
+    loop = threading.Thread(target=d.run_forever, args=(stop,))
+    loop.start()
+    steps, lr = 6, 0.01
+    finals: dict[str, Any] = {}
+
+    def tenant(m: str) -> None:
+        producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+        for k in range(steps):
+            fb, opt = producer.submit(_fb(m, 2 * k + 1, [1, 1])), producer.submit(_opt(m, 2 * k + 2, lr))
+            assert results.wait(fb, 10) is not None
+            finals[m] = results.wait(opt, 10)
+
+    tenants = [threading.Thread(target=tenant, args=(m,)) for m in models]
+    try:
+        for t in tenants:
+            t.start()
+        for t in tenants:
+            t.join(timeout=60)
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+    for m in models:
+        assert [s for mm, s, _ in engine.applied if mm == m] == list(range(1, 2 * steps + 1))
+        w = weights[m]
+        for _ in range(steps):  # g = 2 w, w -= lr * g
+            w -= lr * 2 * w
+        assert finals[m].result == pytest.approx({"w": w})
+        assert recorded[m] == 2 * steps  # the finisher wrote every plan's records before close() returned
+    fb_steps = [s for p in engine.plans for s in p.steps if s.kind == StepKind.FORWARD_BACKWARD]
+    assert sum(len(s.requests) for s in fb_steps) / len(fb_steps) >= 3.0  # tenants coalesced
+    assert redis_client.xlen(keys.request_stream(pool)) == 0  # everything acked

@@ -1,0 +1,95 @@
+"""The dispatcher's two helper stages, so the pool is never idle for I/O it could do beside the engine:
+- `Prefetcher`: a thread that reads and decodes the request stream while a plan runs (a bounded queue: when the pool
+  falls behind, reading stops rather than buffering without end);
+- `Finisher`: one thread that stores results, writes the SQL records and acks, plan after plan in order, while the
+  next plan runs. Inline (no thread) when the loop is driven step by step (`run_once` in tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import redis as redis_lib
+
+from loraplex.queue.consumer import Consumer, Entry
+
+log = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    def __init__(self, consumer: Consumer, block_ms: int, count: int, depth: int = 4) -> None:
+        self._consumer = consumer
+        self._block_ms = block_ms
+        self._count = count
+        self._queue: queue.Queue[list[Entry]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dispatch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                entries = self._consumer.read(self._block_ms, self._count)
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                self._stop.wait(0.5)
+                continue
+            except Exception:  # noqa: BLE001 - keep reading; the loop must not lose its reader
+                log.exception("reading the request stream failed")
+                self._stop.wait(0.5)
+                continue
+            while entries and not self._stop.is_set():
+                try:
+                    self._queue.put(entries, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def take(self, wait_s: float | None) -> list[Entry]:
+        """Everything read so far; when there is nothing, wait up to `wait_s` (None: don't wait) for the next read."""
+        out: list[Entry] = []
+        try:
+            if wait_s:
+                out += self._queue.get(timeout=wait_s)
+            while True:
+                out += self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Finisher:
+    def __init__(self, background: bool) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch-finish") if background else None
+        self._last: Future[Any] | None = None
+
+    def submit(self, job: Callable[..., None], *args: Any) -> None:
+        if self._pool is None:
+            job(*args)
+            return
+        self._last = self._pool.submit(self._guarded, job, *args)
+
+    @staticmethod
+    def _guarded(job: Callable[..., None], *args: Any) -> None:
+        try:
+            job(*args)
+        except Exception:  # noqa: BLE001 - the stream keeps the entries (not acked): a restart redelivers them
+            log.exception("finishing a plan failed (%s)", getattr(job, "__name__", job))
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (one worker: the last one finishing means all did)."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
