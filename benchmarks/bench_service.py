@@ -84,51 +84,10 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     print("engine:", engine.summary(), flush=True)
     executor = PlanExecutor(engine)
     limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_adapters_per_step=settings.slots)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"create_ms": []}
     for workload, tenants, seqs in configs:
-        ids = [f"t{i}" for i in range(tenants)]
-        for i, m in enumerate(ids):
-            engine.create_adapter(m, args.rank, 2.0 * args.rank, seed=i)
-        data = {m: tenant_data(vocab, seqs, args.seq_len, 1000 + i) for i, m in enumerate(ids)}
-        applied: dict[str, int | None] = dict.fromkeys(ids, 0)
-        times: list[float] = []
-        adapters: list[int] = []
-
-        def one_round(seq: int) -> None:
-            pending: list[PlannedRequest] = []
-            for m in ids:
-                fb = {"data": data[m], "loss_fn": "cross_entropy", "loss_fn_config": {}}
-                pending.append(PlannedRequest(f"{m}-{seq}", m, m, seq, RequestKind.FORWARD_BACKWARD, fb))
-                pending.append(PlannedRequest(f"{m}-{seq}o", m, m, seq + 1, RequestKind.OPTIM_STEP, {"adam_params": ADAM}))
-            while pending:
-                decision = plan_batch(pending, applied, limits)
-                outcomes = executor.execute(decision.plan)
-                assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
-                adapters.extend(len(s.requests) for s in decision.plan.steps if s.kind == "forward_backward")
-                applied.update(decision.applied_seq)
-                pending = list(decision.pending)
-
-        seq = 1
-        for _ in range(args.warmup):
-            one_round(seq)
-            seq += 2
-        sync()
-        adapters.clear()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            one_round(seq)
-            sync()
-            times.append(time.perf_counter() - t0)
-            seq += 2
-        wall = time.perf_counter() - start
-        tokens = tenants * seqs * args.seq_len * args.steps
-        out[f"{workload}/{tenants}"] = summary(times, tokens, wall, args.steps) | {
-            "adapters_per_fb_step": statistics.mean(adapters) if adapters else 0.0
-        }
+        out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, seqs, args, vocab, out["create_ms"])
         print("engine", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
-        for m in ids:
-            engine.delete_adapter(m)
     del engine, executor, model
     gc.collect()
     if torch.cuda.is_available():
@@ -136,8 +95,61 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     return out
 
 
+def engine_config(
+    executor: PlanExecutor, limits: PolicyLimits, tenants: int, seqs: int, args: argparse.Namespace, vocab: int,
+    create_ms: list[float],
+) -> dict[str, float]:  # fmt: skip
+    engine = executor.engine
+    ids = [f"t{i}" for i in range(tenants)]
+    for i, m in enumerate(ids):
+        sync()
+        c0 = time.perf_counter()
+        engine.create_adapter(m, args.rank, 2.0 * args.rank, seed=i)
+        sync()
+        create_ms.append(1e3 * (time.perf_counter() - c0))
+    data = {m: tenant_data(vocab, seqs, args.seq_len, 1000 + i) for i, m in enumerate(ids)}
+    applied: dict[str, int | None] = dict.fromkeys(ids, 0)
+    adapters: list[int] = []
+
+    def one_round(seq: int) -> None:
+        pending: list[PlannedRequest] = []
+        for m in ids:
+            fb = {"data": data[m], "loss_fn": "cross_entropy", "loss_fn_config": {}}
+            pending.append(PlannedRequest(f"{m}-{seq}", m, m, seq, RequestKind.FORWARD_BACKWARD, fb))
+            pending.append(PlannedRequest(f"{m}-{seq}o", m, m, seq + 1, RequestKind.OPTIM_STEP, {"adam_params": ADAM}))
+        while pending:
+            decision = plan_batch(pending, applied, limits)
+            outcomes = executor.execute(decision.plan)
+            assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+            adapters.extend(len(s.requests) for s in decision.plan.steps if s.kind == "forward_backward")
+            applied.update(decision.applied_seq)
+            pending = list(decision.pending)
+
+    seq = 1
+    for _ in range(args.warmup):
+        one_round(seq)
+        seq += 2
+    sync()
+    adapters.clear()
+    times: list[float] = []
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        one_round(seq)
+        sync()
+        times.append(time.perf_counter() - t0)
+        seq += 2
+    wall = time.perf_counter() - start
+    for m in ids:
+        engine.delete_adapter(m)
+    tokens = tenants * seqs * args.seq_len * args.steps
+    return summary(times, tokens, wall, args.steps) | {"adapters_per_fb_step": statistics.mean(adapters)}
+
+
 # ---- through the service ----------------------------------------------------------------------------------------------
 def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args: argparse.Namespace, vocab: int) -> dict:
+    import redis
+
     out: dict[str, Any] = {"create_ms": []}
     t0 = time.perf_counter()
     with Stack(settings, api_port=free_port()) as stack:
@@ -147,72 +159,82 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
         with unit_of_work(sessions) as session:
             keys = [TenantRepository(session).create_tenant(f"tenant{i}")[1] for i in range(max(t for _, t, _ in configs))]
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
-        import redis
-
         r = redis.Redis.from_url(stack.settings.redis_url)
         for workload, tenants, seqs in configs:
-            trainers = []
-            for i in range(tenants):
-                c0 = time.perf_counter()
-                trainers.append(clients[i].create_lora_training_client(rank=args.rank, seed=i))
-                out["create_ms"].append(1e3 * (time.perf_counter() - c0))
-            data = [[Datum(**d) for d in tenant_data(vocab, seqs, args.seq_len, 1000 + i)] for i in range(tenants)]
-            times: list[list[float]] = [[] for _ in range(tenants)]
-            start_barrier = threading.Barrier(tenants + 1)
-            end_barrier = threading.Barrier(tenants + 1)
-            errors: list[BaseException] = []
-
-            def tenant(i: int) -> None:
-                try:
-                    tc = trainers[i]
-                    adam = AdamParams(**ADAM)
-
-                    def step() -> None:
-                        fb = tc.forward_backward(data[i], "cross_entropy")
-                        opt = tc.optim_step(adam)
-                        fb.result()
-                        opt.result()
-
-                    for _ in range(args.warmup):
-                        step()
-                    start_barrier.wait()
-                    for _ in range(args.steps):
-                        s0 = time.perf_counter()
-                        step()
-                        times[i].append(time.perf_counter() - s0)
-                    end_barrier.wait()
-                except BaseException as exc:  # noqa: BLE001 - reported after the run
-                    errors.append(exc)
-                    start_barrier.abort()
-                    end_barrier.abort()
-
-            threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
-            for t in threads:
-                t.start()
-            start_barrier.wait()
-            before = plan_stats.read(r, settings.pool)
-            start = time.perf_counter()
-            end_barrier.wait()
-            wall = time.perf_counter() - start
-            after = plan_stats.read(r, settings.pool).minus(before)
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
-            tokens = tenants * seqs * args.seq_len * args.steps
-            out[f"{workload}/{tenants}"] = summary([x for ts in times for x in ts], tokens, wall, args.steps) | {
-                "adapters_per_fb_step": after.adapters_per_fb_step,
-                "plans": after.plans,
-                "pool_busy_fraction": after.busy_s / wall,
-                "read_ms_per_plan": 1e3 * after.read_s / max(after.plans, 1),
-                "overhead_ms_per_plan": 1e3 * after.overhead_s / max(after.plans, 1),
-            }
+            out[f"{workload}/{tenants}"] = service_config(clients[:tenants], r, settings.pool, seqs, args, vocab,
+                                                          out["create_ms"])  # fmt: skip
             print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
-            for tc in trainers:
-                tc.delete()
         for c in clients:
             c.close()
     return out
+
+
+def service_config(
+    clients: list[ServiceClient], r: Any, pool: str, seqs: int, args: argparse.Namespace, vocab: int,
+    create_ms: list[float],
+) -> dict[str, float]:  # fmt: skip
+    tenants = len(clients)
+    trainers = []
+    for i, client in enumerate(clients):
+        c0 = time.perf_counter()
+        trainers.append(client.create_lora_training_client(rank=args.rank, seed=i))
+        create_ms.append(1e3 * (time.perf_counter() - c0))
+    data = [[Datum(**d) for d in tenant_data(vocab, seqs, args.seq_len, 1000 + i)] for i in range(tenants)]
+    times: list[list[float]] = [[] for _ in range(tenants)]
+    start_barrier = threading.Barrier(tenants + 1)
+    end_barrier = threading.Barrier(tenants + 1)
+    errors: list[BaseException] = []
+    adam = AdamParams(**ADAM)
+
+    def tenant(i: int) -> None:
+        try:
+            tc = trainers[i]
+
+            def step() -> None:
+                fb = tc.forward_backward(data[i], "cross_entropy")
+                opt = tc.optim_step(adam)
+                fb.result()
+                opt.result()
+
+            for _ in range(args.warmup):
+                step()
+            start_barrier.wait()
+            for _ in range(args.steps):
+                s0 = time.perf_counter()
+                step()
+                times[i].append(time.perf_counter() - s0)
+            end_barrier.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported after the run
+            errors.append(exc)
+            start_barrier.abort()
+            end_barrier.abort()
+
+    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
+    for t in threads:
+        t.start()
+    try:
+        start_barrier.wait()
+        before = plan_stats.read(r, pool)
+        start = time.perf_counter()
+        end_barrier.wait()
+        wall = time.perf_counter() - start
+    except threading.BrokenBarrierError:
+        for t in threads:
+            t.join()
+        raise errors[0] from None
+    after = plan_stats.read(r, pool).minus(before)
+    for t in threads:
+        t.join()
+    for tc in trainers:
+        tc.delete()
+    tokens = tenants * seqs * args.seq_len * args.steps
+    return summary([x for ts in times for x in ts], tokens, wall, args.steps) | {
+        "adapters_per_fb_step": after.adapters_per_fb_step,
+        "plans": after.plans,
+        "pool_busy_fraction": after.busy_s / wall,
+        "read_ms_per_plan": 1e3 * after.read_s / max(after.plans, 1),
+        "overhead_ms_per_plan": 1e3 * after.overhead_s / max(after.plans, 1),
+    }
 
 
 def main() -> None:
@@ -251,8 +273,10 @@ def main() -> None:
         results["engine"] = bench_engine(settings, configs, args, vocab)
     results["service"] = bench_service(settings, configs, args, vocab)
     creates = results["service"]["create_ms"]
-    print(f"\ncreate_lora_training_client (warm pool): p50 {statistics.median(creates):.1f} ms, "
+    print(f"\ncreate_lora_training_client (warm pool, through the service): p50 {statistics.median(creates):.1f} ms, "
           f"max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
+    if "engine" in results:
+        print(f"engine.create_adapter alone: p50 {statistics.median(results['engine']['create_ms']):.1f} ms")
     print(f"{'workload':12} {'tenants':>7} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'adapters/fb':>11} {'busy':>5}")  # fmt: skip
     for workload, n, _ in configs:
