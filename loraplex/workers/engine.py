@@ -38,6 +38,7 @@ from loraplex.workers.lora import (
     lora_delta_grouped,
     select_lora_op,
 )
+from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.losses import LOSS_CHUNK_TOKENS
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
@@ -149,8 +150,9 @@ class Engine:
             raise NotFoundError(f"adapter {model_id!r} is not resident on this worker") from None
 
     def create_adapter(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
-        """Put a new adapter in a free slot: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform a=sqrt(5), as PEFT) from a
-        CPU generator seeded by `seed` (same weights in any slot, on any device), B = 0, gradients and Adam state zero."""
+        """Put a new adapter in a free slot: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform a=sqrt(5), as PEFT) hashed
+        from `seed` on the device (lora/init.py: same weights in any slot, on any device), B = 0, gradients and Adam
+        state zero."""
         if model_id in self._adapters:
             raise ConflictError(f"adapter {model_id!r} already exists")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
@@ -160,12 +162,7 @@ class Engine:
         if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
             raise InvalidRequestError(f"alpha must be a positive number, got {alpha!r}")
         record = self.claim_slot(model_id, rank, alpha, seed)
-        gen = torch.Generator().manual_seed(int(seed))
-        with torch.no_grad():
-            for bank in self.banks.values():
-                bound = 1.0 / math.sqrt(bank.in_features)
-                a = torch.empty(rank, bank.in_features).uniform_(-bound, bound, generator=gen)  # PEFT's [r, in] layout
-                bank.lora_A[record.slot, :, :rank] = a.t().to(self.device)
+        init_lora_a(list(self.banks.values()), record.slot, rank, int(seed))
         return record
 
     def claim_slot(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:

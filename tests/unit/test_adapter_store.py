@@ -263,5 +263,8 @@ def test_executor_goes_through_the_store(make_engine: Callable[..., Engine], tmp
     assert outcomes["fghost"].error_type == "NotFoundError"
     assert outcomes["fa"].result == outcomes["fb"].result == outcomes["fc"].result  # same seed, same data
     assert "b" not in store and not store.spill_path("b").exists()
-    assert same_state(store.peek("a"), AdapterSnapshot(**{**store.peek("c").__dict__, "model_id": "a"}))
+    # a trained beside b (a two-group batch), c alone (the one-adapter matmul path): equal up to fp32 rounding, which
+    # depends on the kernel (bit-equal on some CPUs, 4e-9 apart on others).
+    a, c = store.peek("a"), store.peek("c")
+    assert torch.allclose(a.rows, c.rows, rtol=0, atol=1e-7) and (a.step, a.rank, a.seed) == (c.step, c.rank, c.seed)
     assert store.peek("a").step == 1
