@@ -96,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.embedded:
         import uvicorn
 
-        uvicorn.run("loraplex.api.main:app", host=settings.api_host, port=settings.api_port)
+        uvicorn.run("loraplex.api.main:app", host=settings.api_host, port=settings.api_port,
+                    workers=settings.resolved_api_workers)
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

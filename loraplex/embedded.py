@@ -70,7 +70,8 @@ class Stack:
                 self._spawn(
                     "api",
                     ["-m", "uvicorn", "loraplex.api.main:app", "--host", self.settings.api_host,
-                     "--port", str(self.api_port), "--log-level", "warning"],
+                     "--port", str(self.api_port), "--log-level", "warning",
+                     "--workers", str(self.settings.resolved_api_workers)],
                 )  # fmt: skip
                 self._wait_http(timeout_s)
             self._wait_pool_ready(pool, timeout_s)

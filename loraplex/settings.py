@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -59,6 +60,9 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8700
+    # Gateway processes under `serve --embedded` (uvicorn --workers; the gateway is stateless). 0: one per 4 CPU cores,
+    # at least 1, at most 4, so a burst of tenants' requests is parsed and queued in parallel.
+    api_workers: int = Field(default=0, ge=0)
     # Longest a `GET /v1/futures/{id}` long-poll waits before answering "pending".
     long_poll_seconds: float = 20.0
     # Largest forward_backward body (datums per request) the gateway accepts.
@@ -86,6 +90,11 @@ class Settings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bf16" if self.device.startswith("cuda") else "fp32"
+
+    @property
+    def resolved_api_workers(self) -> int:
+
+        return self.api_workers or max(1, min(4, (os.cpu_count() or 1) // 4))
 
     @property
     def resolved_database_url(self) -> str:

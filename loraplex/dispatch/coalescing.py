@@ -1,16 +1,21 @@
 """When to hold an underfilled plan back for a moment (pure: no I/O, no clock of its own).
 
 Tenants that train in a closed loop (send forward_backward + optim_step, await both, send the next) come back a few
-milliseconds after their results are stored, one after another. Planning at the first arrival would run them one by
-one (the pool idles between plans anyway, waiting for the next arrival), so an underfilled plan waits, up to `window_s`,
-for the adapters whose results it just handed out, and, while entries keep arriving less than `quiet_s` apart, for the
-rest of a burst (a forward_backward's optim_step sent right behind it). A full plan never waits, nor does a plan when
-nobody is expected back (a first request, or a tenant that went quiet: its expectation lapses after one window).
+milliseconds after their results are stored, one after another, each pair as two HTTP requests. Planning at the first
+arrival would run them one by one, and a forward_backward apart from its optim_step (the pool idles between plans
+anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s`, for the adapters whose results
+it just handed out; an adapter that sent an optim_step right behind its last forward_backward is expected until that
+optim_step is in too. While entries keep arriving less than `quiet_s` apart it also waits for the rest of a burst. A
+full plan never waits, nor does one when nobody is expected back (a first request, or a tenant that went quiet: its
+expectation lapses after one window).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable
+
+FORWARD_BACKWARD = "forward_backward"
+OPTIM_STEP = "optim_step"
 
 
 class Coalescer:
@@ -18,26 +23,41 @@ class Coalescer:
         self.window_s = window_s
         self.quiet_s = quiet_s
         self._expected: dict[str, float] = {}  # model_id -> when we stop waiting for its next request
+        self._last: dict[str, tuple[str, int]] = {}  # model_id -> (kind, seq_id) last answered
+        self._pairs: set[str] = set()  # adapters that send optim_step right behind forward_backward
         self._last_arrival = float("-inf")
 
-    def answered(self, model_ids: Iterable[str], now: float) -> None:
-        """These adapters' requests were just answered: their next ones are likely on the way."""
-        if self.window_s > 0:
-            for m in model_ids:
-                self._expected[m] = now + self.window_s
+    def answered(self, requests: Iterable[tuple[str, str, int]], now: float) -> None:
+        """These (model_id, kind, seq_id) were just answered, in seq order: their next ones are likely on the way."""
+        for model_id, kind, seq_id in requests:
+            prev = self._last.get(model_id)
+            if kind == OPTIM_STEP and prev == (FORWARD_BACKWARD, seq_id - 1):
+                self._pairs.add(model_id)
+            elif kind == FORWARD_BACKWARD and prev is not None and prev[0] == FORWARD_BACKWARD:
+                self._pairs.discard(model_id)
+            self._last[model_id] = (kind, seq_id)
+            if self.window_s > 0:
+                self._expected[model_id] = now + self.window_s
 
-    def arrived(self, model_ids: Iterable[str], now: float) -> None:
-        for m in model_ids:
-            self._expected.pop(m, None)
+    def arrived(self, requests: Iterable[tuple[str, str]], now: float) -> None:
+        """(model_id, kind) of requests just read."""
+        for model_id, kind in requests:
             self._last_arrival = now
+            if kind == FORWARD_BACKWARD and model_id in self._pairs and model_id in self._expected:
+                continue  # its optim_step follows
+            self._expected.pop(model_id, None)
 
-    def wait_s(self, now: float, buffered: Set[str], started: float) -> float:
-        """How long to wait for more before running an underfilled plan (0: run it now). `buffered`: adapters with a
-        request in the buffer; `started`: when this plan's wait began (the total wait never exceeds one window)."""
+    def forget(self, model_id: str) -> None:
+        """A deleted adapter."""
+        for table in (self._expected, self._last):
+            table.pop(model_id, None)
+        self._pairs.discard(model_id)
+
+    def wait_s(self, now: float, started: float) -> float:
+        """How long to wait for more before running an underfilled plan (0: run it now); `started`: when this plan's
+        wait began (the total wait never exceeds one window)."""
         self._expected = {m: t for m, t in self._expected.items() if t > now}
         if self.window_s <= 0:
             return 0.0
-        cap = started + self.window_s - now
-        missing = [t for m, t in self._expected.items() if m not in buffered]
-        wait = max(max(missing, default=now), self._last_arrival + self.quiet_s) - now
-        return max(0.0, min(wait, cap))
+        wait = max(max(self._expected.values(), default=now), self._last_arrival + self.quiet_s) - now
+        return max(0.0, min(wait, started + self.window_s - now))

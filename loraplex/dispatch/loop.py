@@ -185,7 +185,7 @@ class Dispatcher:
         started = time.monotonic()
         while True:
             now = time.monotonic()
-            wait = self.coalescer.wait_s(now, {h.request.model_id for h in self._buffer}, started)
+            wait = self.coalescer.wait_s(now, started)
             if wait <= 0:
                 return decision
             entries = self._read(wait)
@@ -218,7 +218,7 @@ class Dispatcher:
                 continue
             self._buffer.append(_Held(sid, req, now))
             self._held_ids.add(sid)
-        self.coalescer.arrived((env.model_id for _, env in fresh), time.monotonic())
+        self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
 
     def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
@@ -234,7 +234,11 @@ class Dispatcher:
         busy = time.monotonic() - started
         outcomes = _one_per_request(outcomes, requests)
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
-        self.coalescer.answered((r.model_id for r in requests if r.kind not in CONTROL_KINDS), time.monotonic())
+        steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in CONTROL_KINDS]
+        self.coalescer.answered(sorted(steps, key=lambda a: a[2]), time.monotonic())
+        for r in requests:
+            if r.kind == RequestKind.DELETE_ADAPTER:
+                self.coalescer.forget(r.model_id)
         return len(outcomes), busy
 
     def _answer_duplicates(self, duplicates: Sequence[PlannedRequest], by_obj: dict[int, _Held]) -> int:

@@ -8,10 +8,10 @@ so a finished request answers at once.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 
+import orjson
 import redis as redis_lib
 
 from loraplex.dispatch.plan import Outcome
@@ -24,8 +24,10 @@ WAIT_SLICE_S = 1.0
 _TOKEN = "1"
 
 
-def outcome_to_json(outcome: Outcome) -> str:
-    return json.dumps(
+def outcome_to_json(outcome: Outcome) -> bytes:
+    """orjson: a forward_backward result carries a logprob per token (~1.3 ms for 4,096 with the json module, 0.1 ms
+    here, in the pool process beside the engine's host-bound thread). NaN or infinity become null, valid JSON."""
+    return orjson.dumps(
         {
             "request_id": outcome.request_id,
             "result": outcome.result,
@@ -36,7 +38,7 @@ def outcome_to_json(outcome: Outcome) -> str:
 
 
 def outcome_from_json(raw: bytes | str) -> Outcome:
-    data = json.loads(raw)
+    data = orjson.loads(raw)
     return Outcome(
         request_id=data["request_id"],
         result=data.get("result"),
