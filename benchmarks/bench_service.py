@@ -6,7 +6,7 @@ call, so service / engine is the service's own cost.
     python3 benchmarks/bench_service.py --model qwen3-4b-shape --device cuda --rank 32 --tenants 1,2,4,8,16
     python3 benchmarks/bench_service.py                    # CPU, tiny model: the same code path, seconds (not in CI)
 
-Each tenant is one thread with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
+Each tenant is one process (benchmarks/service_tenant.py) with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
 back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
 underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch).
 Prints tokens/s, p50/p99 step latency, adapters per forward_backward step (the pool's plan stats in Redis), the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraplex.client import AdamParams, Datum, ServiceClient  # noqa: E402
+from benchmarks.service_tenant import run_tenant  # noqa: E402
+from loraplex.client import ServiceClient  # noqa: E402
 from loraplex.dispatch.plan import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
 from loraplex.embedded import Stack  # noqa: E402
@@ -161,8 +163,8 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
         r = redis.Redis.from_url(stack.settings.redis_url)
         for workload, tenants, seqs in configs:
-            out[f"{workload}/{tenants}"] = service_config(clients[:tenants], r, settings.pool, seqs, args, vocab,
-                                                          out["create_ms"])  # fmt: skip
+            out[f"{workload}/{tenants}"] = service_config(stack.base_url, keys[:tenants], clients[:tenants], r,
+                                                          settings.pool, seqs, args, vocab, out["create_ms"])  # fmt: skip
             print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
         for c in clients:
             c.close()
@@ -170,65 +172,46 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
 
 
 def service_config(
-    clients: list[ServiceClient], r: Any, pool: str, seqs: int, args: argparse.Namespace, vocab: int,
+    base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, seqs: int, args: argparse.Namespace, vocab: int,
     create_ms: list[float],
 ) -> dict[str, float]:  # fmt: skip
+    """N tenant processes (benchmarks/service_tenant.py) train in closed loops at once; the wall time between the
+    start and end barriers gives tokens/s."""
     tenants = len(clients)
     trainers = []
     for i, client in enumerate(clients):
         c0 = time.perf_counter()
         trainers.append(client.create_lora_training_client(rank=args.rank, seed=i))
         create_ms.append(1e3 * (time.perf_counter() - c0))
-    data = [[Datum(**d) for d in tenant_data(vocab, seqs, args.seq_len, 1000 + i)] for i in range(tenants)]
-    times: list[list[float]] = [[] for _ in range(tenants)]
-    start_barrier = threading.Barrier(tenants + 1)
-    end_barrier = threading.Barrier(tenants + 1)
-    errors: list[BaseException] = []
-    adam = AdamParams(**ADAM)
-
-    def tenant(i: int) -> None:
-        try:
-            tc = trainers[i]
-
-            def step() -> None:
-                fb = tc.forward_backward(data[i], "cross_entropy")
-                opt = tc.optim_step(adam)
-                fb.result()
-                opt.result()
-
-            for _ in range(args.warmup):
-                step()
-            start_barrier.wait()
-            for _ in range(args.steps):
-                s0 = time.perf_counter()
-                step()
-                times[i].append(time.perf_counter() - s0)
-            end_barrier.wait()
-        except BaseException as exc:  # noqa: BLE001 - reported after the run
-            errors.append(exc)
-            start_barrier.abort()
-            end_barrier.abort()
-
-    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
-    for t in threads:
-        t.start()
+    ctx = mp.get_context("spawn")
+    start, end, results = ctx.Barrier(tenants + 1), ctx.Barrier(tenants + 1), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=run_tenant,
+            args=(base_url, keys[i], trainers[i].model_id, (vocab, seqs, args.seq_len, 1000 + i),
+                  ADAM, args.warmup, args.steps, start, end, results),
+        )  # fmt: skip
+        for i in range(tenants)
+    ]
+    for p in procs:
+        p.start()
     try:
-        start_barrier.wait()
+        start.wait(timeout=600)
         before = plan_stats.read(r, pool)
-        start = time.perf_counter()
-        end_barrier.wait()
-        wall = time.perf_counter() - start
+        t0 = time.perf_counter()
+        end.wait(timeout=600)
+        wall = time.perf_counter() - t0
     except threading.BrokenBarrierError:
-        for t in threads:
-            t.join()
-        raise errors[0] from None
+        reports = [results.get(timeout=5) for _ in range(results.qsize())]
+        raise RuntimeError(f"a tenant failed: {[x for x in reports if isinstance(x, str)]}") from None
     after = plan_stats.read(r, pool).minus(before)
-    for t in threads:
-        t.join()
+    times = [t for _ in range(tenants) for t in results.get(timeout=60)]
+    for p in procs:
+        p.join(timeout=30)
     for tc in trainers:
         tc.delete()
     tokens = tenants * seqs * args.seq_len * args.steps
-    return summary([x for ts in times for x in ts], tokens, wall, args.steps) | {
+    return summary(times, tokens, wall, args.steps) | {
         "adapters_per_fb_step": after.adapters_per_fb_step,
         "plans": after.plans,
         "pool_busy_fraction": after.busy_s / wall,
