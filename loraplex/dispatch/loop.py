@@ -2,7 +2,7 @@
 
 Each `run_once`: read envelopes (this consumer's un-acked backlog first, entries of dead consumers every few seconds,
 then new ones), keep them in an arrival-ordered buffer, ask the policy for a plan, mark its requests running, execute
-it, store the outcomes, tell `on_outcomes`, and only then ack the entries (at-least-once delivery; with the
+it, tell `on_outcomes` (SQL), store the outcomes, and only then ack the entries (at-least-once delivery; with the
 idempotency keys and the stored-result check below, each request is applied once):
 - an entry whose request already has a stored result (a crash between storing and acking) is acked, never re-applied;
 - a duplicate (seq_id at or below the adapter's last applied one, or a second request for the same slot) is answered
@@ -300,19 +300,21 @@ class Dispatcher:
         return len(outcomes)
 
     def _finish(self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held]) -> None:
-        """Advance seq_ids and drop the requests from the buffer now; then (finisher) store, report and ack, in this
+        """Advance seq_ids and drop the requests from the buffer now; then (finisher) record, store and ack, in this
         order, so a crash never loses an answer."""
         self._advance(plan.requests)
         self._forget(held)
         self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held])
 
     def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[str]) -> None:
-        _retry_redis(lambda: self.results.put_many(outcomes))
+        """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
+        client that sees it reads the adapter's new state and tiers), then the acks."""
         if self.on_outcomes is not None:
             try:
                 self.on_outcomes(outcomes, plan)
-            except Exception:  # the results are stored: recording them must not stall every tenant
+            except Exception:  # recording them must not stall every tenant: the results still go out
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
+        _retry_redis(lambda: self.results.put_many(outcomes))
         _retry_redis(lambda: self.consumer.ack(stream_ids))
 
     def _advance(self, requests: Iterable[PlannedRequest]) -> None:

@@ -240,12 +240,19 @@ def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
     class Crash(BaseException):
         pass
 
-    def crash_after_storing(outcomes: list[Outcome], plan: BatchPlan) -> None:
-        raise Crash  # results stored, nothing recorded or acked yet
+    def record(outcomes: list[Outcome], plan: BatchPlan) -> None:
+        for r in plan.requests:
+            recorded[r.model_id] = max(recorded[r.model_id], r.seq_id)
 
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     ids = [producer.submit(_fb(a, 1, [1])), producer.submit(_opt(a, 2))]
-    first = Dispatcher(redis_client, pool, engine, crash_after_storing, settings, applied_seq_lookup=recorded.get)
+    first = Dispatcher(redis_client, pool, engine, record, settings, applied_seq_lookup=recorded.get)
+
+    def crash_before_acking(stream_ids: Any) -> None:
+        if list(stream_ids):
+            raise Crash  # recorded in SQL and results stored; nothing acked yet
+
+    first.consumer.ack = crash_before_acking  # type: ignore[method-assign]
     with pytest.raises(Crash):
         first.run_once()
     assert all(results.has_many(ids)) and redis_client.xlen(keys.request_stream(pool)) == 2
