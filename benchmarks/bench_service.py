@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.service_tenant import run_tenant  # noqa: E402
+from benchmarks.service_tenant import run_tenant, tenant_datums  # noqa: E402
 from loraplex.client import ServiceClient  # noqa: E402
 from loraplex.dispatch.plan import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
@@ -51,15 +51,6 @@ ADAM = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def tenant_data(vocab: int, seqs: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(seqs):
-        ids = torch.randint(0, vocab, (seq_len + 1,), generator=g).tolist()
-        out.append({"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * seq_len}})
-    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,7 +100,8 @@ def engine_config(
         engine.create_adapter(m, args.rank, 2.0 * args.rank, seed=i)
         sync()
         create_ms.append(1e3 * (time.perf_counter() - c0))
-    data = {m: tenant_data(vocab, seqs, args.seq_len, 1000 + i) for i, m in enumerate(ids)}
+    # The same datums the tenant processes send (service_tenant.tenant_datums), as the executor receives them.
+    data = {m: [d.to_json() for d in tenant_datums(vocab, seqs, args.seq_len, 1000 + i)] for i, m in enumerate(ids)}
     applied: dict[str, int | None] = dict.fromkeys(ids, 0)
     adapters: list[int] = []
 

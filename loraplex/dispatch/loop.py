@@ -13,7 +13,7 @@ idempotency keys and the stored-result check below, each request is applied once
 Every answered request, failed or not, advances its adapter's seq_id: the client holds an answer for it.
 
 Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the stream
-while a plan runs, and a finisher thread stores each plan's results, writes its SQL records (`on_outcomes`) and acks
+while a plan runs, and a finisher thread writes each plan's SQL records (`on_outcomes`), stores its results and acks
 its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
 the next plan never waits for the finisher. An underfilled plan waits a moment for the tenants it just answered
 (dispatch/coalescing.py, `settings.coalesce_ms`), so closed-loop tenants keep sharing one step.

@@ -23,7 +23,7 @@ class PlanStats:
     optim_steps: int = 0
     busy_s: float = 0.0  # executing plans
     read_s: float = 0.0  # reading the stream before a plan (waits for entries included)
-    overhead_s: float = 0.0  # planning, storing results, SQL records and acks around each plan
+    overhead_s: float = 0.0  # planning and coalescing waits around each plan (plus finishing it, when not pipelined)
 
     @classmethod
     def of(cls, plan: BatchPlan, busy_s: float = 0.0, read_s: float = 0.0, overhead_s: float = 0.0) -> PlanStats:
