@@ -207,9 +207,8 @@ def service_config(
         "adapters_per_fb_step": after.adapters_per_fb_step,
         "plans": after.plans,
         "pool_busy_fraction": after.busy_s / wall,
-        "read_ms_per_plan": 1e3 * after.read_s / max(after.plans, 1),
-        "overhead_ms_per_plan": 1e3 * after.overhead_s / max(after.plans, 1),
-    }
+    } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
+         for name in ("busy", "read", "coalesce", "overhead", "record", "publish")}  # fmt: skip
 
 
 def main() -> None:
@@ -261,6 +260,15 @@ def main() -> None:
         etok = f"{e['tok_s']:,.0f}" if e else "-"
         print(f"{workload:12} {n:>7} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
               f"{s['p99_ms']:>8.1f} {s['adapters_per_fb_step']:>11.2f} {s['pool_busy_fraction']:>5.2f}")  # fmt: skip
+    print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
+    parts = ("busy", "read", "coalesce", "overhead", "record", "publish")
+    print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))
+    for workload, n, _ in configs:
+        s = results["service"][f"{workload}/{n}"]
+        e = results.get("engine", {}).get(f"{workload}/{n}")
+        eround = f"{1e3 * e['round_s']:.1f}" if e else "-"
+        cells = " ".join(f"{s[f'{p}_ms_per_plan']:>8.1f}" for p in parts)
+        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -4,10 +4,11 @@ Tenants that train in a closed loop (send forward_backward + optim_step, await b
 milliseconds after their results are stored, one after another, each pair as two HTTP requests. Planning at the first
 arrival would run them one by one, and a forward_backward apart from its optim_step (the pool idles between plans
 anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s`, for the adapters whose results
-it just handed out; an adapter that sent an optim_step right behind its last forward_backward is expected until that
-optim_step is in too. While entries keep arriving less than `quiet_s` apart it also waits for the rest of a burst. A
-full plan never waits, nor does one when nobody is expected back (a first request, or a tenant that went quiet: its
-expectation lapses after one window).
+it just handed out, and runs as soon as they are all in. An adapter that sent an optim_step right behind its last
+forward_backward is waited for until that optim_step is in too, whether it was expected or not (a tenant coming back
+after a pause still brings its pair). While entries of adapters nobody expected keep arriving less than `quiet_s`
+apart, it also waits for the rest of that burst. A full plan never waits, nor does one when nobody is expected back (a
+first request, or a tenant that went quiet: its expectation lapses after one window).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ class Coalescer:
     def arrived(self, requests: Iterable[tuple[str, str]], now: float) -> None:
         """(model_id, kind) of requests just read."""
         for model_id, kind in requests:
-            self._last_arrival = now
-            if kind == FORWARD_BACKWARD and model_id in self._pairs and model_id in self._expected:
-                continue  # its optim_step follows
-            self._expected.pop(model_id, None)
+            if model_id not in self._expected:
+                self._last_arrival = now  # part of a burst nobody announced
+            if kind == FORWARD_BACKWARD and model_id in self._pairs and self.window_s > 0:
+                self._expected[model_id] = now + self.window_s  # its optim_step follows
+            else:
+                self._expected.pop(model_id, None)
 
     def forget(self, model_id: str) -> None:
         """A deleted adapter."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import suppress
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -132,7 +133,10 @@ class Dispatcher:
         if not self._buffer:
             self._more_ready = False
             return 0
-        decision = self._coalesce(self._plan())
+        decision = self._plan()
+        t_coalesce = time.monotonic()
+        decision = self._coalesce(decision)
+        coalesce = time.monotonic() - t_coalesce
         by_obj = {id(h.request): h for h in self._buffer}
         answered = 0
         busy = 0.0
@@ -142,7 +146,8 @@ class Dispatcher:
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
         if decision.plan.steps:
-            timing = {"busy_s": busy, "read_s": t_read - t_start, "overhead_s": time.monotonic() - t_read - busy}
+            overhead = time.monotonic() - t_read - busy - coalesce
+            timing = {"busy_s": busy, "read_s": t_read - t_start, "coalesce_s": coalesce, "overhead_s": overhead}
             self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
         return answered
 
@@ -309,13 +314,18 @@ class Dispatcher:
     def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[str]) -> None:
         """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
         client that sees it reads the adapter's new state and tiers), then the acks."""
+        started = time.monotonic()
         if self.on_outcomes is not None:
             try:
                 self.on_outcomes(outcomes, plan)
             except Exception:  # recording them must not stall every tenant: the results still go out
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
+        recorded = time.monotonic()
         _retry_redis(lambda: self.results.put_many(outcomes))
         _retry_redis(lambda: self.consumer.ack(stream_ids))
+        timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
+        with suppress(redis_lib.RedisError):  # statistics only
+            stats.add(self.redis, self.pool, timing)
 
     def _advance(self, requests: Iterable[PlannedRequest]) -> None:
         for r in requests:

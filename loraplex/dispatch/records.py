@@ -114,28 +114,36 @@ class OutcomeRecorder:
             return PoolRepository(session).applied_seq_id(model_id)
 
     def __call__(self, outcomes: list[Outcome], plan: BatchPlan) -> None:
+        """One transaction per plan, one statement per adapter touched (its highest applied seq_id) plus one usage
+        INSERT per tenant: this runs between a plan's end and its results becoming visible."""
         seconds = self._plan_seconds.pop(id(plan), 0.0)
         by_id = {o.request_id: o for o in outcomes}
         tokens = sum(r.num_tokens for r in plan.requests) or 1
+        applied: dict[tuple[str, str], int] = {}  # (tenant, model_id) -> highest seq_id answered in this plan
+        usage: dict[str, list[tuple[str | None, str, int, float]]] = {}
         with unit_of_work(self._sessions) as session:
             self._record_tiers(session)
             for request in plan.requests:
                 outcome = by_id.get(request.request_id)
                 if outcome is None:
                     continue
-                adapters = AdapterRepository(session, request.tenant_id)
                 if request.kind == RequestKind.CREATE_ADAPTER:
                     with suppress(NotFoundError):  # deleted before its creation finished
-                        adapters.set_status(request.model_id, AdapterStatus.READY if outcome.ok else AdapterStatus.FAILED)
+                        status = AdapterStatus.READY if outcome.ok else AdapterStatus.FAILED
+                        AdapterRepository(session, request.tenant_id).set_status(request.model_id, status)
                 if request.kind in (RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER):
                     continue  # outside the seq_id chain
                 # A failed request still takes its place in the order: later seq_ids must not wait for it.
-                adapters.record_applied(request.model_id, request.seq_id, include_deleted=True)
+                key = (request.tenant_id, request.model_id)
+                applied[key] = max(applied.get(key, request.seq_id), request.seq_id)
                 if outcome.ok and request.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD):
                     share = seconds * request.num_tokens / tokens  # the plan's time split by token share
-                    UsageRepository(session, request.tenant_id).record(
-                        request.model_id, str(request.kind), request.num_tokens, share
-                    )
+                    row = (request.model_id, str(request.kind), request.num_tokens, share)
+                    usage.setdefault(request.tenant_id, []).append(row)
+            for (tenant_id, model_id), seq_id in applied.items():
+                AdapterRepository(session, tenant_id).record_applied(model_id, seq_id, include_deleted=True)
+            for tenant_id, rows in usage.items():
+                UsageRepository(session, tenant_id).record_many(rows)
 
 
 def _record_checkpoint(session: Session, request: PlannedRequest, kind: CheckpointKind, result: dict) -> None:

@@ -23,9 +23,26 @@ def test_waits_for_the_answered_adapters_still_missing() -> None:
     # b and c are missing: wait until their expectation lapses (1.05), capped by the window from `started`.
     assert c.wait_s(1.02, started=1.02) == pytest.approx(0.03)
     c.arrived([("b", FB), ("c", FB)], now=1.03)
-    # all back: only the quiet gap after the last arrival remains
-    assert c.wait_s(1.031, started=1.02) == pytest.approx(0.001)
-    assert c.wait_s(1.033, started=1.02) == 0.0
+    assert c.wait_s(1.031, started=1.02) == 0.0  # all back: run at once (the quiet gap is for unannounced bursts)
+
+
+def test_a_burst_nobody_announced_is_waited_for_while_it_keeps_coming() -> None:
+    c = Coalescer(0.05, quiet_s=0.002)
+    c.arrived([("new1", FB)], now=2.0)
+    assert c.wait_s(2.0005, started=2.0) == pytest.approx(0.0015)
+    c.arrived([("new2", FB)], now=2.0015)
+    assert c.wait_s(2.002, started=2.0) == pytest.approx(0.0015)
+    assert c.wait_s(2.004, started=2.0) == 0.0
+
+
+def test_a_pair_sender_back_after_a_pause_still_brings_its_optim_step() -> None:
+    c = Coalescer(0.05, quiet_s=0.0)
+    c.answered([("a", FB, 1), ("a", OPT, 2)], now=0.0)
+    assert c.wait_s(1.0, started=1.0) == 0.0  # its expectation lapsed long ago
+    c.arrived([("a", FB)], now=1.0)
+    assert c.wait_s(1.001, started=1.001) == pytest.approx(0.049)  # waits for the optim_step, up to one window
+    c.arrived([("a", OPT)], now=1.003)
+    assert c.wait_s(1.003, started=1.001) == 0.0
 
 
 def test_an_adapter_that_pairs_optim_with_forward_backward_is_awaited_until_its_optim_is_in() -> None:

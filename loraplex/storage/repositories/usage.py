@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from loraplex.errors import InvalidRequestError
@@ -39,6 +39,19 @@ class UsageRepository:
         self.session.add(row)
         self.session.flush()
         return row
+
+    def record_many(self, rows: list[tuple[str | None, str, int, float]]) -> None:
+        """Several (model_id, kind, tokens, seconds) records in one INSERT (the dispatcher's per-plan usage)."""
+        if any(tokens < 0 or seconds < 0 for _, _, tokens, seconds in rows):
+            raise InvalidRequestError("usage tokens and seconds must be non-negative")
+        if rows:
+            self.session.execute(
+                insert(Usage),
+                [
+                    {"tenant_id": self.tenant_id, "model_id": m, "kind": k, "tokens": t, "seconds": float(sec)}
+                    for m, k, t, sec in rows
+                ],
+            )
 
     def totals(self, model_id: str | None = None, since: datetime | None = None) -> UsageTotals:
         """Sums over this tenant's records, optionally for one adapter and/or from `since` on."""
