@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import suppress
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Protocol
 
