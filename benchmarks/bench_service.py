@@ -154,18 +154,36 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
             keys = [TenantRepository(session).create_tenant(f"tenant{i}")[1] for i in range(max(t for _, t, _ in configs))]
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
         r = redis.Redis.from_url(stack.settings.redis_url)
+        api = next(c for c in stack.children if "uvicorn" in " ".join(map(str, c.args)))
         for workload, tenants, seqs in configs:
             out[f"{workload}/{tenants}"] = service_config(stack.base_url, keys[:tenants], clients[:tenants], r,
-                                                          settings.pool, seqs, args, vocab, out["create_ms"])  # fmt: skip
+                                                          settings.pool, seqs, args, vocab, out["create_ms"],
+                                                          lambda pids: gateway_connections(api.pid, stack.api_port, pids))  # fmt: skip
             print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
         for c in clients:
             c.close()
     return out
 
 
+def gateway_connections(api_pid: int, port: int, tenant_pids: list[int]) -> list[int]:
+    """The tenant processes' connections per gateway worker process, most first (the kernel hands each accepted
+    connection to whichever worker takes it; tenants pinned to one worker share its interpreter)."""
+    try:
+        import psutil
+    except ImportError:  # not on every machine: the benchmark runs without this figure
+        return []
+    ours = {c.laddr.port for pid in tenant_pids for c in psutil.Process(pid).net_connections(kind="tcp")}
+    parent = psutil.Process(api_pid)
+    counts = []
+    for w in parent.children() or [parent]:
+        conns = w.net_connections(kind="tcp")
+        counts.append(sum(bool(c.raddr) and c.laddr.port == port and c.raddr.port in ours for c in conns))
+    return sorted((n for n in counts if n), reverse=True)
+
+
 def service_config(
     base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, seqs: int, args: argparse.Namespace, vocab: int,
-    create_ms: list[float],
+    create_ms: list[float], connections: Any,
 ) -> dict[str, float]:  # fmt: skip
     """N tenant processes (benchmarks/service_tenant.py) train in closed loops at once; the wall time between the
     start and end barriers gives tokens/s."""
@@ -189,6 +207,7 @@ def service_config(
         p.start()
     try:
         start.wait(timeout=600)
+        per_worker = connections([p.pid for p in procs])  # made during the warm-up, kept alive
         before = plan_stats.read(r, pool)
         t0 = time.perf_counter()
         end.wait(timeout=600)
@@ -207,6 +226,7 @@ def service_config(
         "adapters_per_fb_step": after.adapters_per_fb_step,
         "plans": after.plans,
         "pool_busy_fraction": after.busy_s / wall,
+        "connections_per_gateway_worker": per_worker,
     } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
          for name in ("busy", "read", "coalesce", "overhead", "record", "publish")}  # fmt: skip
 
@@ -227,6 +247,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--api-workers", type=int, default=0, help="gateway worker processes (0: the setting's auto)")
     p.add_argument("--home", help="the stack's LORAPLEX_HOME (default: a temp folder)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
@@ -236,7 +257,8 @@ def main() -> None:
     configs = [(w, n, seqs[w]) for w in args.workloads.split(",") for n in tenants]
     home = Path(args.home or tempfile.mkdtemp(prefix="bench-service-"))
     settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype, slots=max(8, *tenants),
-                        max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens)  # fmt: skip
+                        max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens,
+                        api_workers=args.api_workers)  # fmt: skip
     vocab = SHAPE_PRESETS[args.model]["vocab_size"] if args.model in SHAPE_PRESETS else 512
     results: dict[str, Any] = {
         "env": {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -268,7 +290,8 @@ def main() -> None:
         e = results.get("engine", {}).get(f"{workload}/{n}")
         eround = f"{1e3 * e['round_s']:.1f}" if e else "-"
         cells = " ".join(f"{s[f'{p}_ms_per_plan']:>8.1f}" for p in parts)
-        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells}")
+        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells}  "
+              f"connections per gateway worker {s['connections_per_gateway_worker']}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # Gateway processes under `serve --embedded` (uvicorn --workers; the gateway is stateless). 0: one per 4 CPU cores,
     # at least 1, at most 4, so a burst of tenants' requests is parsed and queued in parallel.
     api_workers: int = Field(default=0, ge=0)
+    # How long a gateway process trusts an API key it checked (so a training call does not query SQL for it each
+    # time): a revoked key stops working within this many seconds. 0: check every request.
+    auth_cache_seconds: float = Field(default=2.0, ge=0)
     # Longest a `GET /v1/futures/{id}` long-poll waits before answering "pending".
     long_poll_seconds: float = 20.0
     # Largest forward_backward body (datums per request) the gateway accepts.

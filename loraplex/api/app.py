@@ -9,6 +9,7 @@ import redis
 from fastapi import FastAPI
 
 from loraplex import __version__
+from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
 from loraplex.api.routes import adapters, checkpoints, export, futures, health
@@ -29,6 +30,7 @@ def build_services(settings: Settings) -> Services:
         redis=client,
         producer=Producer(client, settings.pool),
         results=ResultStore(client),
+        auth=AuthCache(settings.auth_cache_seconds),
     )
 
 

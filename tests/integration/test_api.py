@@ -84,3 +84,32 @@ def test_deleted_adapter_is_gone(stack):
     model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
     assert client.delete(f"/v1/adapters/{model_id}", headers=alice).status_code == 202
     assert client.get(f"/v1/adapters/{model_id}", headers=alice).status_code == 404
+
+
+def test_a_revoked_key_stops_working_within_the_auth_cache_ttl(tmp_path, redis_url):
+    """The gateway trusts a checked key for `auth_cache_seconds` (here 0.3 s), then asks SQL again."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from loraplex.api.app import create_app
+    from loraplex.settings import Settings
+    from loraplex.storage.db import migrate
+    from loraplex.storage.repositories import TenantRepository, unit_of_work
+
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"auth-{tmp_path.name}", auth_cache_seconds=0.3)
+    migrate(settings.resolved_database_url)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        sessions = app.state.services.sessions
+        with unit_of_work(sessions) as session:
+            tenant, key = TenantRepository(session).create_tenant("carol")
+        headers = {"X-API-Key": key}
+        assert client.get("/v1/adapters", headers=headers).status_code == 200
+        with unit_of_work(sessions) as session:
+            repo = TenantRepository(session)
+            repo.revoke_key(tenant.id, repo.list_keys(tenant.id)[0].id)
+        assert client.get("/v1/adapters", headers=headers).status_code == 200  # still trusted from the first check
+        time.sleep(0.35)
+        denied = client.get("/v1/adapters", headers=headers)
+        assert denied.status_code == 401 and "revoked" in denied.json()["detail"]

@@ -125,10 +125,17 @@ def _check_datums(body: ForwardBackwardRequest, services: ServicesDep) -> None:
             raise InvalidRequestError(f"data[{i}].loss_fn_inputs.target_tokens is required for cross_entropy")
 
 
+def _check_live(services: ServicesDep, tenant: TenantDep, model_id: str) -> None:
+    """404 for an unknown, deleted, or another tenant's adapter (a session of its own: the hot training calls take no
+    DbDep, one worker-thread hop fewer)."""
+    with services.sessions() as db:
+        AdapterRepository(db, tenant.id).check_live(model_id)
+
+
 def _training_call(
-    model_id: str, body: ForwardBackwardRequest, kind: RequestKind, tenant: TenantDep, db: DbDep, services: ServicesDep
+    model_id: str, body: ForwardBackwardRequest, kind: RequestKind, tenant: TenantDep, services: ServicesDep
 ) -> FutureRef:
-    AdapterRepository(db, tenant.id).get(model_id)  # 404 for unknown, deleted, or another tenant's adapter
+    _check_live(services, tenant, model_id)
     _check_datums(body, services)
     payload = {
         "data": [d.model_dump() for d in body.data],
@@ -140,20 +147,18 @@ def _training_call(
 
 
 @router.post("/{model_id}/forward_backward", status_code=202)
-def forward_backward(
-    model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, db: DbDep, services: ServicesDep
-) -> FutureRef:
-    return _training_call(model_id, body, RequestKind.FORWARD_BACKWARD, tenant, db, services)
+def forward_backward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    return _training_call(model_id, body, RequestKind.FORWARD_BACKWARD, tenant, services)
 
 
 @router.post("/{model_id}/forward", status_code=202)
-def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, db: DbDep, services: ServicesDep) -> FutureRef:
-    return _training_call(model_id, body, RequestKind.FORWARD, tenant, db, services)
+def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    return _training_call(model_id, body, RequestKind.FORWARD, tenant, services)
 
 
 @router.post("/{model_id}/optim_step", status_code=202)
-def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, db: DbDep, services: ServicesDep) -> FutureRef:
-    AdapterRepository(db, tenant.id).get(model_id)
+def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    _check_live(services, tenant, model_id)
     request_id = enqueue(
         services,
         tenant_id=tenant.id,

@@ -65,6 +65,14 @@ class AdapterRepository:
             raise _not_found(model_id)
         return adapter
 
+    def check_live(self, model_id: str) -> None:
+        """NotFoundError unless a live adapter of this tenant has this id (one column read: the training calls' check)."""
+        stmt = select(Adapter.model_id).where(
+            Adapter.model_id == model_id, Adapter.tenant_id == self.tenant_id, Adapter.status != AdapterStatus.DELETED
+        )
+        if self.session.execute(stmt).first() is None:
+            raise _not_found(model_id)
+
     def list(self, session_id: str | None = None, include_deleted: bool = False) -> list[Adapter]:
         stmt = select(Adapter).where(Adapter.tenant_id == self.tenant_id)
         if not include_deleted:
