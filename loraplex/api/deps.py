@@ -10,8 +10,8 @@ from typing import Annotated
 import redis
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from starlette.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.auth_cache import AuthCache
 from loraplex.errors import AuthenticationError
