@@ -194,27 +194,31 @@ def service_config(
         trainers.append(client.create_lora_training_client(rank=args.rank, seed=i))
         create_ms.append(1e3 * (time.perf_counter() - c0))
     ctx = mp.get_context("spawn")
-    start, end, results = ctx.Barrier(tenants + 1), ctx.Barrier(tenants + 1), ctx.Queue()
+    ready, start, end = (ctx.Barrier(tenants + 1) for _ in range(3))
+    results = ctx.Queue()
     procs = [
         ctx.Process(
             target=run_tenant,
             args=(base_url, keys[i], trainers[i].model_id, (vocab, seqs, args.seq_len, 1000 + i),
-                  ADAM, args.warmup, args.steps, start, end, results),
+                  ADAM, args.warmup, args.steps, ready, start, end, results),
         )  # fmt: skip
         for i in range(tenants)
     ]
     for p in procs:
         p.start()
     try:
-        start.wait(timeout=600)
+        ready.wait(timeout=600)
         per_worker = connections([p.pid for p in procs])  # made during the warm-up, kept alive
+        time.sleep(0.5)  # the finisher adds a plan's stats after its results: let the warm-up's last one land
         before = plan_stats.read(r, pool)
+        start.wait(timeout=600)
         t0 = time.perf_counter()
         end.wait(timeout=600)
         wall = time.perf_counter() - t0
     except threading.BrokenBarrierError:
         reports = [results.get(timeout=5) for _ in range(results.qsize())]
         raise RuntimeError(f"a tenant failed: {[x for x in reports if isinstance(x, str)]}") from None
+    time.sleep(0.5)  # as above, for the last timed plan
     after = plan_stats.read(r, pool).minus(before)
     times = [t for _ in range(tenants) for t in results.get(timeout=60)]
     for p in procs:
@@ -247,6 +251,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--bracket", action="store_true", help="run the engine before and after the service; use the mean")
     p.add_argument("--api-workers", type=int, default=0, help="gateway worker processes (0: the setting's auto)")
     p.add_argument("--home", help="the stack's LORAPLEX_HOME (default: a temp folder)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -268,6 +273,14 @@ def main() -> None:
     if not args.skip_engine:
         results["engine"] = bench_engine(settings, configs, args, vocab)
     results["service"] = bench_service(settings, configs, args, vocab)
+    if args.bracket and not args.skip_engine:  # the engine again: the GPU's speed drifts between phases of one call
+        results["engine_after"] = bench_engine(settings, configs, args, vocab)
+        for key, before in results["engine"].items():
+            if key != "create_ms":
+                after = results["engine_after"][key]
+                before["tok_s_before_after"] = [before["tok_s"], after["tok_s"]]
+                before["tok_s"] = (before["tok_s"] + after["tok_s"]) / 2
+                before["round_s"] = (before["round_s"] + after["round_s"]) / 2
     creates = results["service"]["create_ms"]
     print(f"\ncreate_lora_training_client (warm pool, through the service): p50 {statistics.median(creates):.1f} ms, "
           f"max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
@@ -281,7 +294,9 @@ def main() -> None:
         ratio = f"{s['tok_s'] / e['tok_s']:.3f}" if e else "-"
         etok = f"{e['tok_s']:,.0f}" if e else "-"
         print(f"{workload:12} {n:>7} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
-              f"{s['p99_ms']:>8.1f} {s['adapters_per_fb_step']:>11.2f} {s['pool_busy_fraction']:>5.2f}")  # fmt: skip
+              f"{s['p99_ms']:>8.1f} {s['adapters_per_fb_step']:>11.2f} {s['pool_busy_fraction']:>5.2f}"
+              + ("  engine before/after: {:,.0f} / {:,.0f}".format(*e["tok_s_before_after"])
+                 if e and "tok_s_before_after" in e else ""))  # fmt: skip
     print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
     parts = ("busy", "read", "coalesce", "overhead", "record", "publish")
     print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))

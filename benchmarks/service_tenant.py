@@ -22,9 +22,9 @@ def tenant_datums(vocab: int, seqs: int, seq_len: int, seed: int) -> list[Datum]
 
 def run_tenant(
     base_url: str, api_key: str, model_id: str, data_spec: tuple[int, int, int, int], adam: dict[str, float],
-    warmup: int, steps: int, start: Any, end: Any, results: Any,
+    warmup: int, steps: int, ready: Any, start: Any, end: Any, results: Any,
 ) -> None:  # fmt: skip
-    """Warm up, meet the others at `start`, time `steps` steps (forward_backward + optim_step sent back to back, then
+    """Warm up, meet the others at `ready` and `start`, time `steps` steps (forward_backward + optim_step sent back to back, then
     both awaited), put the step times on `results`, meet at `end`."""
     try:
         client = ServiceClient(base_url, api_key, timeout=600)
@@ -40,6 +40,7 @@ def run_tenant(
 
         for _ in range(warmup):
             step()
+        ready.wait()
         start.wait()
         times = []
         for _ in range(steps):
@@ -50,5 +51,6 @@ def run_tenant(
         end.wait()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         results.put(f"{type(exc).__name__}: {exc}")
+        ready.abort()
         start.abort()
         end.abort()
