@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,7 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
         print(f"stack up in {out['stack_start_s']:.1f} s; logs in {stack.log_dir}", flush=True)
         sessions = session_factory(make_engine(settings.resolved_database_url))
         with unit_of_work(sessions) as session:
-            keys = [TenantRepository(session).create_tenant(f"tenant{i}")[1] for i in range(max(t for _, t, _ in configs))]
+            keys = [TenantRepository(session).create_tenant(f"tenant{i}-{uuid.uuid4().hex[:6]}")[1] for i in range(max(t for _, t, _ in configs))]
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
         r = redis.Redis.from_url(stack.settings.redis_url)
         api = next(c for c in stack.children if "uvicorn" in " ".join(map(str, c.args)))
