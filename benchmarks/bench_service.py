@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_tenant import run_tenant, tenant_datums  # noqa: E402
 from loraplex.client import ServiceClient  # noqa: E402
-from loraplex.dispatch.plan import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
 from loraplex.embedded import Stack  # noqa: E402
 from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
+from loraplex.protocol import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.queue import stats as plan_stats  # noqa: E402
 from loraplex.redis_child import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402

@@ -31,18 +31,27 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Protocol
 
 import redis as redis_lib
 
 from loraplex.dispatch.coalescing import Coalescer
 from loraplex.dispatch.pipeline import Finisher, Prefetcher
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+from loraplex.protocol import (
+    CONTROL_KINDS,
+    KINDS,
+    BatchPlan,
+    Executor,
+    Outcome,
+    PlannedRequest,
+    RequestKind,
+    Step,
+    StepKind,
+)
 from loraplex.queue import keys, stats
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.queue.envelope import to_planned
-from loraplex.queue.keys import CONTROL_KINDS, JobState
+from loraplex.queue.keys import JobState
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
 
@@ -51,9 +60,6 @@ log = logging.getLogger(__name__)
 OnOutcomes = Callable[[list[Outcome], BatchPlan], None]
 AppliedSeqLookup = Callable[[str], int | None]
 
-
-class Executor(Protocol):
-    def execute(self, plan: BatchPlan) -> list[Outcome]: ...
 
 
 @dataclass
@@ -373,23 +379,11 @@ def _one_per_request(outcomes: list[Outcome], requests: Sequence[PlannedRequest]
     return [by_id.get(r.request_id) or _failed(r, "EngineError", "the engine returned no outcome") for r in requests]
 
 
-_STEP_OF = {
-    RequestKind.CREATE_ADAPTER: StepKind.CREATE,
-    RequestKind.DELETE_ADAPTER: StepKind.DELETE,
-    RequestKind.FORWARD_BACKWARD: StepKind.FORWARD_BACKWARD,
-    RequestKind.FORWARD: StepKind.FORWARD_BACKWARD,
-    RequestKind.OPTIM_STEP: StepKind.OPTIM_STEP,
-    RequestKind.SAVE_STATE: StepKind.CHECKPOINT,
-    RequestKind.SAVE_SAMPLER: StepKind.CHECKPOINT,
-    RequestKind.LOAD_STATE: StepKind.CHECKPOINT,
-}
-
-
 def _plan_of(requests: Sequence[PlannedRequest]) -> BatchPlan:
     """A plan holding `requests` under their natural step kinds (to report requests the loop failed itself)."""
     steps: list[Step] = []
     for r in requests:
-        kind = _STEP_OF[RequestKind(r.kind)]
+        kind = KINDS[r.kind].step
         if steps and steps[-1].kind == kind:
             steps[-1] = Step(kind, (*steps[-1].requests, r))
         else:

@@ -32,11 +32,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, PlannedRequest, Step, StepKind
 
-_CONTROL = (RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER)
-_FORWARDS = (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD)
-_CHECKPOINTS = (RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER, RequestKind.LOAD_STATE)
+_CONTROL = CONTROL_KINDS
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,8 @@ def plan_batch(
             heads.sort(key=priority)
             i = heads.pop(0)
             r = reqs[i]
-            if r.kind in _FORWARDS:
+            step_kind = KINDS[r.kind].step
+            if step_kind == StepKind.FORWARD_BACKWARD:
                 if fb_closed:
                     continue
                 full = len(fb) >= limits.max_adapters_per_step  # one request per adapter and round: len = adapters
@@ -121,7 +120,7 @@ def plan_batch(
                     continue
                 fb.append(i)
                 fb_tokens += r.num_tokens
-            elif r.kind in _CHECKPOINTS:
+            elif step_kind == StepKind.CHECKPOINT:
                 ckpt.append(i)
             else:
                 if opt and len(opt) >= limits.max_adapters_per_step:
@@ -181,9 +180,10 @@ def _sort_out(
             continue
         seen_ids.add(r.request_id)
         seen_slots.add(slot)
-        if r.kind == RequestKind.CREATE_ADAPTER:
+        step_kind = KINDS[r.kind].step
+        if step_kind == StepKind.CREATE:
             creates.append(i)
-        elif r.kind == RequestKind.DELETE_ADAPTER:
+        elif step_kind == StepKind.DELETE:
             deletes.append(i)
         else:
             chains.setdefault(r.model_id, []).append(i)

@@ -15,9 +15,17 @@ from typing import Any, Protocol
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.loop import Executor
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind
 from loraplex.errors import LoraplexError, NotFoundError
+from loraplex.protocol import (
+    KINDS,
+    SAVE_KINDS,
+    BatchPlan,
+    Executor,
+    Outcome,
+    PlannedRequest,
+    RequestKind,
+    SaveCheckpointPayload,
+)
 from loraplex.storage.models import AdapterStatus, CheckpointKind
 from loraplex.storage.repositories import (
     AdapterRepository,
@@ -31,7 +39,10 @@ from loraplex.storage.types import utcnow
 
 log = logging.getLogger(__name__)
 
-_SAVES = {RequestKind.SAVE_STATE: CheckpointKind.STATE, RequestKind.SAVE_SAMPLER: CheckpointKind.SAMPLER}
+
+def _checkpoint_kind(kind: RequestKind) -> CheckpointKind:
+    """The checkpoints row's kind of a save request (protocol's table says which kinds save, and what)."""
+    return CheckpointKind(KINDS[kind].saves)
 
 
 class TierChanges(Protocol):
@@ -69,7 +80,7 @@ class OutcomeRecorder:
         """Add the `checkpoints` rows of the plan's successful saves, BEFORE the loop stores the results: a client that
         sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it runs
         again, rewrites its files and replaces the row.) A save whose row cannot be written fails."""
-        saves = [r for r in plan.requests if r.kind in _SAVES]
+        saves = [r for r in plan.requests if r.kind in SAVE_KINDS]
         if not saves:
             return outcomes
         by_id = {o.request_id: o for o in outcomes}
@@ -87,7 +98,9 @@ class OutcomeRecorder:
                 for request in done:
                     try:  # one row that cannot be written must not cost the others
                         with session.begin_nested():
-                            _record_checkpoint(session, request, _SAVES[request.kind], by_id[request.request_id].result)
+                            _record_checkpoint(
+                                session, request, _checkpoint_kind(request.kind), by_id[request.request_id].result
+                            )
                     except (LoraplexError, SQLAlchemyError) as exc:
                         fail(request, exc)
         except SQLAlchemyError as exc:  # the transaction itself failed: none of the rows is there
@@ -150,12 +163,13 @@ def _record_checkpoint(session: Session, request: PlannedRequest, kind: Checkpoi
     """The row of a save the worker finished. The gateway put the name, folder URI and ttl in the payload; the files
     now on disk are this save's, so a row of the same name (an overwrite, or a racing save) is replaced."""
     p = request.payload
-    ttl = p.get("ttl_seconds")
+    assert isinstance(p, SaveCheckpointPayload)
+    ttl = p.ttl_seconds
     CheckpointRepository(session, request.tenant_id).add(
         request.model_id,
         kind,
-        p["name"],
-        p["blob_uri"],
+        str(p.name),
+        str(p.blob_uri),
         int(result.get("size_bytes", 0)),
         str(result.get("sha256", "")),
         step=int(result.get("step", 0)),

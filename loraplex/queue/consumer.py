@@ -16,8 +16,8 @@ from typing import Any
 
 import redis as redis_lib
 
-from loraplex.dispatch.plan import Outcome
 from loraplex.errors import LoraplexError
+from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, decode, request_id_of
 from loraplex.queue.results import ResultStore

@@ -3,13 +3,10 @@
 Stream entry fields (all strings): `v` (ENVELOPE_VERSION), `request_id` (duplicated outside the JSON so a consumer can
 still answer a request whose body is unreadable), `data` (the envelope as JSON).
 
-Payload fields per kind (the gateway validates them; the engine reads them):
-- create_adapter: {base_model: str, rank: int, alpha: float, seed: int, target_modules: [str]}.
-  seq_id is CONTROL_SEQ_ID (-1): create/delete sit outside the adapter's seq_id chain (idempotent per (model_id, kind)).
-- delete_adapter: {}  (seq_id -1, as above)
-- forward_backward, forward: {data: [{model_input: [int], loss_fn_inputs: {target_tokens: [int], weights: [float], ...}}],
-  loss_fn: str, loss_fn_config: dict}. loss_fn_inputs may also carry logprobs, advantages, clip thresholds (per loss).
-- optim_step: {adam_params: {learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm}}.
+`payload` is the wire form (JSON) of the kind's payload model, declared once in loraplex/protocol (kinds.py says
+which model each kind takes); decoding checks it against that model, so a payload that does not fit fails its request
+as undecodable. create_adapter / delete_adapter carry seq_id CONTROL_SEQ_ID (-1): they sit outside the adapter's seq_id
+chain (idempotent per (model_id, kind)).
 """
 
 from __future__ import annotations
@@ -17,13 +14,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loraplex.dispatch.plan import PlannedRequest, RequestKind
 from loraplex.errors import InvalidRequestError
-from loraplex.queue.keys import CONTROL_KINDS, CONTROL_SEQ_ID
+from loraplex.protocol import CONTROL_KINDS, CONTROL_SEQ_ID, Payload, PlannedRequest, RequestKind, parse_payload
 
 ENVELOPE_VERSION = 1
 
@@ -40,8 +37,13 @@ class Envelope(BaseModel):
     model_id: str
     seq_id: int
     kind: RequestKind
-    payload: dict[str, Any] = Field(default_factory=dict)
+    payload: dict[str, Any] = Field(default_factory=dict)  # the wire form of the kind's payload model
     created_at: float  # unix seconds, set by the gateway
+
+    @cached_property
+    def body(self) -> Payload:
+        """The payload as its kind's model (protocol/payloads.py); a ValueError when it does not fit."""
+        return parse_payload(self.kind, self.payload)
 
     @classmethod
     def new(
@@ -97,9 +99,11 @@ def decode(fields: Mapping[bytes | str, bytes | str]) -> Envelope:
     if "data" not in text:
         raise EnvelopeError("envelope has no 'data' field")
     try:
-        return Envelope.model_validate_json(text["data"])  # pydantic's own parser: half json.loads' time, one pass
+        env = Envelope.model_validate_json(text["data"])  # pydantic's own parser: half json.loads' time, one pass
+        env.body  # noqa: B018 - parsed (and cached) here, so a payload that does not fit its kind fails as undecodable
     except (ValueError, ValidationError) as exc:
         raise EnvelopeError(f"malformed envelope: {exc}") from exc
+    return env
 
 
 def to_planned(env: Envelope) -> PlannedRequest:
@@ -109,5 +113,5 @@ def to_planned(env: Envelope) -> PlannedRequest:
         model_id=env.model_id,
         seq_id=env.seq_id,
         kind=env.kind,
-        payload=dict(env.payload),
+        payload=env.body,
     )

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from loraplex.dispatch.plan import RequestKind
+from loraplex.protocol import CONTROL_KINDS, RequestKind
+from loraplex.protocol import CONTROL_SEQ_ID as CONTROL_SEQ_ID  # re-exported: the envelope's create/delete seq_id
 
 PREFIX = "loraplex:"
 CONSUMER_GROUP = f"{PREFIX}dispatchers"
-
-# create/delete are not steps in the adapter's seq_id chain: they carry this seq_id and are idempotent per (model_id, kind).
-CONTROL_SEQ_ID = -1
-CONTROL_KINDS = frozenset({RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER})
 
 
 class JobState(StrEnum):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import orjson
 import redis as redis_lib
 
-from loraplex.dispatch.plan import Outcome
+from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import redis as redis_lib
 
-from loraplex.dispatch.plan import BatchPlan, StepKind
+from loraplex.protocol import BatchPlan, StepKind
 from loraplex.queue import keys
 
 

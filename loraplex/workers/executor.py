@@ -7,8 +7,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError
+from loraplex.protocol import (
+    KINDS,
+    BatchPlan,
+    CreateAdapterPayload,
+    ForwardBackwardPayload,
+    LoadStatePayload,
+    OptimStepPayload,
+    Outcome,
+    PlannedRequest,
+    SaveCheckpointPayload,
+    Step,
+    StepKind,
+)
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.batching import PreparedItem
 from loraplex.workers.engine import Engine
@@ -18,9 +30,14 @@ log = logging.getLogger(__name__)
 # Steps whose adapters must be in slots first (with a store: swapped in, LRU adapters out).
 RESIDENT_STEPS = frozenset({StepKind.FORWARD_BACKWARD, StepKind.OPTIM_STEP, StepKind.CHECKPOINT})
 
-# What a create payload may leave out (the gateway normally fills both): alpha = 2 x rank, as the API's default.
+# What a create payload may leave out (the gateway normally fills it): alpha = 2 x rank, as the API's default.
 DEFAULT_ALPHA_PER_RANK = 2.0
-DEFAULT_SEED = 0
+
+
+def _adam_params(request: PlannedRequest) -> dict[str, Any] | None:
+    p = request.payload
+    assert isinstance(p, OptimStepPayload)
+    return p.adam_params
 
 
 def _error(request: PlannedRequest, exc: BaseException) -> Outcome:
@@ -91,22 +108,21 @@ class PlanExecutor:
     def _create(self, step: Step) -> list[Outcome]:
         def create(request: PlannedRequest) -> dict[str, Any]:
             p = request.payload
-            if "rank" not in p:
+            assert isinstance(p, CreateAdapterPayload)
+            if p.rank is None:
                 raise InvalidRequestError("create_adapter needs a rank")
-            modules = p.get("target_modules")
+            modules = p.target_modules
             if modules is not None and set(modules) != set(self.engine.target_modules):
                 raise InvalidRequestError(
                     f"target_modules {sorted(modules)} differ from this pool's {sorted(self.engine.target_modules)}"
                 )
-            alpha = p.get("alpha")
-            if alpha is None and isinstance(p["rank"], int):
-                alpha = DEFAULT_ALPHA_PER_RANK * p["rank"]
-            source = p.get("from_checkpoint")  # {directory, with_optimizer}: a new adapter from a checkpoint
-            if source:
-                self._create_from_checkpoint(request.model_id, Path(source["directory"]), source.get("with_optimizer"))
+            alpha = p.alpha if p.alpha is not None else DEFAULT_ALPHA_PER_RANK * p.rank
+            source = p.from_checkpoint  # a new adapter from a checkpoint folder
+            if source is not None:
+                self._create_from_checkpoint(request.model_id, Path(source.directory), source.with_optimizer)
             else:
                 create_adapter = self.store.create if self.store is not None else self.engine.create_adapter
-                create_adapter(request.model_id, p["rank"], alpha, p.get("seed", DEFAULT_SEED))
+                create_adapter(request.model_id, p.rank, alpha, p.seed)
             return {"model_id": request.model_id}
 
         return self._one_by_one(step, create)
@@ -124,15 +140,11 @@ class PlanExecutor:
         valid: list[tuple[PlannedRequest, PreparedItem]] = []
         for request in step.requests:
             p = request.payload
-            forward_only = request.kind == RequestKind.FORWARD or bool(p.get("forward_only", False))
+            assert isinstance(p, ForwardBackwardPayload)
+            forward_only = not KINDS[request.kind].trains
             try:
-                item = self.engine.prepare(
-                    request.model_id,
-                    p.get("data") or [],
-                    p.get("loss_fn", "cross_entropy"),
-                    p.get("loss_fn_config"),
-                    forward_only,
-                )
+                data = [d.as_engine_input() for d in p.data]
+                item = self.engine.prepare(request.model_id, data, p.loss_fn, p.loss_fn_config, forward_only)
                 valid.append((request, item))
             except Exception as exc:  # noqa: BLE001
                 outcomes[request.request_id] = _error(request, exc)
@@ -148,7 +160,7 @@ class PlanExecutor:
 
     def _optim_step(self, step: Step) -> list[Outcome]:
         try:
-            results = self.engine.optim_step([(r.model_id, r.payload.get("adam_params")) for r in step.requests])
+            results = self.engine.optim_step([(r.model_id, _adam_params(r)) for r in step.requests])
         except Exception as exc:  # noqa: BLE001
             return [_error(r, exc) for r in step.requests]
         return [
@@ -181,25 +193,24 @@ class PlanExecutor:
         from loraplex.workers.checkpoint import load_into_engine, read_checkpoint, state_from_engine, write_checkpoint
 
         p = request.payload
-        if not p.get("directory"):
-            raise InvalidRequestError(f"{request.kind} needs the checkpoint's directory")
-        directory = Path(p["directory"])
-        if request.kind == RequestKind.LOAD_STATE:
-            state = read_checkpoint(directory)
-            with_optimizer = bool(p.get("with_optimizer", True))
-            load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
-            return {"model_id": request.model_id, "path": p.get("path"), "with_optimizer": with_optimizer}
-        if request.kind not in (RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER):
+        if not isinstance(p, LoadStatePayload | SaveCheckpointPayload):
             raise InvalidRequestError(f"{request.kind} is not a checkpoint request")
-        with_optimizer = request.kind == RequestKind.SAVE_STATE
-        state = state_from_engine(
-            self.engine, request.model_id, base_model=str(p.get("base_model", "")), with_optimizer=with_optimizer
-        )
+        if not p.directory:
+            raise InvalidRequestError(f"{request.kind} needs the checkpoint's directory")
+        directory = Path(p.directory)
+        if isinstance(p, LoadStatePayload):
+            state = read_checkpoint(directory)
+            with_optimizer = p.with_optimizer
+            load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
+            return {"model_id": request.model_id, "path": p.path, "with_optimizer": with_optimizer}
+        saves = KINDS[request.kind].saves  # "state" (weights + optimizer) or "sampler" (weights)
+        with_optimizer = saves == "state"
+        state = state_from_engine(self.engine, request.model_id, base_model=p.base_model, with_optimizer=with_optimizer)
         state_slot = self.engine.adapter(request.model_id).slot
         result: dict[str, Any] = {
-            "path": p.get("path"),
-            "kind": "state" if with_optimizer else "sampler",
-            "name": p.get("name"),
+            "path": p.path,
+            "kind": saves,
+            "name": p.name,
             "step": state.step if with_optimizer else int(self.engine.optimizer.steps[state_slot]),
         }
         if self.engine.dist is None or self.engine.dist.is_leader:

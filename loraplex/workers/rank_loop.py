@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from loraplex.dispatch.plan import BatchPlan, Outcome
+from loraplex.protocol import BatchPlan, Outcome
 from loraplex.workers.distributed import (
     RankEnv,
     RankGroup,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.models import load_base_model, resolve
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor

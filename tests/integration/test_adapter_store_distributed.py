@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.models import resolve
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.workers.adapter_store import AdapterStoreSpec
 from loraplex.workers.distributed import RankGroup
 from loraplex.workers.executor import PlanExecutor

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.models import resolve
+from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import DEFAULT_TARGET_MODULES
 from loraplex.workers.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_checkpoint
 from loraplex.workers.distributed import RankGroup

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from loraplex.dispatch.loop import Dispatcher
-from loraplex.dispatch.plan import BatchPlan, Outcome, RequestKind, StepKind
+from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
@@ -41,19 +41,19 @@ class ArithmeticEngine:
                 outcomes.append(Outcome(r.request_id, result=self._apply(r.model_id, r.kind, r.payload)))
         return outcomes
 
-    def _apply(self, model: str, kind: RequestKind, payload: dict[str, Any]) -> dict[str, Any]:
+    def _apply(self, model: str, kind: RequestKind, payload: Any) -> dict[str, Any]:  # the kind's payload model
         if kind == RequestKind.CREATE_ADAPTER:
-            self.adapters[model] = {"w": float(payload["seed"]), "g": 0.0}
+            self.adapters[model] = {"w": float(payload.seed), "g": 0.0}
             return {"w": self.adapters[model]["w"]}
         if kind == RequestKind.DELETE_ADAPTER:
             self.adapters.pop(model)
             return {}
         a = self.adapters[model]
         if kind == RequestKind.OPTIM_STEP:
-            a["w"] -= payload["adam_params"]["learning_rate"] * a["g"]
+            a["w"] -= payload.adam_params["learning_rate"] * a["g"]
             a["g"] = 0.0
             return {"w": a["w"]}
-        total = sum(sum(d["model_input"]) for d in payload["data"])
+        total = sum(sum(d.model_input) for d in payload.data)
         if kind == RequestKind.FORWARD_BACKWARD:
             a["g"] += a["w"] * total
         return {"loss": a["w"] * total}

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.models import load_base_model
+from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.workers.distributed import RankGroup, is_sharded
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor

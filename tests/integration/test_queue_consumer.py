@@ -106,3 +106,17 @@ def test_the_group_is_recreated_if_the_stream_vanishes(redis_client: redis.Redis
     assert consumer.read(block_ms=10) == []
     ids = _submit(redis_client, pool, 1)
     assert [env.request_id for _, env in consumer.read(count=5)] == ids
+
+
+def test_an_entry_whose_payload_does_not_fit_its_kind_fails_as_undecodable(redis_client: redis.Redis) -> None:
+    """The codec checks each payload against its kind's model (loraplex/protocol): a bad one fails alone, named."""
+    pool = _pool()
+    consumer = Consumer(redis_client, pool, "c")
+    bad = Envelope.new(tenant_id="t", model_id="m", seq_id=1, kind="forward_backward", payload={"data": "tokens"})
+    good = Envelope.new(tenant_id="t", model_id="m", seq_id=2, kind="optim_step", payload={"adam_params": {}})
+    redis_client.xadd(keys.request_stream(pool), encode(bad))
+    redis_client.xadd(keys.request_stream(pool), encode(good))
+    entries = consumer.read(count=10)
+    assert [env for _, env in entries] == [good]
+    outcome = ResultStore(redis_client).get(bad.request_id)
+    assert outcome is not None and outcome.error_type == "InvalidRequestError" and "data" in (outcome.error or "")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from loraplex.dispatch.plan import Outcome
+from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import ResultStore

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.errors import CapacityError, ConflictError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.workers.adapter_store import AdapterStore, TierChange
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.plan import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
 from loraplex.dispatch.records import OutcomeRecorder
+from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.enums import SnapshotTier
 from loraplex.storage.repositories import AdapterRepository, SnapshotRepository, TenantRepository

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.models import load_base_model
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
 

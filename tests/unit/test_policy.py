@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from loraplex.dispatch.plan import BatchPlan, PlannedRequest, RequestKind, StepKind
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, StepKind
 
 FB, FWD, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP
 CREATE, DELETE = RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER

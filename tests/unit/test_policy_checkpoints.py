@@ -3,8 +3,8 @@ round's checkpoint requests form one CHECKPOINT step after the round's OPTIM_STE
 
 from __future__ import annotations
 
-from loraplex.dispatch.plan import RequestKind, StepKind
 from loraplex.dispatch.policy import plan_batch
+from loraplex.protocol import RequestKind, StepKind
 from tests.unit.test_policy import FB, OPT, req, run, steps
 
 SAVE, SAMPLER, LOAD = RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER, RequestKind.LOAD_STATE

@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from loraplex.dispatch.plan import PlannedRequest, RequestKind
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol import PlannedRequest, RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import (
     ENVELOPE_VERSION,
