@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(_: argparse.Namespace) -> int:
-    from loraplex.workers.pool import main
+    from loraplex.pool_process import main
 
     main()
     return 0

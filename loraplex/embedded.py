@@ -65,7 +65,7 @@ class Stack:
                 self.redis = RedisChild(workdir=self.settings.home / "redis").start()
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             migrate(self.settings.resolved_database_url)
-            pool = self._spawn("pool", ["-m", "loraplex.workers.pool"])
+            pool = self._spawn("pool", ["-m", "loraplex.pool_process"])
             if self.api_in_child:
                 self._spawn(
                     "api",

@@ -1,4 +1,4 @@
-"""LORAPLEX_DTYPE reaches the base model of every rank: the pool's own spec (workers/pool.engine_spec) built from the
+"""LORAPLEX_DTYPE reaches the base model of every rank: the pool's own spec (pool_process.engine_spec) built from the
 settings, two spawned gloo ranks, each reporting the dtype of its base weights, its activations and its LoRA masters."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.settings import Settings
 from loraplex.workers.distributed import RankGroup
-from loraplex.workers.pool import engine_spec
+from loraplex.pool_process import engine_spec
 from loraplex.workers.rank_loop import EngineSpec, build_engine, spawn_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

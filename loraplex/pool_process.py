@@ -1,6 +1,7 @@
-"""The worker pool process (`python -m loraplex.workers.pool`): loads the base model, builds the engine, and runs the
-dispatcher as pool leader on rank 0. Service dependencies (redis, SQL) are imported here only, so the engine modules
-stay importable on the GPU machine without them.
+"""The worker pool process (`python -m loraplex.pool_process`), the pool's composition root: it wires the engine
+(`workers/`, torch only) to the dispatcher (`dispatch/`), Redis (`queue/`) and SQL (`storage/`), and runs the
+dispatcher as pool leader on rank 0. Service dependencies (redis, SQL) are imported in the leader only, so the rank
+processes stay importable on a machine without them.
 
 World size N > 1 (setting `world_size`, or torchrun's WORLD_SIZE): this process is rank 0 and spawns ranks 1..N-1
 (under torchrun every rank runs this module and the non-zero ranks only follow). Each plan goes from rank 0 to every
@@ -144,7 +145,8 @@ def _lead(
     import redis
 
     from loraplex.dispatch.loop import Dispatcher
-    from loraplex.dispatch.records import OutcomeRecorder
+    from loraplex.dispatch.recording_executor import RecordingExecutor
+    from loraplex.dispatch.records import OutcomeRecorder, PlanSeconds, applied_seq_lookup
     from loraplex.embedded import ready_file
     from loraplex.storage.db import make_engine, session_factory
     from loraplex.storage.repositories import PoolRepository, SnapshotRepository, unit_of_work
@@ -156,16 +158,17 @@ def _lead(
     store = stores.build(engine, group.rank if group is not None else 0)
     executor = PlanExecutor(engine, store)
     leader = LeaderExecutor(executor, group) if group is not None else None
-    recorder = OutcomeRecorder(sessions, store, settings.pool)  # records rank 0's tier moves in `snapshots`
+    seconds = PlanSeconds()
+    recorder = OutcomeRecorder(sessions, store, settings.pool, seconds)  # records rank 0's tier moves in `snapshots`
     with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
         SnapshotRepository(session).clear(settings.pool)
     dispatcher = Dispatcher(
         redis.Redis.from_url(settings.redis_url),
         settings.pool,
-        recorder.timed(leader or executor),
+        RecordingExecutor(leader or executor, sessions, seconds),
         on_outcomes=recorder,
         settings=settings,
-        applied_seq_lookup=recorder.applied_seq,
+        applied_seq_lookup=applied_seq_lookup(sessions),
         pipelined=True,
     )
     ready = ready_file(settings)

@@ -1,0 +1,92 @@
+"""The pool's executor as the dispatcher sees it: the engine's executor, timed per plan (usage seconds, for the
+OutcomeRecorder), with a `checkpoints` row added for each successful save BEFORE the loop stores the results, so a
+client that sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it
+runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.dispatch.records import PlanSeconds
+from loraplex.errors import LoraplexError
+from loraplex.protocol import KINDS, SAVE_KINDS, BatchPlan, Executor, Outcome, PlannedRequest, SaveCheckpointPayload
+from loraplex.storage.models import CheckpointKind
+from loraplex.storage.repositories import CheckpointRepository, unit_of_work
+from loraplex.storage.types import utcnow
+
+log = logging.getLogger(__name__)
+
+
+class RecordingExecutor:
+    def __init__(self, executor: Executor, sessions: sessionmaker[Session], seconds: PlanSeconds) -> None:
+        self._executor = executor
+        self._sessions = sessions
+        self._seconds = seconds
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        started = time.monotonic()
+        try:
+            outcomes = self._executor.execute(plan)
+        finally:
+            self._seconds.put(plan, time.monotonic() - started)
+        return self.record_checkpoints(outcomes, plan)
+
+    def record_checkpoints(self, outcomes: list[Outcome], plan: BatchPlan) -> list[Outcome]:
+        """Add the `checkpoints` rows of the plan's successful saves (see the module doc); failed rows fail their save."""
+        saves = [r for r in plan.requests if r.kind in SAVE_KINDS]
+        if not saves:
+            return outcomes
+        by_id = {o.request_id: o for o in outcomes}
+        failed: dict[str, Outcome] = {}
+
+        def fail(request: PlannedRequest, exc: Exception) -> None:
+            log.exception("checkpoint of %s (request %s) not recorded", request.model_id, request.request_id)
+            failed[request.request_id] = Outcome(
+                request.request_id, error_type="EngineError", error=f"checkpoint saved but not recorded: {exc}"
+            )
+
+        done = [r for r in saves if (o := by_id.get(r.request_id)) is not None and o.ok and o.result]
+        try:
+            with unit_of_work(self._sessions) as session:
+                for request in done:
+                    try:  # one row that cannot be written must not cost the others
+                        with session.begin_nested():
+                            _record_checkpoint(
+                                session, request, _checkpoint_kind(request.kind), by_id[request.request_id].result
+                            )
+                    except (LoraplexError, SQLAlchemyError) as exc:
+                        fail(request, exc)
+        except SQLAlchemyError as exc:  # the transaction itself failed: none of the rows is there
+            for request in done:
+                fail(request, exc)
+        return [failed.get(o.request_id, o) for o in outcomes]
+
+
+def _record_checkpoint(session: Session, request: PlannedRequest, kind: CheckpointKind, result: dict) -> None:
+    """The row of a save the worker finished. The gateway put the name, folder URI and ttl in the payload; the files
+    now on disk are this save's, so a row of the same name (an overwrite, or a racing save) is replaced."""
+    p = request.payload
+    assert isinstance(p, SaveCheckpointPayload)
+    ttl = p.ttl_seconds
+    CheckpointRepository(session, request.tenant_id).add(
+        request.model_id,
+        kind,
+        str(p.name),
+        str(p.blob_uri),
+        int(result.get("size_bytes", 0)),
+        str(result.get("sha256", "")),
+        step=int(result.get("step", 0)),
+        expires_at=utcnow() + timedelta(seconds=float(ttl)) if ttl else None,
+        include_deleted=True,
+        replace=True,
+    )
+
+
+def _checkpoint_kind(kind: str) -> CheckpointKind:
+    """The checkpoints row's kind of a save request (protocol's table says which kinds save, and what)."""
+    return CheckpointKind(KINDS[kind].saves)
