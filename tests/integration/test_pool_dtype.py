@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.pool_process import engine_spec
 from loraplex.settings import Settings
 from loraplex.workers.distributed import RankGroup
-from loraplex.pool_process import engine_spec
 from loraplex.workers.rank_loop import EngineSpec, build_engine, spawn_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

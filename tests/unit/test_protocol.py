@@ -23,8 +23,8 @@ FB = {"data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2
 
 def test_every_kind_has_one_row_and_the_derived_sets_follow_it() -> None:
     assert set(KINDS) == set(RequestKind)
-    assert CONTROL_KINDS == {RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER}
-    assert SAVE_KINDS == {RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER}
+    assert {RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER} == CONTROL_KINDS
+    assert {RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER} == SAVE_KINDS
     assert kinds_of_step(StepKind.FORWARD_BACKWARD) == {RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD}
     assert [k for k, spec in KINDS.items() if spec.trains] == [RequestKind.FORWARD_BACKWARD]
 
