@@ -20,15 +20,12 @@ from loraplex.errors import LoraplexError
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, decode, request_id_of
+from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
 
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, Envelope]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Consumer:
@@ -81,8 +78,8 @@ class Consumer:
             reply = self.redis.xautoclaim(
                 self.stream, self.group, self.name, min_idle_ms, cursor, count=count - len(raw)
             )
-            cursor = _text(reply[0])
-            raw += [(_text(sid), fields) for sid, fields in reply[1]]
+            cursor = text(reply[0])
+            raw += [(text(sid), fields) for sid, fields in reply[1]]
             if cursor == "0-0":
                 break
         return self._decode(raw)
@@ -107,7 +104,7 @@ class Consumer:
             ]
         else:
             entries = [e for _stream, batch in (reply or []) for e in batch]
-        return [(_text(sid), fields) for sid, fields in entries]
+        return [(text(sid), fields) for sid, fields in entries]
 
     def _decode(self, raw: list[tuple[str, Mapping[Any, Any]]]) -> list[Entry]:
         good: list[Entry] = []

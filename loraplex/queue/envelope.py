@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loraplex.errors import InvalidRequestError
 from loraplex.protocol import CONTROL_KINDS, CONTROL_SEQ_ID, Payload, PlannedRequest, RequestKind, parse_payload
+from loraplex.queue.redis_text import text
 
 ENVELOPE_VERSION = 1
 
@@ -73,10 +74,6 @@ class Envelope(BaseModel):
         )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def encode(env: Envelope) -> dict[str, str]:
     """Stream entry fields for `env`."""
     return {"v": str(ENVELOPE_VERSION), "request_id": env.request_id, "data": env.model_dump_json()}
@@ -85,14 +82,14 @@ def encode(env: Envelope) -> dict[str, str]:
 def request_id_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
     """The request_id of an entry, if one can be read at all (used to fail undecodable entries)."""
     for key, value in fields.items():
-        if _text(key) == "request_id":
-            return _text(value) or None
+        if text(key) == "request_id":
+            return text(value) or None
     return None
 
 
 def decode(fields: Mapping[bytes | str, bytes | str]) -> Envelope:
     """Rebuild an envelope from stream entry fields (bytes or str, whatever the client's decode_responses)."""
-    text = {_text(k): _text(v) for k, v in fields.items()}
+    text = {text(k): text(v) for k, v in fields.items()}
     version = text.get("v")
     if version != str(ENVELOPE_VERSION):
         raise EnvelopeError(f"unsupported envelope version {version!r}; this build reads version {ENVELOPE_VERSION}")

@@ -14,6 +14,7 @@ import redis as redis_lib
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
+from loraplex.queue.redis_text import text
 from loraplex.queue.results import DEFAULT_TTL_S
 
 # KEYS: idempotency, stream, state. ARGV: request_id, ttl_s, state value, then field/value pairs for XADD.
@@ -48,5 +49,5 @@ class Producer:
         for name, value in encode(env).items():
             argv += [name, value]
         created, request_id = self._script(keys=[idem, self.stream, keys.state_key(env.request_id)], args=argv)
-        rid = request_id.decode() if isinstance(request_id, bytes) else request_id
+        rid = text(request_id)
         return rid, bool(created)

@@ -17,6 +17,7 @@ import redis as redis_lib
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
+from loraplex.queue.redis_text import text
 
 DEFAULT_TTL_S = 24 * 3600
 # Longest single BLPOP; redis-py's default socket_timeout is 5 s, and a BLPOP longer than that would raise.
@@ -111,4 +112,4 @@ class ResultStore:
         raw = self.redis.get(keys.state_key(request_id))
         if raw is None:
             return None
-        return JobState(raw.decode() if isinstance(raw, bytes) else raw)
+        return JobState(text(raw))

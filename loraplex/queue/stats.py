@@ -12,6 +12,7 @@ import redis as redis_lib
 
 from loraplex.protocol import BatchPlan, StepKind
 from loraplex.queue import keys
+from loraplex.queue.redis_text import text
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def add(redis: redis_lib.Redis, pool: str, stats: PlanStats) -> None:
 
 def read(redis: redis_lib.Redis, pool: str) -> PlanStats:
     raw: Mapping[bytes | str, bytes | str] = redis.hgetall(keys.pool_stats(pool))  # type: ignore[assignment]
-    text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+    fields = {text(k): text(v) for k, v in raw.items()}
     return PlanStats(
-        **{f: (float if f.endswith("_s") else int)(text[f]) for f in PlanStats.__dataclass_fields__ if f in text}
+        **{f: (float if f.endswith("_s") else int)(fields[f]) for f in PlanStats.__dataclass_fields__ if f in fields}
     )
