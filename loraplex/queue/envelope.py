@@ -89,14 +89,14 @@ def request_id_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
 
 def decode(fields: Mapping[bytes | str, bytes | str]) -> Envelope:
     """Rebuild an envelope from stream entry fields (bytes or str, whatever the client's decode_responses)."""
-    text = {text(k): text(v) for k, v in fields.items()}
-    version = text.get("v")
+    decoded = {text(k): text(v) for k, v in fields.items()}
+    version = decoded.get("v")
     if version != str(ENVELOPE_VERSION):
         raise EnvelopeError(f"unsupported envelope version {version!r}; this build reads version {ENVELOPE_VERSION}")
-    if "data" not in text:
+    if "data" not in decoded:
         raise EnvelopeError("envelope has no 'data' field")
     try:
-        env = Envelope.model_validate_json(text["data"])  # pydantic's own parser: half json.loads' time, one pass
+        env = Envelope.model_validate_json(decoded["data"])  # pydantic's own parser: half json.loads' time, one pass
         env.body  # noqa: B018 - parsed (and cached) here, so a payload that does not fit its kind fails as undecodable
     except (ValueError, ValidationError) as exc:
         raise EnvelopeError(f"malformed envelope: {exc}") from exc
