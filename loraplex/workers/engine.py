@@ -25,6 +25,7 @@ from loraplex.workers.distributed import (
     shard_base_model,
     split_rows,
 )
+from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
     BankLayout,
@@ -39,7 +40,6 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.init import init_lora_a
-from loraplex.workers.losses import LOSS_CHUNK_TOKENS
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
-from loraplex.workers.losses import target_logprobs
+from loraplex.workers.lm_head import target_logprobs
 
 
 def _storage(t: torch.Tensor) -> int:

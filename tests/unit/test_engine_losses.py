@@ -8,7 +8,8 @@ import torch
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.workers.engine import Engine
-from loraplex.workers.losses import LOSSES, target_logprobs
+from loraplex.workers.lm_head import target_logprobs
+from loraplex.workers.losses import LOSSES
 
 
 @pytest.fixture(scope="module")
