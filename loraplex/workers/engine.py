@@ -46,6 +46,9 @@ from loraplex.workers.trunk import Trunk
 # (model_id, data, loss_fn, loss_fn_config, forward_only)
 FBItem = tuple[str, Sequence[Mapping[str, Any]], str, Mapping[str, Any] | None, bool]
 
+# A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
+SLOT_ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
+
 
 @dataclass(frozen=True)
 class AdapterRecord:
@@ -239,6 +242,40 @@ class Engine:
                 bank.lora_B[r.slot].zero_()
                 bank.lora_A[r.slot, :, : r.rank] = a.to(self.device, torch.float32)
                 bank.lora_B[r.slot, : r.rank] = b.to(self.device, torch.float32)
+
+    # ---- slot rows (the copies snapshots and checkpoints share) ------------------------------------------------------
+    @property
+    def slot_width(self) -> int:
+        """P: floats per slot row (every bank's A and B, zero padding to r_max included)."""
+        return int(self.optimizer.data.shape[1])
+
+    def read_slot(self, slot: int, rows: Sequence[str] = SLOT_ROWS, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host copy of the slot's `rows` (names from SLOT_ROWS, in the order given): [len(rows), P] fp32, into `out`
+        when given (e.g. a reused pinned buffer), else a new tensor. The copies are done when it returns."""
+        flats = self._flat_rows(rows)
+        if out is None:
+            out = torch.empty((len(flats), self.slot_width))
+        for i, flat in enumerate(flats):
+            out[i].copy_(flat[slot], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # done before the slot is reused
+        return out
+
+    def write_slot(self, slot: int, values: torch.Tensor, rows: Sequence[str] = SLOT_ROWS) -> None:
+        """Copy `values` [len(rows), P] into the slot's `rows` bit for bit (other rows untouched). The copies are done
+        when it returns (the host buffer may be reused right after)."""
+        flats = self._flat_rows(rows)
+        with torch.no_grad():
+            for i, flat in enumerate(flats):
+                flat[slot].copy_(values[i], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
+        opt = self.optimizer
+        opt.adopt_views()  # the banks are views of the flat buffers (cheap check)
+        flats = dict(zip(SLOT_ROWS, (opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat), strict=True))
+        return [flats[name] for name in rows]
 
     # ---- forward / backward ------------------------------------------------------------------------------------------
     def prepare(
