@@ -26,12 +26,11 @@ from loraplex.workers.checkpoint import (
     WEIGHTS_FILE,
     CheckpointState,
     _manifest_digest,
-    load_into_engine,
     read_checkpoint,
-    state_from_engine,
     validate_checkpoint_name,
     write_checkpoint,
 )
+from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
 from loraplex.workers.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +126,7 @@ def test_overwrite_without_rename_exchange(
     state: CheckpointState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where renameat2(RENAME_EXCHANGE) is unavailable: two renames, and a failed second one puts the old one back."""
-    from loraplex.workers import checkpoint
+    from loraplex import fsutil as checkpoint  # write_checkpoint's folder swap lives in fsutil
 
     monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
     directory = tmp_path / "ckpt"

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, state_from_engine, write_checkpoint
+from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.checkpoint_state import state_from_engine
 from loraplex.workers.engine import Engine
 from loraplex.workers.export import export_peft
 from loraplex.workers.lora import Routing
