@@ -138,7 +138,7 @@ def bench_engine_workload(engine: Engine, ids: list[str], per_adapter: int, args
 
     def run(group: list[str]) -> None:
         t0 = time.perf_counter()
-        engine.forward_backward([(m, data[m], "cross_entropy", None, False) for m in group])
+        engine.forward_backward([engine.prepare(m, data[m], "cross_entropy", None, False) for m in group])
         sync()
         t1 = time.perf_counter()
         results = engine.optim_step([(m, adam) for m in group])

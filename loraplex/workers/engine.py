@@ -43,9 +43,6 @@ from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
 
-# (model_id, data, loss_fn, loss_fn_config, forward_only)
-FBItem = tuple[str, Sequence[Mapping[str, Any]], str, Mapping[str, Any] | None, bool]
-
 # A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
 SLOT_ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
 
@@ -290,10 +287,9 @@ class Engine:
         self.adapter(model_id)
         return prepare_item(model_id, data, loss_fn, loss_fn_config, forward_only, self.vocab_size)
 
-    def forward_backward(self, items: Sequence[FBItem | PreparedItem]) -> list[dict[str, Any]]:
-        """Run every item in one mixed batch (adapter-contiguous rows, token-capped microbatches, gradients accumulated
-        into each trainable item's slot). Raises InvalidRequestError / NotFoundError on bad input before running."""
-        prepared = [it if isinstance(it, PreparedItem) else self.prepare(*it) for it in items]
+    def forward_backward(self, prepared: Sequence[PreparedItem]) -> list[dict[str, Any]]:
+        """Run every item (from `prepare`, which validates it) in one mixed batch (adapter-contiguous rows, token-capped
+        microbatches, gradients accumulated into each trainable item's slot)."""
         check_only_lora_trainable(self.model)
         self.optimizer.adopt_views()  # the fused path reads and writes the flat buffers: the banks must be their views
         logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]

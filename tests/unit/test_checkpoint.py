@@ -41,7 +41,7 @@ DATA = make_data(3, [6, 11, 9])
 def train(engine: Engine, model_id: str, steps: int, adam: dict[str, float] = ADAM) -> list[float]:
     losses = []
     for _ in range(steps):
-        out = engine.forward_backward([(model_id, DATA, "cross_entropy", None, False)])[0]
+        out = engine.forward_backward([engine.prepare(model_id, DATA, "cross_entropy", None, False)])[0]
         losses.append(out["metrics"]["loss:sum"])
         (res,) = engine.optim_step([(model_id, adam)])
         assert "metrics" in res, res
@@ -133,7 +133,7 @@ def test_load_over_existing_adapter_continues_bit_identically(tiny_dir: Path, ru
     engine.create_adapter("bystander", 3, 6.0, seed=9)
     train(engine, "x", 2)
     train(engine, "bystander", 1)
-    engine.forward_backward([("x", DATA, "cross_entropy", None, False)])  # unconsumed gradients on x
+    engine.forward_backward([engine.prepare("x", DATA, "cross_entropy", None, False)])  # unconsumed gradients on x
     bystander = full_state(engine, "bystander")
     slot = engine.adapter("x").slot
 
