@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
-from loraplex.workers.losses import target_logprobs  # noqa: E402
+from loraplex.workers.lm_head import target_logprobs  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,7 +138,7 @@ def bench_engine_workload(engine: Engine, ids: list[str], per_adapter: int, args
 
     def run(group: list[str]) -> None:
         t0 = time.perf_counter()
-        engine.forward_backward([(m, data[m], "cross_entropy", None, False) for m in group])
+        engine.forward_backward([engine.prepare(m, data[m], "cross_entropy", None, False) for m in group])
         sync()
         t1 = time.perf_counter()
         results = engine.optim_step([(m, adam) for m in group])

@@ -38,7 +38,7 @@ def main() -> None:
 
         def step(data: list = data) -> tuple[float, float]:
             t0 = time.perf_counter()
-            engine.forward_backward([("a", data, "cross_entropy", None, False)])
+            engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, False)])
             sync()
             t1 = time.perf_counter()
             engine.optim_step([("a", adam)])

@@ -1,22 +1,21 @@
 """Checkpoint files on a local (or shared) filesystem, addressed by relative keys like "tenant/model/state/step-10".
 
-Writes are atomic: data goes to a hidden temp file in the destination folder, is fsynced, then `os.replace`d into
-place, so a reader sees the old file or the whole new one, never a torn write. Keys are checked so no key can reach
-outside the root."""
+Writes are atomic (`fsutil.atomic_write`: a hidden temp file in the destination folder, fsynced, then `os.replace`d
+into place), so a reader sees the old file or the whole new one, never a torn write. Keys are checked so no key can
+reach outside the root."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 from urllib.parse import unquote, urlparse
 
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.fsutil import fsync_path
+from loraplex.fsutil import atomic_write
 
 _KEY_CHARS = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 _CHUNK = 1 << 20
@@ -68,20 +67,11 @@ class BlobStore:
     def _write(self, path: Path, chunks: Iterable[bytes]) -> StoredBlob:
         path.parent.mkdir(parents=True, exist_ok=True)
         digest, size = hashlib.sha256(), 0
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for chunk in chunks:
-                    out.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        fsync_path(path.parent)  # make the rename itself durable
+        with atomic_write(path) as out:
+            for chunk in chunks:
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
         return StoredBlob(path.as_uri(), size, digest.hexdigest())
 
     def open(self, key: str, sha256: str | None = None) -> BinaryIO:

@@ -1,16 +1,16 @@
 """The tiered adapter store (DESIGN.md, key technical choice 7): more adapters than resident slots, nothing lost on a swap.
 
 Tiers: *gpu* (resident in an engine slot) <-> *cpu* (an AdapterSnapshot in host memory, pinned when the engine is on
-CUDA) <-> *disk* (a safetensors file of the snapshot's [4, P] rows, its hyperparameters and pool signature in the
-file's metadata). A snapshot holds weights, unconsumed gradients and Adam state, so a swap at any point (even between
-forward_backward and optim_step) continues bit for bit.
+CUDA) <-> *disk* (a spill file of the snapshot: its [4, P] rows, hyperparameters and pool signature; spill_format.py).
+A snapshot holds weights, unconsumed gradients and Adam state, so a swap at any point (even between forward_backward
+and optim_step) continues bit for bit.
 
 Policy: least recently used. `ensure_resident` brings a step's adapters into slots, evicting the LRU resident adapters
 that the step does not need; an evicted adapter goes to host memory; while the host tier holds more than the budget,
-its LRU snapshots are written to disk (atomically: temp file, fsync, os.replace, fsync of the folder). A swap-in from
-disk removes the file: each adapter lives in exactly one tier. Host buffers are recycled through a small free list
-(pinned allocations are slow on CUDA); `host_bytes` counts the snapshots of the cpu tier only, and is <= the budget
-after every call (during a call, one snapshot more may be in flight).
+its LRU snapshots are written to disk (atomically). A swap-in from disk removes the file: each adapter lives in exactly
+one tier. Host buffers are recycled through a small free list (pinned allocations are slow on CUDA); `host_bytes`
+counts the snapshots of the cpu tier only, and is <= the budget after every call (during a call, one snapshot more may
+be in flight).
 
 A new store removes the spill files a previous run left (or adopts them: `recover=True`).
 
@@ -23,7 +23,6 @@ Imports: torch, stdlib, loraplex.errors and workers/ only.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -35,16 +34,13 @@ from pathlib import Path
 
 import torch
 
-from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
-from loraplex.fsutil import fsync_path
+from loraplex.errors import CapacityError, ConflictError, NotFoundError
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
 from loraplex.workers.snapshots import ROWS, AdapterSnapshot, PoolSignature, restore_snapshot, take_snapshot
+from loraplex.workers.spill_format import SPILL_SUFFIX, read_spill, read_spill_metadata, write_spill
 
 GPU, CPU, DISK = "gpu", "cpu", "disk"
-SPILL_FORMAT = "loraplex-adapter-spill"
-SPILL_VERSION = "1"
-SPILL_SUFFIX = ".safetensors"
 SPARE_BUFFERS = 2  # host buffers kept for reuse beyond the cpu tier's own
 
 
@@ -335,7 +331,7 @@ class AdapterStore:
     def _scan_spill_dir(self, adopt: bool) -> None:
         """Spill files a previous run left: adopted (an adapter on disk is exactly its state when it was spilled: it was
         not trained since) or removed. Unfinished temp files are removed; files that are not ours stay as they are."""
-        for tmp in self.spill_dir.glob(f"*{SPILL_SUFFIX}.tmp*"):
+        for tmp in self.spill_dir.glob(f"*{SPILL_SUFFIX}.tmp*"):  # ".<file>.tmp-*" (fsutil), "<file>.tmp<pid>" (older)
             tmp.unlink(missing_ok=True)
         for path in sorted(self.spill_dir.glob(f"*{SPILL_SUFFIX}")):
             try:
@@ -351,87 +347,3 @@ class AdapterStore:
             self._disk[model_id] = path
             self._lru[model_id] = None
             self._note(TierChange(model_id, DISK, location=str(path)))
-
-
-# ---- spill files (safetensors: one F32 tensor "rows" [4, P], metadata strings) -------------------------------------------
-def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
-    """Write atomically: a temp file next to it, fsync, os.replace, fsync of the folder. Streams the rows straight from
-    the (pinned) buffer: no extra copy in memory."""
-    rows = snapshot.rows
-    sig = snapshot.signature
-    metadata = {
-        "format": SPILL_FORMAT,
-        "version": SPILL_VERSION,
-        "model_id": snapshot.model_id,
-        "rank": str(snapshot.rank),
-        "alpha": repr(float(snapshot.alpha)),
-        "seed": str(snapshot.seed),
-        "step": str(snapshot.step),
-        "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
-    }
-    nbytes = rows.numel() * rows.element_size()
-    header = {
-        "__metadata__": metadata,
-        "rows": {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [0, nbytes]},
-    }
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            f.write(memoryview(rows.contiguous().numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
-
-
-def _read_header(f) -> tuple[dict, int]:  # noqa: ANN001 - a binary file
-    size = int.from_bytes(f.read(8), "little")
-    if not 0 < size < 1 << 24:
-        raise ValueError("not a safetensors file")
-    return json.loads(f.read(size)), 8 + size
-
-
-def _parse_metadata(header: dict) -> dict:
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != SPILL_FORMAT or meta.get("version") != SPILL_VERSION:
-        raise ValueError(f"not a {SPILL_FORMAT} v{SPILL_VERSION} file")
-    sig = json.loads(meta["signature"])
-    return {
-        "model_id": meta["model_id"],
-        "rank": int(meta["rank"]),
-        "alpha": float(meta["alpha"]),
-        "seed": int(meta["seed"]),
-        "step": int(meta["step"]),
-        "signature": PoolSignature(int(sig["max_rank"]), tuple(sig["modules"]), int(sig["width"])),
-    }
-
-
-def read_spill_metadata(path: Path) -> dict:
-    with open(path, "rb") as f:
-        header, _ = _read_header(f)
-    return _parse_metadata(header)
-
-
-def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
-    """Read a spill file's rows straight into `out` [4, P] (e.g. a pinned buffer); checks the layout and length."""
-    with open(path, "rb") as f:
-        header, start = _read_header(f)
-        meta = _parse_metadata(header)
-        info = header["rows"]
-        begin, end = info["data_offsets"]
-        if info["dtype"] != "F32" or list(info["shape"]) != list(out.shape) or end - begin != out.numel() * 4:
-            raise InvalidRequestError(f"spill file {path.name} does not fit this pool's layout")
-        f.seek(start + begin)
-        view = memoryview(out.numpy()).cast("B")
-        if f.readinto(view) != len(view):
-            raise InvalidRequestError(f"spill file {path.name} is truncated")
-    return AdapterSnapshot(
-        meta["model_id"], meta["rank"], meta["alpha"], meta["seed"], meta["step"], meta["signature"], out
-    )

@@ -1,4 +1,5 @@
-"""Checkpoints: an adapter's weights (and Adam state) as versioned safetensors + JSON, restorable into any slot.
+"""The checkpoint format: an adapter's weights (and Adam state) as versioned safetensors + JSON, written and verified
+here; copied out of and into engine slots by checkpoint_state.py. Also the checkpoint name rule.
 
 One checkpoint is one directory:
 
@@ -16,9 +17,9 @@ One checkpoint is one directory:
 Only the real-rank parts are stored (the zero padding up to the pool's r_max is not), all fp32. Gradients are never
 stored: like Tinker's save_state, a checkpoint holds weights + optimizer state; unconsumed gradients are dropped.
 
-Writing is atomic as a whole: every file goes into a temporary sibling directory, is fsynced, and the directory is then
-swapped into place (renameat2(RENAME_EXCHANGE) where the kernel has it, else two renames), so a failure at any point
-(disk full, a crash) leaves the previous checkpoint of that name intact and no temporary directory behind.
+Writing is atomic as a whole (fsutil.write_folder_atomic): every file goes into a temporary sibling directory, is
+fsynced, and the directory is then swapped into place, so a failure at any point (disk full, a crash) leaves the
+previous checkpoint of that name intact and no temporary directory behind.
 
 Reading verifies everything before returning anything: the format version, the manifest's own hash, every file's size
 and sha256, the header embedded in the weights file against the manifest, and every tensor's name, dtype and shape
@@ -28,17 +29,11 @@ edits; they are not a signature against a deliberate forger who rewrites every h
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import math
 import os
 import re
-import shutil
-import sys
-import tempfile
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -49,8 +44,7 @@ import safetensors.torch
 import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.fsutil import fsync_path
-from loraplex.workers.engine import AdapterRecord, Engine
+from loraplex.fsutil import write_folder_atomic
 
 CHECKPOINT_FORMAT_VERSION = 1
 FORMAT_NAME = "loraplex-checkpoint"
@@ -107,131 +101,14 @@ def validate_checkpoint_name(name: object) -> str:
     return name
 
 
-# ---- engine <-> state --------------------------------------------------------------------------------------------------
-def state_from_engine(
-    engine: Engine,
-    model_id: str,
-    *,
-    base_model: str,
-    with_optimizer: bool,
-    kind: str | None = None,
-    user_metadata: Mapping[str, Any] | None = None,
-) -> CheckpointState:
-    """Copy an adapter's weights (and Adam moments + step count when `with_optimizer`) out of its slot: fp32 CPU
-    copies of the real-rank parts. `kind` defaults to "state" with the optimizer, "sampler" without."""
-    record = engine.adapter(model_id)
-    kind = kind or ("state" if with_optimizer else "sampler")
-    if kind not in KINDS:
-        raise InvalidRequestError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
-    if kind == "sampler" and with_optimizer:
-        raise InvalidRequestError("a sampler checkpoint holds weights only (with_optimizer=False)")
-    opt = engine.optimizer
-    opt.adopt_views()  # the banks are views of the flat buffers
-    flats = [opt.data] + ([opt.exp_avg_flat, opt.exp_avg_sq_flat] if with_optimizer else [])
-    # One copy of the slot's rows to the host (one transfer on a GPU, not one per bank); stack always copies.
-    rows = torch.stack([f[record.slot] for f in flats]).to("cpu", torch.float32)
-    r = record.rank
-    weights: Weights = {}
-    moments: Moments = {}
-    for i, (name, bank) in enumerate(engine.banks.items()):
-        a_seg, b_seg = opt.segments[2 * i], opt.segments[2 * i + 1]
-        a_shape, b_shape = bank.lora_A.shape[1:], bank.lora_B.shape[1:]  # [in, r_max], [r_max, out]
-        weights[name] = _real_parts(rows[0], a_seg, a_shape, b_seg, b_shape, r)
-        if with_optimizer:
-            m_a, m_b = _real_parts(rows[1], a_seg, a_shape, b_seg, b_shape, r)
-            v_a, v_b = _real_parts(rows[2], a_seg, a_shape, b_seg, b_shape, r)
-            moments[name] = (m_a, v_a, m_b, v_b)
-    return CheckpointState(
-        model_id=model_id,
-        rank=record.rank,
-        alpha=record.alpha,
-        seed=record.seed,
-        step=int(opt.steps[record.slot]),
-        base_model=str(base_model),
-        target_modules=tuple(engine.target_modules),
-        modules=tuple(engine.banks),
-        max_rank_hint=engine.max_rank,
-        weights=weights,
-        optimizer=moments if with_optimizer else None,
-        kind=kind,
-        user_metadata=dict(user_metadata or {}),
-    )
-
-
-def check_signature(engine: Engine, state: CheckpointState) -> None:
-    """Whether `state` fits this pool: rank <= r_max, the same target-module set, the same modules with the same
-    shapes. InvalidRequestError naming what differs."""
-    if state.rank > engine.max_rank:
-        raise InvalidRequestError(f"checkpoint rank {state.rank} exceeds this pool's max rank {engine.max_rank}")
-    ours, theirs = set(engine.target_modules), set(state.target_modules)
-    if ours != theirs:
-        raise InvalidRequestError(
-            f"checkpoint target modules {sorted(theirs)} differ from this pool's {sorted(ours)} "
-            f"(missing here: {sorted(theirs - ours)}, not in checkpoint: {sorted(ours - theirs)})"
-        )
-    pool_modules = set(engine.banks)
-    if set(state.modules) != pool_modules:
-        extra, missing = sorted(set(state.modules) - pool_modules), sorted(pool_modules - set(state.modules))
-        raise InvalidRequestError(
-            f"checkpoint modules do not match this pool's base model: {len(extra)} unknown here "
-            f"(e.g. {extra[:3]}), {len(missing)} missing from the checkpoint (e.g. {missing[:3]})"
-        )
-    for name, bank in engine.banks.items():
-        a, b = state.weights[name]
-        want_a, want_b = (state.rank, bank.in_features), (bank.out_features, state.rank)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise InvalidRequestError(
-                f"checkpoint module {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit this pool's "
-                f"A {want_a}, B {want_b} (a different base model?)"
-            )
-
-
-def load_into_engine(
-    engine: Engine, state: CheckpointState, model_id: str, *, with_optimizer: bool, existing: bool
-) -> AdapterRecord:
-    """Restore `state` as adapter `model_id`: into a newly claimed slot (existing=False), or over that adapter's slot in
-    place (existing=True: its weights, Adam moments and step are replaced and its unconsumed gradients cleared; rank,
-    alpha and seed become the checkpoint's). With the optimizer: moments and step restored, so training continues
-    bit-identically to an uninterrupted run; without: zero moments, step 0 (a fresh AdamW from those weights).
-
-    Everything is checked before the engine is touched: a bad signature (InvalidRequestError), an unknown adapter
-    (existing=True: NotFoundError), a taken id or no free slot (existing=False: ConflictError / CapacityError)."""
-    validate_state(state)
-    check_signature(engine, state)
-    if with_optimizer and state.optimizer is None:
-        raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
-    if existing:
-        record = engine.reset_adapter(model_id, state.rank, state.alpha, state.seed)  # same slot, zeroed
-    else:
-        record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed)  # a zeroed slot
-    opt = engine.optimizer
-    opt.adopt_views()
-    slot, r = record.slot, record.rank
-    device = engine.device
-    with torch.no_grad():
-        for i, (name, bank) in enumerate(engine.banks.items()):
-            a, b = state.weights[name]
-            bank.lora_A[slot, :, :r] = a.t().to(device, torch.float32)
-            bank.lora_B[slot, :r] = b.t().to(device, torch.float32)
-            if with_optimizer:
-                assert state.optimizer is not None
-                m_a, v_a, m_b, v_b = state.optimizer[name]
-                opt.exp_avg[2 * i][slot, :, :r] = m_a.t().to(device, torch.float32)
-                opt.exp_avg_sq[2 * i][slot, :, :r] = v_a.t().to(device, torch.float32)
-                opt.exp_avg[2 * i + 1][slot, :r] = m_b.t().to(device, torch.float32)
-                opt.exp_avg_sq[2 * i + 1][slot, :r] = v_b.t().to(device, torch.float32)
-    opt.steps[slot] = int(state.step) if with_optimizer else 0
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return record
-
-
 # ---- files -------------------------------------------------------------------------------------------------------------
 def write_checkpoint(state: CheckpointState, directory: Path) -> CheckpointFiles:
     """Write `state` as a checkpoint directory (see the module docstring), atomically: a failure leaves whatever was at
     `directory` before untouched. OSError (ENOSPC, EFBIG, ...) propagates as is."""
     validate_state(state)
     directory = Path(directory)
+    if os.path.lexists(directory) and (not directory.is_dir() or directory.is_symlink()):
+        raise InvalidRequestError(f"{directory} exists and is not a checkpoint directory")
     header = _header(state)
     blobs: dict[str, bytes] = {WEIGHTS_FILE: weights_file_bytes(state, header)}
     if state.optimizer is not None:
@@ -251,7 +128,7 @@ def write_checkpoint(state: CheckpointState, directory: Path) -> CheckpointFiles
     manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     blobs[MANIFEST_FILE] = manifest_bytes  # written last
     files[MANIFEST_FILE] = (len(manifest_bytes), hashlib.sha256(manifest_bytes).hexdigest())
-    write_directory_atomic(directory, blobs)
+    write_folder_atomic(directory, blobs)
     return CheckpointFiles(
         directory=directory,
         files=files,
@@ -359,43 +236,6 @@ def weights_file_bytes(state: CheckpointState, header: Mapping[str, Any] | None 
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
-def write_directory_atomic(directory: Path, blobs: Mapping[str, bytes]) -> None:
-    """Write `blobs` ({file name: bytes}, in order) as the directory `directory`, all or nothing: into a temporary
-    sibling (every file fsynced, then the directory), swapped into place, the previous one (if any) removed after."""
-    directory = Path(directory)
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a sampler (vLLM) may run as another user
-        for name, data in blobs.items():
-            if "/" in name or name in ("", ".", ".."):
-                raise ValueError(f"bad file name {name!r}")
-            _write_file(tmp / name, data)
-        fsync_path(tmp)
-        if os.path.lexists(directory):
-            if not directory.is_dir() or directory.is_symlink():
-                raise InvalidRequestError(f"{directory} exists and is not a checkpoint directory")
-            if _exchange(tmp, directory):  # atomic: `directory` is now the new one, `tmp` the old one
-                fsync_path(parent)
-                return  # the finally removes the old one
-            old = parent / f".{directory.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(directory, old)
-            try:
-                os.rename(tmp, directory)
-            except BaseException:
-                os.rename(old, directory)
-                raise
-            fsync_path(parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, directory)
-            fsync_path(parent)
-    finally:
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ---- helpers -----------------------------------------------------------------------------------------------------------
 _HEADER_KEYS = ("format", "format_version", "kind", "model_id", "base_model", "signature", "hparams", "step")
 
@@ -478,20 +318,6 @@ def validate_state(state: CheckpointState) -> None:
                     raise bad(f"{name}.{key} must be shaped like its weight {tuple(like.shape)}")
 
 
-def _real_parts(
-    row: torch.Tensor,
-    a_seg: tuple[int, int],
-    a_shape: torch.Size,
-    b_seg: tuple[int, int],
-    b_shape: torch.Size,
-    rank: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One bank's real-rank (A [r, in], B [out, r]) from a slot's flat row (A [in, r_max], B [r_max, out] segments)."""
-    a = row[a_seg[0] : a_seg[0] + a_seg[1]].view(a_shape)[:, :rank].t()
-    b = row[b_seg[0] : b_seg[0] + b_seg[1]].view(b_shape)[:rank].t()
-    return _own(a), _own(b)
-
-
 def _is_matrix(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and min(t.shape) > 0
 
@@ -571,36 +397,3 @@ def _take(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 def _no_leftovers(tensors: dict[str, torch.Tensor], name: str) -> None:
     if tensors:
         raise InvalidRequestError(f"{name} holds unexpected tensors, e.g. {sorted(tensors)[:3]}")
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "xb") as handle:
-        view = memoryview(data)
-        while view:  # write() may be partial; a hard failure (ENOSPC, EFBIG) raises OSError
-            written = handle.write(view)
-            view = view[written:]
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where the OS or filesystem cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))

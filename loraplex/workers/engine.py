@@ -25,6 +25,7 @@ from loraplex.workers.distributed import (
     shard_base_model,
     split_rows,
 )
+from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
     BankLayout,
@@ -39,12 +40,11 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.init import init_lora_a
-from loraplex.workers.losses import LOSS_CHUNK_TOKENS
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
 
-# (model_id, data, loss_fn, loss_fn_config, forward_only)
-FBItem = tuple[str, Sequence[Mapping[str, Any]], str, Mapping[str, Any] | None, bool]
+# A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
+SLOT_ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,40 @@ class Engine:
                 bank.lora_A[r.slot, :, : r.rank] = a.to(self.device, torch.float32)
                 bank.lora_B[r.slot, : r.rank] = b.to(self.device, torch.float32)
 
+    # ---- slot rows (the copies snapshots and checkpoints share) ------------------------------------------------------
+    @property
+    def slot_width(self) -> int:
+        """P: floats per slot row (every bank's A and B, zero padding to r_max included)."""
+        return int(self.optimizer.data.shape[1])
+
+    def read_slot(self, slot: int, rows: Sequence[str] = SLOT_ROWS, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host copy of the slot's `rows` (names from SLOT_ROWS, in the order given): [len(rows), P] fp32, into `out`
+        when given (e.g. a reused pinned buffer), else a new tensor. The copies are done when it returns."""
+        flats = self._flat_rows(rows)
+        if out is None:
+            out = torch.empty((len(flats), self.slot_width))
+        for i, flat in enumerate(flats):
+            out[i].copy_(flat[slot], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # done before the slot is reused
+        return out
+
+    def write_slot(self, slot: int, values: torch.Tensor, rows: Sequence[str] = SLOT_ROWS) -> None:
+        """Copy `values` [len(rows), P] into the slot's `rows` bit for bit (other rows untouched). The copies are done
+        when it returns (the host buffer may be reused right after)."""
+        flats = self._flat_rows(rows)
+        with torch.no_grad():
+            for i, flat in enumerate(flats):
+                flat[slot].copy_(values[i], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
+        opt = self.optimizer
+        opt.adopt_views()  # the banks are views of the flat buffers (cheap check)
+        flats = dict(zip(SLOT_ROWS, (opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat), strict=True))
+        return [flats[name] for name in rows]
+
     # ---- forward / backward ------------------------------------------------------------------------------------------
     def prepare(
         self,
@@ -253,10 +287,9 @@ class Engine:
         self.adapter(model_id)
         return prepare_item(model_id, data, loss_fn, loss_fn_config, forward_only, self.vocab_size)
 
-    def forward_backward(self, items: Sequence[FBItem | PreparedItem]) -> list[dict[str, Any]]:
-        """Run every item in one mixed batch (adapter-contiguous rows, token-capped microbatches, gradients accumulated
-        into each trainable item's slot). Raises InvalidRequestError / NotFoundError on bad input before running."""
-        prepared = [it if isinstance(it, PreparedItem) else self.prepare(*it) for it in items]
+    def forward_backward(self, prepared: Sequence[PreparedItem]) -> list[dict[str, Any]]:
+        """Run every item (from `prepare`, which validates it) in one mixed batch (adapter-contiguous rows, token-capped
+        microbatches, gradients accumulated into each trainable item's slot)."""
         check_only_lora_trainable(self.model)
         self.optimizer.adopt_views()  # the fused path reads and writes the flat buffers: the banks must be their views
         logprobs: list[list[list[float]]] = [[[] for _ in it.datums] for it in prepared]

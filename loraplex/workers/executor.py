@@ -170,7 +170,8 @@ class PlanExecutor:
 
     def _create_from_checkpoint(self, model_id: str, directory: Path, with_optimizer: bool | None) -> None:
         """A new adapter restored from a checkpoint folder (checked in full before a slot is claimed)."""
-        from loraplex.workers.checkpoint import check_signature, load_into_engine, read_checkpoint
+        from loraplex.workers.checkpoint import read_checkpoint
+        from loraplex.workers.checkpoint_state import check_signature, load_into_engine
 
         state = read_checkpoint(directory)
         with_optimizer = True if with_optimizer is None else bool(with_optimizer)
@@ -190,7 +191,8 @@ class PlanExecutor:
         return self._one_by_one(step, self._checkpoint_one)
 
     def _checkpoint_one(self, request: PlannedRequest) -> dict[str, Any]:
-        from loraplex.workers.checkpoint import load_into_engine, read_checkpoint, state_from_engine, write_checkpoint
+        from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
+        from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
 
         p = request.payload
         if not isinstance(p, LoadStatePayload | SaveCheckpointPayload):

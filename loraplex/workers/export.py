@@ -4,23 +4,23 @@ its run-time `load_lora_adapter`).
 
 The weights file is the checkpoint's (checkpoint.weights_file_bytes: PEFT's key names
 `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r], fp32); the config says rank, alpha, the
-target modules (leaf names), no dropout or bias, causal LM, and the base model to load it on. Each file is written to a
-temporary name in `out_dir` and renamed into place, so a reader never sees a half-written file.
+target modules (leaf names), no dropout or bias, causal LM, and the base model to load it on. Each file is written
+atomically (`fsutil.write_bytes_atomic`), so a reader never sees a half-written file.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from loraplex.errors import InvalidRequestError
+from loraplex.fsutil import write_bytes_atomic
 from loraplex.workers.checkpoint import CheckpointState, validate_state, weights_file_bytes
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+EXPORT_FILE_MODE = 0o644  # readable by the consumer (PEFT, a vLLM server), which may run as another user
 # What `PreTrainedTokenizer.save_pretrained` writes (the ones present are copied; other files are left out).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -84,26 +84,12 @@ def export_peft(
             )
     out_dir.mkdir(parents=True, exist_ok=True)
     config = json.dumps(adapter_config(state, base_model_path), indent=2, sort_keys=True) + "\n"
-    _write_atomic(out_dir / ADAPTER_WEIGHTS_FILE, weights_file_bytes(state))
+    write_bytes_atomic(out_dir / ADAPTER_WEIGHTS_FILE, weights_file_bytes(state), mode=EXPORT_FILE_MODE)
     for src in tokenizer_files:
-        _write_atomic(out_dir / src.name, src.read_bytes())
-    _write_atomic(out_dir / ADAPTER_CONFIG_FILE, config.encode())  # last: its presence marks a complete export
+        write_bytes_atomic(out_dir / src.name, src.read_bytes(), mode=EXPORT_FILE_MODE)
+    # Last: its presence marks a complete export.
+    write_bytes_atomic(out_dir / ADAPTER_CONFIG_FILE, config.encode(), mode=EXPORT_FILE_MODE)
     return out_dir
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 __all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "TOKENIZER_FILES", "adapter_config", "export_peft"]

@@ -1,10 +1,10 @@
-"""Tinker loss functions on per-token target logprobs, their metrics, and the memory-lean LM head that produces the logprobs.
+"""Tinker loss functions on per-token target logprobs and their metrics (lm_head.py produces the logprobs).
 
 Every loss here is a token-wise **sum** (Tinker semantics): a datum's loss is the sum of its per-token losses and a step's
 loss is the sum over datums (never a mean). Each loss maps (target logprobs [N], float inputs [N] each, config) -> per-token
 loss [N]; rows of different losses share one forward pass and are scored separately (`engine._run_microbatch`).
 
-Notation: lp = log p_theta(target) from this forward pass (`target_logprobs` below), q = the sampler's logprobs
+Notation: lp = log p_theta(target) from this forward pass (`lm_head.target_logprobs`), q = the sampler's logprobs
 (`loss_fn_inputs["logprobs"]`), A = `advantages`, w = `weights`, ratio = exp(lp - q), sg = stop-gradient (detach),
 clip(x, lo, hi) = x.clamp(lo, hi) with lo = `clip_low_threshold`, hi = `clip_high_threshold` (absolute ratio bounds, not
 epsilons).
@@ -45,12 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from loraplex.errors import InvalidRequestError
-
-LOSS_CHUNK_TOKENS = 1024
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
@@ -201,32 +197,3 @@ def resolve_loss_config(spec: LossSpec, config: Mapping[str, object] | None) -> 
     if resolved.get("beta", 0.0) < 0:
         raise InvalidRequestError(f"loss_fn_config['beta'] must be >= 0, got {resolved['beta']}")
     return resolved
-
-
-# ---- the chunked LM head ---------------------------------------------------------------------------------------------
-def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()
-    return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
-
-
-def target_logprobs(
-    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS
-) -> torch.Tensor:
-    """log_softmax(hidden @ W^T)[i, targets[i]] in fp32, one chunk of rows at a time.
-
-    hidden: [N, H] (final-norm output), head_weight: [V, H], targets: [N] -> [N] fp32. Each chunk runs under activation
-    checkpointing, so at most one chunk's [chunk, V] logits is alive in forward and in backward (backward recomputes a
-    chunk's logits, uses them and frees them before the next chunk): never [N, V]. Checked in test_engine_chunked_loss."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    pieces = []
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if grad:
-            pieces.append(checkpoint(_target_logprobs, h, head_weight, t, use_reentrant=False))
-        else:
-            pieces.append(_target_logprobs(h, head_weight, t))
-    if not pieces:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(pieces)

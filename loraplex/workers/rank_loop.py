@@ -158,10 +158,3 @@ def _rank_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def run_follower(group: RankGroup, spec: EngineSpec) -> None:
-    """A follower rank's whole life: build the engine (sharding takes part in collectives with the leader), then follow."""
-    engine = build_engine(spec, group)
-    executed = follow(PlanExecutor(engine), group)
-    log.info("rank %d stopped after %d plans", group.rank, executed)

@@ -1,9 +1,10 @@
 """An adapter's whole training state as one tensor, for swaps between the GPU slots and host memory or disk.
 
 A snapshot is the slot's four rows of the optimizer's flat buffer (weights, unconsumed gradients, Adam exp_avg and
-exp_avg_sq; zero padding included) plus its Adam step count and hyperparameters. The banks are replicated on every
-rank, so each rank snapshots and restores its own copy: no collective, nothing gathered. Restoring copies the rows
-back bit for bit into any free slot, so training continues exactly as if the adapter had never left.
+exp_avg_sq; zero padding included; copied by Engine.read_slot / write_slot) plus its Adam step count and
+hyperparameters. The banks are replicated on every rank, so each rank snapshots and restores its own copy: no
+collective, nothing gathered. Restoring copies the rows back bit for bit into any free slot, so training continues
+exactly as if the adapter had never left.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.engine import AdapterRecord, Engine
+from loraplex.workers.engine import SLOT_ROWS, AdapterRecord, Engine
 
-ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
+ROWS = SLOT_ROWS  # a snapshot holds all four of a slot's rows
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class PoolSignature:
 
     @classmethod
     def of(cls, engine: Engine) -> PoolSignature:
-        return cls(engine.max_rank, tuple(engine.banks), int(engine.optimizer.data.shape[1]))
+        return cls(engine.max_rank, tuple(engine.banks), engine.slot_width)
 
 
 @dataclass
@@ -49,17 +50,11 @@ class AdapterSnapshot:
 def take_snapshot(engine: Engine, model_id: str, out: torch.Tensor | None = None) -> AdapterSnapshot:
     """Copy an adapter's slot to host memory (into `out` [4, P] when given, e.g. a reused pinned buffer)."""
     record = engine.adapter(model_id)
-    opt = engine.optimizer
-    opt.adopt_views()  # the bank views are the flat buffers (cheap check)
     if out is None:
-        out = torch.empty((len(ROWS), opt.data.shape[1]), pin_memory=engine.device.type == "cuda")
-    for i, flat in enumerate((opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat)):
-        out[i].copy_(flat[record.slot], non_blocking=True)
-    if engine.device.type == "cuda":
-        torch.cuda.current_stream(engine.device).synchronize()  # the copies are done before the slot is reused
-    return AdapterSnapshot(
-        model_id, record.rank, record.alpha, record.seed, opt.steps[record.slot], PoolSignature.of(engine), out
-    )
+        out = torch.empty((len(ROWS), engine.slot_width), pin_memory=engine.device.type == "cuda")
+    engine.read_slot(record.slot, ROWS, out=out)
+    step = engine.optimizer.steps[record.slot]
+    return AdapterSnapshot(model_id, record.rank, record.alpha, record.seed, step, PoolSignature.of(engine), out)
 
 
 def restore_snapshot(engine: Engine, snapshot: AdapterSnapshot, model_id: str | None = None) -> AdapterRecord:
@@ -70,11 +65,6 @@ def restore_snapshot(engine: Engine, snapshot: AdapterSnapshot, model_id: str | 
             f"modules does not fit this pool (r_max {engine.max_rank}, {len(engine.banks)} modules)"
         )
     record = engine.claim_slot(model_id or snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed)
-    opt = engine.optimizer
-    with torch.no_grad():
-        for i, flat in enumerate((opt.data, opt.grad, opt.exp_avg_flat, opt.exp_avg_sq_flat)):
-            flat[record.slot].copy_(snapshot.rows[i], non_blocking=True)
-    opt.steps[record.slot] = snapshot.step
-    if engine.device.type == "cuda":
-        torch.cuda.current_stream(engine.device).synchronize()  # the host buffer may be reused right after
+    engine.write_slot(record.slot, snapshot.rows, ROWS)
+    engine.optimizer.steps[record.slot] = snapshot.step
     return record

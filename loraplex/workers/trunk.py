@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.workers.losses import target_logprobs
+from loraplex.workers.lm_head import target_logprobs
 
 
 class Trunk(nn.Module):

@@ -91,7 +91,7 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
     lone = [("b", random_data(g, 1, 64), "cross_entropy", None, False)]
     for items in (mixed, lone):
         for _ in range(2):
-            outs = [e.forward_backward(items) for e in (oracle, ref_bf16, fused_bf16)]
+            outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (oracle, ref_bf16, fused_bf16)]
             lp_oracle, lp_ref, lp_fused = (flat_logprobs(o) for o in outs)
             err_ref, err_fused = (lp_ref - lp_oracle).abs().max().item(), (lp_fused - lp_oracle).abs().max().item()
             print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 fused {err_fused:.3g}")

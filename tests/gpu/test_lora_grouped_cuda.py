@@ -154,7 +154,7 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
 
     items = [(m, random_data(g, 2, 64), "cross_entropy", None, False) for m in "abcd"]
     for _ in range(2):
-        outs = [e.forward_backward(items) for e in (oracle, ref_bf16, grouped_bf16)]
+        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (oracle, ref_bf16, grouped_bf16)]
         lp_oracle, lp_ref, lp_grouped = (flat_logprobs(o) for o in outs)
         err_ref, err_grouped = (lp_ref - lp_oracle).abs().max().item(), (lp_grouped - lp_oracle).abs().max().item()
         print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 grouped {err_grouped:.3g}")

@@ -73,7 +73,10 @@ def test_swapping_between_every_call_follows_the_unswapped_trajectory_bit_for_bi
     for step in range(5):
         batch = [("a", data(step), "cross_entropy", None, False)]
         swap_out_and_in(k := k + 1)
-        got, want = engine.forward_backward(batch)[0], ref_engine.forward_backward(batch)[0]
+        got, want = (
+            engine.forward_backward([engine.prepare(*it) for it in batch])[0],
+            ref_engine.forward_backward([ref_engine.prepare(*it) for it in batch])[0],
+        )
         assert got == want  # losses and every token's logprob identical
         assert same_state(store.peek("a"), ref.peek("a"))  # unconsumed gradients included
         swap_out_and_in(k := k + 1)  # between forward_backward and optim_step
@@ -201,7 +204,7 @@ def test_spill_file_is_safetensors_with_its_metadata_and_recovered_by_a_new_stor
     engine = make_engine(slots=1)
     store = AdapterStore(engine, 0, tmp_path)
     store.create("tenant:train:0", 3, 6.0, 11)
-    engine.forward_backward([("tenant:train:0", data(0), "cross_entropy", None, False)])
+    engine.forward_backward([engine.prepare("tenant:train:0", data(0), "cross_entropy", None, False)])
     engine.optim_step([("tenant:train:0", ADAM)])
     before = store.peek("tenant:train:0")
     store.create("other", 2, 4.0, 0)

@@ -13,14 +13,8 @@ import torch
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import (
-    OPTIMIZER_FILE,
-    CheckpointState,
-    load_into_engine,
-    read_checkpoint,
-    state_from_engine,
-    write_checkpoint,
-)
+from loraplex.workers.checkpoint import OPTIMIZER_FILE, CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
 from loraplex.workers.engine import Engine
 
 ADAM = {"learning_rate": 1e-2, "beta2": 0.99, "weight_decay": 0.01, "grad_clip_norm": 5.0}
@@ -47,7 +41,7 @@ DATA = make_data(3, [6, 11, 9])
 def train(engine: Engine, model_id: str, steps: int, adam: dict[str, float] = ADAM) -> list[float]:
     losses = []
     for _ in range(steps):
-        out = engine.forward_backward([(model_id, DATA, "cross_entropy", None, False)])[0]
+        out = engine.forward_backward([engine.prepare(model_id, DATA, "cross_entropy", None, False)])[0]
         losses.append(out["metrics"]["loss:sum"])
         (res,) = engine.optim_step([(model_id, adam)])
         assert "metrics" in res, res
@@ -139,7 +133,7 @@ def test_load_over_existing_adapter_continues_bit_identically(tiny_dir: Path, ru
     engine.create_adapter("bystander", 3, 6.0, seed=9)
     train(engine, "x", 2)
     train(engine, "bystander", 1)
-    engine.forward_backward([("x", DATA, "cross_entropy", None, False)])  # unconsumed gradients on x
+    engine.forward_backward([engine.prepare("x", DATA, "cross_entropy", None, False)])  # unconsumed gradients on x
     bystander = full_state(engine, "bystander")
     slot = engine.adapter("x").slot
 

@@ -26,12 +26,11 @@ from loraplex.workers.checkpoint import (
     WEIGHTS_FILE,
     CheckpointState,
     _manifest_digest,
-    load_into_engine,
     read_checkpoint,
-    state_from_engine,
     validate_checkpoint_name,
     write_checkpoint,
 )
+from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
 from loraplex.workers.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +43,7 @@ def engine(tiny_dir: Path) -> Engine:
     engine.create_adapter("a", 4, 8.0, seed=3)
     data = [{"model_input": list(range(5, 17)), "loss_fn_inputs": {"target_tokens": list(range(6, 18))}}]
     for _ in range(2):
-        engine.forward_backward([("a", data, "cross_entropy", None, False)])
+        engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, False)])
         engine.optim_step([("a", {"learning_rate": 1e-2})])
     return engine
 
@@ -127,7 +126,7 @@ def test_overwrite_without_rename_exchange(
     state: CheckpointState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where renameat2(RENAME_EXCHANGE) is unavailable: two renames, and a failed second one puts the old one back."""
-    from loraplex.workers import checkpoint
+    from loraplex import fsutil as checkpoint  # write_checkpoint's folder swap lives in fsutil
 
     monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
     directory = tmp_path / "ckpt"

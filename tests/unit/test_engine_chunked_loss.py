@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
-from loraplex.workers.losses import target_logprobs
+from loraplex.workers.lm_head import target_logprobs
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -139,10 +139,10 @@ def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> No
     ]  # fmt: skip
     items = [("a", data[:2], "cross_entropy", None, False), ("b", rl, "ppo", None, False)]
     with VocabWideAllocations(vocab) as rec:
-        chunked = engines[0].forward_backward(items)
+        chunked = engines[0].forward_backward([engines[0].prepare(*it) for it in items])
     assert rec.ops > 0 and 0 < rec.largest <= chunk, rec.largest
     with VocabWideAllocations(vocab) as rec_whole:
-        whole = engines[1].forward_backward(items)
+        whole = engines[1].forward_backward([engines[1].prepare(*it) for it in items])
     assert rec_whole.largest == sum(len(d["model_input"]) for d in data)  # the detector would catch whole-batch logits
     for x, y in zip(chunked, whole, strict=True):
         assert x["metrics"]["loss:sum"] == pytest.approx(y["metrics"]["loss:sum"], rel=1e-5)

@@ -31,7 +31,8 @@ def test_tiny_adapter_learns_fast(tmp_path_factory: pytest.TempPathFactory) -> N
     start = time.perf_counter()
     losses = []
     for _ in range(STEPS):
-        losses.append(engine.forward_backward([("demo", data, "cross_entropy", None, False)])[0]["metrics"]["loss:sum"])
+        out = engine.forward_backward([engine.prepare("demo", data, "cross_entropy", None, False)])
+        losses.append(out[0]["metrics"]["loss:sum"])
         assert "metrics" in engine.optim_step([("demo", {"learning_rate": LR})])[0]
     elapsed = time.perf_counter() - start
     assert losses[-1] < 0.5 * losses[0], losses
@@ -57,7 +58,9 @@ def test_four_adapters_learn_different_tasks_in_one_mixed_batch(tmp_path_factory
             data[name].append({"model_input": ids[:-1], "loss_fn_inputs": inputs})
     first = None
     for _ in range(STEPS):
-        out = engine.forward_backward([(name, d, "cross_entropy", None, False) for name, d in data.items()])
+        out = engine.forward_backward(
+            [engine.prepare(name, d, "cross_entropy", None, False) for name, d in data.items()]
+        )
         engine.optim_step([(name, {"learning_rate": LR}) for name in data])
         losses = [o["metrics"]["loss:sum"] for o in out]
         first = first or losses

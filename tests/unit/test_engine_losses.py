@@ -8,7 +8,8 @@ import torch
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.workers.engine import Engine
-from loraplex.workers.losses import LOSSES, target_logprobs
+from loraplex.workers.lm_head import target_logprobs
+from loraplex.workers.losses import LOSSES
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_cross_entropy_is_a_weighted_sum_over_datums(engine: Engine) -> None:
             "loss_fn_inputs": {"target_tokens": [11, 12, 13, 14, 15, 16, 17], "weights": [1] * 7},
         },
     ]
-    out = engine.forward_backward([("a", data, "cross_entropy", None, True)])[0]
+    out = engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, True)])[0]
     expected = 0.0
     for d, o in zip(data, out["loss_fn_outputs"], strict=True):
         assert len(o["logprobs"]) == len(d["model_input"]) and all(lp < 0 for lp in o["logprobs"])
@@ -54,9 +55,8 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     n = 9
     g = torch.Generator().manual_seed(3)
     base = {"model_input": list(range(20, 20 + n)), "loss_fn_inputs": {"target_tokens": list(range(21, 21 + n))}}
-    lp = torch.tensor(
-        engine.forward_backward([("a", [base], "cross_entropy", None, True)])[0]["loss_fn_outputs"][0]["logprobs"]
-    )
+    forward = engine.forward_backward([engine.prepare("a", [base], "cross_entropy", None, True)])
+    lp = torch.tensor(forward[0]["loss_fn_outputs"][0]["logprobs"])
     sampling = lp + 0.3 * torch.randn(n, generator=g)
     adv = torch.randn(n, generator=g)
     inputs = {**base["loss_fn_inputs"], "logprobs": sampling.tolist(), "advantages": adv.tolist()}
@@ -69,13 +69,13 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     }
     for name, value in expected.items():
         out = engine.forward_backward(
-            [("a", [{"model_input": base["model_input"], "loss_fn_inputs": inputs}], name, None, True)]
+            [engine.prepare("a", [{"model_input": base["model_input"], "loss_fn_inputs": inputs}], name, None, True)]
         )[0]
         assert out["metrics"]["loss:sum"] == pytest.approx(value.item(), rel=1e-4, abs=1e-5), name
         assert out["loss_fn_outputs"][0]["logprobs"] == lp.tolist()
     tight = engine.forward_backward(
         [
-            (
+            engine.prepare(
                 "a",
                 [{"model_input": base["model_input"], "loss_fn_inputs": inputs}],
                 "ppo",
@@ -98,10 +98,13 @@ def test_mixed_losses_share_one_batch(engine: Engine) -> None:
         }
     ]
     together = engine.forward_backward(
-        [("a", ce, "cross_entropy", None, True), ("a", is_, "importance_sampling", None, True)]
+        [
+            engine.prepare("a", ce, "cross_entropy", None, True),
+            engine.prepare("a", is_, "importance_sampling", None, True),
+        ]
     )
     apart = [
-        engine.forward_backward([("a", d, fn, None, True)])[0]
+        engine.forward_backward([engine.prepare("a", d, fn, None, True)])[0]
         for d, fn in ((ce, "cross_entropy"), (is_, "importance_sampling"))
     ]
     for t, a in zip(together, apart, strict=True):
@@ -116,9 +119,8 @@ def rl_datum(engine: Engine, n: int, seed: int, **extra: list[float]) -> tuple[d
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
     probe = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}
-    lp = torch.tensor(
-        engine.forward_backward([("a", [probe], "cross_entropy", None, True)])[0]["loss_fn_outputs"][0]["logprobs"]
-    )
+    forward = engine.forward_backward([engine.prepare("a", [probe], "cross_entropy", None, True)])
+    lp = torch.tensor(forward[0]["loss_fn_outputs"][0]["logprobs"])
     sampling = (lp + 0.3 * torch.randn(n, generator=g)).tolist()
     adv = torch.randn(n, generator=g).tolist()
     inputs = {"target_tokens": ids[1:], "logprobs": sampling, "advantages": adv, **extra}
@@ -137,7 +139,7 @@ def test_config_and_per_token_clip_thresholds(engine: Engine) -> None:
         r = torch.exp(lp - q)
         return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
 
-    out = engine.forward_backward([("a", [d_tok, d_one, d_cfg], "ppo", config, True)])[0]
+    out = engine.forward_backward([engine.prepare("a", [d_tok, d_one, d_cfg], "ppo", config, True)])[0]
     expected = ppo(d_tok, lp_tok, torch.tensor(low), torch.tensor(high)) + ppo(d_one, lp_one, 0.97, 1.02)
     expected += ppo(d_cfg, lp_cfg, 0.9, 1.02)
     assert out["metrics"]["loss:sum"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-5)
@@ -147,7 +149,7 @@ def test_config_and_per_token_clip_thresholds(engine: Engine) -> None:
         ("dro", {"beta": 0.05}, lambda lp, q, a: -(lp * a - 0.025 * (lp - q) ** 2)),
     ]:  # fmt: skip
         q, a = (torch.tensor(d_cfg["loss_fn_inputs"][k]) for k in ("logprobs", "advantages"))
-        got = engine.forward_backward([("a", [d_cfg], name, cfg, True)])[0]["metrics"]["loss:sum"]
+        got = engine.forward_backward([engine.prepare("a", [d_cfg], name, cfg, True)])[0]["metrics"]["loss:sum"]
         assert got == pytest.approx(formula(lp_cfg, q, a).sum().item(), rel=1e-5, abs=1e-5), name
 
 
@@ -186,7 +188,8 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
     adv = torch.tensor(inputs["advantages"])
     ce = {"model_input": d["model_input"], "loss_fn_inputs": {"target_tokens": inputs["target_tokens"]}}
     outs = engine.forward_backward(
-        [("a", [ce], "cross_entropy", None, True)] + [("a", [d], name, None, True) for name in RL_LOSSES]
+        [engine.prepare("a", [ce], "cross_entropy", None, True)]
+        + [engine.prepare("a", [d], name, None, True) for name in RL_LOSSES]
     )
     for out in outs:
         assert "loss:sum" in out["metrics"]
@@ -205,7 +208,7 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
     assert by_loss["cispo"]["clip_fraction:mean"] == pytest.approx(cispo_out.sum().item() / active.sum().item())
     # No active token at all: the ratio metrics are left out rather than NaN.
     inputs["advantages"] = [0.0] * 12
-    quiet = engine.forward_backward([("a", [d], "ppo", None, True)])[0]["metrics"]
+    quiet = engine.forward_backward([engine.prepare("a", [d], "ppo", None, True)])[0]["metrics"]
     assert quiet == {"loss:sum": quiet["loss:sum"], "clip_fraction:mean": 0.0}
 
 
@@ -216,10 +219,10 @@ def test_forward_only_rl_rows_return_logprobs_and_leave_no_gradient(tmp_path_fac
     e.create_adapter("a", 8, 16.0, seed=0)
     d, lp = rl_datum(e, 9, 11)
     for name in RL_LOSSES:
-        out = e.forward_backward([("a", [d], name, None, True)])[0]
+        out = e.forward_backward([e.prepare("a", [d], name, None, True)])[0]
         assert out["loss_fn_outputs"][0]["logprobs"] == lp.tolist()
     assert all(torch.count_nonzero(t) == 0 for pair in e.adapter_grads("a").values() for t in pair)
-    e.forward_backward([("a", [d], "dro", None, False)])
+    e.forward_backward([e.prepare("a", [d], "dro", None, False)])
     assert any(torch.count_nonzero(t) > 0 for pair in e.adapter_grads("a").values() for t in pair)
 
 
@@ -253,7 +256,7 @@ def test_bad_loss_inputs_are_refused(
     engine: Engine, datum: dict, loss_fn: str, config: dict | None, match: str
 ) -> None:
     with pytest.raises(InvalidRequestError, match=match):
-        engine.forward_backward([("a", [datum], loss_fn, config, False)])
+        engine.forward_backward([engine.prepare("a", [datum], loss_fn, config, False)])
     assert all(torch.count_nonzero(t) == 0 for pair in engine.adapter_grads("a").values() for t in pair)
 
 
@@ -263,9 +266,9 @@ def test_all_losses_share_one_batch(engine: Engine) -> None:
     ce = {"model_input": d1["model_input"], "loss_fn_inputs": {"target_tokens": d1["loss_fn_inputs"]["target_tokens"]}}
     items = [("a", [ce], "cross_entropy", None, True)]
     items += [("a", [d1, d2], name, {"beta": 0.2}, True) for name in RL_LOSSES]
-    together = engine.forward_backward(items)
+    together = engine.forward_backward([engine.prepare(*it) for it in items])
     for item, got in zip(items, together, strict=True):
-        alone = engine.forward_backward([item])[0]
+        alone = engine.forward_backward([engine.prepare(*item)])[0]
         assert got["metrics"] == pytest.approx(alone["metrics"], rel=1e-5, abs=1e-6), item[2]
         for x, y in zip(got["loss_fn_outputs"], alone["loss_fn_outputs"], strict=True):
             torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, state_from_engine, write_checkpoint
+from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.checkpoint_state import state_from_engine
 from loraplex.workers.engine import Engine
 from loraplex.workers.export import export_peft
 from loraplex.workers.lora import Routing
@@ -42,7 +43,7 @@ def engine(tiny_dir: Path) -> Engine:
         engine.create_adapter(model_id, rank, alpha, seed)
     data = make_data(1, [12, 9])
     for _ in range(4):
-        engine.forward_backward([(m, data, "cross_entropy", None, False) for m in ADAPTERS])
+        engine.forward_backward([engine.prepare(m, data, "cross_entropy", None, False) for m in ADAPTERS])
         engine.optim_step([(m, {"learning_rate": 2e-2}) for m in ADAPTERS])
     return engine
 
@@ -77,7 +78,7 @@ def test_peft_loads_export_to_engine_logits(
         assert torch.equal(loaded[f"base_model.model.{name}.lora_B.default.weight"], b)
 
     rank, alpha, _ = ADAPTERS[model_id]
-    forward = engine.forward_backward([(model_id, SEQUENCES, "cross_entropy", None, True)])[0]
+    forward = engine.forward_backward([engine.prepare(model_id, SEQUENCES, "cross_entropy", None, True)])[0]
     for datum, ours in zip(SEQUENCES, forward["loss_fn_outputs"], strict=True):
         ids = datum["model_input"]
         with torch.no_grad():

@@ -286,7 +286,7 @@ def test_engine_with_grouped_op_equals_engine_with_reference_op(
         ("a", make_data(5, [4]), "cross_entropy", None, True),  # forward-only rows in the same batch
     ]
     for _ in range(2):
-        outs = [engine.forward_backward(items) for engine in (grouped, reference)]
+        outs = [engine.forward_backward([engine.prepare(*it) for it in items]) for engine in (grouped, reference)]
         for got, want in zip(*outs, strict=True):
             assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-4, rel=1e-5)
             for dg, dw in zip(got["loss_fn_outputs"], want["loss_fn_outputs"], strict=True):

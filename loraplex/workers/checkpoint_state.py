@@ -1,0 +1,146 @@
+"""Copying an adapter between its engine slot and a CheckpointState (checkpoint.py holds the state's format on disk).
+
+A slot holds the adapter zero padded to the pool's r_max, each bank as A [in, r_max] and B [r_max, out] in one row of
+the optimizer's flat buffers; a CheckpointState holds only the real-rank parts in PEFT's layout (A [r, in], B [out, r]),
+fp32 on the CPU. Saving copies the slot's rows to the host (Engine.read_slot) and slices them; loading builds the rows
+on the host (zero padding included) and copies them into a zeroed slot (Engine.write_slot). Gradients are never saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from loraplex.errors import InvalidRequestError
+from loraplex.workers.checkpoint import KINDS, CheckpointState, Moments, Weights, validate_state
+from loraplex.workers.engine import AdapterRecord, Engine
+
+WEIGHT_ROWS = ("weights",)
+OPTIMIZER_ROWS = ("weights", "exp_avg", "exp_avg_sq")  # weights and AdamW's moments, in that order
+
+
+def state_from_engine(
+    engine: Engine,
+    model_id: str,
+    *,
+    base_model: str,
+    with_optimizer: bool,
+    kind: str | None = None,
+    user_metadata: Mapping[str, Any] | None = None,
+) -> CheckpointState:
+    """Copy an adapter's weights (and Adam moments + step count when `with_optimizer`) out of its slot: fp32 CPU
+    copies of the real-rank parts. `kind` defaults to "state" with the optimizer, "sampler" without."""
+    record = engine.adapter(model_id)
+    kind = kind or ("state" if with_optimizer else "sampler")
+    if kind not in KINDS:
+        raise InvalidRequestError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    if kind == "sampler" and with_optimizer:
+        raise InvalidRequestError("a sampler checkpoint holds weights only (with_optimizer=False)")
+    rows = engine.read_slot(record.slot, OPTIMIZER_ROWS if with_optimizer else WEIGHT_ROWS)
+    r = record.rank
+    weights: Weights = {}
+    moments: Moments = {}
+    for name, a, b in _bank_views(engine, rows):
+        weights[name] = _real_parts(a[0], b[0], r)
+        if with_optimizer:
+            (m_a, m_b), (v_a, v_b) = _real_parts(a[1], b[1], r), _real_parts(a[2], b[2], r)
+            moments[name] = (m_a, v_a, m_b, v_b)
+    return CheckpointState(
+        model_id=model_id,
+        rank=record.rank,
+        alpha=record.alpha,
+        seed=record.seed,
+        step=int(engine.optimizer.steps[record.slot]),
+        base_model=str(base_model),
+        target_modules=tuple(engine.target_modules),
+        modules=tuple(engine.banks),
+        max_rank_hint=engine.max_rank,
+        weights=weights,
+        optimizer=moments if with_optimizer else None,
+        kind=kind,
+        user_metadata=dict(user_metadata or {}),
+    )
+
+
+def check_signature(engine: Engine, state: CheckpointState) -> None:
+    """Whether `state` fits this pool: rank <= r_max, the same target-module set, the same modules with the same
+    shapes. InvalidRequestError naming what differs."""
+    if state.rank > engine.max_rank:
+        raise InvalidRequestError(f"checkpoint rank {state.rank} exceeds this pool's max rank {engine.max_rank}")
+    ours, theirs = set(engine.target_modules), set(state.target_modules)
+    if ours != theirs:
+        raise InvalidRequestError(
+            f"checkpoint target modules {sorted(theirs)} differ from this pool's {sorted(ours)} "
+            f"(missing here: {sorted(theirs - ours)}, not in checkpoint: {sorted(ours - theirs)})"
+        )
+    pool_modules = set(engine.banks)
+    if set(state.modules) != pool_modules:
+        extra, missing = sorted(set(state.modules) - pool_modules), sorted(pool_modules - set(state.modules))
+        raise InvalidRequestError(
+            f"checkpoint modules do not match this pool's base model: {len(extra)} unknown here "
+            f"(e.g. {extra[:3]}), {len(missing)} missing from the checkpoint (e.g. {missing[:3]})"
+        )
+    for name, bank in engine.banks.items():
+        a, b = state.weights[name]
+        want_a, want_b = (state.rank, bank.in_features), (bank.out_features, state.rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise InvalidRequestError(
+                f"checkpoint module {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit this pool's "
+                f"A {want_a}, B {want_b} (a different base model?)"
+            )
+
+
+def load_into_engine(
+    engine: Engine, state: CheckpointState, model_id: str, *, with_optimizer: bool, existing: bool
+) -> AdapterRecord:
+    """Restore `state` as adapter `model_id`: into a newly claimed slot (existing=False), or over that adapter's slot in
+    place (existing=True: its weights, Adam moments and step are replaced and its unconsumed gradients cleared; rank,
+    alpha and seed become the checkpoint's). With the optimizer: moments and step restored, so training continues
+    bit-identically to an uninterrupted run; without: zero moments, step 0 (a fresh AdamW from those weights).
+
+    Everything is checked before the engine is touched: a bad signature (InvalidRequestError), an unknown adapter
+    (existing=True: NotFoundError), a taken id or no free slot (existing=False: ConflictError / CapacityError)."""
+    validate_state(state)
+    check_signature(engine, state)
+    if with_optimizer and state.optimizer is None:
+        raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
+    if existing:
+        record = engine.reset_adapter(model_id, state.rank, state.alpha, state.seed)  # same slot, zeroed
+    else:
+        record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed)  # a zeroed slot
+    names = OPTIMIZER_ROWS if with_optimizer else WEIGHT_ROWS
+    rows = torch.zeros((len(names), engine.slot_width))  # the zero padding stays zero
+    r = record.rank
+    with torch.no_grad():
+        for name, a, b in _bank_views(engine, rows):
+            parts = [state.weights[name]]
+            if with_optimizer:
+                assert state.optimizer is not None
+                m_a, v_a, m_b, v_b = state.optimizer[name]
+                parts += [(m_a, m_b), (v_a, v_b)]
+            for k, (part_a, part_b) in enumerate(parts):  # PEFT's A [r, in], B [out, r] -> the banks' layout
+                a[k, :, :r] = part_a.t()
+                b[k, :r] = part_b.t()
+    engine.write_slot(record.slot, rows, names)
+    engine.optimizer.steps[record.slot] = int(state.step) if with_optimizer else 0
+    return record
+
+
+def _bank_views(engine: Engine, rows: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Per bank, in the engine's order: its name and its views into `rows` [k, P] (slot rows): A [k, in, r_max] and
+    B [k, r_max, out]."""
+    segments = engine.optimizer.segments
+    for i, (name, bank) in enumerate(engine.banks.items()):
+        (a_start, a_size), (b_start, b_size) = segments[2 * i], segments[2 * i + 1]
+        a = rows[:, a_start : a_start + a_size].view(-1, *bank.lora_A.shape[1:])
+        b = rows[:, b_start : b_start + b_size].view(-1, *bank.lora_B.shape[1:])
+        yield name, a, b
+
+
+def _real_parts(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bank's real-rank (A [r, in], B [out, r]) from its padded views, each with its own contiguous storage
+    (safetensors refuses shared storage)."""
+    own = torch.contiguous_format
+    return a[:, :rank].t().clone(memory_format=own), b[:rank].t().clone(memory_format=own)

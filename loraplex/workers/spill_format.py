@@ -1,0 +1,99 @@
+"""The spill file: an AdapterSnapshot on disk, for adapters the adapter store moves past its host-memory budget.
+
+One safetensors file: a single F32 tensor "rows" [4, P] (the snapshot's weights, gradients, exp_avg and exp_avg_sq
+rows, zero padding included) and string metadata: format, version, model_id, rank, alpha, seed, step (the Adam step
+count) and signature (JSON: max_rank, modules, width), so a restarted pool can tell whether a file fits its layout.
+Files are written atomically (`fsutil.atomic_write`) and read straight into a caller's (pinned) buffer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from loraplex.errors import InvalidRequestError
+from loraplex.fsutil import atomic_write
+from loraplex.workers.snapshots import AdapterSnapshot, PoolSignature
+
+SPILL_FORMAT = "loraplex-adapter-spill"
+SPILL_VERSION = "1"
+SPILL_SUFFIX = ".safetensors"
+
+
+def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
+    """Write atomically (a reader or a restart sees the old file or the whole new one). Streams the rows straight from
+    the (pinned) buffer: no extra copy in memory."""
+    rows = snapshot.rows
+    sig = snapshot.signature
+    metadata = {
+        "format": SPILL_FORMAT,
+        "version": SPILL_VERSION,
+        "model_id": snapshot.model_id,
+        "rank": str(snapshot.rank),
+        "alpha": repr(float(snapshot.alpha)),
+        "seed": str(snapshot.seed),
+        "step": str(snapshot.step),
+        "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
+    }
+    nbytes = rows.numel() * rows.element_size()
+    header = {
+        "__metadata__": metadata,
+        "rows": {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [0, nbytes]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    with atomic_write(path) as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.write(memoryview(rows.contiguous().numpy()).cast("B"))
+
+
+def read_spill_metadata(path: Path) -> dict:
+    """The file's model_id, rank, alpha, seed, step and signature; ValueError (or OSError, KeyError) when it is not a
+    spill file of this format."""
+    with open(path, "rb") as f:
+        header, _ = _read_header(f)
+    return _parse_metadata(header)
+
+
+def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
+    """Read a spill file's rows straight into `out` [4, P] (e.g. a pinned buffer); checks the layout and length."""
+    with open(path, "rb") as f:
+        header, start = _read_header(f)
+        meta = _parse_metadata(header)
+        info = header["rows"]
+        begin, end = info["data_offsets"]
+        if info["dtype"] != "F32" or list(info["shape"]) != list(out.shape) or end - begin != out.numel() * 4:
+            raise InvalidRequestError(f"spill file {path.name} does not fit this pool's layout")
+        f.seek(start + begin)
+        view = memoryview(out.numpy()).cast("B")
+        if f.readinto(view) != len(view):
+            raise InvalidRequestError(f"spill file {path.name} is truncated")
+    return AdapterSnapshot(
+        meta["model_id"], meta["rank"], meta["alpha"], meta["seed"], meta["step"], meta["signature"], out
+    )
+
+
+def _read_header(f: BinaryIO) -> tuple[dict, int]:
+    size = int.from_bytes(f.read(8), "little")
+    if not 0 < size < 1 << 24:
+        raise ValueError("not a safetensors file")
+    return json.loads(f.read(size)), 8 + size
+
+
+def _parse_metadata(header: dict) -> dict:
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != SPILL_FORMAT or meta.get("version") != SPILL_VERSION:
+        raise ValueError(f"not a {SPILL_FORMAT} v{SPILL_VERSION} file")
+    sig = json.loads(meta["signature"])
+    return {
+        "model_id": meta["model_id"],
+        "rank": int(meta["rank"]),
+        "alpha": float(meta["alpha"]),
+        "seed": int(meta["seed"]),
+        "step": int(meta["step"]),
+        "signature": PoolSignature(int(sig["max_rank"]), tuple(sig["modules"]), int(sig["width"])),
+    }
