@@ -1,5 +1,6 @@
 """All user-facing errors. Each inherits its stdlib cousin so callers can catch either; all stay picklable
-(they cross process boundaries as `type name + message`). The API maps them to HTTP codes in `api/errors.py`."""
+(they cross process boundaries as `type name + message`). Their HTTP status codes are the table at the end, read by
+the gateway (`api/errors.py`, error -> status) and the client (`client/transport.py`, status -> error)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,31 @@ USER_ERRORS: dict[str, type[LoraplexError]] = {
 def error_from_name(name: str, message: str) -> LoraplexError:
     """Rebuild a typed error from its class name and message (as stored in a result)."""
     return USER_ERRORS.get(name, LoraplexError)(message)
+
+
+# The HTTP status of each error the gateway answers with; any other LoraplexError is a 500.
+HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
+    AuthenticationError: 401,
+    NotFoundError: 404,
+    ConflictError: 409,
+    InvalidRequestError: 400,
+    CapacityError: 429,
+}
+# And back, for the client. 422 is FastAPI's own answer to a body that fails validation: a bad request too.
+ERROR_BY_HTTP_STATUS: dict[int, type[LoraplexError]] = {
+    **{status: cls for cls, status in HTTP_STATUS_BY_ERROR.items()},
+    422: InvalidRequestError,
+}
+
+
+def http_status_for(exc: LoraplexError) -> int:
+    """The status of the nearest class in `exc`'s MRO that the table names (subclasses map like their base)."""
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS_BY_ERROR:
+            return HTTP_STATUS_BY_ERROR[cls]
+    return 500
+
+
+def error_class_for_status(status: int) -> type[LoraplexError]:
+    """The error a client raises for an HTTP error status (LoraplexError for one the table does not name)."""
+    return ERROR_BY_HTTP_STATUS.get(status, LoraplexError)

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
+from loraplex.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.storage.blobs import BlobStore
-from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.models import Adapter, Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
-from loraplex.storage.repositories.checkpoints import TINKER_SCHEME, parse_kind, parse_tinker_path, tinker_path
 
 if TYPE_CHECKING:
     from loraplex.settings import Settings
@@ -27,32 +26,12 @@ if TYPE_CHECKING:
 EXPORTABLE_KINDS = (CheckpointKind.SAMPLER, CheckpointKind.STATE)
 
 
-def parse_checkpoint_ref(model_id: str, ref: str) -> tuple[CheckpointKind, str]:
-    """`tinker://<model_id>/<weights|sampler_weights>/<name>` (of this adapter) or `<kind>/<name>` (kind: weights,
-    sampler_weights, state or sampler) -> (kind, name); InvalidRequestError when it is neither."""
-    if ref.startswith(TINKER_SCHEME):
-        parsed = parse_tinker_path(ref)
-        if parsed.model_id != model_id:
-            raise InvalidRequestError(f"{ref} is a checkpoint of adapter {parsed.model_id!r}, not of {model_id!r}")
-        return parsed.kind, parsed.name
-    segment, sep, name = ref.partition("/")
-    if not sep or not name or "/" in name:
-        raise InvalidRequestError(
-            f"not a checkpoint reference: {ref!r} (expected tinker://{model_id}/<weights|sampler_weights>/<name> "
-            "or <weights|sampler_weights>/<name>)"
-        )
-    try:
-        return parse_kind(segment), name
-    except NotFoundError as exc:
-        raise InvalidRequestError(exc.message) from None
-
-
 def find_export_checkpoint(
     session: Session, tenant_id: str, model_id: str, ref: str | None = None
 ) -> tuple[Adapter, Checkpoint]:
-    """The tenant's adapter (deleted ones too) and the checkpoint to export: `ref` (see parse_checkpoint_ref) or, by
-    default, the latest sampler or state checkpoint. NotFoundError for another tenant's adapter or checkpoint, a
-    missing one, or an adapter with nothing saved yet."""
+    """The tenant's adapter (deleted ones too) and the checkpoint to export: `ref` (a tinker path or `<kind>/<name>`,
+    see checkpoint_paths.parse_checkpoint_ref) or, by default, the latest sampler or state checkpoint. NotFoundError
+    for another tenant's adapter or checkpoint, a missing one, or an adapter with nothing saved yet."""
     adapter = AdapterRepository(session, tenant_id).get(model_id, include_deleted=True)
     checkpoints = CheckpointRepository(session, tenant_id)
     if ref is not None:

@@ -3,40 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Annotated
 
-import redis
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.auth_cache import AuthCache
+from loraplex.api.service.context import Services, TenantRef
 from loraplex.errors import AuthenticationError
-from loraplex.queue.producer import Producer
-from loraplex.queue.results import ResultStore
-from loraplex.settings import Settings
-from loraplex.storage.repositories import TenantRepository, unit_of_work
+from loraplex.storage.repositories import TenantRepository
 
-
-@dataclass(frozen=True)
-class TenantRef:
-    id: str
-    name: str
-
-
-@dataclass
-class Services:
-    """Everything a route needs, built once in the app's lifespan."""
-
-    settings: Settings
-    sessions: sessionmaker[Session]
-    redis: redis.Redis
-    producer: Producer
-    results: ResultStore
-    auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
+# Services and TenantRef are the service layer's (api/service/context.py); the dependencies hand them to the routes.
+__all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant"]
 
 
 async def get_services(request: Request) -> Services:
@@ -44,15 +23,9 @@ async def get_services(request: Request) -> Services:
 
 
 def get_db(services: Annotated[Services, Depends(get_services)]) -> Iterator[Session]:
-    """A read session for the request. Writes go through `write_session` instead: on SQLite it takes the write lock
-    up front, so a concurrent writer makes it wait rather than fail."""
+    """A read session for the request. Writes go through `write_session` (api/service/context.py) instead."""
     with services.sessions() as session:
         yield session
-
-
-def write_session(services: Services) -> AbstractContextManager[Session]:
-    """One transaction: committed when the block ends, rolled back (nothing half-written) on any error."""
-    return unit_of_work(services.sessions)
 
 
 # Security schemes (documented in the OpenAPI schema); they read the header directly, cheaper than Header params.

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loraplex.protocol_defaults import ADAM_DEFAULTS
+
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 
 
@@ -49,12 +51,12 @@ class ForwardBackwardRequest(Strict):
 
 
 class AdamParams(Strict):
-    learning_rate: float = Field(1e-4, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-12, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip_norm: float = Field(0.0, ge=0)
+    learning_rate: float = Field(ADAM_DEFAULTS["learning_rate"], ge=0)
+    beta1: float = Field(ADAM_DEFAULTS["beta1"], ge=0, lt=1)
+    beta2: float = Field(ADAM_DEFAULTS["beta2"], ge=0, lt=1)
+    eps: float = Field(ADAM_DEFAULTS["eps"], gt=0)
+    weight_decay: float = Field(ADAM_DEFAULTS["weight_decay"], ge=0)
+    grad_clip_norm: float = Field(ADAM_DEFAULTS["grad_clip_norm"], ge=0)
 
 
 class OptimStepRequest(Strict):

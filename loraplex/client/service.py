@@ -15,7 +15,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8700"
 
 
 class ServiceClient:
-    """`ServiceClient(base_url, api_key)`; both default to LORAPLEX_BASE_URL and LORAPLEX_API_KEY."""
+    """`ServiceClient(base_url, api_key)`; both default to LORAPLEX_BASE_URL and LORAPLEX_API_KEY. Close it when done:
+    `with ServiceClient() as client:` (or `close()`), and in async code `async with` (or `await aclose()`)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float = 120.0) -> None:
         base_url = base_url or os.environ.get("LORAPLEX_BASE_URL", DEFAULT_BASE_URL)
@@ -69,10 +70,21 @@ class ServiceClient:
         return self._transport.request("GET", "/v1/healthz")
 
     def close(self) -> None:
+        """Close the HTTP connections, the async client's too (on its event loop: from async code prefer `aclose`)."""
         self._transport.close()
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections from async code, on the event loop that made the async calls."""
+        await self._transport.aclose()
 
     def __enter__(self) -> ServiceClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> ServiceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import APIFuture
 from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
@@ -109,7 +110,7 @@ class TrainingClient:
 
     def delete_checkpoint(self, path: str) -> dict[str, Any]:
         """Delete one of this adapter's checkpoints (row and files) by its tinker path."""
-        model_id, segment, name = _split_tinker_path(path)
+        model_id, segment, name = split_tinker_path(path)  # the server reads the kind from the segment
         if model_id != self.model_id:
             raise InvalidRequestError(f"{path} is not a checkpoint of adapter {self.model_id}")
         return self._transport.request("DELETE", f"/v1/adapters/{model_id}/checkpoints/{segment}/{name}")
@@ -152,12 +153,3 @@ def extract_tar(archive: IO[bytes], out_dir: Path) -> Path:
     except tarfile.TarError as exc:
         raise InvalidRequestError(f"the export archive is unreadable: {exc}") from None
     return out_dir
-
-
-def _split_tinker_path(path: str) -> tuple[str, str, str]:
-    """tinker://<model_id>/<weights|sampler_weights>/<name> -> its three parts."""
-    prefix = "tinker://"
-    parts = path[len(prefix) :].split("/") if path.startswith(prefix) else []
-    if len(parts) != 3 or not all(parts):
-        raise InvalidRequestError(f"not a checkpoint path: {path!r} (expected tinker://<model_id>/weights/<name>)")
-    return parts[0], parts[1], parts[2]

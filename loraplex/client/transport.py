@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import warnings
 from typing import Any, BinaryIO
 
 import httpx
 
-from loraplex.errors import (
-    AuthenticationError,
-    CapacityError,
-    ConflictError,
-    InvalidRequestError,
-    LoraplexError,
-    NotFoundError,
-)
-
-ERROR_BY_STATUS: dict[int, type[LoraplexError]] = {
-    400: InvalidRequestError,
-    401: AuthenticationError,
-    404: NotFoundError,
-    409: ConflictError,
-    422: InvalidRequestError,
-    429: CapacityError,
-}
+from loraplex.errors import error_class_for_status
 
 
 def raise_for_status(response: httpx.Response) -> Any:
@@ -35,15 +21,20 @@ def raise_for_status(response: httpx.Response) -> Any:
     detail = body.get("detail", body)
     if isinstance(detail, list):  # FastAPI validation errors: name each bad field
         detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in detail)
-    cls = ERROR_BY_STATUS.get(response.status_code, LoraplexError)
-    raise cls(f"HTTP {response.status_code}: {detail}")
+    raise error_class_for_status(response.status_code)(f"HTTP {response.status_code}: {detail}")
 
 
 class Transport:
+    """A sync HTTP client, and an async one opened on the first async call. The async client's connections belong to
+    the event loop that opened it, so it is closed on that loop: `aclose()` from async code, or `close()`, which runs
+    or schedules the close there (see `close`)."""
+
     def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
         headers = {"X-API-Key": api_key}
         self._sync = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self._closing: asyncio.Task[None] | None = None  # a close that `close()` scheduled (loops hold tasks weakly)
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -62,11 +53,54 @@ class Transport:
     async def request_async(self, method: str, path: str, **kwargs: Any) -> Any:
         if self._async is None:
             self._async = httpx.AsyncClient(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
+            self._async_loop = asyncio.get_running_loop()
         return raise_for_status(await self._async.request(method, path, **kwargs))
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close both clients; call it on the event loop that made the async calls."""
+        client, self._async, self._async_loop = self._async, None, None
+        if client is not None:
+            await client.aclose()
         self._sync.close()
 
-    async def aclose(self) -> None:
-        if self._async is not None:
-            await self._async.aclose()
+    def close(self) -> None:
+        """Close both clients. The async one (if an async call opened it) is closed on its own event loop: at once
+        when that loop is idle, waited for when it runs in another thread, scheduled when it is the loop running this
+        call (the close then runs at the caller's next await). Connections of a loop that has ended cannot be closed
+        any more: a ResourceWarning then says to `await aclose()` before the loop ends."""
+        self._sync.close()
+        client, loop = self._async, self._async_loop
+        self._async = self._async_loop = None
+        if client is None or loop is None:
+            return
+        running = _running_loop()
+        closing = _aclose_or_warn(client)
+        if loop.is_closed():
+            loop = running
+        if loop is None:
+            asyncio.run(closing)
+        elif loop is running:
+            self._closing = loop.create_task(closing)
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(closing, loop).result(self._timeout)
+        else:
+            loop.run_until_complete(closing)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _aclose_or_warn(client: httpx.AsyncClient) -> None:
+    try:
+        await client.aclose()
+    except RuntimeError:  # "Event loop is closed": its connections belong to a loop that has ended
+        warnings.warn(
+            "the async HTTP client's connections outlived their event loop and could not be closed: "
+            "`await client.aclose()` (or use `async with`) before the loop ends",
+            ResourceWarning,
+            stacklevel=2,
+        )

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from loraplex.protocol_defaults import ADAM_DEFAULTS
+
 
 @dataclass
 class Datum:
@@ -32,12 +34,14 @@ class Datum:
 
 @dataclass
 class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    """AdamW settings of one optim_step; each default is Tinker's (loraplex.protocol_defaults)."""
+
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]  # 0 = no clipping
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)

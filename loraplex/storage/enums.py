@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from loraplex.checkpoint_paths import CheckpointKind  # the one vocabulary of checkpoint kinds, stored by value here
+
+__all__ = ["AdapterStatus", "CheckpointKind", "SnapshotTier"]
+
 
 class AdapterStatus(StrEnum):
     CREATING = "creating"
     READY = "ready"
     FAILED = "failed"
     DELETED = "deleted"
-
-
-class CheckpointKind(StrEnum):
-    STATE = "state"  # weights + optimizer state (save_state / save_weights)
-    SAMPLER = "sampler"  # weights only, for sampling (save_weights_for_sampler)
-    EXPORT = "export"  # PEFT-format export
 
 
 class SnapshotTier(StrEnum):

@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,6 +42,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
+# The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); re-exported for callers here.
+from loraplex.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.fsutil import write_folder_atomic
 
@@ -55,8 +56,6 @@ KINDS = ("state", "sampler")
 PEFT_PREFIX = "base_model.model."
 MOMENT_NAMES = ("lora_A.exp_avg", "lora_A.exp_avg_sq", "lora_B.exp_avg", "lora_B.exp_avg_sq")
 MAX_MANIFEST_BYTES = 64 << 20
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [r, in], B [out, r])
 Moments = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # module -> (m_A, v_A, m_B, v_B)
@@ -89,16 +88,6 @@ class CheckpointFiles:
     files: dict[str, tuple[int, str]]
     total_size: int
     sha256: str  # of checkpoint.json as written (it names every other file's sha256)
-
-
-# ---- names -------------------------------------------------------------------------------------------------------------
-def validate_checkpoint_name(name: object) -> str:
-    """A checkpoint name usable as one path component: 1-128 of [A-Za-z0-9_.-], not "." or ".."."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise InvalidRequestError(
-            f"invalid checkpoint name {name!r}: use 1-128 characters from [A-Za-z0-9_.-], not '.' or '..'"
-        )
-    return name
 
 
 # ---- files -------------------------------------------------------------------------------------------------------------

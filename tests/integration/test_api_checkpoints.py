@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from loraplex.checkpoint_paths import checkpoint_blob_key
 from loraplex.queue import keys
 from loraplex.queue.envelope import decode
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
-from loraplex.storage.repositories.checkpoints import checkpoint_blob_key
 
 pytestmark = pytest.mark.integration
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from loraplex.checkpoint_paths import checkpoint_blob_key
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_engine, migrate, session_factory
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository, unit_of_work
-from loraplex.storage.repositories.checkpoints import checkpoint_blob_key
 from loraplex.storage.retention import delete_expired
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)

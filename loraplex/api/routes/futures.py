@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query
 
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.schemas import ErrorOut, FutureOut
-from loraplex.api.submit import owner_of
+from loraplex.api.service import owner_of
 from loraplex.errors import USER_ERRORS, NotFoundError
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"])

@@ -1,65 +1,18 @@
-"""Checkpoint records of one tenant's adapters (the files themselves live in the blob store), and how checkpoints are
-addressed: `tinker://<model_id>/<weights|sampler_weights>/<name>` for clients, `<tenant>/<model>/<kind>/<name>` as the
-blob key of the checkpoint's folder."""
+"""Checkpoint records of one tenant's adapters (the files themselves live in the blob store). How checkpoints are
+addressed (tinker paths, blob keys) is `loraplex.checkpoint_paths`."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.errors import NotFoundError
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories._common import add_or_conflict
 from loraplex.storage.repositories.adapters import AdapterRepository
-
-TINKER_SCHEME = "tinker://"
-# The path segment of each kind a client can address (Tinker's names), and back.
-SEGMENT_BY_KIND = {CheckpointKind.STATE: "weights", CheckpointKind.SAMPLER: "sampler_weights"}
-KIND_BY_SEGMENT = {segment: kind for kind, segment in SEGMENT_BY_KIND.items()}
-
-
-class TinkerPath(NamedTuple):
-    model_id: str
-    kind: CheckpointKind
-    name: str
-
-    def __str__(self) -> str:
-        return tinker_path(self.model_id, self.kind, self.name)
-
-
-def tinker_path(model_id: str, kind: CheckpointKind, name: str) -> str:
-    return f"{TINKER_SCHEME}{model_id}/{SEGMENT_BY_KIND[CheckpointKind(kind)]}/{name}"
-
-
-def parse_tinker_path(path: str) -> TinkerPath:
-    """`tinker://<model_id>/<weights|sampler_weights>/<name>` -> its parts (InvalidRequestError when malformed)."""
-    if not isinstance(path, str) or not path.startswith(TINKER_SCHEME):
-        raise InvalidRequestError(f"not a checkpoint path: {path!r} (expected tinker://<model_id>/weights/<name>)")
-    parts = path[len(TINKER_SCHEME) :].split("/")
-    if len(parts) != 3 or not all(parts) or parts[1] not in KIND_BY_SEGMENT:
-        raise InvalidRequestError(
-            f"not a checkpoint path: {path!r} (expected tinker://<model_id>/<weights|sampler_weights>/<name>)"
-        )
-    return TinkerPath(parts[0], KIND_BY_SEGMENT[parts[1]], parts[2])
-
-
-def parse_kind(value: str) -> CheckpointKind:
-    """A kind as a URL names it: `weights` / `sampler_weights` (Tinker) or `state` / `sampler`."""
-    if value in KIND_BY_SEGMENT:
-        return KIND_BY_SEGMENT[value]
-    if value in (CheckpointKind.STATE, CheckpointKind.SAMPLER):
-        return CheckpointKind(value)
-    raise NotFoundError(f"no checkpoint kind {value!r}: use weights or sampler_weights")
-
-
-def checkpoint_blob_key(tenant_id: str, model_id: str, kind: CheckpointKind, name: str) -> str:
-    """The blob key of a checkpoint's folder. Tinker model ids hold ':' (not a blob key character): it becomes '_'
-    (native ids are hex, so no two adapters of a tenant map to one key)."""
-    return f"{tenant_id}/{model_id.replace(':', '_')}/{CheckpointKind(kind).value}/{name}"
 
 
 def expired_checkpoints(session: Session, now: datetime) -> list[Checkpoint]:

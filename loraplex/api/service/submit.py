@@ -1,11 +1,12 @@
-"""Turning an accepted request into a queued envelope. The owner of each request id is kept beside it in Redis so
-that only the submitting tenant can read the future."""
+"""Turning an accepted request into a queued envelope and the future's reference. The owner of each request id is kept
+beside it in Redis so that only the submitting tenant can read the future."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loraplex.api.deps import Services
+from loraplex.api.schemas import FutureRef
+from loraplex.api.service.context import Services, TenantRef
 from loraplex.dispatch.plan import RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
@@ -28,6 +29,19 @@ def enqueue(
     request_id = services.producer.submit(envelope)
     services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
     return request_id
+
+
+def submit(
+    services: Services,
+    tenant: TenantRef,
+    model_id: str,
+    kind: RequestKind,
+    payload: dict[str, Any],
+    seq_id: int | None = None,
+) -> FutureRef:
+    """`enqueue`, answered as the reference the client polls."""
+    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id)
+    return FutureRef(request_id=request_id, model_id=model_id)
 
 
 def owner_of(services: Services, request_id: str) -> str | None:

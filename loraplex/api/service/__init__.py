@@ -1,0 +1,44 @@
+"""The gateway's rules, as plain calls: each takes the shared `Services`, the authenticated tenant and a typed request,
+and answers a typed result or raises a loraplex.errors type. The native routes (api/routes/), and in time the Tinker
+routes, the admin and the pipelines, only translate their wire format to these calls and back.
+
+    adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete
+    training     forward_backward / forward (datum limits), optim_step
+    checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete
+    export       a checkpoint as a PEFT folder
+    submit       enqueue -> the future's reference; who owns a request
+"""
+
+from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
+from loraplex.api.service.checkpoints import (
+    delete_checkpoint,
+    list_checkpoints,
+    load_state,
+    save_state,
+    save_weights_for_sampler,
+)
+from loraplex.api.service.context import Services, TenantRef, write_session
+from loraplex.api.service.export import PeftExport, export_peft
+from loraplex.api.service.submit import owner_of
+from loraplex.api.service.training import forward, forward_backward, optim_step
+
+__all__ = [
+    "PeftExport",
+    "Services",
+    "TenantRef",
+    "create_adapter",
+    "delete_adapter",
+    "delete_checkpoint",
+    "export_peft",
+    "forward",
+    "forward_backward",
+    "get_adapter",
+    "list_adapters",
+    "list_checkpoints",
+    "load_state",
+    "optim_step",
+    "owner_of",
+    "save_state",
+    "save_weights_for_sampler",
+    "write_session",
+]

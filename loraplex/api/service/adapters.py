@@ -1,0 +1,109 @@
+"""Adapters: create (from a seed, or from one of the tenant's checkpoints), list, read, delete."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from typing import Any
+
+from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
+from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
+from loraplex.api.service.context import Services, TenantRef, write_session
+from loraplex.api.service.submit import submit
+from loraplex.dispatch.plan import RequestKind
+from loraplex.errors import InvalidRequestError
+from loraplex.storage.models import Adapter
+from loraplex.storage.repositories import AdapterRepository
+
+ALPHA_PER_RANK = 2.0  # LoRA alpha when none is given: 2 x rank
+SEED_LIMIT = 2**31  # a seed when none is given: uniform in [0, SEED_LIMIT)
+# With from_checkpoint these come from the checkpoint's adapter: setting one is an error, not an override.
+FROM_CHECKPOINT_FIELDS = frozenset({"rank", "alpha", "seed"})
+
+
+def adapter_out(adapter: Adapter) -> AdapterOut:
+    return AdapterOut(
+        model_id=adapter.model_id,
+        base_model=adapter.base_model,
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        seed=adapter.seed,
+        status=str(adapter.status),
+        applied_seq_id=adapter.applied_seq_id,
+        target_modules=list(adapter.target_modules),
+        created_at=adapter.created_at,
+        last_used_at=adapter.last_used_at,
+    )
+
+
+def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapterRequest) -> FutureRef:
+    """A new adapter from its seed, or (`from_checkpoint`) from one of the tenant's checkpoints. The fields the caller
+    set are `request.model_fields_set` (build the request with only those: rank, alpha and seed clash with
+    from_checkpoint). Nothing is written when a check fails."""
+    settings = services.settings
+    base_model = request.base_model or settings.base_model
+    if base_model != settings.base_model:
+        raise InvalidRequestError(
+            f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}"
+        )
+    rank, alpha, seed = request.rank, request.alpha, request.seed
+    from_checkpoint: dict[str, object] | None = None
+    if request.from_checkpoint is not None:
+        given = sorted(FROM_CHECKPOINT_FIELDS & request.model_fields_set)
+        if given:
+            raise InvalidRequestError(f"{', '.join(given)}: taken from the checkpoint; leave out with from_checkpoint")
+        with services.sessions() as db:  # 404 for a missing checkpoint or another tenant's
+            checkpoint = resolve_checkpoint(db, tenant.id, request.from_checkpoint, request.with_optimizer)
+            source = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
+        if list(source.target_modules) != list(settings.target_modules) or source.base_model != base_model:
+            raise InvalidRequestError(f"{request.from_checkpoint} was trained for another base model or target modules")
+        rank, alpha, seed = source.rank, source.alpha, source.seed
+        from_checkpoint = {
+            "path": request.from_checkpoint,
+            "directory": str(checkpoint_dir(services, checkpoint)),
+            "with_optimizer": request.with_optimizer,
+        }
+    if rank > settings.max_rank:
+        raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
+    alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
+    seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
+    model_id = uuid.uuid4().hex
+    with write_session(services) as db:  # committed before the worker can report on it
+        adapters = AdapterRepository(db, tenant.id)
+        adapters.create(
+            model_id=model_id,
+            base_model=base_model,
+            rank=rank,
+            alpha=alpha,
+            target_modules=list(settings.target_modules),
+            seed=seed,
+            user_metadata=request.user_metadata,
+        )
+        # seq_id 0 stands for the creation: the adapter's first step is seq_id 1, whatever order steps arrive in.
+        adapters.record_applied(model_id, 0)
+    payload: dict[str, Any] = {
+        "base_model": base_model,
+        "rank": rank,
+        "alpha": alpha,
+        "seed": seed,
+        "target_modules": list(settings.target_modules),
+    }
+    if from_checkpoint is not None:
+        payload["from_checkpoint"] = from_checkpoint
+    return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
+
+
+def list_adapters(services: Services, tenant: TenantRef) -> list[AdapterOut]:
+    with services.sessions() as db:
+        return [adapter_out(a) for a in AdapterRepository(db, tenant.id).list()]
+
+
+def get_adapter(services: Services, tenant: TenantRef, model_id: str) -> AdapterOut:
+    with services.sessions() as db:
+        return adapter_out(AdapterRepository(db, tenant.id).get(model_id))
+
+
+def delete_adapter(services: Services, tenant: TenantRef, model_id: str) -> FutureRef:
+    with write_session(services) as db:
+        AdapterRepository(db, tenant.id).mark_deleted(model_id)
+    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, {})

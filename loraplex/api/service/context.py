@@ -1,0 +1,45 @@
+"""What every service call is given: the gateway's shared services and the authenticated tenant. Built once in the
+app's lifespan (api/app.py); the FastAPI dependencies in api/deps.py hand them to the routes."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.api.auth_cache import AuthCache
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+from loraplex.settings import Settings
+from loraplex.storage.blobs import BlobStore
+from loraplex.storage.repositories import unit_of_work
+
+
+@dataclass(frozen=True)
+class TenantRef:
+    id: str
+    name: str
+
+
+@dataclass
+class Services:
+    """Everything a route needs, built once in the app's lifespan."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    redis: redis.Redis
+    producer: Producer
+    results: ResultStore
+    auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
+
+
+def write_session(services: Services) -> AbstractContextManager[Session]:
+    """One transaction: committed when the block ends, rolled back (nothing half-written) on any error. On SQLite it
+    takes the write lock up front, so a concurrent writer makes it wait rather than fail."""
+    return unit_of_work(services.sessions)
+
+
+def blob_store(services: Services) -> BlobStore:
+    return BlobStore(services.settings.resolved_blob_root)

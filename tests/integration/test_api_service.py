@@ -1,0 +1,234 @@
+"""The gateway's service layer (loraplex.api.service) called directly, as the Tinker routes, the admin and the
+pipelines will call it: real Redis and SQLite, no worker pool. Each rule raises its typed error and a rejected call
+leaves nothing behind (no row, no queued request)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.api import service
+from loraplex.api.schemas import (
+    CreateAdapterRequest,
+    Datum,
+    ForwardBackwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+    SaveCheckpointRequest,
+)
+from loraplex.api.service import TenantRef
+from loraplex.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
+from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.queue import keys
+from loraplex.queue.envelope import decode
+from loraplex.storage.blobs import BlobStore
+from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, unit_of_work
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def ctx(gateway):
+    tenants = {name: TenantRef(tenant_id, name) for name, tenant_id in gateway.tenant_ids.items()}
+    return gateway.services, tenants["alice"], tenants["bob"]
+
+
+def _queued(services) -> dict[str, object]:
+    """request_id -> envelope of everything in the pool's stream."""
+    entries = services.redis.xrange(keys.request_stream(services.settings.pool))
+    return {env.request_id: env for env in (decode(fields) for _, fields in entries)}
+
+
+def _adapter_rows(services, tenant: TenantRef) -> list[str]:
+    with services.sessions() as db:
+        return [a.model_id for a in AdapterRepository(db, tenant.id).list(include_deleted=True)]
+
+
+def _saved(services, tenant: TenantRef, model_id: str, kind: CheckpointKind, name: str) -> str:
+    """What the recorder does once a worker saved: the folder the gateway chose, and the row."""
+    store = BlobStore(services.settings.resolved_blob_root)
+    folder = store.path(checkpoint_blob_key(tenant.id, model_id, kind, name))
+    folder.mkdir(parents=True)
+    with unit_of_work(services.sessions) as session:
+        CheckpointRepository(session, tenant.id).add(model_id, kind, name, folder.as_uri(), 1, "0" * 64, step=2)
+    return tinker_path(model_id, kind, name)
+
+
+def _fb(seq_id: int, *data: Datum, loss_fn: str = "cross_entropy") -> ForwardBackwardRequest:
+    return ForwardBackwardRequest(seq_id=seq_id, data=list(data), loss_fn=loss_fn)
+
+
+def _datum(n: int = 2) -> Datum:
+    return Datum(model_input=list(range(1, n + 1)), loss_fn_inputs={"target_tokens": list(range(2, n + 2))})
+
+
+def test_create_fills_the_defaults_and_queues_the_creation(ctx):
+    services, alice, _ = ctx
+    ref = service.create_adapter(services, alice, CreateAdapterRequest(rank=4))
+    envelope = _queued(services)[ref.request_id]
+    assert str(envelope.kind) == "create_adapter" and envelope.model_id == ref.model_id
+    payload = envelope.payload
+    assert payload["rank"] == 4 and payload["alpha"] == 8.0  # alpha defaults to 2 x rank
+    assert 0 <= payload["seed"] < 2**31 and payload["base_model"] == services.settings.base_model
+    assert payload["target_modules"] == list(services.settings.target_modules) and "from_checkpoint" not in payload
+    adapter = service.get_adapter(services, alice, ref.model_id)
+    assert (adapter.rank, adapter.alpha, adapter.seed, adapter.applied_seq_id) == (4, 8.0, payload["seed"], 0)
+    assert service.owner_of(services, ref.request_id) == alice.id
+    given = service.create_adapter(services, alice, CreateAdapterRequest(rank=2, alpha=3.0, seed=7))
+    assert _queued(services)[given.request_id].payload | {"target_modules": None} == {
+        "base_model": services.settings.base_model,
+        "rank": 2,
+        "alpha": 3.0,
+        "seed": 7,
+        "target_modules": None,
+    }
+
+
+def test_create_checks_the_base_model_and_the_rank_and_writes_nothing_when_they_fail(ctx):
+    services, alice, _ = ctx
+    before = len(_queued(services))
+    with pytest.raises(InvalidRequestError, match="maximum rank 16"):
+        service.create_adapter(services, alice, CreateAdapterRequest(rank=17))
+    with pytest.raises(InvalidRequestError, match="is not served here"):
+        service.create_adapter(services, alice, CreateAdapterRequest(base_model="gpt-5"))
+    assert _adapter_rows(services, alice) == [] and len(_queued(services)) == before
+
+
+def test_create_from_a_checkpoint_takes_its_hparams_and_folder(ctx):
+    services, alice, bob = ctx
+    source = service.create_adapter(services, alice, CreateAdapterRequest(rank=4, alpha=5.0, seed=11)).model_id
+    path = _saved(services, alice, source, CheckpointKind.STATE, "final")
+    ref = service.create_adapter(services, alice, CreateAdapterRequest(from_checkpoint=path))
+    payload = _queued(services)[ref.request_id].payload
+    assert (payload["rank"], payload["alpha"], payload["seed"]) == (4, 5.0, 11)
+    folder = BlobStore(services.settings.resolved_blob_root).path(
+        checkpoint_blob_key(alice.id, source, CheckpointKind.STATE, "final")
+    )
+    assert payload["from_checkpoint"] == {"path": path, "directory": str(folder), "with_optimizer": True}
+    # rank, alpha, seed come from the checkpoint: giving one is an error (even at its default value).
+    with pytest.raises(InvalidRequestError, match=r"^rank, seed: taken from the checkpoint"):
+        service.create_adapter(services, alice, CreateAdapterRequest(from_checkpoint=path, rank=8, seed=1))
+    # Another tenant's checkpoint is not found, and leaves nothing behind.
+    with pytest.raises(NotFoundError):
+        service.create_adapter(services, bob, CreateAdapterRequest(from_checkpoint=path))
+    assert _adapter_rows(services, bob) == []
+    sampler = _saved(services, alice, source, CheckpointKind.SAMPLER, "s")
+    with pytest.raises(InvalidRequestError, match="with_optimizer=false"):
+        service.create_adapter(services, alice, CreateAdapterRequest(from_checkpoint=sampler))
+    weights_only = CreateAdapterRequest(from_checkpoint=sampler, with_optimizer=False)
+    assert service.create_adapter(services, alice, weights_only).model_id
+
+
+def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch):
+    services, alice, bob = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    ref = service.forward_backward(services, alice, model_id, _fb(1, _datum()))
+    envelope = _queued(services)[ref.request_id]
+    assert str(envelope.kind) == "forward_backward" and envelope.seq_id == 1
+    assert envelope.payload == {
+        "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}],
+        "loss_fn": "cross_entropy",
+        "loss_fn_config": {},
+    }
+    forward = service.forward(services, alice, model_id, _fb(2, _datum()))
+    assert str(_queued(services)[forward.request_id].kind) == "forward"
+    before = len(_queued(services))
+    monkeypatch.setattr(services.settings, "max_datums_per_request", 2)
+    monkeypatch.setattr(services.settings, "max_tokens_per_datum", 5)
+    with pytest.raises(InvalidRequestError, match="data has 3 datums; at most 2"):
+        service.forward_backward(services, alice, model_id, _fb(3, _datum(), _datum(), _datum()))
+    with pytest.raises(InvalidRequestError, match=r"data\[1\] has 6 tokens; at most 5"):
+        service.forward(services, alice, model_id, _fb(3, _datum(), _datum(6)))
+    no_targets = Datum(model_input=[1, 2])
+    with pytest.raises(InvalidRequestError, match=r"data\[0\].loss_fn_inputs.target_tokens is required"):
+        service.forward_backward(services, alice, model_id, _fb(3, no_targets))
+    for call in (service.forward_backward, service.forward):  # another tenant's adapter: not found
+        with pytest.raises(NotFoundError):
+            call(services, bob, model_id, _fb(3, _datum()))
+    with pytest.raises(NotFoundError):
+        service.optim_step(services, bob, model_id, OptimStepRequest(seq_id=3))
+    assert len(_queued(services)) == before
+    # Other losses need no target_tokens.
+    assert service.forward_backward(services, alice, model_id, _fb(3, no_targets, loss_fn="importance_sampling"))
+    step = service.optim_step(services, alice, model_id, OptimStepRequest(seq_id=4))
+    assert _queued(services)[step.request_id].payload == {"adam_params": dict(ADAM_DEFAULTS)}
+
+
+def test_saves_check_the_name_and_existing_checkpoints(ctx):
+    services, alice, bob = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    before = len(_queued(services))
+    for save in (service.save_state, service.save_weights_for_sampler):
+        with pytest.raises(InvalidRequestError, match="invalid checkpoint name"):
+            save(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="../up"))
+        with pytest.raises(NotFoundError):
+            save(services, bob, model_id, SaveCheckpointRequest(seq_id=1, name="ok"))
+    assert len(_queued(services)) == before
+    first = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="c", ttl_seconds=9))
+    payload = _queued(services)[first.request_id].payload
+    folder = BlobStore(services.settings.resolved_blob_root).path(
+        checkpoint_blob_key(alice.id, model_id, CheckpointKind.STATE, "c")
+    )
+    assert payload == {
+        "name": "c",
+        "path": f"tinker://{model_id}/weights/c",
+        "directory": str(folder),
+        "blob_uri": folder.as_uri(),
+        "ttl_seconds": 9,
+        "base_model": services.settings.base_model,
+        "overwrite": False,
+    }
+    _saved(services, alice, model_id, CheckpointKind.STATE, "c")
+    retry = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="c", ttl_seconds=9))
+    assert retry.request_id == first.request_id  # a retry gets its first request, not a conflict
+    with pytest.raises(ConflictError, match=r"already exists \(pass overwrite=true\)"):
+        service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=2, name="c"))
+    assert service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=2, name="c", overwrite=True))
+    sampler = service.save_weights_for_sampler(services, alice, model_id, SaveCheckpointRequest(seq_id=3, name="c"))
+    assert _queued(services)[sampler.request_id].payload["directory"].endswith("/sampler/c")
+
+
+def test_load_list_and_delete_checkpoints_stay_within_the_tenant(ctx):
+    services, alice, bob = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    bobs = service.create_adapter(services, bob, CreateAdapterRequest(rank=4)).model_id
+    path = _saved(services, alice, model_id, CheckpointKind.STATE, "final")
+    with pytest.raises(NotFoundError):
+        service.load_state(services, bob, bobs, LoadStateRequest(seq_id=1, path=path))
+    with pytest.raises(InvalidRequestError, match="not a checkpoint path"):
+        service.load_state(services, alice, model_id, LoadStateRequest(seq_id=1, path="weights/final"))
+    load = service.load_state(services, alice, model_id, LoadStateRequest(seq_id=1, path=path))
+    payload = _queued(services)[load.request_id].payload
+    assert payload["path"] == path and payload["directory"].endswith(f"/{model_id}/state/final")
+    with pytest.raises(NotFoundError):
+        service.list_checkpoints(services, bob, model_id)
+    (listed,) = service.list_checkpoints(services, alice, model_id)
+    assert (listed.tinker_path, listed.checkpoint_id, listed.checkpoint_type, listed.kind) == (
+        path,
+        "weights/final",
+        "training",
+        "state",
+    )
+    with pytest.raises(NotFoundError):
+        service.delete_checkpoint(services, bob, model_id, "weights", "final")
+    with pytest.raises(NotFoundError, match="no checkpoint kind"):
+        service.delete_checkpoint(services, alice, model_id, "other", "final")
+    folder = services.settings.resolved_blob_root / alice.id / model_id / "state" / "final"
+    assert service.delete_checkpoint(services, alice, model_id, "state", "final").tinker_path == path
+    assert not folder.exists() and service.list_checkpoints(services, alice, model_id) == []
+
+
+def test_list_get_and_delete_adapters(ctx):
+    services, alice, bob = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    assert [a.model_id for a in service.list_adapters(services, alice)] == [model_id]
+    assert [a.model_id for a in service.list_adapters(services, bob)] == []
+    with pytest.raises(NotFoundError):
+        service.get_adapter(services, bob, model_id)
+    with pytest.raises(NotFoundError):
+        service.delete_adapter(services, bob, model_id)
+    ref = service.delete_adapter(services, alice, model_id)
+    assert str(_queued(services)[ref.request_id].kind) == "delete_adapter"
+    with pytest.raises(NotFoundError):
+        service.get_adapter(services, alice, model_id)
+    assert service.list_adapters(services, alice) == []
