@@ -12,10 +12,19 @@ from datetime import timedelta
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.dispatch.records import PlanSeconds
 from loraplex.errors import LoraplexError
-from loraplex.protocol import KINDS, SAVE_KINDS, BatchPlan, Executor, Outcome, PlannedRequest, SaveCheckpointPayload
-from loraplex.storage.models import CheckpointKind
+from loraplex.protocol import (
+    KINDS,
+    SAVE_KINDS,
+    BatchPlan,
+    Executor,
+    Outcome,
+    PlannedRequest,
+    RequestKind,
+    SaveCheckpointPayload,
+)
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.types import utcnow
 
@@ -87,6 +96,8 @@ def _record_checkpoint(session: Session, request: PlannedRequest, kind: Checkpoi
     )
 
 
-def _checkpoint_kind(kind: str) -> CheckpointKind:
+def _checkpoint_kind(kind: RequestKind) -> CheckpointKind:
     """The checkpoints row's kind of a save request (protocol's table says which kinds save, and what)."""
-    return CheckpointKind(KINDS[kind].saves)
+    saves = KINDS[kind].saves
+    assert saves is not None, f"{kind} saves no checkpoint"
+    return saves

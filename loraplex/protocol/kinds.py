@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.protocol.payloads import (
     CreateAdapterPayload,
     DeleteAdapterPayload,
@@ -43,7 +44,7 @@ class KindSpec:
     payload: type[Payload]
     control: bool = False  # outside the seq_id chain: seq_id CONTROL_SEQ_ID, idempotent per (model_id, kind)
     trains: bool = False  # forward_backward rows that get gradients (FORWARD shares the step without them)
-    saves: str | None = None  # the checkpoint kind a successful request writes ("state" | "sampler")
+    saves: CheckpointKind | None = None  # the checkpoint a successful request writes
 
 
 KINDS: dict[RequestKind, KindSpec] = {
@@ -52,8 +53,8 @@ KINDS: dict[RequestKind, KindSpec] = {
     RequestKind.FORWARD_BACKWARD: KindSpec(StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, trains=True),
     RequestKind.FORWARD: KindSpec(StepKind.FORWARD_BACKWARD, ForwardBackwardPayload),
     RequestKind.OPTIM_STEP: KindSpec(StepKind.OPTIM_STEP, OptimStepPayload),
-    RequestKind.SAVE_STATE: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves="state"),
-    RequestKind.SAVE_SAMPLER: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves="sampler"),
+    RequestKind.SAVE_STATE: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.STATE),
+    RequestKind.SAVE_SAMPLER: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER),
     RequestKind.LOAD_STATE: KindSpec(StepKind.CHECKPOINT, LoadStatePayload),
 }
 assert set(KINDS) == set(RequestKind), "every request kind needs its row"

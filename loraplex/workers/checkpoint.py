@@ -43,6 +43,7 @@ import safetensors.torch
 import torch
 
 # The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); re-exported for callers here.
+from loraplex.checkpoint_paths import SAVED_KINDS
 from loraplex.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.fsutil import write_folder_atomic
@@ -52,7 +53,7 @@ FORMAT_NAME = "loraplex-checkpoint"
 MANIFEST_FILE = "checkpoint.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-KINDS = ("state", "sampler")
+KINDS = tuple(str(k) for k in SAVED_KINDS)  # as plain strings: they appear in error messages
 PEFT_PREFIX = "base_model.model."
 MOMENT_NAMES = ("lora_A.exp_avg", "lora_A.exp_avg_sq", "lora_B.exp_avg", "lora_B.exp_avg_sq")
 MAX_MANIFEST_BYTES = 64 << 20

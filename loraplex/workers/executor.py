@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError
 from loraplex.protocol import (
     KINDS,
@@ -205,13 +206,13 @@ class PlanExecutor:
             with_optimizer = p.with_optimizer
             load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
             return {"model_id": request.model_id, "path": p.path, "with_optimizer": with_optimizer}
-        saves = KINDS[request.kind].saves  # "state" (weights + optimizer) or "sampler" (weights)
-        with_optimizer = saves == "state"
+        saves = KINDS[request.kind].saves  # STATE (weights + optimizer) or SAMPLER (weights)
+        with_optimizer = saves == CheckpointKind.STATE
         state = state_from_engine(self.engine, request.model_id, base_model=p.base_model, with_optimizer=with_optimizer)
         state_slot = self.engine.adapter(request.model_id).slot
         result: dict[str, Any] = {
             "path": p.path,
-            "kind": saves,
+            "kind": str(saves),
             "name": p.name,
             "step": state.step if with_optimizer else int(self.engine.optimizer.steps[state_slot]),
         }

@@ -7,7 +7,7 @@ every validation error alike and take part in every collective; only rank 0's ou
 
 Launch: under torchrun every process reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (see
 `distributed.torchrun_env`); otherwise the pool process is rank 0 and `spawn_ranks` starts ranks 1..N-1 with
-torch.multiprocessing (start method "spawn"). Imports: torch, stdlib, loraplex.dispatch.plan and workers/ only.
+torch.multiprocessing (start method "spawn"). Imports: torch, stdlib, loraplex.protocol and workers/ only.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.submit import submit
-from loraplex.dispatch.plan import RequestKind
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol import RequestKind
 from loraplex.storage.models import Adapter
 from loraplex.storage.repositories import AdapterRepository
 

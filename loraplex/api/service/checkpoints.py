@@ -25,8 +25,8 @@ from loraplex.checkpoint_paths import (
     tinker_path,
     validate_checkpoint_name,
 )
-from loraplex.dispatch.plan import RequestKind
 from loraplex.errors import ConflictError, InvalidRequestError
+from loraplex.protocol import RequestKind
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 from loraplex.storage.retention import delete_checkpoint_files

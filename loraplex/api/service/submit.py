@@ -7,7 +7,7 @@ from typing import Any
 
 from loraplex.api.schemas import FutureRef
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.dispatch.plan import RequestKind
+from loraplex.protocol import RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
 

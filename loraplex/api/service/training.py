@@ -6,8 +6,8 @@ from __future__ import annotations
 from loraplex.api.schemas import ForwardBackwardRequest, FutureRef, OptimStepRequest
 from loraplex.api.service.context import Services, TenantRef
 from loraplex.api.service.submit import submit
-from loraplex.dispatch.plan import RequestKind
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol import RequestKind
 from loraplex.settings import Settings
 from loraplex.storage.repositories import AdapterRepository
 
