@@ -22,7 +22,6 @@ class CheckpointKind(StrEnum):
 
     STATE = "state"  # weights + optimizer state (save_state / save_weights)
     SAMPLER = "sampler"  # weights only, for sampling (save_weights_for_sampler)
-    EXPORT = "export"  # PEFT-format export (a stored kind only: no tinker path reaches it)
 
 
 # The kinds a worker writes (a checkpoint's manifest names one) and a tinker path can address.
@@ -44,7 +43,6 @@ KIND_BY_SEGMENT: dict[str, CheckpointKind] = {segment: kind for kind, segment in
 TYPE_BY_KIND: dict[CheckpointKind, str] = {
     CheckpointKind.STATE: "training",
     CheckpointKind.SAMPLER: "sampler",
-    CheckpointKind.EXPORT: "export",
 }
 
 

@@ -44,8 +44,8 @@ def test_tinker_paths_round_trip(model_id: str, kind: CheckpointKind) -> None:
 def test_tinker_segments_are_tinkers_names() -> None:
     assert paths.tinker_path("m", CheckpointKind.STATE, "n") == "tinker://m/weights/n"
     assert paths.tinker_path("m", "sampler", "n") == "tinker://m/sampler_weights/n"  # a plain value works too
-    with pytest.raises(KeyError):
-        paths.tinker_path("m", CheckpointKind.EXPORT, "n")  # no tinker path reaches an export
+    with pytest.raises(ValueError):
+        paths.tinker_path("m", "export", "n")  # no such kind
 
 
 @pytest.mark.parametrize("bad", ["weights/final", "file:///etc", "", "TINKER://m/weights/n"])
@@ -105,7 +105,7 @@ def test_blob_keys_name_the_tenant_adapter_kind_and_name() -> None:
 
 def test_one_vocabulary_of_kinds() -> None:
     assert enums.CheckpointKind is CheckpointKind  # what storage persists is this enum
-    assert [k.value for k in CheckpointKind] == ["state", "sampler", "export"]  # stored values: never renamed
+    assert [k.value for k in CheckpointKind] == ["state", "sampler"]  # stored values: never renamed
     assert paths.SAVED_KINDS == tuple(paths.SEGMENT_BY_KIND) == (CheckpointKind.STATE, CheckpointKind.SAMPLER)
     assert {paths.KIND_BY_SEGMENT[s]: s for s in paths.KIND_BY_SEGMENT} == paths.SEGMENT_BY_KIND
     assert set(paths.TYPE_BY_KIND) == set(CheckpointKind)
