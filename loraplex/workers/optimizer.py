@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol_defaults import ADAM_DEFAULTS
 
 # The banks are strided views into one flat buffer, so autograd warns that their gradients are not laid out like a
 # dense tensor; it still accumulates into them in place, which is all we need (checked by the optimizer tests).
@@ -23,14 +24,14 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 
 @dataclass(frozen=True)
 class AdamParams:
-    """Tinker's AdamParams and defaults."""
+    """Tinker's AdamParams; the defaults are the protocol's (loraplex/protocol_defaults.py)."""
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]  # 0 = no clipping
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object] | None) -> AdamParams:
