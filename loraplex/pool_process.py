@@ -105,8 +105,7 @@ def run_pool(settings: Settings, stop: threading.Event) -> None:
     if settings.world_size > 1 or env is not None:
         model_loader(settings).prepare()
     if env is not None and env.world_size > 1 and env.rank != 0:  # torchrun: a follower rank, nothing else
-        group = init_rank_group(env, settings.device)
-        run_store_follower(group, spec, stores)
+        run_store_follower(init_rank_group(env, settings.device), spec, stores)
         destroy_rank_group()
         sys.stdout.flush()
         os._exit(0)

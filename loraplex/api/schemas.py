@@ -61,7 +61,7 @@ class AdamParams(Strict):
 
 class OptimStepRequest(Strict):
     seq_id: int = Field(..., ge=0, lt=2**31)
-    adam_params: AdamParams = Field(default_factory=AdamParams)
+    adam_params: AdamParams = Field(default_factory=lambda: AdamParams.model_validate({}))
 
 
 class SaveCheckpointRequest(Strict):

@@ -66,7 +66,7 @@ class RecordingExecutor:
                     try:  # one row that cannot be written must not cost the others
                         with session.begin_nested():
                             _record_checkpoint(
-                                session, request, _checkpoint_kind(request.kind), by_id[request.request_id].result
+                                session, request, _checkpoint_kind(request.kind), by_id[request.request_id].result or {}
                             )
                     except (LoraplexError, SQLAlchemyError) as exc:
                         fail(request, exc)

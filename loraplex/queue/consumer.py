@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis as redis_lib
 
@@ -104,7 +104,7 @@ class Consumer:
             ]
         else:
             entries = [e for _stream, batch in (reply or []) for e in batch]
-        return [(text(sid), fields) for sid, fields in entries]
+        return [(text(sid), fields) for sid, fields in cast(list[tuple[bytes | str, Mapping[Any, Any]]], entries)]
 
     def _decode(self, raw: list[tuple[str, Mapping[Any, Any]]]) -> list[Entry]:
         good: list[Entry] = []

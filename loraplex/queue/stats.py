@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis as redis_lib
 
@@ -70,8 +71,9 @@ def add(redis: redis_lib.Redis, pool: str, stats: PlanStats) -> None:
 
 
 def read(redis: redis_lib.Redis, pool: str) -> PlanStats:
-    raw: Mapping[bytes | str, bytes | str] = redis.hgetall(keys.pool_stats(pool))  # type: ignore[assignment]
+    raw = cast(Mapping[bytes | str, bytes | str], redis.hgetall(keys.pool_stats(pool)))
     fields = {text(k): text(v) for k, v in raw.items()}
-    return PlanStats(
-        **{f: (float if f.endswith("_s") else int)(fields[f]) for f in PlanStats.__dataclass_fields__ if f in fields}
-    )
+    values: dict[str, Any] = {
+        f: (float if f.endswith("_s") else int)(fields[f]) for f in PlanStats.__dataclass_fields__ if f in fields
+    }
+    return PlanStats(**values)

@@ -96,8 +96,9 @@ class Engine:
             model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
         )
         self.target_modules = tuple(dict.fromkeys(target_modules))
-        self.body = model.get_decoder()  # runs embeddings -> layers -> final norm
-        self.head = model.get_output_embeddings()
+        hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
+        self.body = hf.get_decoder()  # runs embeddings -> layers -> final norm
+        self.head = hf.get_output_embeddings()
         self.vocab_size = int(self.head.weight.shape[0])
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0

@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -96,7 +96,7 @@ def follow(executor: PlanExecutor, group: RankGroup) -> int:
     """A non-leader rank's loop: execute each plan the leader sends, until it says stop. Returns the plans executed."""
     executed = 0
     while True:
-        kind, plan = broadcast_message(group)  # type: ignore[misc]
+        kind, plan = cast(tuple[str, Any], broadcast_message(group))
         if kind == STOP:
             return executed
         executor.execute(plan)  # outcomes are rank 0's to report; per-request errors are decided alike everywhere

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -48,7 +48,7 @@ def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
     with atomic_write(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        f.write(memoryview(rows.contiguous().numpy()).cast("B"))
+        f.write(memoryview(cast(Any, rows.contiguous().numpy())).cast("B"))
 
 
 def read_spill_metadata(path: Path) -> dict:
@@ -69,7 +69,7 @@ def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
         if info["dtype"] != "F32" or list(info["shape"]) != list(out.shape) or end - begin != out.numel() * 4:
             raise InvalidRequestError(f"spill file {path.name} does not fit this pool's layout")
         f.seek(start + begin)
-        view = memoryview(out.numpy()).cast("B")
+        view = memoryview(cast(Any, out.numpy())).cast("B")
         if f.readinto(view) != len(view):
             raise InvalidRequestError(f"spill file {path.name} is truncated")
     return AdapterSnapshot(

@@ -7,6 +7,8 @@ With one rank it is a plain module and computes exactly what the engine computed
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -31,4 +33,4 @@ class Trunk(nn.Module):
         [N] -> fp32 [N] target logprobs of the real rows."""
         hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real_rows)
-        return target_logprobs(hidden, self.head.weight, targets, chunk_tokens)
+        return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens)

@@ -4,9 +4,9 @@ adapter store reports it after every plan. Not tenant data: written by the pool,
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.orm import Session
 
 from loraplex.storage.enums import SnapshotTier
@@ -49,7 +49,8 @@ class SnapshotRepository:
 
     def clear(self, pool: str) -> int:
         """Remove every row of a pool (a starting pool: what they described is gone). Returns how many."""
-        return self.session.execute(delete(Snapshot).where(Snapshot.pool == pool)).rowcount
+        result = cast(CursorResult[Any], self.session.execute(delete(Snapshot).where(Snapshot.pool == pool)))
+        return result.rowcount
 
     def record_changes(self, pool: str, rank: int, changes: Iterable[TierChangeLike]) -> int:
         """Apply a store's drained changes; adapters with no row in `adapters` (never registered through the gateway)

@@ -109,7 +109,7 @@ class _FusedLoraDelta(torch.autograd.Function):
     dA, dB into the microbatch's fp32 `grads` views."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         trigger: torch.Tensor | None,
@@ -155,7 +155,7 @@ class _FusedLoraDelta(torch.autograd.Function):
         return delta
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, hs, a, b = ctx.saved_tensors
         layout: BankLayout = ctx.layout
         routing: Routing = ctx.routing

@@ -88,7 +88,7 @@ class _GroupedLoraDelta(torch.autograd.Function):
     An empty group gets dA = dB = 0 (grouped_mm writes zeros for an empty K range on CPU and sm90)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         a: torch.Tensor,
@@ -102,7 +102,7 @@ class _GroupedLoraDelta(torch.autograd.Function):
         return _grouped_mm(h, b, offs=offs)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, a, b, hs, row_scales, offs = ctx.saved_tensors
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
         gy = _dense(grad_out)  # sharp edge 1: y.sum().backward() hands in a zero-stride gradient

@@ -6,6 +6,7 @@ The base weight stays frozen. Every wrapped layer reads the routing of the curre
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,8 @@ def install_slot_banks(
         raise InvalidRequestError("target_modules is empty")
     if num_slots < 1 or max_rank < 1:
         raise InvalidRequestError(f"need at least one slot and max_rank >= 1 (got {num_slots}, {max_rank})")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
+    head = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found: dict[str, tuple[nn.Module, str, nn.Linear]] = {}
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
