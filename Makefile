@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`. Both set everything up first.
+# The two commands of the README: `make demo` and `make test`. Both set everything up first. `make lint`: ruff, then mypy.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,6 +30,7 @@ test-unit: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy loraplex
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache demo-report.json
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache demo-report.json

@@ -105,7 +105,9 @@ class Stack:
     def check_children(self) -> None:
         for proc in self.children:
             if proc.poll() is not None:
-                raise RuntimeError(f"child {proc.args[1:3]} exited with {proc.returncode}; logs in {self.log_dir}")
+                args = proc.args  # the list _spawn passed: [python, "-m", module, ...]
+                which = args[1:3] if isinstance(args, list) else args
+                raise RuntimeError(f"child {which!r} exited with {proc.returncode}; logs in {self.log_dir}")
 
     def stop(self) -> None:
         for proc in reversed(self.children):

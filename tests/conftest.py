@@ -8,6 +8,10 @@ import pytest
 
 from loraplex.models import resolve
 
+# The shared helpers (and the test bodies in tests/helpers/storage_cases.py) get pytest's assertion messages too; this
+# must run before anything imports them.
+pytest.register_assert_rewrite("tests.helpers")
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

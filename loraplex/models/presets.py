@@ -78,8 +78,9 @@ def seeded_init_(model: torch.nn.Module, seed: int = PRESET_SEED) -> None:
     `model.parameters()` deduplicates tied weights, so a tied embedding is drawn once (with 0.02)."""
     params = list(model.parameters())
     device = params[0].device
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_head, get_embed = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    head = get_head() if get_head is not None else None
+    embed = get_embed() if get_embed is not None else None
     untied_head = head.weight if head is not None and (embed is None or head.weight is not embed.weight) else None
     gen = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
     for p in params:

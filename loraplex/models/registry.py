@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -109,7 +110,9 @@ def load_base_model(
         return build_preset_model(name_or_path, dtype, device), tokenizer
     folder = resolve(name_or_path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    model.to(device)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function: the same
+    # call, typed as torch.nn.Module.to.
+    cast(torch.nn.Module, model).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,13 @@ def _train(client: ServiceClient, offset: int, steps: int, out: dict) -> None:
     out[offset] = (trainer, losses)
 
 
-def _tiers(stack: Stack, want: int, timeout_s: float = 10.0) -> dict[str, tuple[str, int | None, str | None]]:
-    """model_id -> (tier, slot, location) of rank 0, once the recorder has caught up with the last plan."""
+Rows = dict[str, tuple[str, int | None, str | None]]  # model_id -> (tier, slot, location) of rank 0
+
+
+def _tiers(stack: Stack, recorded: Callable[[Rows], bool], timeout_s: float = 30.0) -> Rows:
+    """The `snapshots` rows of rank 0, once they show the state `recorded` describes (or after `timeout_s`, as they
+    are then: the assertions say what is missing). The wait is on the recorded state itself: a condition that the
+    rows before a swap also meet (e.g. "3 rows, 2 on the GPU") returns the old rows before the swap is recorded."""
     sessions = session_factory(make_engine(stack.settings.resolved_database_url))
     deadline = time.monotonic() + timeout_s
     while True:
@@ -43,9 +49,16 @@ def _tiers(stack: Stack, want: int, timeout_s: float = 10.0) -> dict[str, tuple[
             rows = {
                 r.model_id: (str(r.tier), r.slot, r.location) for r in SnapshotRepository(s).list(stack.settings.pool)
             }
-        if len(rows) == want and sum(t == "gpu" for t, _, _ in rows.values()) == 2 or time.monotonic() > deadline:
+        if recorded(rows) or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
+
+
+def _two_resident_one_spilled(rows: Rows) -> bool:
+    """Three adapters: two in slots, one on disk with its spill file recorded."""
+    return sorted(t for t, _, _ in rows.values()) == ["disk", "gpu", "gpu"] and all(
+        loc is not None for t, _, loc in rows.values() if t == "disk"
+    )
 
 
 def test_three_tenants_share_two_slots_through_the_adapter_store(tmp_path: Path) -> None:
@@ -65,7 +78,7 @@ def test_three_tenants_share_two_slots_through_the_adapter_store(tmp_path: Path)
         for _trainer, losses in results.values():
             assert losses[-1] < 0.5 * losses[0]  # each learned its own data despite the swaps
 
-        rows = _tiers(stack, 3)
+        rows = _tiers(stack, _two_resident_one_spilled)
         assert sorted(t for t, _, _ in rows.values()) == ["disk", "gpu", "gpu"]
         assert sorted(slot for t, slot, _ in rows.values() if t == "gpu") == [0, 1]
         (out_id,) = [m for m, (t, _, _) in rows.items() if t == "disk"]
@@ -77,6 +90,7 @@ def test_three_tenants_share_two_slots_through_the_adapter_store(tmp_path: Path)
         offset = next(k for k, v in results.items() if v[0].model_id == out_id)
         again = trainer.forward_backward(_data(offset)).result()["metrics"]["loss:sum"]
         assert again < 0.5 * losses[0]  # its trained state, not a fresh one
-        rows = _tiers(stack, 3)
+        # Wait for the swap-in itself: the rows before it (out_id on disk) also show two adapters on the GPU.
+        rows = _tiers(stack, lambda r: _two_resident_one_spilled(r) and r.get(out_id, ("",))[0] == "gpu")
         assert rows[out_id][0] == "gpu" and not location.exists()
         assert sorted(t for t, _, _ in rows.values()) == ["disk", "gpu", "gpu"]

@@ -17,7 +17,7 @@ from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_engine, session_factory
 from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
-from tests.e2e.conftest import tenant_clients
+from tests.helpers.stack import tenant_clients
 
 pytestmark = pytest.mark.e2e
 

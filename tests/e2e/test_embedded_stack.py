@@ -15,7 +15,7 @@ from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.storage.db import make_engine, session_factory
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
-from tests.e2e.conftest import create_tenants
+from tests.helpers.stack import create_tenants
 
 pytestmark = pytest.mark.e2e
 

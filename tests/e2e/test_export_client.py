@@ -16,7 +16,7 @@ from loraplex.client import AdamParams, Datum, TrainingClient
 from loraplex.client.training import extract_tar
 from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
-from tests.e2e.conftest import tenant_clients
+from tests.helpers.stack import tenant_clients
 
 pytestmark = pytest.mark.e2e
 

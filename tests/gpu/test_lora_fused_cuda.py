@@ -19,10 +19,8 @@ import pytest
 import torch
 
 from loraplex.workers.lora import lora_delta_grouped, lora_delta_reference, select_lora_op
-from tests.gpu.conftest import flat_logprobs, random_data
-from tests.gpu.test_lora_grouped_cuda import QWEN3_4B, cuda_case
-from tests.unit.test_lora_fused import run_fused
-from tests.unit.test_lora_grouped import check_against_fp32_reference
+from tests.helpers.gpu import QWEN3_4B, cuda_case, flat_logprobs, random_data
+from tests.helpers.lora import check_against_fp32_reference, run_fused
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
-from tests.gpu.conftest import flat_logprobs, random_data
-from tests.unit.test_lora_grouped import check_against_fp32_reference, make_banks, run_op
+from tests.helpers.gpu import QWEN3_4B, cuda_case, flat_logprobs, random_data
+from tests.helpers.lora import check_against_fp32_reference, run_op
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -31,33 +31,6 @@ def exact_fp32_matmul() -> Iterator[None]:
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(previous)
-
-
-def cuda_case(
-    n_in: int,
-    n_out: int,
-    r_max: int,
-    slots: list[int],
-    ranks: list[int],
-    scales: list[float],
-    rows: list[int],
-    seed: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routing, torch.Tensor]:
-    a, b = make_banks(dict(zip(slots, ranks, strict=True)), n_in, n_out, r_max, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    x, grad = torch.randn(sum(rows), n_in, generator=g), torch.randn(sum(rows), n_out, generator=g)
-    routing = Routing.build(slots, ranks, scales, rows, device=CUDA)
-    return x.to(CUDA), a.to(CUDA), b.to(CUDA), routing, grad.to(CUDA)
-
-
-# Qwen3-4B: hidden 2560, intermediate 9728, q out 32*128 = 4096, k/v out 8*128 = 1024; rank 32; 8 x 512-token rows.
-QWEN3_4B = {
-    "q_proj": (2560, 4096),
-    "k_proj/v_proj": (2560, 1024),
-    "o_proj": (4096, 2560),
-    "gate_proj/up_proj": (2560, 9728),
-    "down_proj": (9728, 2560),
-}
 
 
 def test_select_lora_op_on_this_gpu() -> None:

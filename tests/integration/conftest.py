@@ -14,7 +14,7 @@ from loraplex.api.deps import Services
 from loraplex.settings import Settings
 from loraplex.storage.db import migrate
 from loraplex.storage.repositories import TenantRepository, unit_of_work
-from tests.services.redis import redis_server
+from tests.helpers.services.redis import redis_server
 
 
 @pytest.fixture(scope="session")

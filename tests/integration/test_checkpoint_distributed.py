@@ -27,7 +27,7 @@ from loraplex.workers.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_F
 from loraplex.workers.distributed import RankGroup
 from loraplex.workers.executor import PlanExecutor
 from loraplex.workers.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
-from tests.integration.test_distributed import TinyLoader
+from tests.helpers.distributed import TinyLoader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

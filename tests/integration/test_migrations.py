@@ -17,7 +17,7 @@ from sqlalchemy import inspect
 
 from loraplex.storage.db import ALEMBIC_INI, current_revision, downgrade, make_engine, migrate
 from loraplex.storage.models import Base
-from tests.services.postgres import PostgresServer, postgres_server
+from tests.helpers.services.postgres import PostgresServer, postgres_server
 
 pytestmark = pytest.mark.integration
 

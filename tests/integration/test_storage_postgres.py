@@ -14,10 +14,10 @@ from loraplex import errors
 from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.models import Base
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
-from tests.services.postgres import postgres_server
+from tests.helpers.services.postgres import postgres_server
 
-# Re-collected here: pytest binds them to this module's `factory` fixture (PostgreSQL).
-from tests.unit.test_storage_repositories import (  # noqa: F401
+# The SQLite tests' shared bodies, re-collected here: pytest binds them to this module's `factory` fixture (PostgreSQL).
+from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on this module's `factory`
     test_adapter_fields_round_trip,
     test_adapters_are_scoped_to_their_tenant,
     test_applied_seq_id_only_increases,
@@ -29,20 +29,18 @@ from tests.unit.test_storage_repositories import (  # noqa: F401
     test_deleted_adapter_is_gone_but_its_id_stays_taken,
     test_deleted_adapters_are_reachable_only_when_asked,
     test_duplicate_tenant_name_conflicts,
+    test_error_rolls_back_everything,
+    test_failed_repository_call_rolls_back_earlier_writes,
     test_missing_or_malformed_keys_are_rejected,
     test_only_the_key_hash_is_stored,
     test_pool_heartbeat_upserts,
     test_revoked_key_is_rejected_and_other_keys_still_work,
     test_session_lifecycle,
     test_status_changes,
+    test_success_commits_and_rows_stay_readable,
     test_unique_clash_becomes_conflict_and_keeps_the_transaction,
     test_usage_totals_are_per_tenant,
     test_wrong_key_is_rejected,
-)
-from tests.unit.test_storage_uow import (  # noqa: F401
-    test_error_rolls_back_everything,
-    test_failed_repository_call_rolls_back_earlier_writes,
-    test_success_commits_and_rows_stay_readable,
 )
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import torch
 
 from loraplex.models import resolve
 from loraplex.workers.rank_loop import EngineSpec
-from tests.integration.test_distributed import (
+from tests.helpers.distributed import (
     ENGINE_KWARGS,
     TinyLoader,
     assert_same_run,

@@ -12,53 +12,16 @@ import torch
 
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
 from loraplex.workers.lora.fused import _gmm_operand
-from tests.unit.test_lora_grouped import (
+from tests.helpers.lora import (
     ADAPTERS,
     CASES,
     check_against_fp32_reference,
     make_banks,
     make_data,
     make_engine,
+    run_fused,
     run_op,
 )
-
-
-def run_fused(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    routing: Routing,
-    grad: torch.Tensor | None,
-    *,
-    grouped: bool = True,
-    lead: int = 8,
-    x_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The fused path on banks a [S, in, r], b [S, r, out] laid out in a flat [S, P] buffer as the optimizer does (after
-    `lead` columns of another layer, then `lead` more): gather, forward, backward, fold. Returns what `run_op` returns:
-    (delta, x.grad, A-bank grad, B-bank grad), the bank grads as [S, ...] (zero for slots outside the routing)."""
-    slots, n_in, r = a.shape
-    n_out = b.shape[2]
-    a_start, b_start = lead, lead + n_in * r
-    flat = torch.randn(slots, b_start + r * n_out + lead, device=a.device)  # other layers' columns: random, unread
-    flat[:, a_start:b_start] = a.reshape(slots, -1)
-    flat[:, b_start : b_start + r * n_out] = b.reshape(slots, -1)
-    layout = BankLayout(a_start, b_start, n_in, n_out, r)
-    banks = MicrobatchBanks.gather(flat, routing, x.dtype, trainable=True, grouped=grouped)
-    x = x.detach().clone().requires_grad_(x_grad)
-    y = lora_delta_fused(x, layout, banks, routing)
-    assert y.requires_grad  # even when x does not: the trigger
-    if grad is None:
-        y.sum().backward()
-    else:
-        y.backward(grad)
-    assert banks.grads is not None
-    full = torch.zeros_like(flat).index_add_(0, routing.slot_ids, banks.grads)
-    assert torch.count_nonzero(full[:, :a_start]) == 0 and torch.count_nonzero(full[:, b_start + r * n_out :]) == 0
-    grad_a = full[:, a_start:b_start].reshape(a.shape)
-    grad_b = full[:, b_start : b_start + r * n_out].reshape(b.shape)
-    return y.detach(), x.grad, grad_a, grad_b
-
 
 FUSED_CASES = {g: CASES[g] for g in range(1, 6)}  # G = 1..5: uneven, empty groups, mixed ranks in an r_max-8 bank
 

@@ -2,29 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
-from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
-from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, StepKind
-
-FB, FWD, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP
-CREATE, DELETE = RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER
-_ids = itertools.count()
-
-
-def req(model: str, seq: int, kind: RequestKind = FB, tokens: int = 8, tenant: str | None = None) -> PlannedRequest:
-    payload: dict = {}
-    if kind in (FB, FWD):
-        payload = {"data": [{"model_input": [0] * tokens, "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"}
-    return PlannedRequest(f"r{next(_ids)}", tenant or f"t-{model}", model, seq, kind, payload)
-
-
-def steps(plan: BatchPlan) -> list[tuple[StepKind, list[tuple[str, int]]]]:
-    return [(s.kind, [(r.model_id, r.seq_id) for r in s.requests]) for s in plan.steps]
-
-
-def run(pending, last=None, **limits) -> PolicyResult:
-    return plan_batch(pending, last or {}, PolicyLimits(**limits))
+from loraplex.protocol import PlannedRequest, StepKind
+from tests.helpers.policy import CREATE, DELETE, FB, FWD, OPT, req, run, steps
 
 
 def test_one_adapter_applies_in_seq_order_whatever_the_arrival_order() -> None:

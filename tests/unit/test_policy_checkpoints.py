@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loraplex.dispatch.policy import plan_batch
 from loraplex.protocol import RequestKind, StepKind
-from tests.unit.test_policy import FB, OPT, req, run, steps
+from tests.helpers.policy import FB, OPT, req, run, steps
 
 SAVE, SAMPLER, LOAD = RequestKind.SAVE_STATE, RequestKind.SAVE_SAMPLER, RequestKind.LOAD_STATE
 FBS, OPTS, CKPT = StepKind.FORWARD_BACKWARD, StepKind.OPTIM_STEP, StepKind.CHECKPOINT

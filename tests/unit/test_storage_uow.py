@@ -7,13 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex import errors
 from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
-from loraplex.storage.models import Adapter, ApiKey, Tenant
 from loraplex.storage.repositories import AdapterRepository, TenantRepository, UsageRepository
+
+# The tests shared with PostgreSQL (tests/integration/test_storage_postgres.py), run here on SQLite.
+from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on this module's `factory`
+    test_error_rolls_back_everything,
+    test_failed_repository_call_rolls_back_earlier_writes,
+    test_success_commits_and_rows_stay_readable,
+)
 
 
 @pytest.fixture
@@ -23,36 +27,6 @@ def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     engine = make_engine(url)
     yield session_factory(engine)
     engine.dispose()
-
-
-def _count(factory: sessionmaker[Session], model: type) -> int:
-    with factory() as s:
-        return s.scalar(select(func.count()).select_from(model)) or 0
-
-
-def test_error_rolls_back_everything(factory: sessionmaker[Session]) -> None:
-    with pytest.raises(RuntimeError, match="boom"), unit_of_work(factory) as s:
-        tenant, _ = TenantRepository(s).create_tenant("acme")
-        AdapterRepository(s, tenant.id).create("m", "tiny", 8, 16.0, ["q_proj"], seed=0)
-        raise RuntimeError("boom")
-    assert (_count(factory, Tenant), _count(factory, ApiKey), _count(factory, Adapter)) == (0, 0, 0)
-
-
-def test_failed_repository_call_rolls_back_earlier_writes(factory: sessionmaker[Session]) -> None:
-    with unit_of_work(factory) as s:
-        tenant_id = TenantRepository(s).create_tenant("acme")[0].id
-    with pytest.raises(errors.ConflictError), unit_of_work(factory) as s:
-        AdapterRepository(s, tenant_id).create("m1", "tiny", 8, 16.0, ["q_proj"], seed=0)
-        TenantRepository(s).create_tenant("acme")
-    with factory() as s:
-        assert AdapterRepository(s, tenant_id).list(include_deleted=True) == []
-
-
-def test_success_commits_and_rows_stay_readable(factory: sessionmaker[Session]) -> None:
-    with unit_of_work(factory) as s:
-        tenant, _ = TenantRepository(s).create_tenant("acme")
-    assert tenant.name == "acme"  # not expired by the commit
-    assert _count(factory, Tenant) == 1
 
 
 def _hammer(url: str, tenant_id: str, worker: int, steps: int) -> None:
