@@ -145,7 +145,7 @@ def _lead(
 
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.recording_executor import RecordingExecutor
-    from loraplex.dispatch.records import OutcomeRecorder, PlanSeconds, applied_seq_lookup
+    from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.embedded import ready_file
     from loraplex.storage.db import make_engine, session_factory
     from loraplex.storage.repositories import PoolRepository, SnapshotRepository, unit_of_work
@@ -157,14 +157,14 @@ def _lead(
     store = stores.build(engine, group.rank if group is not None else 0)
     executor = PlanExecutor(engine, store)
     leader = LeaderExecutor(executor, group) if group is not None else None
-    seconds = PlanSeconds()
-    recorder = OutcomeRecorder(sessions, store, settings.pool, seconds)  # records rank 0's tier moves in `snapshots`
+    notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
+    recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes)
     with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
         SnapshotRepository(session).clear(settings.pool)
     dispatcher = Dispatcher(
         redis.Redis.from_url(settings.redis_url),
         settings.pool,
-        RecordingExecutor(leader or executor, sessions, seconds),
+        RecordingExecutor(leader or executor, sessions, notes, store),
         on_outcomes=recorder,
         settings=settings,
         applied_seq_lookup=applied_seq_lookup(sessions),

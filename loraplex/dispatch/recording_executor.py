@@ -13,7 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.checkpoint_paths import CheckpointKind
-from loraplex.dispatch.records import PlanSeconds
+from loraplex.dispatch.records import PlanNotes, TierChanges
 from loraplex.errors import LoraplexError
 from loraplex.protocol import (
     KINDS,
@@ -32,17 +32,22 @@ log = logging.getLogger(__name__)
 
 
 class RecordingExecutor:
-    def __init__(self, executor: Executor, sessions: sessionmaker[Session], seconds: PlanSeconds) -> None:
+    def __init__(
+        self, executor: Executor, sessions: sessionmaker[Session], notes: PlanNotes, store: TierChanges | None = None
+    ) -> None:
+        """store: the rank-0 adapter store, drained here right after each plan (the thread that moves adapters)."""
         self._executor = executor
         self._sessions = sessions
-        self._seconds = seconds
+        self._notes = notes
+        self._store = store
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         started = time.monotonic()
         try:
             outcomes = self._executor.execute(plan)
         finally:
-            self._seconds.put(plan, time.monotonic() - started)
+            changes = self._store.drain_changes() if self._store is not None else ()
+            self._notes.put(plan, time.monotonic() - started, changes)
         return self.record_checkpoints(outcomes, plan)
 
     def record_checkpoints(self, outcomes: list[Outcome], plan: BatchPlan) -> list[Outcome]:

@@ -37,18 +37,23 @@ class TierChanges(Protocol):
     def drain_changes(self) -> Sequence[Any]: ...
 
 
-class PlanSeconds:
-    """id(plan) -> its execution seconds, from the executor (dispatch/recording_executor.py) until the recorder takes
-    them: the finisher records plan k while plan k+1 runs, so one "last plan" value would be the wrong plan's."""
+class PlanNotes:
+    """What the RecordingExecutor learns about each plan on the loop thread (its execution seconds, and the store's
+    tier moves drained right after it ran), kept by id(plan) until the recorder takes them on the finisher thread:
+    the finisher records plan k while plan k+1 runs, so one "last plan" value would be the wrong plan's, and the
+    store must only be touched by the thread that moves adapters."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._changes: dict[int, list[Any]] = {}
 
-    def put(self, plan: BatchPlan, seconds: float) -> None:
+    def put(self, plan: BatchPlan, seconds: float, changes: Sequence[Any] = ()) -> None:
         self._seconds[id(plan)] = seconds
+        if changes:
+            self._changes[id(plan)] = list(changes)
 
-    def take(self, plan: BatchPlan) -> float:
-        return self._seconds.pop(id(plan), 0.0)
+    def take(self, plan: BatchPlan) -> tuple[float, list[Any]]:
+        return self._seconds.pop(id(plan), 0.0), self._changes.pop(id(plan), [])
 
 
 def applied_seq_lookup(sessions: sessionmaker[Session]) -> Callable[[str], int | None]:
@@ -69,21 +74,21 @@ class OutcomeRecorder:
         sessions: sessionmaker[Session],
         store: TierChanges | None = None,
         pool: str = "",
-        seconds: PlanSeconds | None = None,
+        notes: PlanNotes | None = None,
     ) -> None:
-        """store, pool: record the store's tier changes in `snapshots` (as rank 0 of `pool`) with each plan;
-        seconds: the plans' execution times (usage seconds), kept by the RecordingExecutor."""
+        """pool: record tier changes in `snapshots` as rank 0 of `pool`; notes: each plan's execution seconds (usage)
+        and tier moves, from the RecordingExecutor (the pool's way); store: drain a store here instead (only where
+        nothing else moves adapters at the same time: a single-threaded caller)."""
         self._sessions = sessions
         self._store = store
         self._pool = pool
-        self._seconds = seconds or PlanSeconds()
+        self._notes = notes or PlanNotes()
 
-    def _record_tiers(self, session: Session) -> None:
-        """The store's tier moves since the last plan, in a SAVEPOINT: a failure there must not cost the other records
-        (the changes are then lost for the table only; later moves of the same adapters write their rows again)."""
-        if self._store is None:
-            return
-        changes = self._store.drain_changes()
+    def _record_tiers(self, session: Session, changes: list[Any]) -> None:
+        """The plan's tier moves, in a SAVEPOINT: a failure there must not cost the other records (the changes are
+        then lost for the table only; later moves of the same adapters write their rows again)."""
+        if self._store is not None:
+            changes = changes + list(self._store.drain_changes())
         if not changes:
             return
         try:
@@ -95,13 +100,13 @@ class OutcomeRecorder:
     def __call__(self, outcomes: list[Outcome], plan: BatchPlan) -> None:
         """One transaction per plan, one statement per adapter touched (its highest applied seq_id) plus one usage
         INSERT per tenant: this runs between a plan's end and its results becoming visible."""
-        seconds = self._seconds.take(plan)
+        seconds, changes = self._notes.take(plan)
         by_id = {o.request_id: o for o in outcomes}
         tokens = sum(r.num_tokens for r in plan.requests) or 1
         applied: dict[tuple[str, str], int] = {}  # (tenant, model_id) -> highest seq_id answered in this plan
         usage: dict[str, list[tuple[str | None, str, int, float]]] = {}
         with unit_of_work(self._sessions) as session:
-            self._record_tiers(session)
+            self._record_tiers(session, changes)
             for request in plan.requests:
                 outcome = by_id.get(request.request_id)
                 if outcome is None:

@@ -135,3 +135,42 @@ def test_the_pool_recorder_writes_the_drained_changes_with_the_plan(factory: ses
         ]  # fmt: skip
         assert AdapterRepository(s, tenant).get("a").applied_seq_id == 1  # the same transaction
     assert store.changes == []
+
+
+class _Runs:
+    """An executor that moves adapters while it runs (as the store does on the loop thread)."""
+
+    def __init__(self, store: _FakeStore, moves: list[TierChange]) -> None:
+        self.store, self.moves = store, moves
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        self.store.changes += self.moves
+        return [Outcome(r.request_id, result={}) for r in plan.requests]
+
+
+def test_the_pool_drains_tier_moves_on_the_loop_thread_and_records_them_with_their_plan(
+    factory: sessionmaker[Session],
+) -> None:
+    """The RecordingExecutor drains the store right after each plan (the thread that moves adapters), and the recorder
+    (the finisher thread) writes each plan's moves with that plan, even when the next plan ran in between."""
+    from loraplex.dispatch.recording_executor import RecordingExecutor
+    from loraplex.dispatch.records import PlanNotes
+
+    tenant = _adapters(factory, "a", "b")
+    store = _FakeStore([])
+    notes = PlanNotes()
+    runs = _Runs(store, [TierChange("a", "gpu", 0)])
+    executor = RecordingExecutor(runs, factory, notes, store)
+    recorder = OutcomeRecorder(factory, pool="p1", notes=notes)
+    first = BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r1", tenant, "a", 1, OPT),)),))
+    second = BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r2", tenant, "b", 1, OPT),)),))
+    first_outcomes = executor.execute(first)
+    assert store.changes == []  # drained by the executor, not left for another thread
+    runs.moves = [TierChange("a", "cpu"), TierChange("b", "gpu", 0)]
+    second_outcomes = executor.execute(second)
+    recorder(first_outcomes, first)
+    with factory() as s:
+        assert [(r.model_id, str(r.tier)) for r in SnapshotRepository(s).list()] == [("a", "gpu")]
+    recorder(second_outcomes, second)
+    with factory() as s:
+        assert sorted((r.model_id, str(r.tier)) for r in SnapshotRepository(s).list()) == [("a", "cpu"), ("b", "gpu")]
