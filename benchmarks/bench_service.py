@@ -37,11 +37,11 @@ from loraplex.client import ServiceClient  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
 from loraplex.embedded import Stack  # noqa: E402
 from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
+from loraplex.netutil import free_port  # noqa: E402
 from loraplex.protocol import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.queue import stats as plan_stats  # noqa: E402
-from loraplex.redis_child import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
-from loraplex.storage.db import make_engine, session_factory  # noqa: E402
+from loraplex.storage.db import make_db_engine, session_factory  # noqa: E402
 from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 from loraplex.workers.executor import PlanExecutor  # noqa: E402
@@ -150,7 +150,7 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
     with Stack(settings, api_port=free_port()) as stack:
         out["stack_start_s"] = time.perf_counter() - t0
         print(f"stack up in {out['stack_start_s']:.1f} s; logs in {stack.log_dir}", flush=True)
-        sessions = session_factory(make_engine(settings.resolved_database_url))
+        sessions = session_factory(make_db_engine(settings.resolved_database_url))
         with unit_of_work(sessions) as session:
             keys = [TenantRepository(session).create_tenant(f"tenant{i}-{uuid.uuid4().hex[:6]}")[1] for i in range(max(t for _, t, _ in configs))]
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]

@@ -34,11 +34,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _tenant_repo_session(settings: Settings):
-    from loraplex.storage.db import make_engine, migrate, session_factory
+    from loraplex.storage.db import make_db_engine, migrate, session_factory
 
     settings.home.mkdir(parents=True, exist_ok=True)
     migrate(settings.resolved_database_url)
-    return session_factory(make_engine(settings.resolved_database_url))
+    return session_factory(make_db_engine(settings.resolved_database_url))
 
 
 def cmd_tenant_create(args: argparse.Namespace) -> int:
@@ -132,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, home: Path, console) -> int:
     from loraplex.demo import TASKS, load_tokenizer, print_table, run_demo, write_report
     from loraplex.embedded import Stack
-    from loraplex.redis_child import free_port
+    from loraplex.netutil import free_port
     from loraplex.storage.repositories import TenantRepository, unit_of_work
 
     settings = get_settings().model_copy(

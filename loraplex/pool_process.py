@@ -147,12 +147,12 @@ def _lead(
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.embedded import ready_file
-    from loraplex.storage.db import make_engine, session_factory
-    from loraplex.storage.repositories import PoolRepository, SnapshotRepository, unit_of_work
+    from loraplex.storage.db import make_db_engine, session_factory
+    from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import LeaderExecutor, build_engine
 
-    sessions = session_factory(make_engine(settings.resolved_database_url))
+    sessions = session_factory(make_db_engine(settings.resolved_database_url))
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
     executor = PlanExecutor(engine, store)
@@ -160,7 +160,7 @@ def _lead(
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
     recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes)
     with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
-        SnapshotRepository(session).clear(settings.pool)
+        ResidencyRepository(session).clear(settings.pool)
     dispatcher = Dispatcher(
         redis.Redis.from_url(settings.redis_url),
         settings.pool,

@@ -10,13 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from loraplex.netutil import free_port
+
 INSTALL_HINT = "redis-server is not installed: run `apt-get install -y redis-server` (make demo/test do it as root)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisChild:

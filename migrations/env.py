@@ -8,7 +8,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection, text
 
-from loraplex.storage.db import SQLITE_BEGIN_OPTION, make_engine
+from loraplex.storage.db import SQLITE_BEGIN_OPTION, make_db_engine
 from loraplex.storage.models import Base
 
 config = context.config
@@ -63,7 +63,7 @@ def run_migrations_online() -> None:
         return
 
     # Foreign keys off on SQLite: batch-mode rebuilds drop and recreate tables that others reference.
-    engine = make_engine(_database_url(), sqlite_foreign_keys=False)
+    engine = make_db_engine(_database_url(), sqlite_foreign_keys=False)
     try:
         with engine.connect() as connection:
             if connection.dialect.name == "sqlite":

@@ -16,17 +16,17 @@ from loraplex.api.routes import adapters, checkpoints, export, futures, health
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
-from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.db import make_db_engine, session_factory
 
 
 def build_services(settings: Settings) -> Services:
     if not settings.redis_url:
         raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
     client = redis.Redis.from_url(settings.redis_url, decode_responses=False)
-    engine = make_engine(settings.resolved_database_url)
+    db_engine = make_db_engine(settings.resolved_database_url)
     return Services(
         settings=settings,
-        sessions=session_factory(engine),
+        sessions=session_factory(db_engine),
         redis=client,
         producer=Producer(client, settings.pool),
         results=ResultStore(client),

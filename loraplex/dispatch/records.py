@@ -1,6 +1,6 @@
 """What the dispatcher writes to SQL after each plan (its `on_outcomes`): adapter status, the applied seq_id per adapter
 (so a restarted pool continues in order), usage per tenant, and where the pool's adapter store moved adapters
-(`snapshots`), one transaction per plan; and the lookup of an adapter's applied seq_id. The `checkpoints` rows of
+(`residency`), one transaction per plan; and the lookup of an adapter's applied seq_id. The `checkpoints` rows of
 saves are written earlier, before the results (dispatch/recording_executor.py)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import (
     AdapterRepository,
     PoolRepository,
-    SnapshotRepository,
+    ResidencyRepository,
     UsageRepository,
     unit_of_work,
 )
@@ -76,7 +76,7 @@ class OutcomeRecorder:
         pool: str = "",
         notes: PlanNotes | None = None,
     ) -> None:
-        """pool: record tier changes in `snapshots` as rank 0 of `pool`; notes: each plan's execution seconds (usage)
+        """pool: record tier changes in `residency` as rank 0 of `pool`; notes: each plan's execution seconds (usage)
         and tier moves, from the RecordingExecutor (the pool's way); store: drain a store here instead (only where
         nothing else moves adapters at the same time: a single-threaded caller)."""
         self._sessions = sessions
@@ -93,7 +93,7 @@ class OutcomeRecorder:
             return
         try:
             with session.begin_nested():
-                SnapshotRepository(session).record_changes(self._pool, 0, changes)
+                ResidencyRepository(session).record_changes(self._pool, 0, changes)
         except SQLAlchemyError:
             log.exception("tier changes of %d adapters not recorded", len(changes))
 

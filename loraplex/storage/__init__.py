@@ -3,23 +3,23 @@
 Typical use::
 
     migrate(url)  # once at start; a no-op when the schema is at head
-    factory = session_factory(make_engine(url))
+    factory = session_factory(make_db_engine(url))
     with unit_of_work(factory) as s:  # commits at the end, rolls back on any error
         adapter = AdapterRepository(s, tenant_id).create(...)
 """
 
 from loraplex.storage.blobs import BlobStore, StoredBlob
-from loraplex.storage.db import downgrade, make_engine, migrate, session_factory, unit_of_work
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, SnapshotTier
+from loraplex.storage.db import downgrade, make_db_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, ResidencyTier
 
 __all__ = [
     "AdapterStatus",
     "BlobStore",
     "CheckpointKind",
-    "SnapshotTier",
+    "ResidencyTier",
     "StoredBlob",
     "downgrade",
-    "make_engine",
+    "make_db_engine",
     "migrate",
     "session_factory",
     "unit_of_work",

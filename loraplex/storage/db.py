@@ -31,7 +31,7 @@ ALEMBIC_INI = _REPO_ROOT / "alembic.ini"
 MIGRATIONS_DIR = _REPO_ROOT / "migrations"
 
 
-def make_engine(url: str | URL, *, echo: bool = False, sqlite_foreign_keys: bool = True) -> Engine:
+def make_db_engine(url: str | URL, *, echo: bool = False, sqlite_foreign_keys: bool = True) -> Engine:
     """Engine for `url`. `sqlite_foreign_keys=False` is for migrations only (SQLite batch table rebuilds)."""
     url = make_url(url)
     if url.get_backend_name() != "sqlite":
@@ -109,9 +109,9 @@ def downgrade(url: str | URL, revision: str) -> None:
 
 def current_revision(url: str | URL) -> str | None:
     """The revision the database is at, or None before the first migration."""
-    engine = make_engine(url)
+    db_engine = make_db_engine(url)
     try:
-        with engine.connect() as conn:
+        with db_engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
-        engine.dispose()
+        db_engine.dispose()

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from loraplex.checkpoint_paths import CheckpointKind  # the one vocabulary of checkpoint kinds, stored by value here
 
-__all__ = ["AdapterStatus", "CheckpointKind", "SnapshotTier"]
+__all__ = ["AdapterStatus", "CheckpointKind", "ResidencyTier"]
 
 
 class AdapterStatus(StrEnum):
@@ -16,7 +16,7 @@ class AdapterStatus(StrEnum):
     DELETED = "deleted"
 
 
-class SnapshotTier(StrEnum):
+class ResidencyTier(StrEnum):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"

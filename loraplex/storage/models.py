@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, SnapshotTier
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, ResidencyTier
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
 # The enums are re-exported: callers reading a model's fields import them from here.
@@ -32,8 +32,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointKind",
     "Pool",
-    "Snapshot",
-    "SnapshotTier",
+    "Residency",
+    "ResidencyTier",
     "Tenant",
     "TrainingSession",
     "Usage",
@@ -120,16 +120,16 @@ class Checkpoint(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
-class Snapshot(Base):
+class Residency(Base):
     """Where one rank of one pool keeps an adapter's live state (GPU slot, pinned CPU, or a file on disk)."""
 
-    __tablename__ = "snapshots"
-    __table_args__ = (Index("ix_snapshots_pool_rank", "pool", "rank"),)
+    __tablename__ = "residency"
+    __table_args__ = (Index("ix_residency_pool_rank", "pool", "rank"),)
 
     model_id: Mapped[str] = mapped_column(ForeignKey("adapters.model_id", ondelete="CASCADE"), primary_key=True)
     pool: Mapped[str] = mapped_column(String(64), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    tier: Mapped[SnapshotTier] = mapped_column(str_enum(SnapshotTier))
+    tier: Mapped[ResidencyTier] = mapped_column(str_enum(ResidencyTier))
     slot: Mapped[int | None] = mapped_column(Integer)
     location: Mapped[str | None] = mapped_column(String(1024))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from loraplex.netutil import free_port
 from loraplex.protocol import BatchPlan, Outcome
 from loraplex.workers.distributed import (
     RankEnv,
@@ -105,12 +105,6 @@ def follow(executor: PlanExecutor, group: RankGroup) -> int:
 
 # ---- launching ranks -----------------------------------------------------------------------------------------------
 RankEntry = Callable[..., None]  # entry(group, *args), run in every spawned rank after the group is up
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn_ranks(

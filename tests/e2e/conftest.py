@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.embedded import Stack
-from loraplex.redis_child import free_port
+from loraplex.netutil import free_port
 from loraplex.settings import Settings
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.embedded import Stack
-from loraplex.redis_child import free_port
+from loraplex.netutil import free_port
 from loraplex.settings import Settings
-from loraplex.storage.db import make_engine, session_factory
-from loraplex.storage.repositories import SnapshotRepository, TenantRepository, unit_of_work
+from loraplex.storage.db import make_db_engine, session_factory
+from loraplex.storage.repositories import ResidencyRepository, TenantRepository, unit_of_work
 
 pytestmark = pytest.mark.e2e
 
@@ -42,12 +42,12 @@ def _tiers(stack: Stack, recorded: Callable[[Rows], bool], timeout_s: float = 30
     """The `snapshots` rows of rank 0, once they show the state `recorded` describes (or after `timeout_s`, as they
     are then: the assertions say what is missing). The wait is on the recorded state itself: a condition that the
     rows before a swap also meet (e.g. "3 rows, 2 on the GPU") returns the old rows before the swap is recorded."""
-    sessions = session_factory(make_engine(stack.settings.resolved_database_url))
+    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
     deadline = time.monotonic() + timeout_s
     while True:
         with sessions() as s:
             rows = {
-                r.model_id: (str(r.tier), r.slot, r.location) for r in SnapshotRepository(s).list(stack.settings.pool)
+                r.model_id: (str(r.tier), r.slot, r.location) for r in ResidencyRepository(s).list(stack.settings.pool)
             }
         if recorded(rows) or time.monotonic() > deadline:
             return rows
@@ -64,7 +64,7 @@ def _two_resident_one_spilled(rows: Rows) -> bool:
 def test_three_tenants_share_two_slots_through_the_adapter_store(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, slots=2, max_rank=8, host_budget_mb=0)
     with Stack(settings, api_port=free_port()) as stack:
-        with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
+        with unit_of_work(session_factory(make_db_engine(stack.settings.resolved_database_url))) as session:
             repo = TenantRepository(session)
             keys = [repo.create_tenant(f"tenant-{i}")[1] for i in range(3)]
         clients = [ServiceClient(stack.base_url, key) for key in keys]

@@ -14,7 +14,7 @@ import torch
 from loraplex.client import AdamParams, Datum, TrainingClient
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.storage.blobs import BlobStore
-from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
 from tests.helpers.stack import tenant_clients
@@ -148,7 +148,7 @@ def test_retention_deletes_expired_checkpoints(stack, clients):
     temp = trainer.save_weights_for_sampler("temp", ttl_seconds=60).result()["path"]
     listed = {c["tinker_path"]: c for c in trainer.list_checkpoints()}
     assert listed[temp]["expires_at"] is not None and listed[keep]["expires_at"] is None
-    sessions = session_factory(make_engine(stack.settings.resolved_database_url))
+    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
     blobs = BlobStore(stack.settings.resolved_blob_root)
     folder = next(p for p in blobs.root.rglob("temp") if trainer.model_id in str(p))
     assert delete_expired(sessions, blobs, now=utcnow()) == 0

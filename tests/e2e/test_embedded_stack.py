@@ -13,7 +13,7 @@ import pytest
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 from tests.helpers.stack import create_tenants
 
@@ -63,13 +63,13 @@ def test_two_tenants_train_concurrently_and_stay_isolated(stack, keys):
 
         TrainingClient(two._transport, trainer_one.model_id).forward_backward(_data(1))
     # The applied seq_id is recorded: 12 forward_backward + 12 optim_step after create (seq 0).
-    with session_factory(make_engine(stack.settings.resolved_database_url))() as session:
+    with session_factory(make_db_engine(stack.settings.resolved_database_url))() as session:
         adapter = AdapterRepository(session, trainer_one_tenant(stack, keys["t-one"])).get(trainer_one.model_id)
         assert adapter.applied_seq_id == 24 and str(adapter.status) == "ready"
 
 
 def trainer_one_tenant(stack: Stack, key: str) -> str:
-    with session_factory(make_engine(stack.settings.resolved_database_url))() as session:
+    with session_factory(make_db_engine(stack.settings.resolved_database_url))() as session:
         return TenantRepository(session).authenticate(key).id
 
 

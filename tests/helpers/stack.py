@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from loraplex.client import ServiceClient
 from loraplex.embedded import Stack
-from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 
 
 def create_tenants(stack: Stack, *names: str) -> dict[str, str]:
     """New tenants in the stack's database; returns name -> API key."""
-    with unit_of_work(session_factory(make_engine(stack.settings.resolved_database_url))) as session:
+    with unit_of_work(session_factory(make_db_engine(stack.settings.resolved_database_url))) as session:
         repo = TenantRepository(session)
         return {name: repo.create_tenant(name)[1] for name in names}
 

@@ -11,9 +11,9 @@ import pytest
 
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.embedded import Stack
-from loraplex.redis_child import free_port
+from loraplex.netutil import free_port
 from loraplex.settings import Settings
-from loraplex.storage.db import make_engine, session_factory
+from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import PoolRepository, TenantRepository, unit_of_work
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -52,7 +52,7 @@ def test_pool_with_two_ranks_trains_and_stops_cleanly(tmp_path, monkeypatch: pyt
         pool = next(p for p in stack.children if "loraplex.pool_process" in p.args)
         ranks = _rank_processes(pool.pid)
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the pool process itself
-        with unit_of_work(session_factory(make_engine(settings.resolved_database_url))) as session:
+        with unit_of_work(session_factory(make_db_engine(settings.resolved_database_url))) as session:
             key = TenantRepository(session).create_tenant("t")[1]
         trainer = ServiceClient(stack.base_url, key).create_lora_training_client(rank=4, seed=3)
         losses = []
@@ -63,7 +63,7 @@ def test_pool_with_two_ranks_trains_and_stops_cleanly(tmp_path, monkeypatch: pyt
             assert [len(o["logprobs"]) for o in result["loss_fn_outputs"]] == [5, 10, 15, 20, 25]
             losses.append(result["metrics"]["loss:sum"])
         assert losses[-1] < 0.7 * losses[0], losses
-        with session_factory(make_engine(settings.resolved_database_url))() as session:
+        with session_factory(make_db_engine(settings.resolved_database_url))() as session:
             assert [p.world_size for p in PoolRepository(session).list() if p.name == settings.pool] == [2]
     finally:
         stack.stop()

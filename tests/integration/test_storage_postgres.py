@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
-from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.models import Base
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 from tests.helpers.services.postgres import postgres_server
@@ -51,7 +51,7 @@ def engine() -> Iterator[Engine]:
     with postgres_server() as server:
         url = server.create_database("repositories")
         migrate(url)
-        engine = make_engine(url)
+        engine = make_db_engine(url)
         yield engine
         engine.dispose()
 

@@ -1,5 +1,5 @@
 """Around the adapter store: the policy keeps each step within the slots, and the store's tier moves land in the
-`snapshots` table (SnapshotRepository upsert, the pool recorder's one transaction per plan)."""
+`snapshots` table (ResidencyRepository upsert, the pool recorder's one transaction per plan)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
 from loraplex.dispatch.records import OutcomeRecorder
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
-from loraplex.storage.enums import SnapshotTier
-from loraplex.storage.repositories import AdapterRepository, SnapshotRepository, TenantRepository
+from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.enums import ResidencyTier
+from loraplex.storage.repositories import AdapterRepository, ResidencyRepository, TenantRepository
 from loraplex.workers.adapter_store import TierChange
 
 FB, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP
@@ -60,7 +60,7 @@ def test_policy_default_limit_changes_nothing() -> None:
 def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     url = f"sqlite:///{tmp_path / 'loraplex.db'}"
     migrate(url)
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     yield session_factory(engine)
     engine.dispose()
 
@@ -76,41 +76,41 @@ def _adapters(factory: sessionmaker[Session], *model_ids: str) -> str:
 def test_snapshot_repository_upserts_one_row_per_adapter_pool_and_rank(factory: sessionmaker[Session]) -> None:
     _adapters(factory, "a", "b")
     with unit_of_work(factory) as s:
-        repo = SnapshotRepository(s)
+        repo = ResidencyRepository(s)
         repo.record("a", "pool", 0, "gpu", slot=3)
         repo.record("a", "pool", 1, "gpu", slot=3)
         repo.record("b", "pool", 0, "cpu")
     with unit_of_work(factory) as s:
-        repo = SnapshotRepository(s)
+        repo = ResidencyRepository(s)
         first = repo.get("a", "pool", 0).updated_at
         repo.record("a", "pool", 0, "disk", location="/spill/a.safetensors")
     with factory() as s:
-        repo = SnapshotRepository(s)
+        repo = ResidencyRepository(s)
         row = repo.get("a", "pool", 0)
-        assert (row.tier, row.slot, row.location) == (SnapshotTier.DISK, None, "/spill/a.safetensors")
+        assert (row.tier, row.slot, row.location) == (ResidencyTier.DISK, None, "/spill/a.safetensors")
         assert row.updated_at >= first
         assert [(r.model_id, r.rank, str(r.tier)) for r in repo.list("pool")] == [
             ("a", 0, "disk"), ("b", 0, "cpu"), ("a", 1, "gpu"),
         ]  # fmt: skip
         assert [r.model_id for r in repo.list("pool", rank=1)] == ["a"]
     with unit_of_work(factory) as s:
-        SnapshotRepository(s).record("b", "other", 0, "gpu", slot=0)
-        assert SnapshotRepository(s).clear("pool") == 3  # a starting pool drops its rows, not another pool's
+        ResidencyRepository(s).record("b", "other", 0, "gpu", slot=0)
+        assert ResidencyRepository(s).clear("pool") == 3  # a starting pool drops its rows, not another pool's
     with factory() as s:
-        assert [(r.model_id, r.pool) for r in SnapshotRepository(s).list()] == [("b", "other")]
+        assert [(r.model_id, r.pool) for r in ResidencyRepository(s).list()] == [("b", "other")]
 
 
 def test_record_changes_upserts_removes_and_skips_unknown_adapters(factory: sessionmaker[Session]) -> None:
     _adapters(factory, "a", "b")
     with unit_of_work(factory) as s:
-        done = SnapshotRepository(s).record_changes(
+        done = ResidencyRepository(s).record_changes(
             "pool", 0, [TierChange("a", "gpu", 0), TierChange("b", "cpu"), TierChange("ghost", "gpu", 1)]
         )
         assert done == 2
     with unit_of_work(factory) as s:
-        SnapshotRepository(s).record_changes("pool", 0, [TierChange("a", None), TierChange("b", "disk", None, "/x")])
+        ResidencyRepository(s).record_changes("pool", 0, [TierChange("a", None), TierChange("b", "disk", None, "/x")])
     with factory() as s:
-        rows = SnapshotRepository(s).list()
+        rows = ResidencyRepository(s).list()
         assert [(r.model_id, str(r.tier), r.location) for r in rows] == [("b", "disk", "/x")]
 
 
@@ -130,7 +130,7 @@ def test_the_pool_recorder_writes_the_drained_changes_with_the_plan(factory: ses
     opt = PlannedRequest("r1", tenant, "a", 1, OPT)
     recorder([Outcome("r1", result={})], BatchPlan((Step(StepKind.OPTIM_STEP, (opt,)),)))
     with factory() as s:
-        assert [(r.model_id, r.pool, r.rank, str(r.tier), r.slot) for r in SnapshotRepository(s).list()] == [
+        assert [(r.model_id, r.pool, r.rank, str(r.tier), r.slot) for r in ResidencyRepository(s).list()] == [
             ("a", "p1", 0, "gpu", 1), ("b", "p1", 0, "disk", None),
         ]  # fmt: skip
         assert AdapterRepository(s, tenant).get("a").applied_seq_id == 1  # the same transaction
@@ -170,7 +170,7 @@ def test_the_pool_drains_tier_moves_on_the_loop_thread_and_records_them_with_the
     second_outcomes = executor.execute(second)
     recorder(first_outcomes, first)
     with factory() as s:
-        assert [(r.model_id, str(r.tier)) for r in SnapshotRepository(s).list()] == [("a", "gpu")]
+        assert [(r.model_id, str(r.tier)) for r in ResidencyRepository(s).list()] == [("a", "gpu")]
     recorder(second_outcomes, second)
     with factory() as s:
-        assert sorted((r.model_id, str(r.tier)) for r in SnapshotRepository(s).list()) == [("a", "cpu"), ("b", "gpu")]
+        assert sorted((r.model_id, str(r.tier)) for r in ResidencyRepository(s).list()) == [("a", "cpu"), ("b", "gpu")]

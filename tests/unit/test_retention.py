@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from loraplex.checkpoint_paths import checkpoint_blob_key
 from loraplex.storage.blobs import BlobStore
-from loraplex.storage.db import make_engine, migrate, session_factory
+from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository, unit_of_work
 from loraplex.storage.retention import delete_expired
@@ -17,7 +17,7 @@ NOW = datetime(2030, 1, 1, tzinfo=UTC)
 def test_delete_expired_removes_rows_and_files(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     migrate(url)
-    sessions = session_factory(make_engine(url))
+    sessions = session_factory(make_db_engine(url))
     blobs = BlobStore(tmp_path / "blobs")
     folders = {}
     with unit_of_work(sessions) as s:

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
-from loraplex.storage.db import make_engine, migrate, session_factory
+from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.repositories import TenantRepository
 
 # The tests shared with PostgreSQL (tests/integration/test_storage_postgres.py), run here on SQLite.
@@ -44,7 +44,7 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
 def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     url = f"sqlite:///{tmp_path / 'loraplex.db'}"
     migrate(url)
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     yield session_factory(engine)
     engine.dispose()
 

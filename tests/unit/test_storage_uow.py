@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.storage.db import make_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.repositories import AdapterRepository, TenantRepository, UsageRepository
 
 # The tests shared with PostgreSQL (tests/integration/test_storage_postgres.py), run here on SQLite.
@@ -24,14 +24,14 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
 def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     url = f"sqlite:///{tmp_path / 'loraplex.db'}"
     migrate(url)
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     yield session_factory(engine)
     engine.dispose()
 
 
 def _hammer(url: str, tenant_id: str, worker: int, steps: int) -> None:
     # Read-then-write transactions from several processes: the pattern that fails with SQLITE_BUSY under a deferred BEGIN.
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     factory = session_factory(engine)
     for step in range(steps):
         with unit_of_work(factory) as s:
@@ -44,7 +44,7 @@ def _hammer(url: str, tenant_id: str, worker: int, steps: int) -> None:
 def test_several_processes_write_one_sqlite_file(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     migrate(url)
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     factory = session_factory(engine)
     with unit_of_work(factory) as s:
         tenant_id = TenantRepository(s).create_tenant("acme")[0].id

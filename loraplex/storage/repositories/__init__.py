@@ -6,8 +6,8 @@ from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pools import PoolRepository
+from loraplex.storage.repositories.residency import ResidencyRepository
 from loraplex.storage.repositories.sessions import SessionRepository
-from loraplex.storage.repositories.snapshots import SnapshotRepository
 from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
 from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
 
@@ -18,7 +18,7 @@ __all__ = [
     "KindTotals",
     "PoolRepository",
     "SessionRepository",
-    "SnapshotRepository",
+    "ResidencyRepository",
     "TenantRepository",
     "UsageRepository",
     "UsageTotals",

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL 15 cluster for tests: `with postgres_server() as pg: engine = make_engine(pg.url)`.
+"""A throwaway PostgreSQL 15 cluster for tests: `with postgres_server() as pg: engine = make_db_engine(pg.url)`.
 
 initdb refuses to run as root, so as root every server command runs as the `postgres` user (the data folder is
 chowned to it); as any other user they run directly. fsync is off and the cluster is deleted afterwards."""
@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from loraplex.netutil import free_port
 
 PG_BIN = Path(os.environ.get("LORAPLEX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
@@ -39,12 +40,6 @@ class PostgresServer:
         with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.database_url(name)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _as_server_user(args: list[str]) -> list[str]:
@@ -73,7 +68,7 @@ def postgres_server() -> Iterator[PostgresServer]:
         _run([str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"])
         # A free port can be taken between our probe and the server's bind: retry a few times.
         for attempt in range(5):
-            port = _free_port()
+            port = free_port()
             options = f"-p {port} -k {directory} -c listen_addresses=127.0.0.1 -c fsync=off"
             try:
                 _run([str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-o", options, "start"])

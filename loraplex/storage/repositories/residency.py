@@ -9,8 +9,8 @@ from typing import Any, Protocol, cast
 from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.orm import Session
 
-from loraplex.storage.enums import SnapshotTier
-from loraplex.storage.models import Adapter, Snapshot
+from loraplex.storage.enums import ResidencyTier
+from loraplex.storage.models import Adapter, Residency
 from loraplex.storage.types import utcnow
 
 
@@ -23,19 +23,19 @@ class TierChangeLike(Protocol):
     location: str | None
 
 
-class SnapshotRepository:
+class ResidencyRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
     def record(
         self, model_id: str, pool: str, rank: int, tier: str, slot: int | None = None, location: str | None = None
-    ) -> Snapshot:
+    ) -> Residency:
         """Insert or update the (model_id, pool, rank) row."""
-        row = self.session.get(Snapshot, (model_id, pool, rank))
+        row = self.session.get(Residency, (model_id, pool, rank))
         if row is None:
-            row = Snapshot(model_id=model_id, pool=pool, rank=rank)
+            row = Residency(model_id=model_id, pool=pool, rank=rank)
             self.session.add(row)
-        row.tier = SnapshotTier(tier)
+        row.tier = ResidencyTier(tier)
         row.slot = slot
         row.location = location
         row.updated_at = utcnow()
@@ -44,12 +44,12 @@ class SnapshotRepository:
 
     def remove(self, model_id: str, pool: str, rank: int) -> None:
         self.session.execute(
-            delete(Snapshot).where(Snapshot.model_id == model_id, Snapshot.pool == pool, Snapshot.rank == rank)
+            delete(Residency).where(Residency.model_id == model_id, Residency.pool == pool, Residency.rank == rank)
         )
 
     def clear(self, pool: str) -> int:
         """Remove every row of a pool (a starting pool: what they described is gone). Returns how many."""
-        result = cast(CursorResult[Any], self.session.execute(delete(Snapshot).where(Snapshot.pool == pool)))
+        result = cast(CursorResult[Any], self.session.execute(delete(Residency).where(Residency.pool == pool)))
         return result.rowcount
 
     def record_changes(self, pool: str, rank: int, changes: Iterable[TierChangeLike]) -> int:
@@ -71,13 +71,13 @@ class SnapshotRepository:
             done += 1
         return done
 
-    def get(self, model_id: str, pool: str, rank: int = 0) -> Snapshot | None:
-        return self.session.get(Snapshot, (model_id, pool, rank))
+    def get(self, model_id: str, pool: str, rank: int = 0) -> Residency | None:
+        return self.session.get(Residency, (model_id, pool, rank))
 
-    def list(self, pool: str | None = None, rank: int | None = None) -> list[Snapshot]:
-        stmt = select(Snapshot)
+    def list(self, pool: str | None = None, rank: int | None = None) -> list[Residency]:
+        stmt = select(Residency)
         if pool is not None:
-            stmt = stmt.where(Snapshot.pool == pool)
+            stmt = stmt.where(Residency.pool == pool)
         if rank is not None:
-            stmt = stmt.where(Snapshot.rank == rank)
-        return list(self.session.scalars(stmt.order_by(Snapshot.pool, Snapshot.rank, Snapshot.model_id)))
+            stmt = stmt.where(Residency.rank == rank)
+        return list(self.session.scalars(stmt.order_by(Residency.pool, Residency.rank, Residency.model_id)))
