@@ -1,4 +1,4 @@
-"""When to hold an underfilled plan back for a moment (pure: no I/O, no clock of its own).
+"""When to hold an underfilled plan back for a moment (pure: no I/O, no clock of its own; kinds from the protocol).
 
 Tenants that train in a closed loop (send forward_backward + optim_step, await both, send the next) come back a few
 milliseconds after their results are stored, one after another, each pair as two HTTP requests. Planning at the first
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-FORWARD_BACKWARD = "forward_backward"
-OPTIM_STEP = "optim_step"
+from loraplex.protocol import RequestKind
+
+FORWARD_BACKWARD = RequestKind.FORWARD_BACKWARD
+OPTIM_STEP = RequestKind.OPTIM_STEP
 
 
 class Coalescer:
