@@ -217,7 +217,7 @@ def main() -> None:
     model = build_model(args)
     results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
     print("frozen base", results["frozen_base"], flush=True)
-    engine = Engine(model, slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+    engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                     device=args.device, microbatch_tokens=args.cap)  # fmt: skip
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)

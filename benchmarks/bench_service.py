@@ -73,7 +73,7 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     """Each config's rounds through the policy + PlanExecutor (what the pool runs), timed with the device synced."""
     model, _ = load_base_model(settings.base_model, settings.resolved_model_cache, torch_dtype(settings.resolved_dtype),
                                settings.device)  # fmt: skip
-    engine = Engine(model, slots=settings.slots, max_rank=settings.max_rank, target_modules=settings.target_modules,
+    engine = Engine(model, num_slots=settings.slots, max_rank=settings.max_rank, target_modules=settings.target_modules,
                     device=settings.device, microbatch_tokens=settings.microbatch_tokens)  # fmt: skip
     print("engine:", engine.summary(), flush=True)
     executor = PlanExecutor(engine)

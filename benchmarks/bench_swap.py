@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     model = build_model(args)
-    engine = Engine(model, slots=2, max_rank=args.rank, target_modules=TARGETS, device=args.device)
+    engine = Engine(model, num_slots=2, max_rank=args.rank, target_modules=TARGETS, device=args.device)
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     snap = take_snapshot(engine, "a")
     nbytes = snap.nbytes

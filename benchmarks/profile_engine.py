@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
+    engine = Engine(model, num_slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
                     fused_lora=not args.unfused)  # fmt: skip
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     adam = {"learning_rate": 1e-5}

@@ -69,7 +69,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
         load_model=model_loader(settings),
         device=settings.device,
         engine_kwargs={
-            "slots": settings.slots,
+            "num_slots": settings.slots,
             "max_rank": settings.max_rank,
             "target_modules": tuple(settings.target_modules),
             "microbatch_tokens": settings.microbatch_tokens,

@@ -91,6 +91,12 @@ class CreateAdapterPayload(Payload):
             from_checkpoint=None if source is None else FromCheckpoint.from_wire(source),
         )
 
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if self.from_checkpoint is None:
+            del wire["from_checkpoint"]  # absent, not null: a plain creation
+        return wire
+
 
 @dataclass(frozen=True)
 class DeleteAdapterPayload(Payload):

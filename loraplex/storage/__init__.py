@@ -8,7 +8,7 @@ Typical use::
         adapter = AdapterRepository(s, tenant_id).create(...)
 """
 
-from loraplex.storage.blobs import BlobStore, StoredBlob
+from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import downgrade, make_db_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.enums import AdapterStatus, CheckpointKind, ResidencyTier
 
@@ -17,7 +17,6 @@ __all__ = [
     "BlobStore",
     "CheckpointKind",
     "ResidencyTier",
-    "StoredBlob",
     "downgrade",
     "make_db_engine",
     "migrate",

@@ -65,7 +65,7 @@ class Engine:
         self,
         model: nn.Module,
         *,
-        slots: int = 8,
+        num_slots: int = 8,
         max_rank: int = 16,
         target_modules: Iterable[str] = DEFAULT_TARGET_MODULES,
         device: str | torch.device | None = None,
@@ -83,7 +83,7 @@ class Engine:
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()  # eval: no dropout; LoRA has none either
-        self.num_slots = slots
+        self.num_slots = num_slots
         self.max_rank = max_rank
         self.microbatch_tokens = microbatch_tokens
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -93,7 +93,7 @@ class Engine:
         self.fused_lora = lora_op is None if fused_lora is None else bool(fused_lora)
         self._fused_grouped = op is lora_delta_grouped
         self.banks: dict[str, SlotBankLinear] = install_slot_banks(
-            model, num_slots=slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
+            model, num_slots=num_slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
         )
         self.target_modules = tuple(dict.fromkeys(target_modules))
         hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
@@ -106,12 +106,12 @@ class Engine:
         for bank in self.banks.values():
             params += [bank.lora_A, bank.lora_B]
             rank_dims += [2, 1]  # A [S, in, r]: rank last; B [S, r, out]: rank in the middle
-        self.optimizer = SlotAdamW(params, rank_dims, slots)
+        self.optimizer = SlotAdamW(params, rank_dims, num_slots)
         for i, bank in enumerate(self.banks.values()):
             (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self._adapters: dict[str, AdapterRecord] = {}
-        self._free = list(range(slots))
+        self._free = list(range(num_slots))
         check_only_lora_trainable(model)
         self.trunk = Trunk(self.body, self.head)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)

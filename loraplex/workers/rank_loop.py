@@ -51,7 +51,7 @@ class EngineSpec:
 
     load_model: ModelLoader
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL; each rank takes cuda:LOCAL_RANK)
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # slots, max_rank, target_modules, microbatch_tokens
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # num_slots, max_rank, target_modules, microbatch_tokens
 
 
 def build_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:

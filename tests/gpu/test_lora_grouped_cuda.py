@@ -109,7 +109,7 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
 
     def engine(dtype: torch.dtype, op: LoraOp | None) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
-        e = Engine(model, slots=6, max_rank=16, lora_op=op)
+        e = Engine(model, num_slots=6, max_rank=16, lora_op=op)
         for model_id, rank, alpha, seed in [("a", 4, 8.0, 1), ("b", 16, 16.0, 2), ("c", 8, 4.0, 3), ("d", 2, 2.0, 4)]:
             e.create_adapter(model_id, rank, alpha, seed)
             g = torch.Generator().manual_seed(seed + 1000)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_cuda_init_is_seeded_bounded_and_slot_independent(tiny_dir: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, slots=3, max_rank=8, device="cuda")
+    engine = Engine(model, num_slots=3, max_rank=8, device="cuda")
     engine.create_adapter("x", 4, 8.0, seed=42)
     engine.create_adapter("y", 4, 8.0, seed=42)
     engine.create_adapter("z", 4, 8.0, seed=43)

@@ -20,7 +20,7 @@ from loraplex.workers.executor import PlanExecutor
 from loraplex.workers.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
-ENGINE_KWARGS = {"slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
+ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
 ADAM = {"learning_rate": 1e-2, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 VOCAB = 512  # the tiny preset's
 # Datum lengths per step for (a, b, forward-only c, c): odd sequence counts, uneven token splits, and unequal

@@ -112,7 +112,7 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 8, 16.0, 2), ("c", 3, 3.0, 3), ("d", 5, 10.0
 
 def make_engine(tiny_dir: Path, max_rank: int, microbatch_tokens: int, **kw: object) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
+    engine = Engine(model, num_slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
     engine.create_adapter("placeholder", 1, 1.0, seed=0)  # so the adapters' slots are not 0..3
     for model_id, rank, alpha, seed in ADAPTERS:
         engine.create_adapter(model_id, min(rank, max_rank), alpha, seed)

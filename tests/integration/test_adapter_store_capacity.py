@@ -45,7 +45,7 @@ def train(ids: list[str]) -> BatchPlan:
 
 def make_engine(tiny_dir: Path) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, slots=SLOTS, max_rank=RANK)
+    return Engine(model, num_slots=SLOTS, max_rank=RANK)
 
 
 def test_a_thousand_adapters_on_four_slots_train_exactly_within_the_host_budget(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def _scenario(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec, out_
 
 def test_two_ranks_swap_alike_and_match_one_process(tmp_path: Path) -> None:
     tiny = resolve("tiny", tmp_path / "model-cache")
-    spec = EngineSpec(TinyLoader(str(tiny)), "cpu", {"slots": 2, "max_rank": 4})
+    spec = EngineSpec(TinyLoader(str(tiny)), "cpu", {"num_slots": 2, "max_rank": 4})
     stores = AdapterStoreSpec(0, str(tmp_path / "spill"))  # budget 0: every eviction goes to disk
     started = time.monotonic()
     context, _ = spawn_ranks(_scenario, (spec, stores, str(tmp_path)), world_size=2, ranks=range(2), device="cpu")

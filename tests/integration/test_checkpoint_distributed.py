@@ -31,7 +31,7 @@ from tests.helpers.distributed import TinyLoader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-ENGINE_KWARGS = {"slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
+ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
 RANK, ALPHA, SEED = 4, 8.0, 11
 ADAM = {"learning_rate": 1e-2, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 VOCAB = 512  # the tiny preset's

@@ -74,7 +74,7 @@ def test_base_weights_are_sharded_and_banks_are_plain_replicated(two_ranks: list
         assert any("embed_tokens" in n for n in base) and any("lm_head" in n for n in base)
         assert len(lora) == 2 * 7 * 2  # A and B of 7 projections x 2 layers
         assert all(kind == "Parameter" and not sharded for kind, sharded, _ in lora.values())
-        assert all(shape[0] == ENGINE_KWARGS["slots"] for _, _, shape in lora.values())  # every slot, whole
+        assert all(shape[0] == ENGINE_KWARGS["num_slots"] for _, _, shape in lora.values())  # every slot, whole
 
 
 def test_fewer_sequences_than_ranks_and_forward_only_plans(two_ranks: list[dict[str, Any]]) -> None:

@@ -26,7 +26,7 @@ ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 def make_engine(tiny_dir: Path) -> Callable[..., Engine]:
     def make(slots: int = 2, max_rank: int = 4) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)  # fp32
-        return Engine(model, slots=slots, max_rank=max_rank)
+        return Engine(model, num_slots=slots, max_rank=max_rank)
 
     return make
 

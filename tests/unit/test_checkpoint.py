@@ -23,7 +23,7 @@ RANK, ALPHA, SEED = 4, 8.0, 7
 
 def new_engine(tiny_dir: Path, **kwargs: Any) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"slots": 3, "max_rank": 8, **kwargs})
+    return Engine(model, **{"num_slots": 3, "max_rank": 8, **kwargs})
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:
@@ -106,7 +106,7 @@ def test_saved_state_has_moments_and_step(run: dict[str, Any]) -> None:
 
 
 def test_load_into_new_adapter_of_another_engine_continues_bit_identically(tiny_dir: Path, run: dict) -> None:
-    engine = new_engine(tiny_dir, slots=4)
+    engine = new_engine(tiny_dir, num_slots=4)
     for i in range(2):  # another slot than the original's (slot 1)
         engine.create_adapter(f"other{i}", 3, 3.0, seed=i)
     record = load_into_engine(engine, read_checkpoint(run["dir"]), "b", with_optimizer=True, existing=False)
@@ -121,7 +121,7 @@ def test_load_into_pool_with_larger_r_max_continues_bit_identically(tiny_dir: Pa
     adam = {k: v for k, v in ADAM.items() if k != "grad_clip_norm"}
     reference = new_engine(tiny_dir)
     load_into_engine(reference, read_checkpoint(run["dir"]), "a", with_optimizer=True, existing=False)
-    wide = new_engine(tiny_dir, max_rank=16, slots=2)
+    wide = new_engine(tiny_dir, max_rank=16, num_slots=2)
     load_into_engine(wide, read_checkpoint(run["dir"]), "a", with_optimizer=True, existing=False)
     assert train(wide, "a", 3, adam) == train(reference, "a", 3, adam)
     assert_same_state(full_state(wide, "a"), full_state(reference, "a"))

@@ -119,7 +119,7 @@ def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> No
     engines = []
     for chunk_tokens in (chunk, 1 << 20):
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-        e = Engine(model, slots=2, max_rank=8, loss_chunk_tokens=chunk_tokens)
+        e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=chunk_tokens)
         e.create_adapter("a", 8, 16.0, seed=1)
         e.create_adapter("b", 4, 8.0, seed=2)
         for model_id in ("a", "b"):  # non-zero B so the adapters matter

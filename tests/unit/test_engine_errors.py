@@ -15,7 +15,7 @@ from loraplex.workers.engine import Engine
 @pytest.fixture
 def engine(tiny_dir: Path) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    e = Engine(model, slots=2, max_rank=8)
+    e = Engine(model, num_slots=2, max_rank=8)
     e.create_adapter("a", 4, 8.0, seed=0)
     return e
 

@@ -15,7 +15,7 @@ from loraplex.workers.executor import PlanExecutor
 @pytest.fixture
 def executor(tiny_dir: Path) -> PlanExecutor:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return PlanExecutor(Engine(model, slots=2, max_rank=8))
+    return PlanExecutor(Engine(model, num_slots=2, max_rank=8))
 
 
 def req(rid: str, model_id: str, kind: RequestKind, **payload) -> PlannedRequest:

@@ -16,7 +16,7 @@ from loraplex.workers.losses import LOSSES
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     folder = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
     model, _ = load_base_model(str(folder), folder.parent)
-    e = Engine(model, slots=2, max_rank=8, loss_chunk_tokens=5)  # several chunks per microbatch
+    e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=5)  # several chunks per microbatch
     e.create_adapter("a", 8, 16.0, seed=0)
     return e
 
@@ -215,7 +215,7 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
 def test_forward_only_rl_rows_return_logprobs_and_leave_no_gradient(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
     model, _ = load_base_model(str(folder), folder.parent)
-    e = Engine(model, slots=2, max_rank=8, loss_chunk_tokens=5)
+    e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=5)
     e.create_adapter("a", 8, 16.0, seed=0)
     d, lp = rl_datum(e, 9, 11)
     for name in RL_LOSSES:

@@ -17,7 +17,7 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"slots": 4, "max_rank": 8, **kw})
+    return Engine(model, **{"num_slots": 4, "max_rank": 8, **kw})
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:
@@ -164,7 +164,7 @@ def test_datum_logprobs_do_not_depend_on_batch_mates(tiny_dir: Path) -> None:
 
 
 def test_create_after_delete_starts_from_the_seed(tiny_dir: Path) -> None:
-    used, fresh = make_engine(tiny_dir, slots=1), make_engine(tiny_dir, slots=1)
+    used, fresh = make_engine(tiny_dir, num_slots=1), make_engine(tiny_dir, num_slots=1)
     used.create_adapter("old", 8, 8.0, seed=1)
     for _ in range(2):
         used.forward_backward([used.prepare("old", DATA["b"], "cross_entropy", None, False)])

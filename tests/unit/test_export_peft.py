@@ -38,7 +38,7 @@ SEQUENCES = make_data(9, [7, 16, 3])
 def engine(tiny_dir: Path) -> Engine:
     """Two trained adapters (B far from zero) side by side in one engine."""
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, slots=3, max_rank=8)
+    engine = Engine(model, num_slots=3, max_rank=8)
     for model_id, (rank, alpha, seed) in ADAPTERS.items():
         engine.create_adapter(model_id, rank, alpha, seed)
     data = make_data(1, [12, 9])

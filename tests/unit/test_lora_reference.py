@@ -15,7 +15,7 @@ from loraplex.workers.lora import Routing, lora_delta_reference, slot_bank
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"slots": 4, "max_rank": 16, **kw})
+    return Engine(model, **{"num_slots": 4, "max_rank": 16, **kw})
 
 
 def datum(ids: list[int]) -> dict:

@@ -70,7 +70,7 @@ SPECS = [
 
 def make_engine(tiny_dir: Path, **kw: Any) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"slots": 5, "max_rank": R_MAX, **kw})
+    return Engine(model, **{"num_slots": 5, "max_rank": R_MAX, **kw})
 
 
 def token_data(seed: int, lengths: tuple[int, ...], vocab: int = 512) -> list[dict]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from typing import Any
 
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.submit import submit
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol import RequestKind
+from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
 from loraplex.storage.models import Adapter
 from loraplex.storage.repositories import AdapterRepository
 
@@ -47,7 +46,7 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
             f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}"
         )
     rank, alpha, seed = request.rank, request.alpha, request.seed
-    from_checkpoint: dict[str, object] | None = None
+    from_checkpoint: FromCheckpoint | None = None
     if request.from_checkpoint is not None:
         given = sorted(FROM_CHECKPOINT_FIELDS & request.model_fields_set)
         if given:
@@ -58,11 +57,11 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
         if list(source.target_modules) != list(settings.target_modules) or source.base_model != base_model:
             raise InvalidRequestError(f"{request.from_checkpoint} was trained for another base model or target modules")
         rank, alpha, seed = source.rank, source.alpha, source.seed
-        from_checkpoint = {
-            "path": request.from_checkpoint,
-            "directory": str(checkpoint_dir(services, checkpoint)),
-            "with_optimizer": request.with_optimizer,
-        }
+        from_checkpoint = FromCheckpoint(
+            path=request.from_checkpoint,
+            directory=str(checkpoint_dir(services, checkpoint)),
+            with_optimizer=request.with_optimizer,
+        )
     if rank > settings.max_rank:
         raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
     alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
@@ -81,15 +80,14 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
         )
         # seq_id 0 stands for the creation: the adapter's first step is seq_id 1, whatever order steps arrive in.
         adapters.record_applied(model_id, 0)
-    payload: dict[str, Any] = {
-        "base_model": base_model,
-        "rank": rank,
-        "alpha": alpha,
-        "seed": seed,
-        "target_modules": list(settings.target_modules),
-    }
-    if from_checkpoint is not None:
-        payload["from_checkpoint"] = from_checkpoint
+    payload = CreateAdapterPayload(
+        base_model=base_model,
+        rank=rank,
+        alpha=alpha,
+        seed=seed,
+        target_modules=tuple(settings.target_modules),
+        from_checkpoint=from_checkpoint,
+    )
     return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
 
 
@@ -106,4 +104,4 @@ def get_adapter(services: Services, tenant: TenantRef, model_id: str) -> Adapter
 def delete_adapter(services: Services, tenant: TenantRef, model_id: str) -> FutureRef:
     with write_session(services) as db:
         AdapterRepository(db, tenant.id).mark_deleted(model_id)
-    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, {})
+    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, DeleteAdapterPayload())

@@ -26,7 +26,7 @@ from loraplex.checkpoint_paths import (
     validate_checkpoint_name,
 )
 from loraplex.errors import ConflictError, InvalidRequestError
-from loraplex.protocol import RequestKind
+from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPayload
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 from loraplex.storage.retention import delete_checkpoint_files
@@ -93,15 +93,15 @@ def _save(
             raise ConflictError(f"checkpoint {tinker_path(model_id, kind, name)} already exists (pass overwrite=true)")
         base_model = adapter.base_model
     directory = blob_store(services).path(checkpoint_blob_key(tenant.id, model_id, kind, name))
-    payload = {
-        "name": name,
-        "path": tinker_path(model_id, kind, name),
-        "directory": str(directory),
-        "blob_uri": directory.as_uri(),
-        "ttl_seconds": request.ttl_seconds,
-        "base_model": base_model,
-        "overwrite": request.overwrite,
-    }
+    payload = SaveCheckpointPayload(
+        name=name,
+        path=tinker_path(model_id, kind, name),
+        directory=str(directory),
+        blob_uri=directory.as_uri(),
+        ttl_seconds=request.ttl_seconds,
+        base_model=base_model,
+        overwrite=request.overwrite,
+    )
     return submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
 
 
@@ -110,11 +110,9 @@ def load_state(services: Services, tenant: TenantRef, model_id: str, request: Lo
     with services.sessions() as db:
         AdapterRepository(db, tenant.id).get(model_id)
         checkpoint = resolve_checkpoint(db, tenant.id, request.path, request.with_optimizer)
-    payload = {
-        "path": request.path,
-        "directory": str(checkpoint_dir(services, checkpoint)),
-        "with_optimizer": request.with_optimizer,
-    }
+    payload = LoadStatePayload(
+        path=request.path, directory=str(checkpoint_dir(services, checkpoint)), with_optimizer=request.with_optimizer
+    )
     return submit(services, tenant, model_id, RequestKind.LOAD_STATE, payload, seq_id=request.seq_id)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from loraplex.api.schemas import FutureRef
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.protocol import RequestKind
+from loraplex.protocol import Payload, RequestKind, parse_payload
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
 
@@ -36,11 +36,12 @@ def submit(
     tenant: TenantRef,
     model_id: str,
     kind: RequestKind,
-    payload: dict[str, Any],
+    payload: Payload,
     seq_id: int | None = None,
 ) -> FutureRef:
-    """`enqueue`, answered as the reference the client polls."""
-    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id)
+    """`enqueue` of the kind's typed payload (loraplex/protocol), answered as the reference the client polls."""
+    wire = parse_payload(kind, payload).to_wire()  # parse_payload: a payload of another kind is a bug, raised here
+    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=wire, seq_id=seq_id)
     return FutureRef(request_id=request_id, model_id=model_id)
 
 

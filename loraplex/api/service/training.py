@@ -7,7 +7,7 @@ from loraplex.api.schemas import ForwardBackwardRequest, FutureRef, OptimStepReq
 from loraplex.api.service.context import Services, TenantRef
 from loraplex.api.service.submit import submit
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol import RequestKind
+from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload, RequestKind
 from loraplex.settings import Settings
 from loraplex.storage.repositories import AdapterRepository
 
@@ -49,16 +49,16 @@ def _pass(
 ) -> FutureRef:
     check_live(services, tenant, model_id)
     check_datums(services.settings, request)
-    payload = {
-        "data": [d.model_dump() for d in request.data],
-        "loss_fn": request.loss_fn,
-        "loss_fn_config": request.loss_fn_config,
-    }
+    payload = ForwardBackwardPayload(
+        data=tuple(DatumPayload(d.model_input, d.loss_fn_inputs) for d in request.data),
+        loss_fn=request.loss_fn,
+        loss_fn_config=request.loss_fn_config,
+    )
     return submit(services, tenant, model_id, kind, payload, seq_id=request.seq_id)
 
 
 def optim_step(services: Services, tenant: TenantRef, model_id: str, request: OptimStepRequest) -> FutureRef:
     """Apply the accumulated gradients with AdamW and clear them."""
     check_live(services, tenant, model_id)
-    payload = {"adam_params": request.adam_params.model_dump()}
+    payload = OptimStepPayload(adam_params=request.adam_params.model_dump())
     return submit(services, tenant, model_id, RequestKind.OPTIM_STEP, payload, seq_id=request.seq_id)
