@@ -1,0 +1,60 @@
+"""The layering of ARCHITECTURE.md, checked on the source: imports only go down. A module that imports across a
+boundary (at the top or inside a function) fails here, naming the line."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "loraplex"
+BOTTOM = ("loraplex.protocol", "loraplex.errors", "loraplex.fsutil", "loraplex.checkpoint_paths",
+          "loraplex.protocol_defaults", "loraplex.netutil")  # fmt: skip
+
+# package -> prefixes of modules it must never import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "protocol": ("loraplex.dispatch", "loraplex.workers", "loraplex.queue", "loraplex.storage", "loraplex.api",
+                 "pydantic", "torch", "redis", "sqlalchemy"),
+    "queue": ("loraplex.dispatch", "loraplex.workers", "loraplex.api", "torch"),
+    "storage": ("loraplex.dispatch", "loraplex.workers", "loraplex.queue", "loraplex.api", "torch"),
+    "api": ("loraplex.workers", "loraplex.dispatch", "torch"),
+    "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
+    "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
+}  # fmt: skip
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_layer_imports_nothing_above_it(package: str) -> None:
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line, name in _imports(path)
+        if any(_under(name, p) for p in FORBIDDEN[package])
+    ]
+    assert bad == []
+
+
+def test_workers_import_torch_side_packages_and_the_bottom_layers_only() -> None:
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for path in sorted((PACKAGE / "workers").rglob("*.py"))
+        for line, name in _imports(path)
+        if _under(name, "loraplex") and not _under(name, "loraplex.workers") and not any(_under(name, b) for b in BOTTOM)
+    ]
+    assert bad == []
