@@ -12,7 +12,9 @@ LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: NaN and +-Infinity (which Python's JSON parser accepts) are a 422 naming the field, never a
+    # silent null or default further on.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class CreateAdapterRequest(Strict):

@@ -3,6 +3,7 @@ when they are sent concurrently; a retried call with the same seq_id is answered
 
 from __future__ import annotations
 
+import math
 import os
 import tarfile
 import tempfile
@@ -32,18 +33,28 @@ class TrainingClient:
 
     def _fb_body(self, data: Sequence[Datum | dict[str, Any]], loss_fn: str, config: dict[str, float] | None) -> dict:
         return {
-            "seq_id": self._take_seq(),
             "data": [datum_json(d) for d in data],
             "loss_fn": loss_fn,
             "loss_fn_config": config or {},
         }
 
+    def _numbered(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with the adapter's next seq_id, taken only once the body is known to be sendable: a non-finite
+        number is an InvalidRequestError naming its field, and takes no seq_id (a taken one that never reaches the
+        server would make the next call wait for it)."""
+        bad = first_non_finite(body)
+        if bad is not None:
+            raise InvalidRequestError(f"{bad}: must be a finite number (NaN and infinity are not JSON)")
+        return {"seq_id": self._take_seq(), **body}
+
     def _submit(self, path: str, body: dict[str, Any]) -> APIFuture:
-        ref = self._transport.request("POST", f"/v1/adapters/{self.model_id}/{path}", json=body)
+        numbered = self._numbered(body)
+        ref = self._transport.request("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     async def _submit_async(self, path: str, body: dict[str, Any]) -> APIFuture:
-        ref = await self._transport.request_async("POST", f"/v1/adapters/{self.model_id}/{path}", json=body)
+        numbered = self._numbered(body)
+        ref = await self._transport.request_async("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     def forward_backward(
@@ -61,7 +72,7 @@ class TrainingClient:
     def optim_step(self, adam_params: AdamParams | dict[str, float] | None = None) -> APIFuture:
         """Apply the accumulated gradients with AdamW and clear them."""
         params = adam_params.to_json() if isinstance(adam_params, AdamParams) else dict(adam_params or {})
-        return self._submit("optim_step", {"seq_id": self._take_seq(), "adam_params": params})
+        return self._submit("optim_step", {"adam_params": params})
 
     async def forward_backward_async(
         self, data: Sequence[Datum | dict[str, Any]], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
@@ -75,11 +86,11 @@ class TrainingClient:
 
     async def optim_step_async(self, adam_params: AdamParams | dict[str, float] | None = None) -> APIFuture:
         params = adam_params.to_json() if isinstance(adam_params, AdamParams) else dict(adam_params or {})
-        return await self._submit_async("optim_step", {"seq_id": self._take_seq(), "adam_params": params})
+        return await self._submit_async("optim_step", {"adam_params": params})
 
     # ---- checkpoints (steps in seq_id order, like optim_step) ---------------------------------------------------------
     def _save_body(self, name: str, ttl_seconds: int | None, overwrite: bool) -> dict[str, Any]:
-        return {"seq_id": self._take_seq(), "name": name, "ttl_seconds": ttl_seconds, "overwrite": overwrite}
+        return {"name": name, "ttl_seconds": ttl_seconds, "overwrite": overwrite}
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
         """Save weights + optimizer state as `name`; the result's `path` (tinker://<model_id>/weights/<name>) is what
@@ -93,7 +104,7 @@ class TrainingClient:
 
     def load_state(self, path: str, with_optimizer: bool = True) -> APIFuture:
         """Replace this adapter's weights (and Adam state, `with_optimizer`) with a checkpoint of this tenant."""
-        body = {"seq_id": self._take_seq(), "path": path, "with_optimizer": with_optimizer}
+        body = {"path": path, "with_optimizer": with_optimizer}
         return self._submit("load_state", body)
 
     async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
@@ -134,6 +145,23 @@ class TrainingClient:
     def delete(self) -> dict[str, Any]:
         ref = self._transport.request("DELETE", f"/v1/adapters/{self.model_id}")
         return APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
+
+
+def first_non_finite(value: Any, at: str = "") -> str | None:
+    """The dotted path of the first NaN or infinite float in a JSON-like body, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else at or "value"
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = first_non_finite(item, f"{at}.{key}" if at else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def extract_tar(archive: IO[bytes], out_dir: Path) -> Path:

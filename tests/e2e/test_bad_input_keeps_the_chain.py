@@ -1,0 +1,34 @@
+"""A call the client cannot send (a non-finite number) raises at once, naming the field, and costs the caller's next
+call nothing: it takes no seq_id (before, the next call waited 60 s for the seq_id that never arrived, then failed)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from loraplex.client import AdamParams, Datum
+from loraplex.errors import InvalidRequestError
+from tests.helpers.stack import tenant_clients
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_number_fails_at_the_call_and_the_next_call_runs(stack, bad: float) -> None:
+    name = "finite-nan" if math.isnan(bad) else "finite-inf"
+    client = tenant_clients(stack, name)[name]
+    trainer = client.create_lora_training_client(rank=4)
+    data = [Datum.for_next_token([10, 11, 12, 13])]
+    trainer.forward_backward(data).result(timeout=60)
+    with pytest.raises(InvalidRequestError, match="adam_params.learning_rate"):
+        trainer.optim_step(AdamParams(learning_rate=bad))
+    bad_weights = [Datum(model_input=[10, 11], loss_fn_inputs={"target_tokens": [11, 12], "weights": [1.0, bad]})]
+    with pytest.raises(InvalidRequestError, match=r"data\.0\.loss_fn_inputs\.weights\.1"):
+        trainer.forward_backward(bad_weights)
+    started = time.monotonic()
+    assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=30) is not None
+    assert trainer.forward_backward(data).result(timeout=30)["metrics"]
+    assert time.monotonic() - started < 20  # nothing waited for a missing seq_id
+    client.close()
