@@ -52,7 +52,8 @@ from loraplex.queue import keys, stats
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.queue.envelope import to_planned
 from loraplex.queue.keys import JobState
-from loraplex.queue.redis_text import optional_text
+from loraplex.queue.producer import Claim
+from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
 
@@ -277,7 +278,7 @@ class Dispatcher:
 
     def _copy_first_result(self, dup: PlannedRequest) -> Outcome:
         raw = self.redis.get(keys.request_idempotency_key(dup.kind, dup.model_id, dup.seq_id))
-        first_id = optional_text(raw)
+        first_id = Claim.decode(text(raw)).request_id if raw is not None else None
         first = self.results.get(first_id) if first_id and first_id != dup.request_id else None
         if first is not None:
             return Outcome(dup.request_id, first.result, first.error_type, first.error)

@@ -5,7 +5,3 @@ from __future__ import annotations
 
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def optional_text(value: bytes | str | None) -> str | None:
-    return None if value is None else text(value)

@@ -52,7 +52,9 @@ def test_malformed_bodies_are_422_naming_the_field(stack):
     mismatch = {"seq_id": 1, "data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [1]}}]}
     bad = client.post(f"/v1/adapters/{model_id}/forward_backward", json=mismatch, headers=alice)
     assert bad.status_code == 422 and "target_tokens" in bad.text
-    bad = client.post(f"/v1/adapters/{model_id}/optim_step", json={"seq_id": 2, "adam_params": {"lr": 1}}, headers=alice)
+    bad = client.post(
+        f"/v1/adapters/{model_id}/optim_step", json={"seq_id": 2, "adam_params": {"lr": 1}}, headers=alice
+    )
     assert bad.status_code == 422 and "lr" in bad.text
     assert _create(client, keys["alice"], rank="big").status_code == 422
 
@@ -113,3 +115,19 @@ def test_a_revoked_key_stops_working_within_the_auth_cache_ttl(tmp_path, redis_u
         time.sleep(0.35)
         denied = client.get("/v1/adapters", headers=headers)
         assert denied.status_code == 401 and "revoked" in denied.json()["detail"]
+
+
+def test_a_reused_seq_id_with_another_body_is_409_and_the_same_body_gets_the_first_id(stack):
+    client, keys, _ = stack
+    alice = {"X-API-Key": keys["alice"]}
+    model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
+    body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
+    first = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice)
+    assert first.status_code == 202
+    changed = {**body, "loss_fn": "importance_sampling"}
+    conflict = client.post(f"/v1/adapters/{model_id}/forward_backward", json=changed, headers=alice)
+    assert conflict.status_code == 409 and "already used by a forward_backward request" in conflict.json()["detail"]
+    optim = client.post(f"/v1/adapters/{model_id}/optim_step", json={"seq_id": 1, "adam_params": {}}, headers=alice)
+    assert optim.status_code == 409 and "optim_step" in optim.json()["detail"]
+    again = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice)
+    assert again.status_code == 202 and again.json()["request_id"] == first.json()["request_id"]

@@ -61,3 +61,28 @@ def test_create_and_delete_are_idempotent_per_adapter(redis_client: redis.Redis)
     assert producer.submit(delete) == delete.request_id  # a different slot than the create
     assert producer.submit(Envelope.new(tenant_id="t", model_id=model, kind="delete_adapter")) == delete.request_id
     assert redis_client.xlen(keys.request_stream(pool)) == 2
+
+
+def test_a_reused_key_with_another_body_or_kind_is_a_conflict_naming_both(redis_client: redis.Redis) -> None:
+    """Before: a different payload, or an optim_step reusing a forward_backward's seq_id, got the FIRST request's id
+    back and the caller believed its request was queued."""
+    from loraplex.errors import ConflictError
+
+    pool, model = _pool(), f"m-{uuid.uuid4().hex[:6]}"
+    producer = Producer(redis_client, pool)
+    first = _step(model, 1)
+    assert producer.submit(first) == first.request_id
+    other_body = Envelope.new(
+        tenant_id="t", model_id=model, seq_id=1, kind="forward_backward", payload={"data": [], "loss_fn": "ppo"}
+    )
+    with pytest.raises(ConflictError, match=r"seq_id 1 was already used by a forward_backward request"):
+        producer.submit(other_body)
+    optim = Envelope.new(tenant_id="t", model_id=model, seq_id=1, kind="optim_step", payload={"adam_params": {}})
+    with pytest.raises(ConflictError, match=r"forward_backward request .* this optim_step needs the next unused"):
+        producer.submit(optim)
+    assert producer.submit(_step(model, 1)) == first.request_id  # the same body again: a retry, as before
+    assert redis_client.xlen(keys.request_stream(pool)) == 1
+    assert (
+        ResultStore(redis_client).state(other_body.request_id) is None
+        and ResultStore(redis_client).state(optim.request_id) is None
+    )  # the conflicting requests left no trace
