@@ -99,6 +99,14 @@ class ResultStore:
                 pipe.expire(notify, self.ttl_s)
                 pipe.execute()
 
+    def snapshot(self, request_id: str) -> tuple[Outcome | None, JobState | None]:
+        """The result and the job state read together (one MGET): `put` writes both in one MULTI, so a finished state
+        never comes without its result here (reading them one after the other could see the state of a result that
+        landed in between, and answer "complete" with nothing)."""
+        raw_result, raw_state = self.redis.mget([keys.result_key(request_id), keys.state_key(request_id)])
+        outcome = None if raw_result is None else outcome_from_json(raw_result)
+        return outcome, None if raw_state is None else JobState(text(raw_state))
+
     def set_state(self, request_id: str, state: JobState) -> None:
         self.set_states([request_id], state)
 

@@ -131,3 +131,26 @@ def test_a_reused_seq_id_with_another_body_is_409_and_the_same_body_gets_the_fir
     assert optim.status_code == 409 and "optim_step" in optim.json()["detail"]
     again = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice)
     assert again.status_code == 202 and again.json()["request_id"] == first.json()["request_id"]
+
+
+def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeypatch):
+    """Before: the route read the result (missing), then the state (COMPLETE: the result had landed in between) and
+    answered "complete" with a null result. The landing is placed exactly there by wrapping `wait` (a timing fault
+    that cannot be caused reliably otherwise); the answer must carry the result."""
+    from loraplex.protocol import Outcome
+
+    client, keys, services = stack
+    alice = {"X-API-Key": keys["alice"]}
+    model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
+    body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
+    request_id = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).json()["request_id"]
+    real_wait = services.results.wait
+
+    def wait_then_land(rid: str, timeout_s: float):
+        missed = real_wait(rid, 0.01)  # nothing yet
+        services.results.put(Outcome(rid, result={"loss": 1.5}))  # lands right after the wait gave up
+        return missed
+
+    monkeypatch.setattr(services.results, "wait", wait_then_land)
+    answer = client.get(f"/v1/futures/{request_id}?timeout=1", headers=alice).json()
+    assert answer["state"] == "complete" and answer["result"] == {"loss": 1.5}

@@ -22,9 +22,11 @@ def get_future(
     if owner_of(services, request_id) != tenant.id:
         raise NotFoundError(f"no request {request_id!r}")
     wait_s = min(timeout, services.settings.long_poll_seconds)
-    outcome = services.results.wait(request_id, wait_s) if wait_s > 0 else services.results.get(request_id)
-    if outcome is None:
-        return FutureOut(request_id=request_id, state=str(services.results.state(request_id) or "queued"))
+    outcome = services.results.wait(request_id, wait_s) if wait_s > 0 else None
+    if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
+        outcome, state = services.results.snapshot(request_id)
+        if outcome is None:
+            return FutureOut(request_id=request_id, state=str(state or "queued"))
     if outcome.ok:
         return FutureOut(request_id=request_id, state="complete", result=outcome.result)
     error_cls = USER_ERRORS.get(outcome.error_type or "")
