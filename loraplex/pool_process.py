@@ -205,12 +205,28 @@ def _lead(
             leader.close()
 
 
+def preflight(settings: Settings) -> None:
+    """What the pool needs before it loads a model: a Redis to read, and a database at this build's schema (brought
+    there now: migrations are idempotent and serialised, so a fresh database just works). Exits naming what is
+    missing."""
+    from loraplex.storage.db import migrate
+
+    if not settings.redis_url:
+        sys.exit(
+            "loraplex worker: LORAPLEX_REDIS_URL is not set: point it at the Redis the gateway uses "
+            "(e.g. redis://127.0.0.1:6379/0), or run everything with `loraplex serve --embedded`"
+        )
+    migrate(settings.resolved_database_url)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     settings = get_settings()
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 talks to Redis and SQL
+        preflight(settings)
     run_pool(settings, stop)
     if settings.world_size > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         # After destroy_process_group, skip the interpreter's exit handlers (a rare abort there; platform.md).
