@@ -1,5 +1,6 @@
-"""A call the client cannot send (a non-finite number) raises at once, naming the field, and costs the caller's next
-call nothing: it takes no seq_id (before, the next call waited 60 s for the seq_id that never arrived, then failed)."""
+"""The step contract through the embedded stack and the Python client: a call the client cannot send (a non-finite
+number) raises at once, naming the field, and costs the caller's next call nothing (it takes no seq_id: before, the
+next call waited 60 s for the seq_id that never arrived, then failed); a result is visible only after its record."""
 
 from __future__ import annotations
 
@@ -31,4 +32,21 @@ def test_a_non_finite_number_fails_at_the_call_and_the_next_call_runs(stack, bad
     assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=30) is not None
     assert trainer.forward_backward(data).result(timeout=30)["metrics"]
     assert time.monotonic() - started < 20  # nothing waited for a missing seq_id
+    client.close()
+
+
+def test_a_result_is_visible_only_after_its_step_is_recorded(stack) -> None:
+    """Right after a step's results, the adapter's row already shows that step applied (before: results reached Redis
+    ahead of the SQL record, and 2 reads in 18 saw the previous applied_seq_id; `training_client()` derives the next
+    seq_id from it)."""
+    client = tenant_clients(stack, "recorded-first")["recorded-first"]
+    trainer = client.create_lora_training_client(rank=4)
+    data = [Datum.for_next_token([10, 11, 12, 13])]
+    seen = []
+    for _ in range(20):
+        fb, opt = trainer.forward_backward(data), trainer.optim_step(AdamParams(learning_rate=1e-3))
+        fb.result(timeout=30)
+        opt.result(timeout=30)
+        seen.append(trainer.info()["applied_seq_id"])
+    assert seen == list(range(2, 41, 2))
     client.close()
