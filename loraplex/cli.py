@@ -51,6 +51,43 @@ def cmd_tenant_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenant_keys(args: argparse.Namespace) -> int:
+    from loraplex.storage.repositories import TenantRepository
+
+    with _tenant_repo_session(_settings(args))() as session:
+        repo = TenantRepository(session)
+        for key in repo.list_keys(repo.get_by_name(args.name).id):
+            state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+            print(f"{key.id}  {key.prefix}...  {key.created_at:%Y-%m-%d %H:%M}  {state}")
+    return 0
+
+
+def cmd_tenant_revoke_key(args: argparse.Namespace) -> int:
+    from loraplex.storage.repositories import TenantRepository, unit_of_work
+
+    with unit_of_work(_tenant_repo_session(_settings(args))) as session:
+        repo = TenantRepository(session)
+        repo.revoke_key(repo.get_by_name(args.name).id, args.key_id)
+    print(f"key {args.key_id} of {args.name} revoked (gateways stop accepting it within LORAPLEX_AUTH_CACHE_SECONDS)")
+    return 0
+
+
+def cmd_tenant_rotate_key(args: argparse.Namespace) -> int:
+    """A new key for the tenant; every older key is revoked in the same transaction."""
+    from loraplex.storage.repositories import TenantRepository, unit_of_work
+
+    with unit_of_work(_tenant_repo_session(_settings(args))) as session:
+        repo = TenantRepository(session)
+        tenant = repo.get_by_name(args.name)
+        old = [k.id for k in repo.list_keys(tenant.id) if k.revoked_at is None]
+        key = repo.issue_key(tenant.id)
+        for key_id in old:
+            repo.revoke_key(tenant.id, key_id)
+        print(f"new API key for {tenant.name} (shown once); {len(old)} older key(s) revoked:", file=sys.stderr)
+    print(key)  # the last line of output is the key, for scripts
+    return 0
+
+
 def cmd_tenant_list(args: argparse.Namespace) -> int:
     from loraplex.storage.repositories import TenantRepository
 
@@ -178,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tenant_create)
     p = tenant.add_parser("list", help="list tenants")
     p.set_defaults(func=cmd_tenant_list)
+    p = tenant.add_parser("keys", help="a tenant's API keys (id, prefix, created, active or revoked)")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_tenant_keys)
+    p = tenant.add_parser("revoke-key", help="revoke one API key of a tenant (its id from `tenant keys`)")
+    p.add_argument("name")
+    p.add_argument("key_id")
+    p.set_defaults(func=cmd_tenant_revoke_key)
+    p = tenant.add_parser("rotate-key", help="issue a new API key (printed last) and revoke the tenant's older keys")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_tenant_rotate_key)
 
     p = sub.add_parser(
         "export",
@@ -205,8 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loraplex.errors import LoraplexError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return int(args.func(args))
+    except LoraplexError as exc:  # a user error (unknown tenant, bad key id...): its message, no traceback
+        print(f"loraplex: {exc.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -96,3 +96,35 @@ def test_cli_tenant_create_prints_the_key_last(stack):
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("tml-")
     assert ServiceClient(stack.base_url, key).list_adapters() == []
+
+
+def test_cli_rotates_and_revokes_a_tenants_keys(stack):
+    """`loraplex tenant rotate-key` prints a new key and revokes the older ones; `revoke-key` revokes one; an unknown
+    tenant is a one-line error, no traceback. Revocation reaches the gateway within LORAPLEX_AUTH_CACHE_SECONDS."""
+    import time
+
+    from loraplex.errors import AuthenticationError
+
+    env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home))
+
+    def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "loraplex.cli", "tenant", *args], env=env, capture_output=True,
+                              text=True, check=check)  # fmt: skip
+
+    old_key = cli("create", "cli-rotor").stdout.strip().splitlines()[-1]
+    assert ServiceClient(stack.base_url, old_key).list_adapters() == []
+    new_key = cli("rotate-key", "cli-rotor").stdout.strip().splitlines()[-1]
+    assert new_key.startswith("tml-") and new_key != old_key
+    keys_listed = cli("keys", "cli-rotor").stdout.strip().splitlines()
+    assert len(keys_listed) == 2 and sum("revoked" in line for line in keys_listed) == 1
+    time.sleep(stack.settings.auth_cache_seconds + 0.5)
+    with pytest.raises(AuthenticationError):
+        ServiceClient(stack.base_url, old_key).list_adapters()
+    assert ServiceClient(stack.base_url, new_key).list_adapters() == []
+    active = next(line.split()[0] for line in keys_listed if "active" in line)
+    cli("revoke-key", "cli-rotor", active)
+    time.sleep(stack.settings.auth_cache_seconds + 0.5)
+    with pytest.raises(AuthenticationError):
+        ServiceClient(stack.base_url, new_key).list_adapters()
+    unknown = cli("rotate-key", "nobody-here", check=False)
+    assert unknown.returncode == 2 and "nobody-here" in unknown.stderr and "Traceback" not in unknown.stderr
