@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 
 from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, PlannedRequest, Step, StepKind
 
-_CONTROL = CONTROL_KINDS
-
 
 @dataclass(frozen=True)
 class PolicyLimits:
@@ -58,7 +56,7 @@ class PolicyResult:
         """model_id -> the highest seq_id this plan takes (what last_applied becomes once the plan is answered)."""
         out: dict[str, int] = {}
         for r in self.plan.requests:
-            if r.kind not in _CONTROL:
+            if r.kind not in CONTROL_KINDS:
                 out[r.model_id] = max(out.get(r.model_id, r.seq_id), r.seq_id)
         return out
 
@@ -171,7 +169,7 @@ def _sort_out(
     seen_ids: set[str] = set()
     seen_slots: set[tuple[str, str | int]] = set()
     for i, r in enumerate(reqs):
-        control = r.kind in _CONTROL
+        control = r.kind in CONTROL_KINDS
         slot = (r.model_id, str(r.kind) if control else r.seq_id)
         last = last_applied.get(r.model_id)
         already = not control and last is not None and r.seq_id <= last

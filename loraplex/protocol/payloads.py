@@ -6,8 +6,9 @@ rank, a checkpoint step without its folder fail per request in the executor with
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 P = TypeVar("P", bound="Payload")
@@ -28,7 +29,7 @@ def _names(types: type | tuple[type, ...]) -> str:
 
 
 @dataclass(frozen=True)
-class Payload:
+class Payload(ABC):
     KIND_NAME: ClassVar[str] = "payload"
 
     @classmethod
@@ -41,11 +42,22 @@ class Payload:
         return data
 
     @classmethod
+    @abstractmethod
     def from_wire(cls: type[P], data: Mapping[str, Any]) -> P:
-        raise NotImplementedError
+        """The payload from its JSON form; ValueError naming the field when the shape is wrong."""
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON form. Shallow: token and weight lists are handed over as they are, not copied (dataclasses.asdict
+        deep-copies them: ~7 ms for 8 x 512 tokens on the gateway's hot path)."""
+        return {f.name: _wire(getattr(self, f.name)) for f in fields(self)}
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, Payload):
+        return value.to_wire()
+    if isinstance(value, tuple):
+        return [_wire(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch
 from loraplex.errors import NotFoundError
 from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
+from tests.helpers.lora import make_data
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
 
@@ -18,15 +19,6 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     return Engine(model, **{"num_slots": 4, "max_rank": 8, **kw})
-
-
-def make_data(seed: int, lengths: list[int]) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
-        out.append({"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * n}})
-    return out
 
 
 def with_adapters(engine: Engine, adapters=ADAPTERS) -> Engine:
