@@ -15,7 +15,7 @@ from loraplex.errors import AuthenticationError
 from loraplex.storage.repositories import TenantRepository
 
 # Services and TenantRef are the service layer's (api/service/context.py); the dependencies hand them to the routes.
-__all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant"]
+__all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant", "key_of_request", "tenant_for_key"]
 
 
 async def get_services(request: Request) -> Services:
@@ -48,13 +48,26 @@ async def get_tenant(
 ) -> TenantRef:
     """The key's tenant: from this process's recent checks (api/auth_cache.py), else from SQL in a worker thread and
     a short session of its own (so a long-polling route holds no connection)."""
-    key = _key_from_headers(x_api_key, authorization)
+    return await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
+
+
+async def tenant_for_key(services: Services, key: str) -> TenantRef:
+    """The tenant of an API key (AuthenticationError if none), through this process's cache."""
     cached = services.auth.get(key)
     if cached is not None:
         return cached
     tenant = await run_in_threadpool(_authenticate, services, key)
     services.auth.put(key, tenant)
     return tenant
+
+
+def key_of_request(request: Request) -> str | None:
+    """The API key a request carries (X-API-Key, else a bearer token), or None; for handlers outside the routes."""
+    key = request.headers.get("x-api-key", "").strip()
+    if not key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else ""
+    return key or None
 
 
 def _authenticate(services: Services, key: str) -> TenantRef:

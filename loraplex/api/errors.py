@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.deps import key_of_request, tenant_for_key
+from loraplex.api.routes.chain import seq_step_kind
+from loraplex.api.service.rejections import fill_rejected
 from loraplex.errors import LoraplexError, http_status_for
+
+log = logging.getLogger(__name__)
 
 
 def json_safe(value: Any) -> Any:
@@ -28,9 +36,12 @@ def json_safe(value: Any) -> Any:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail."""
-        return JSONResponse(status_code=422, content={"detail": json_safe(list(exc.errors()))})
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail. A chain step's
+        seq_id is queued as rejected first (api/service/rejections.py), so the caller's next step does not wait."""
+        errors = list(exc.errors())
+        await _fill_rejected_step(request, exc.body, errors)
+        return JSONResponse(status_code=422, content={"detail": json_safe(errors)})
 
     @app.exception_handler(LoraplexError)
     async def _typed(_: Request, exc: LoraplexError) -> JSONResponse:
@@ -41,3 +52,30 @@ def install_error_handlers(app: FastAPI) -> None:
             content={"detail": exc.message, "type": type(exc).__name__, "category": exc.category},
             headers=headers,
         )
+
+
+def validation_summary(errors: Sequence[Any]) -> str:
+    """One line from FastAPI's validation errors: `field.path: message; ...` (the first few)."""
+    parts = []
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+async def _fill_rejected_step(request: Request, body: Any, errors: Sequence[Any]) -> None:
+    """For a chain step whose body names a usable seq_id: queue its rejection (best effort; the 422 goes out anyway)."""
+    kind = seq_step_kind(request)
+    seq_id = body.get("seq_id") if isinstance(body, dict) else None
+    model_id = request.path_params.get("model_id")
+    key = key_of_request(request)
+    if kind is None or type(seq_id) is not int or not 0 <= seq_id < 2**31 or not model_id or key is None:
+        return
+    try:
+        services = request.app.state.services
+        tenant = await tenant_for_key(services, key)
+        summary = validation_summary(errors)
+        await run_in_threadpool(fill_rejected, services, tenant, model_id, seq_id, kind, "InvalidRequestError", summary)
+    except Exception as exc:  # the caller's 422 matters more; its next step then waits for the gap timeout
+        log.warning("could not queue the rejection of %s seq_id %s: %s", model_id, seq_id, exc)

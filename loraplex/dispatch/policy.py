@@ -13,7 +13,8 @@ The plan's steps, in order:
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
      forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a single request over the cap
      still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it, and its
-     checkpoint requests (save_state / save_sampler / load_state) ONE CHECKPOINT step after that. Taking a
+     checkpoint requests (save_state / save_sampler / load_state) ONE CHECKPOINT step after that (and the
+     requests the gateway rejected after their seq_id was taken, one REJECT step: answered with their error). Taking a
      request advances that adapter's seq_id, so its next request can join the next round (an adapter's
      forward_backward in one step, its optim_step in a later step of the same plan). Rounds repeat while anything is
      ready and the plan holds fewer than `max_requests` requests;
@@ -103,6 +104,7 @@ def plan_batch(
         fb: list[int] = []
         opt: list[int] = []
         ckpt: list[int] = []
+        rejected: list[int] = []
         fb_tokens, fb_closed = 0, False
         while heads and budget > 0:
             heads.sort(key=priority)
@@ -120,23 +122,28 @@ def plan_batch(
                 fb_tokens += r.num_tokens
             elif step_kind == StepKind.CHECKPOINT:
                 ckpt.append(i)
+            elif step_kind == StepKind.REJECT:
+                rejected.append(i)
             else:
                 if opt and len(opt) >= limits.max_adapters_per_step:
                     continue  # the step holds as many adapters as there are slots: it leads the next round
                 opt.append(i)
             served[r.tenant_id] += 1
             budget -= 1
-        for i in fb + opt + ckpt:
+        answered = fb + opt + ckpt + rejected
+        for i in answered:
             m = reqs[i].model_id
             pos[m] += 1
             last[m] = reqs[i].seq_id
-        taken.update(fb + opt + ckpt)
+        taken.update(answered)
         if fb:
             steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(reqs[i] for i in fb)))
         if opt:
             steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
         if ckpt:
             steps.append(Step(StepKind.CHECKPOINT, tuple(reqs[i] for i in ckpt)))
+        if rejected:
+            steps.append(Step(StepKind.REJECT, tuple(reqs[i] for i in rejected)))
 
     delete_step: list[int] = []
     for i in deletes:

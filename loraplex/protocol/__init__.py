@@ -21,6 +21,7 @@ from loraplex.protocol.payloads import (
     LoadStatePayload,
     OptimStepPayload,
     Payload,
+    RejectedPayload,
     SaveCheckpointPayload,
 )
 from loraplex.protocol.plan import BatchPlan, Executor, Outcome, PlannedRequest, Step
@@ -43,6 +44,7 @@ __all__ = [
     "Outcome",
     "Payload",
     "PlannedRequest",
+    "RejectedPayload",
     "RequestKind",
     "SaveCheckpointPayload",
     "Step",

@@ -15,6 +15,7 @@ from loraplex.protocol.payloads import (
     LoadStatePayload,
     OptimStepPayload,
     Payload,
+    RejectedPayload,
     SaveCheckpointPayload,
 )
 
@@ -28,6 +29,7 @@ class RequestKind(StrEnum):
     SAVE_STATE = "save_state"  # weights + optimizer state -> checkpoint files
     SAVE_SAMPLER = "save_sampler"  # weights only (for sampling / export)
     LOAD_STATE = "load_state"  # checkpoint files -> this (new or existing) adapter
+    REJECTED = "rejected"  # a request the gateway rejected after its seq_id was taken: answered with its error
 
 
 class StepKind(StrEnum):
@@ -36,6 +38,7 @@ class StepKind(StrEnum):
     FORWARD_BACKWARD = "forward_backward"  # one mixed batch; rows of forward-only requests get no gradient
     OPTIM_STEP = "optim_step"  # one batched AdamW update over the requests' adapters
     CHECKPOINT = "checkpoint"  # save_state / save_sampler / load_state requests, one by one, in seq_id order
+    REJECT = "reject"  # rejected requests: each answered with its payload's error, no engine work
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ KINDS: dict[RequestKind, KindSpec] = {
     RequestKind.SAVE_STATE: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.STATE),
     RequestKind.SAVE_SAMPLER: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER),
     RequestKind.LOAD_STATE: KindSpec(StepKind.CHECKPOINT, LoadStatePayload),
+    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload),
 }
 assert set(KINDS) == set(RequestKind), "every request kind needs its row"
 

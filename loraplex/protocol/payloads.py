@@ -221,3 +221,23 @@ class LoadStatePayload(Payload):
             directory=_check(d.get("directory"), str, "directory", optional=True),
             with_optimizer=_check(d.get("with_optimizer", True), bool, "with_optimizer"),
         )
+
+
+@dataclass(frozen=True)
+class RejectedPayload(Payload):
+    """A request the gateway turned down (bad body, a missing checkpoint...) after it had taken its seq_id: queued in
+    its place so the adapter's chain has no hole, and answered with this error without touching the engine."""
+
+    KIND_NAME: ClassVar[str] = "rejected"
+    rejected_kind: str = ""  # the kind the caller asked for (its route)
+    error_type: str = "InvalidRequestError"  # an errors.py class name
+    message: str = ""
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> RejectedPayload:
+        d = cls._fields_of(data)
+        return cls(
+            rejected_kind=_check(d.get("rejected_kind", ""), str, "rejected_kind"),
+            error_type=_check(d.get("error_type", "InvalidRequestError"), str, "error_type"),
+            message=_check(d.get("message", ""), str, "message"),
+        )

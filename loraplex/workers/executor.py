@@ -18,6 +18,7 @@ from loraplex.protocol import (
     OptimStepPayload,
     Outcome,
     PlannedRequest,
+    RejectedPayload,
     SaveCheckpointPayload,
     Step,
     StepKind,
@@ -60,6 +61,7 @@ class PlanExecutor:
             StepKind.FORWARD_BACKWARD: self._forward_backward,
             StepKind.OPTIM_STEP: self._optim_step,
             StepKind.CHECKPOINT: self._checkpoint,
+            StepKind.REJECT: self._reject,
         }
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
@@ -134,6 +136,16 @@ class PlanExecutor:
             return {}
 
         return self._one_by_one(step, delete)
+
+    def _reject(self, step: Step) -> list[Outcome]:
+        """Requests the gateway rejected after their seq_id was taken: the error the caller was already given."""
+        outcomes = []
+        for request in step.requests:
+            p = request.payload
+            assert isinstance(p, RejectedPayload)
+            message = f"the gateway rejected this {p.rejected_kind or 'request'}: {p.message}"
+            outcomes.append(Outcome(request.request_id, error_type=p.error_type, error=message))
+        return outcomes
 
     def _forward_backward(self, step: Step) -> list[Outcome]:
         """Validate each request alone, then run every valid one in a single mixed batch."""

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from loraplex.client import AdamParams, Datum
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, NotFoundError
 from tests.helpers.stack import tenant_clients
 
 pytestmark = pytest.mark.e2e
@@ -32,6 +32,28 @@ def test_a_non_finite_number_fails_at_the_call_and_the_next_call_runs(stack, bad
     assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=30) is not None
     assert trainer.forward_backward(data).result(timeout=30)["metrics"]
     assert time.monotonic() - started < 20  # nothing waited for a missing seq_id
+    client.close()
+
+
+def test_a_call_the_gateway_rejects_costs_the_next_call_nothing(stack) -> None:
+    """The client took seq_ids for these calls and the gateway turned them down (a 422 from validation, a 400 from a
+    service rule, a 404 for a missing checkpoint): each rejection holds its seq_id, so the next calls run at once
+    (before: the next call waited 60 s for the rejected seq_id, then failed)."""
+    client = tenant_clients(stack, "rejected")["rejected"]
+    trainer = client.create_lora_training_client(rank=4)
+    data = [Datum.for_next_token([10, 11, 12, 13])]
+    with pytest.raises(InvalidRequestError, match="loss_fn"):
+        trainer.forward_backward(data, loss_fn="no_such_loss")
+    with pytest.raises(InvalidRequestError, match="invalid checkpoint name"):
+        trainer.save_state("../escape")
+    with pytest.raises(NotFoundError):
+        trainer.load_state(f"tinker://{trainer.model_id}/weights/never-saved")
+    started = time.monotonic()
+    fb = trainer.forward_backward(data)
+    assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=30) is not None
+    assert fb.result(timeout=30)["metrics"]
+    assert time.monotonic() - started < 20  # nothing waited for a missing seq_id
+    assert trainer.info()["applied_seq_id"] == 5  # the three rejected seq_ids, answered with their errors, then two
     client.close()
 
 

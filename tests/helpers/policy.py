@@ -9,6 +9,7 @@ from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, StepKind
 
 FB, FWD, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP
 CREATE, DELETE = RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER
+REJECTED = RequestKind.REJECTED
 _ids = itertools.count()
 
 
@@ -16,6 +17,8 @@ def req(model: str, seq: int, kind: RequestKind = FB, tokens: int = 8, tenant: s
     payload: dict = {}
     if kind in (FB, FWD):
         payload = {"data": [{"model_input": [0] * tokens, "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"}
+    elif kind == REJECTED:
+        payload = {"rejected_kind": "forward_backward", "message": "loss_fn: Input should be 'cross_entropy'"}
     return PlannedRequest(f"r{next(_ids)}", tenant or f"t-{model}", model, seq, kind, payload)
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 
 from loraplex.checkpoint_paths import checkpoint_blob_key
-from loraplex.queue import keys
-from loraplex.queue.envelope import decode
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
+from tests.helpers.queued import queued, queued_work, rejections
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +39,7 @@ def _saved(services, tenant_id: str, model_id: str, kind: CheckpointKind, name: 
 
 
 def _queued(services, request_id: str):
-    for _, fields in services.redis.xrange(keys.request_stream(services.settings.pool)):
-        envelope = decode(fields)
-        if envelope.request_id == request_id:
-            return envelope
-    raise AssertionError(f"request {request_id} not in the stream")
+    return queued(services)[request_id]
 
 
 def test_save_queues_the_folder_the_gateway_chose(stack):
@@ -74,15 +69,14 @@ def test_save_queues_the_folder_the_gateway_chose(stack):
 def test_bad_names_are_rejected_and_nothing_is_queued(stack, name):
     client, headers, _, services = stack
     model_id = _adapter(client, headers["alice"])
-    stream = keys.request_stream(services.settings.pool)
-    before = services.redis.xlen(stream)
+    before = queued_work(services)
     for route in ("save_state", "save_weights_for_sampler"):
         response = client.post(
             f"/v1/adapters/{model_id}/{route}", json={"seq_id": 1, "name": name}, headers=headers["alice"]
         )
         assert response.status_code in (400, 422), (name, response.text)
         assert "name" in response.text
-    assert services.redis.xlen(stream) == before
+    assert queued_work(services) == before and list(rejections(services)) == [(model_id, 1)]
     empty = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": ""}, headers=headers["alice"])
     assert empty.status_code == 422
 
@@ -99,11 +93,11 @@ def test_existing_name_is_409_unless_overwrite_and_a_retry_gets_its_first_reques
     assert again.status_code == 202 and again.json()["request_id"] == first.json()["request_id"]
     clash = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 2, "name": "ckpt"}, headers=alice)
     assert clash.status_code == 409 and "overwrite" in clash.json()["detail"]
-    replace = {"seq_id": 2, "name": "ckpt", "overwrite": True}
+    replace = {"seq_id": 3, "name": "ckpt", "overwrite": True}  # the rejected seq_id 2 is spent (no hole left)
     assert client.post(f"/v1/adapters/{model_id}/save_state", json=replace, headers=alice).status_code == 202
     # The sampler kind is a separate namespace.
     other = client.post(
-        f"/v1/adapters/{model_id}/save_weights_for_sampler", json={"seq_id": 3, "name": "ckpt"}, headers=alice
+        f"/v1/adapters/{model_id}/save_weights_for_sampler", json={"seq_id": 4, "name": "ckpt"}, headers=alice
     )
     assert other.status_code == 202
 
@@ -157,7 +151,7 @@ def test_bad_paths_and_options_are_400(stack):
     # A sampler checkpoint holds no optimizer state.
     response = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": sampler}, headers=alice)
     assert response.status_code == 400 and "with_optimizer" in response.json()["detail"]
-    body = {"seq_id": 1, "path": sampler, "with_optimizer": False}
+    body = {"seq_id": 2, "path": sampler, "with_optimizer": False}  # seq_id 1 is spent by its first rejection
     assert client.post(f"/v1/adapters/{model_id}/load_state", json=body, headers=alice).status_code == 202
     # rank / alpha / seed come from the checkpoint.
     response = client.post(

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.helpers.queued import queued_work, rejections
+
 pytestmark = pytest.mark.integration
 
 
@@ -36,12 +38,13 @@ def _post(gateway, path: str, body_text: str, headers: dict):
 )  # fmt: skip
 def test_non_finite_numbers_in_training_calls_are_422_naming_the_field(alice, literal, path, body, field) -> None:
     gateway, headers, model_id = alice
-    before = gateway.services.redis.xlen(gateway.services.producer.stream)
+    before = queued_work(gateway.services)
     response = _post(gateway, f"/v1/adapters/{model_id}/{path}", body.format(x=literal), headers)
     assert response.status_code == 422, response.text
     detail = json.loads(response.text)["detail"]  # valid JSON, whatever the input held
     assert any(field in ".".join(str(p) for p in e["loc"]) for e in detail), detail
-    assert gateway.services.redis.xlen(gateway.services.producer.stream) == before
+    assert queued_work(gateway.services) == before  # nothing to train on; only the rejection holds seq_id 1
+    assert field in rejections(gateway.services)[(model_id, 1)].payload["message"]
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity"])

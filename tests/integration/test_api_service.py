@@ -19,10 +19,10 @@ from loraplex.api.service import TenantRef
 from loraplex.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.protocol_defaults import ADAM_DEFAULTS
-from loraplex.queue import keys
-from loraplex.queue.envelope import decode
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, unit_of_work
+from tests.helpers.queued import queued as _queued
+from tests.helpers.queued import queued_work, rejections
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.integration
 def ctx(gateway):
     tenants = {name: TenantRef(tenant_id, name) for name, tenant_id in gateway.tenant_ids.items()}
     return gateway.services, tenants["alice"], tenants["bob"]
-
-
-def _queued(services) -> dict[str, object]:
-    """request_id -> envelope of everything in the pool's stream."""
-    entries = services.redis.xrange(keys.request_stream(services.settings.pool))
-    return {env.request_id: env for env in (decode(fields) for _, fields in entries)}
 
 
 def _adapter_rows(services, tenant: TenantRef) -> list[str]:
@@ -132,39 +126,50 @@ def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch)
     }
     forward = service.forward(services, alice, model_id, _fb(2, _datum()))
     assert str(_queued(services)[forward.request_id].kind) == "forward"
-    before = len(_queued(services))
+    # A rejection after the seq_id was taken is queued in its place (the caller's next step must not wait for it).
+    before = len(queued_work(services))
     monkeypatch.setattr(services.settings, "max_datums_per_request", 2)
     monkeypatch.setattr(services.settings, "max_tokens_per_datum", 5)
     with pytest.raises(InvalidRequestError, match="data has 3 datums; at most 2"):
         service.forward_backward(services, alice, model_id, _fb(3, _datum(), _datum(), _datum()))
     with pytest.raises(InvalidRequestError, match=r"data\[1\] has 6 tokens; at most 5"):
-        service.forward(services, alice, model_id, _fb(3, _datum(), _datum(6)))
+        service.forward(services, alice, model_id, _fb(4, _datum(), _datum(6)))
     no_targets = Datum(model_input=[1, 2])
     with pytest.raises(InvalidRequestError, match=r"data\[0\].loss_fn_inputs.target_tokens is required"):
-        service.forward_backward(services, alice, model_id, _fb(3, no_targets))
-    for call in (service.forward_backward, service.forward):  # another tenant's adapter: not found
+        service.forward_backward(services, alice, model_id, _fb(5, no_targets))
+    held = rejections(services)
+    assert sorted(seq for m, seq in held if m == model_id) == [3, 4, 5]
+    assert held[(model_id, 4)].payload == {
+        "rejected_kind": "forward", "error_type": "InvalidRequestError", "message": "data[1] has 6 tokens; at most 5"
+    }  # fmt: skip
+    with pytest.raises(InvalidRequestError):  # the same rejected call again: nothing more queued
+        service.forward(services, alice, model_id, _fb(4, _datum(), _datum(6)))
+    with pytest.raises(ConflictError, match="seq_id 4 was already used by a rejected request"):
+        service.forward(services, alice, model_id, _fb(4, _datum()))  # the rejected seq_id is spent
+    for call in (service.forward_backward, service.forward):  # another tenant's adapter: not found, nothing queued
         with pytest.raises(NotFoundError):
-            call(services, bob, model_id, _fb(3, _datum()))
+            call(services, bob, model_id, _fb(6, _datum()))
     with pytest.raises(NotFoundError):
-        service.optim_step(services, bob, model_id, OptimStepRequest(seq_id=3))
-    assert len(_queued(services)) == before
+        service.optim_step(services, bob, model_id, OptimStepRequest(seq_id=6))
+    assert len(queued_work(services)) == before and len(rejections(services)) == 3
     # Other losses need no target_tokens.
-    assert service.forward_backward(services, alice, model_id, _fb(3, no_targets, loss_fn="importance_sampling"))
-    step = service.optim_step(services, alice, model_id, OptimStepRequest(seq_id=4))
+    assert service.forward_backward(services, alice, model_id, _fb(6, no_targets, loss_fn="importance_sampling"))
+    step = service.optim_step(services, alice, model_id, OptimStepRequest(seq_id=7))
     assert _queued(services)[step.request_id].payload == {"adam_params": dict(ADAM_DEFAULTS)}
 
 
 def test_saves_check_the_name_and_existing_checkpoints(ctx):
     services, alice, bob = ctx
     model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
-    before = len(_queued(services))
-    for save in (service.save_state, service.save_weights_for_sampler):
+    before = len(queued_work(services))
+    for seq_id, save in enumerate((service.save_state, service.save_weights_for_sampler), start=1):
         with pytest.raises(InvalidRequestError, match="invalid checkpoint name"):
-            save(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="../up"))
+            save(services, alice, model_id, SaveCheckpointRequest(seq_id=seq_id, name="../up"))
         with pytest.raises(NotFoundError):
-            save(services, bob, model_id, SaveCheckpointRequest(seq_id=1, name="ok"))
-    assert len(_queued(services)) == before
-    first = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="c", ttl_seconds=9))
+            save(services, bob, model_id, SaveCheckpointRequest(seq_id=9, name="ok"))
+    assert len(queued_work(services)) == before
+    assert {seq for m, seq in rejections(services) if m == model_id} == {1, 2}  # held, not holes
+    first = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=3, name="c", ttl_seconds=9))
     payload = _queued(services)[first.request_id].payload
     folder = BlobStore(services.settings.resolved_blob_root).path(
         checkpoint_blob_key(alice.id, model_id, CheckpointKind.STATE, "c")
@@ -179,12 +184,12 @@ def test_saves_check_the_name_and_existing_checkpoints(ctx):
         "overwrite": False,
     }
     _saved(services, alice, model_id, CheckpointKind.STATE, "c")
-    retry = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=1, name="c", ttl_seconds=9))
+    retry = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=3, name="c", ttl_seconds=9))
     assert retry.request_id == first.request_id  # a retry gets its first request, not a conflict
     with pytest.raises(ConflictError, match=r"already exists \(pass overwrite=true\)"):
-        service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=2, name="c"))
-    assert service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=2, name="c", overwrite=True))
-    sampler = service.save_weights_for_sampler(services, alice, model_id, SaveCheckpointRequest(seq_id=3, name="c"))
+        service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=4, name="c"))
+    assert service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=5, name="c", overwrite=True))
+    sampler = service.save_weights_for_sampler(services, alice, model_id, SaveCheckpointRequest(seq_id=6, name="c"))
     assert _queued(services)[sampler.request_id].payload["directory"].endswith("/sampler/c")
 
 
@@ -197,7 +202,9 @@ def test_load_list_and_delete_checkpoints_stay_within_the_tenant(ctx):
         service.load_state(services, bob, bobs, LoadStateRequest(seq_id=1, path=path))
     with pytest.raises(InvalidRequestError, match="not a checkpoint path"):
         service.load_state(services, alice, model_id, LoadStateRequest(seq_id=1, path="weights/final"))
-    load = service.load_state(services, alice, model_id, LoadStateRequest(seq_id=1, path=path))
+    # Both rejections hold their seq_id: bob's (alice's checkpoint is not found for him) in his own adapter's chain.
+    assert set(rejections(services)) == {(bobs, 1), (model_id, 1)}
+    load = service.load_state(services, alice, model_id, LoadStateRequest(seq_id=2, path=path))
     payload = _queued(services)[load.request_id].payload
     assert payload["path"] == path and payload["directory"].endswith(f"/{model_id}/state/final")
     with pytest.raises(NotFoundError):

@@ -60,6 +60,10 @@ def test_plan_runs_steps_in_order_with_per_request_errors(executor: PlanExecutor
                 ),
             ),
             Step(
+                StepKind.REJECT,
+                (req("x1", "a", RequestKind.REJECTED, rejected_kind="optim_step", message="adam_params.eps: > 0"),),
+            ),
+            Step(
                 StepKind.DELETE,
                 (req("d1", "a", RequestKind.DELETE_ADAPTER), req("d2", "a", RequestKind.DELETE_ADAPTER)),
             ),
@@ -80,6 +84,9 @@ def test_plan_runs_steps_in_order_with_per_request_errors(executor: PlanExecutor
     )
     assert by_id["o1"].ok and by_id["o1"].result["metrics"]["grad_norm:mean"] > 0
     assert by_id["o2"].error_type == "NotFoundError"
+    assert (by_id["x1"].error_type, by_id["x1"].error) == (
+        "InvalidRequestError", "the gateway rejected this optim_step: adam_params.eps: > 0"
+    )  # fmt: skip
     assert by_id["d1"].result == {} and by_id["d2"].error_type == "NotFoundError"
     # f3 was forward-only: b2 got no gradient
     grads = executor.engine.adapter_grads("b2")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loraplex.protocol import PlannedRequest, StepKind
-from tests.helpers.policy import CREATE, DELETE, FB, FWD, OPT, req, run, steps
+from tests.helpers.policy import CREATE, DELETE, FB, FWD, OPT, REJECTED, req, run, steps
 
 
 def test_one_adapter_applies_in_seq_order_whatever_the_arrival_order() -> None:
@@ -154,3 +154,17 @@ def test_delete_waits_for_requests_still_pending_and_chains_wait_for_their_creat
 def test_empty_input_gives_an_empty_plan() -> None:
     out = run([])
     assert out.plan.steps == () and out.pending == () and out.duplicates == ()
+
+
+def test_a_rejected_seq_id_is_answered_in_order_and_the_chain_moves_on() -> None:
+    """A request the gateway rejected after its seq_id was taken is queued in its place: the policy answers it in its
+    own REJECT step (no engine work) and the adapter's next request runs in the same plan, without a gap wait."""
+    pending = [req("a", 2, OPT), req("a", 3), req("a", 1, REJECTED), req("b", 1)]
+    out = run(pending, {"a": 0, "b": 0})
+    assert steps(out.plan) == [
+        (StepKind.FORWARD_BACKWARD, [("b", 1)]),
+        (StepKind.REJECT, [("a", 1)]),
+        (StepKind.OPTIM_STEP, [("a", 2)]),
+        (StepKind.FORWARD_BACKWARD, [("a", 3)]),
+    ]
+    assert out.blocked == {} and out.applied_seq == {"a": 3, "b": 1}

@@ -8,7 +8,9 @@ from fastapi import APIRouter
 
 from loraplex.api import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.routes.chain import seq_step
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, ForwardBackwardRequest, FutureRef, OptimStepRequest
+from loraplex.protocol import RequestKind
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
@@ -35,15 +37,18 @@ def delete_adapter(model_id: str, tenant: TenantDep, services: ServicesDep) -> F
 
 
 @router.post("/{model_id}/forward_backward", status_code=202)
+@seq_step(RequestKind.FORWARD_BACKWARD)
 def forward_backward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
     return service.forward_backward(services, tenant, model_id, body)
 
 
 @router.post("/{model_id}/forward", status_code=202)
+@seq_step(RequestKind.FORWARD)
 def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
     return service.forward(services, tenant, model_id, body)
 
 
 @router.post("/{model_id}/optim_step", status_code=202)
+@seq_step(RequestKind.OPTIM_STEP)
 def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
     return service.optim_step(services, tenant, model_id, body)

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 
 from loraplex.api import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.routes.chain import seq_step
 from loraplex.api.schemas import (
     CheckpointListOut,
     CheckpointOut,
@@ -14,17 +15,20 @@ from loraplex.api.schemas import (
     LoadStateRequest,
     SaveCheckpointRequest,
 )
+from loraplex.protocol import RequestKind
 
 router = APIRouter(prefix="/v1/adapters", tags=["checkpoints"])
 
 
 @router.post("/{model_id}/save_state", status_code=202)
+@seq_step(RequestKind.SAVE_STATE)
 def save_state(model_id: str, body: SaveCheckpointRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
     """Weights + optimizer state. The future's result: {path: tinker://<model_id>/weights/<name>, size_bytes, ...}."""
     return service.save_state(services, tenant, model_id, body)
 
 
 @router.post("/{model_id}/save_weights_for_sampler", status_code=202)
+@seq_step(RequestKind.SAVE_SAMPLER)
 def save_weights_for_sampler(
     model_id: str, body: SaveCheckpointRequest, tenant: TenantDep, services: ServicesDep
 ) -> FutureRef:
@@ -33,6 +37,7 @@ def save_weights_for_sampler(
 
 
 @router.post("/{model_id}/load_state", status_code=202)
+@seq_step(RequestKind.LOAD_STATE)
 def load_state(model_id: str, body: LoadStateRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
     """Load a checkpoint of this tenant into this (existing) adapter; a rank or target mismatch fails the future."""
     return service.load_state(services, tenant, model_id, body)

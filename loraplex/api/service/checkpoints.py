@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.api.schemas import CheckpointOut, FutureRef, LoadStateRequest, SaveCheckpointRequest
 from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
+from loraplex.api.service.rejections import filling_rejections
 from loraplex.api.service.submit import already_submitted, submit
 from loraplex.checkpoint_paths import (
     SEGMENT_BY_KIND,
@@ -84,6 +85,18 @@ def _save(
     kind: CheckpointKind,
     request_kind: RequestKind,
 ) -> FutureRef:
+    with filling_rejections(services, tenant, model_id, request.seq_id, request_kind):
+        return _save_checked(services, tenant, model_id, request, kind, request_kind)
+
+
+def _save_checked(
+    services: Services,
+    tenant: TenantRef,
+    model_id: str,
+    request: SaveCheckpointRequest,
+    kind: CheckpointKind,
+    request_kind: RequestKind,
+) -> FutureRef:
     with services.sessions() as db:
         adapter = AdapterRepository(db, tenant.id).get(model_id)  # 404 for unknown, deleted, or another tenant's
         name = validate_checkpoint_name(request.name)
@@ -107,13 +120,14 @@ def _save(
 
 def load_state(services: Services, tenant: TenantRef, model_id: str, request: LoadStateRequest) -> FutureRef:
     """Load a checkpoint of this tenant into this (existing) adapter; a rank or target mismatch fails the future."""
-    with services.sessions() as db:
-        AdapterRepository(db, tenant.id).get(model_id)
-        checkpoint = resolve_checkpoint(db, tenant.id, request.path, request.with_optimizer)
-    payload = LoadStatePayload(
-        path=request.path, directory=str(checkpoint_dir(services, checkpoint)), with_optimizer=request.with_optimizer
-    )
-    return submit(services, tenant, model_id, RequestKind.LOAD_STATE, payload, seq_id=request.seq_id)
+    with filling_rejections(services, tenant, model_id, request.seq_id, RequestKind.LOAD_STATE):
+        with services.sessions() as db:
+            AdapterRepository(db, tenant.id).get(model_id)
+            checkpoint = resolve_checkpoint(db, tenant.id, request.path, request.with_optimizer)
+        payload = LoadStatePayload(
+            path=request.path, directory=str(checkpoint_dir(services, checkpoint)), with_optimizer=request.with_optimizer
+        )
+        return submit(services, tenant, model_id, RequestKind.LOAD_STATE, payload, seq_id=request.seq_id)
 
 
 def list_checkpoints(services: Services, tenant: TenantRef, model_id: str) -> list[CheckpointOut]:

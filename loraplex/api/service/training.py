@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loraplex.api.schemas import ForwardBackwardRequest, FutureRef, OptimStepRequest
 from loraplex.api.service.context import Services, TenantRef
+from loraplex.api.service.rejections import filling_rejections
 from loraplex.api.service.submit import submit
 from loraplex.errors import InvalidRequestError
 from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload, RequestKind
@@ -48,13 +49,14 @@ def _pass(
     services: Services, tenant: TenantRef, model_id: str, request: ForwardBackwardRequest, kind: RequestKind
 ) -> FutureRef:
     check_live(services, tenant, model_id)
-    check_datums(services.settings, request)
-    payload = ForwardBackwardPayload(
-        data=tuple(DatumPayload(d.model_input, d.loss_fn_inputs) for d in request.data),
-        loss_fn=request.loss_fn,
-        loss_fn_config=request.loss_fn_config,
-    )
-    return submit(services, tenant, model_id, kind, payload, seq_id=request.seq_id)
+    with filling_rejections(services, tenant, model_id, request.seq_id, kind):
+        check_datums(services.settings, request)
+        payload = ForwardBackwardPayload(
+            data=tuple(DatumPayload(d.model_input, d.loss_fn_inputs) for d in request.data),
+            loss_fn=request.loss_fn,
+            loss_fn_config=request.loss_fn_config,
+        )
+        return submit(services, tenant, model_id, kind, payload, seq_id=request.seq_id)
 
 
 def optim_step(services: Services, tenant: TenantRef, model_id: str, request: OptimStepRequest) -> FutureRef:
