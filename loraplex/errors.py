@@ -47,9 +47,28 @@ class ConflictError(LoraplexError, ValueError):
 
 
 class CapacityError(LoraplexError, RuntimeError):
-    """The pool cannot take this now (no free slot, quota); retry later (HTTP 429)."""
+    """The pool cannot take this now (no free slot, quota); retry later (HTTP 429, with Retry-After when a retry of
+    the same request can succeed on its own)."""
 
     category = "server"
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.retry_after_s))
+
+
+class QuotaExceededError(CapacityError):
+    """A tenant's quota (queued requests, queued tokens, adapters) is used up (HTTP 429). With `retry_after_s` the
+    same request can be sent again once the queue drains; without, something must be freed first."""
+
+    category = "user"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """One request is over the gateway's size limits (body bytes, tokens per request) (HTTP 413)."""
 
 
 class EngineError(LoraplexError, RuntimeError):
@@ -72,7 +91,16 @@ class RequestFailedError(LoraplexError, RuntimeError):
 
 USER_ERRORS: dict[str, type[LoraplexError]] = {
     cls.__name__: cls
-    for cls in (AuthenticationError, NotFoundError, InvalidRequestError, ConflictError, CapacityError, EngineError)
+    for cls in (
+        AuthenticationError,
+        NotFoundError,
+        InvalidRequestError,
+        ConflictError,
+        CapacityError,
+        QuotaExceededError,
+        RequestTooLargeError,
+        EngineError,
+    )
 }
 
 
@@ -88,6 +116,7 @@ HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
     ConflictError: 409,
     InvalidRequestError: 400,
     CapacityError: 429,
+    RequestTooLargeError: 413,
 }
 # And back, for the client. 422 is FastAPI's own answer to a body that fails validation: a bad request too.
 ERROR_BY_HTTP_STATUS: dict[int, type[LoraplexError]] = {

@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     # Largest forward_backward body (datums per request) the gateway accepts.
     max_datums_per_request: int = 1024
     max_tokens_per_datum: int = 32768
+    # Admission control (api/admission.py, queue/producer.py). A body over `max_body_bytes` is a 413 as soon as that
+    # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the
+    # pool runs an accepted large request in plans of at most `plan_tokens`, so it never holds others back long).
+    max_body_bytes: int = Field(default=32 * 2**20, ge=1024)
+    max_tokens_per_request: int = Field(default=262_144, ge=1)
+    # Per-tenant quotas on each pool (429; the queue ones with Retry-After). 0: no limit.
+    max_queued_requests_per_tenant: int = Field(default=4096, ge=0)
+    max_queued_tokens_per_tenant: int = Field(default=4 * 2**20, ge=0)
+    max_adapters_per_tenant: int = Field(default=256, ge=0)
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -28,7 +28,12 @@ def build_services(settings: Settings) -> Services:
         settings=settings,
         sessions=session_factory(db_engine),
         redis=client,
-        producer=Producer(client, settings.pool),
+        producer=Producer(
+            client,
+            settings.pool,
+            max_queued_requests=settings.max_queued_requests_per_tenant,
+            max_queued_tokens=settings.max_queued_tokens_per_tenant,
+        ),
         results=ResultStore(client),
         auth=AuthCache(settings.auth_cache_seconds),
     )

@@ -49,7 +49,7 @@ from loraplex.protocol import (
     StepKind,
 )
 from loraplex.queue import keys, stats
-from loraplex.queue.consumer import Consumer, Entry
+from loraplex.queue.consumer import Consumer, Entry, EntryRef
 from loraplex.queue.envelope import to_planned
 from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Claim
@@ -66,7 +66,7 @@ AppliedSeqLookup = Callable[[str], int | None]
 
 @dataclass
 class _Held:
-    stream_id: str
+    stream_id: EntryRef
     request: PlannedRequest
     first_seen: float
 
@@ -85,7 +85,7 @@ class Dispatcher:
         seq_gap_timeout_s: float = 60.0,
         max_requests_per_plan: int = 256,
         block_ms: int = 100,
-        read_count: int = 256,
+        read_count: int = 128,
         claim_idle_ms: int = 30_000,
         claim_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -100,7 +100,9 @@ class Dispatcher:
         self.applied_seq_lookup = applied_seq_lookup
         self.pool = pool
         self.results = ResultStore(redis)
-        self.consumer = Consumer(redis, pool, consumer_name, self.results)
+        # read_count: the most of one tenant's requests the dispatcher holds unanswered (the consumer stops reading a
+        # tenant's stream there), so one tenant's backlog never crowds another out of the policy's view
+        self.consumer = Consumer(redis, pool, consumer_name, self.results, window=read_count)
         self.redis = redis
         self.limits = PolicyLimits(
             plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan, max_adapters_per_step=settings.slots
@@ -112,7 +114,7 @@ class Dispatcher:
         self.claim_every_s = claim_every_s
         self.clock = clock
         self._buffer: list[_Held] = []  # arrival order
-        self._held_ids: set[str] = set()  # stream ids in the buffer
+        self._held_ids: set[EntryRef] = set()  # stream entries in the buffer
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
         self._next_claim = 0.0
         self._more_ready = False  # the last plan was capped: read without blocking
@@ -219,7 +221,7 @@ class Dispatcher:
         # A claim and the backlog scan can both return one of our own entries: keep one per stream id.
         fresh = list({sid: env for sid, env in entries if sid not in self._held_ids}.items())
         done = self.results.has_many([env.request_id for _, env in fresh])
-        stale: list[str] = []
+        stale: list[EntryRef] = []
         for (sid, env), answered in zip(fresh, done, strict=True):
             req = to_planned(env)
             if req.model_id not in self._applied:
@@ -319,7 +321,7 @@ class Dispatcher:
         self._forget(held)
         self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held])
 
-    def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[str]) -> None:
+    def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[EntryRef]) -> None:
         """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
         client that sees it reads the adapter's new state and tiers), then the acks."""
         started = time.monotonic()

@@ -1,127 +1,219 @@
-"""Read a pool's request stream through its consumer group (at-least-once: an entry stays pending until acked).
+"""Read a pool's request streams (one per tenant) through their consumer group (at-least-once: an entry stays pending
+until acked).
 
-- `read` first returns this consumer's own pending entries (delivered before a crash, never acked), once, then new
-  entries (">"). Pending entries the loop still holds are not re-read, so a live loop never sees one twice.
-- `ack` = XACK + XDEL: an answered request leaves the stream entirely.
+- `read` first returns this consumer's own pending entries (delivered before a crash, never acked), once per stream,
+  then new entries (">") of every tenant's stream side by side: at most `count` of each per call, and none of a
+  tenant that has `window` entries read and not yet acked (the dispatcher holds enough of its requests). So one
+  tenant's deep backlog never stands between another tenant and the dispatcher. A blocked read also watches the pool's
+  doorbell stream, so a tenant's first stream wakes it.
+- `ack` = XACK + XDEL, and the tenant's queued-token count gives back the entry's tokens (one script: exact even when
+  an entry is acked twice): an answered request leaves its stream entirely.
 - `claim_stale` takes over entries another consumer read and left idle longer than `min_idle_ms` (it died): XAUTOCLAIM.
 - An entry that fails to decode is acked at once, and its request (if a request_id can be read) gets a failed result,
-  so one bad entry never blocks the stream.
+  so one bad entry never blocks a stream.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import redis as redis_lib
 
 from loraplex.errors import LoraplexError
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
-from loraplex.queue.envelope import Envelope, decode, request_id_of
+from loraplex.queue.envelope import TOKENS_FIELD, Envelope, decode, request_id_of
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[str, Envelope]
+
+class EntryRef(NamedTuple):
+    """Where an entry sits: its tenant's stream and its id there (ids are unique per stream only)."""
+
+    stream: str
+    id: str
+
+
+Entry = tuple[EntryRef, Envelope]
+RawEntry = tuple[EntryRef, Mapping[Any, Any]]
+
+# KEYS: stream, queued-tokens hash. ARGV: group, tenant_id, then entry ids. Per entry: its tokens (read before it goes),
+# XACK, XDEL; the tokens go back only for entries this call deleted.
+_ACK = """
+local back = 0
+for i = 3, #ARGV do
+  local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  local tokens = 0
+  if entry[1] then
+    local fields = entry[1][2]
+    for j = 1, #fields, 2 do
+      if fields[j] == '""" + TOKENS_FIELD + """' then tokens = tonumber(fields[j + 1]) or 0 end
+    end
+  end
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then back = back + tokens end
+end
+if back > 0 then
+  if redis.call('HINCRBY', KEYS[2], ARGV[2], -back) <= 0 then redis.call('HDEL', KEYS[2], ARGV[2]) end
+end
+return back
+"""
 
 
 class Consumer:
     def __init__(
-        self, redis: redis_lib.Redis, pool: str, consumer_name: str, results: ResultStore | None = None
+        self,
+        redis: redis_lib.Redis,
+        pool: str,
+        consumer_name: str,
+        results: ResultStore | None = None,
+        *,
+        window: int = 1 << 30,
     ) -> None:
+        """window: the most entries of one tenant read and not yet acked; its new entries wait in Redis past it."""
         self.redis = redis
         self.pool = pool
         self.name = consumer_name
-        self.stream = keys.request_stream(pool)
         self.group = keys.CONSUMER_GROUP
         self.results = results or ResultStore(redis)
-        # Where the pending-backlog scan stands; None once it has been drained.
-        self._backlog_cursor: str | None = "0"
-        self.ensure_group()
+        self.window = window
+        self._unacked: dict[str, set[str]] = defaultdict(set)  # tenant -> ids read and not acked (read/ack threads)
+        self._lock = threading.Lock()
+        self._tenants_key = keys.pool_tenants(pool)
+        self._doorbell = keys.pool_doorbell(pool)
+        self._tokens_key = keys.queued_tokens(pool)
+        # tenant -> where the scan of this consumer's pending backlog on its stream stands (None once drained)
+        self._backlog: dict[str, str | None] = {}
+        self._ack_script = redis.register_script(_ACK)
+        self._ensure_group(self._doorbell)
+        self.refresh()
 
-    def ensure_group(self) -> None:
+    def stream_of(self, tenant_id: str) -> str:
+        return keys.request_stream(self.pool, tenant_id)
+
+    def refresh(self) -> list[str]:
+        """Pick up tenants whose stream appeared since the last call (their group made, their backlog to scan)."""
+        tenants = {text(t) for t in self.redis.smembers(self._tenants_key)}
+        new = sorted(tenants - self._backlog.keys())
+        for tenant in new:
+            self._ensure_group(self.stream_of(tenant))
+            self._backlog[tenant] = "0"
+        return new
+
+    def _ensure_group(self, stream: str) -> None:
         """Create the group (and the stream) if missing. Id "0": entries queued before any dispatcher started count."""
         try:
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
         except redis_lib.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     def read(self, block_ms: int | None = None, count: int = 100) -> list[Entry]:
-        """Up to `count` entries: this consumer's un-acked backlog first (once), then new ones, waiting up to
-        `block_ms` for new ones (None: don't wait; never 0, which Redis reads as "forever")."""
-        if self._backlog_cursor is not None:
-            raw = self._xreadgroup(self._backlog_cursor, count, None)
+        """Up to `count` entries of each tenant: this consumer's un-acked backlog first (once per stream), then new ones,
+        waiting up to `block_ms` for some (None: don't wait; never 0, which Redis reads as "forever")."""
+        self.refresh()
+        for tenant, cursor in self._backlog.items():
+            if cursor is None:
+                continue
+            raw = self._xreadgroup({self.stream_of(tenant): cursor}, count, None)
             if raw:
-                self._backlog_cursor = raw[-1][0]
+                self._backlog[tenant] = raw[-1][0].id
                 return self._decode(raw)
-            self._backlog_cursor = None
-        return self._decode(self._xreadgroup(">", count, block_ms))
+            self._backlog[tenant] = None
+        with self._lock:
+            paused = {t for t, ids in self._unacked.items() if len(ids) >= self.window}
+        streams = {self.stream_of(t): ">" for t in self._backlog if t not in paused}
+        raw = self._xreadgroup({**streams, self._doorbell: ">"}, count, block_ms)
+        rang = [ref for ref, _ in raw if ref.stream == self._doorbell]
+        if rang:  # a new tenant's stream: read it at once
+            self.redis.xack(self._doorbell, self.group, *[ref.id for ref in rang])
+            raw = [e for e in raw if e[0].stream != self._doorbell]
+            if self.refresh() and not raw:
+                return self.read(None, count)
+        return self._decode(raw)
 
-    def ack(self, stream_ids: Iterable[str]) -> None:
-        ids = list(stream_ids)
-        if not ids:
-            return
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(self.stream, self.group, *ids)
-        pipe.xdel(self.stream, *ids)
-        pipe.execute()
+    def ack(self, refs: Iterable[EntryRef]) -> None:
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for ref in refs:
+            by_stream[ref.stream].append(ref.id)
+        for stream, ids in by_stream.items():
+            tenant = self._tenant_of(stream)
+            self._ack_script(keys=[stream, self._tokens_key], args=[self.group, tenant, *ids])
+            with self._lock:
+                self._unacked[tenant].difference_update(ids)
 
     def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Take over entries other consumers left pending longer than `min_idle_ms`."""
-        raw: list[tuple[str, Mapping[Any, Any]]] = []
-        cursor = "0-0"
-        while len(raw) < count:
-            reply = self.redis.xautoclaim(
-                self.stream, self.group, self.name, min_idle_ms, cursor, count=count - len(raw)
-            )
-            cursor = text(reply[0])
-            raw += [(text(sid), fields) for sid, fields in reply[1]]
-            if cursor == "0-0":
-                break
+        """Take over entries other consumers left pending longer than `min_idle_ms` (up to `count` per stream)."""
+        self.refresh()
+        raw: list[RawEntry] = []
+        for tenant in self._backlog:
+            stream = self.stream_of(tenant)
+            cursor, taken = "0-0", 0
+            while taken < count:
+                reply = self.redis.xautoclaim(stream, self.group, self.name, min_idle_ms, cursor, count=count - taken)
+                cursor = text(reply[0])
+                raw += [(EntryRef(stream, text(sid)), fields) for sid, fields in reply[1]]
+                taken += len(reply[1])
+                if cursor == "0-0":
+                    break
         return self._decode(raw)
 
     def pending_count(self) -> int:
-        """Entries delivered to any consumer of the group and not yet acked."""
-        return int(self.redis.xpending(self.stream, self.group)["pending"])
+        """Entries delivered to any consumer of the group and not yet acked, over every tenant's stream."""
+        self.refresh()
+        return sum(int(self.redis.xpending(self.stream_of(t), self.group)["pending"]) for t in self._backlog)
 
-    def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, Mapping[Any, Any]]]:
+    def _tenant_of(self, stream: str) -> str:
+        prefix, suffix = keys.request_stream(self.pool, ""), ":requests"
+        return stream[len(prefix) - len(suffix) : -len(suffix)]
+
+    def _xreadgroup(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[RawEntry]:
         if block_ms is not None and block_ms <= 0:
             block_ms = None
         try:
-            reply = self.redis.xreadgroup(self.group, self.name, {self.stream: start}, count=count, block=block_ms)
+            reply = self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
         except redis_lib.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_group()  # the stream was deleted under us (FLUSHDB, an operator): recreate and read again
-            reply = self.redis.xreadgroup(self.group, self.name, {self.stream: start}, count=count, block=block_ms)
+            for stream in streams:  # a stream was deleted under us (FLUSHDB, an operator): recreate and read again
+                self._ensure_group(stream)
+            reply = self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+        pairs: list[Any]
         if isinstance(reply, dict):  # RESP3 clients answer {stream: [entries]}
-            entries = [
-                e for batch in reply.values() for e in (batch[0] if batch and isinstance(batch[0], list) else batch)
-            ]
+            pairs = [(s, b[0] if b and isinstance(b[0], list) else b) for s, b in reply.items()]
         else:
-            entries = [e for _stream, batch in (reply or []) for e in batch]
-        return [(text(sid), fields) for sid, fields in cast(list[tuple[bytes | str, Mapping[Any, Any]]], entries)]
+            pairs = list(reply or [])
+        return [
+            (EntryRef(text(stream), text(sid)), fields)
+            for stream, batch in cast(list[tuple[bytes | str, list[tuple[bytes | str, Mapping[Any, Any]]]]], pairs)
+            for sid, fields in batch
+        ]
 
-    def _decode(self, raw: list[tuple[str, Mapping[Any, Any]]]) -> list[Entry]:
+    def _decode(self, raw: list[RawEntry]) -> list[Entry]:
         good: list[Entry] = []
-        bad: list[str] = []
+        bad: list[EntryRef] = []
         failed: list[Outcome] = []
-        for sid, fields in raw:
+        for ref, fields in raw:
             if not fields:  # deleted from the stream but still pending (acked half-way): just finish the ack
-                bad.append(sid)
+                bad.append(ref)
                 continue
             try:
-                good.append((sid, decode(fields)))
+                good.append((ref, decode(fields)))
             except LoraplexError as exc:
-                log.warning("dropping undecodable entry %s on %s: %s", sid, self.stream, exc)
-                bad.append(sid)
+                log.warning("dropping undecodable entry %s on %s: %s", ref.id, ref.stream, exc)
+                bad.append(ref)
                 request_id = request_id_of(fields)
                 if request_id:
                     failed.append(Outcome(request_id=request_id, error_type="InvalidRequestError", error=str(exc)))
+        with self._lock:
+            for ref, _ in raw:
+                self._unacked[self._tenant_of(ref.stream)].add(ref.id)
         if failed:
             self.results.put_many(failed)  # answer first, then ack: a crash in between re-reads, never loses
         self.ack(bad)

@@ -1,7 +1,8 @@
 """The versioned request envelope: what the gateway XADDs to a pool's stream and the dispatcher reads back.
 
 Stream entry fields (all strings): `v` (ENVELOPE_VERSION), `request_id` (duplicated outside the JSON so a consumer can
-still answer a request whose body is unreadable), `data` (the envelope as JSON).
+still answer a request whose body is unreadable), `data` (the envelope as JSON), and `tokens` (its token count, added
+by the producer: what the tenant's queued-tokens quota gets back when the entry is acked).
 
 `payload` is the wire form (JSON) of the kind's payload model, declared once in loraplex/protocol (kinds.py says
 which model each kind takes); decoding checks it against that model, so a payload that does not fit fails its request
@@ -24,6 +25,7 @@ from loraplex.protocol import CONTROL_KINDS, CONTROL_SEQ_ID, Payload, PlannedReq
 from loraplex.queue.redis_text import text
 
 ENVELOPE_VERSION = 1
+TOKENS_FIELD = "tokens"
 
 
 class EnvelopeError(InvalidRequestError):
@@ -77,6 +79,12 @@ class Envelope(BaseModel):
 def encode(env: Envelope) -> dict[str, str]:
     """Stream entry fields for `env`."""
     return {"v": str(ENVELOPE_VERSION), "request_id": env.request_id, "data": env.model_dump_json()}
+
+
+def token_count(env: Envelope) -> int:
+    """Input tokens of a forward_backward / forward request (0 for other kinds), read from its wire payload."""
+    data = env.payload.get("data") if env.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD) else None
+    return sum(len(d.get("model_input", ())) for d in data) if isinstance(data, list | tuple) else 0
 
 
 def request_id_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:

@@ -1,8 +1,11 @@
 """Every Redis key and stream name loraplex uses, in one place. All start with `loraplex:` so a shared Redis stays tidy
 and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
 
-    loraplex:pool:{pool}:requests        stream: one entry per accepted request (queue/envelope.py), read by the pool's group
-    loraplex:dispatchers                 consumer-group name on that stream (one leader per pool reads it)
+    loraplex:pool:{pool}:tenant:{tenant}:requests   stream per tenant: one entry per accepted request (queue/envelope.py)
+    loraplex:pool:{pool}:tenants         set: the tenants that have a stream on this pool (the dispatcher reads them all)
+    loraplex:pool:{pool}:doorbell        stream: one entry when a tenant's stream is new, so a blocked read wakes for it
+    loraplex:pool:{pool}:queued_tokens   hash: tenant -> tokens of its queued requests (the quota's count)
+    loraplex:dispatchers                 consumer-group name on those streams (one leader per pool reads them)
     loraplex:result:{request_id}         string: the Outcome JSON (queue/results.py), with a TTL
     loraplex:notify:{request_id}         list: a token pushed when the result lands; waiters BLPOP it
     loraplex:state:{request_id}          string: JobState, so a client can tell queued from running
@@ -30,8 +33,22 @@ class JobState(StrEnum):
     FAILED = "failed"
 
 
-def request_stream(pool: str) -> str:
-    return f"{PREFIX}pool:{pool}:requests"
+def request_stream(pool: str, tenant_id: str) -> str:
+    """One stream per tenant, so the dispatcher reads every tenant's backlog side by side (fair share holds for the
+    whole backlog, not only for what one arrival-ordered read window holds)."""
+    return f"{PREFIX}pool:{pool}:tenant:{tenant_id}:requests"
+
+
+def pool_tenants(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:tenants"
+
+
+def pool_doorbell(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:doorbell"
+
+
+def queued_tokens(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:queued_tokens"
 
 
 def pool_stats(pool: str) -> str:

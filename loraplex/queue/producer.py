@@ -7,6 +7,11 @@ entry and marks it queued, atomically: a crash can never leave a claimed key wit
 retry wait on a request that was never queued). If the key is already claimed, nothing is enqueued: the same request
 again (same fingerprint: a retry) gets the first request_id, so it is never applied twice; a different request under
 the same key is a ConflictError naming both kinds (the caller reused a seq_id).
+
+Each tenant has its own stream on the pool (queue/keys.py), and the same script enforces the tenant's quotas: queued
+requests (the stream's length: answered entries are deleted) and queued tokens (a per-tenant count the consumer's ack
+takes back). A request over a quota is a QuotaExceededError (429, retry after) and queues nothing. Rejections and
+create/delete skip the quotas: a rejection must fill its seq_id, and a delete frees what a tenant holds.
 """
 
 from __future__ import annotations
@@ -17,34 +22,63 @@ from typing import NamedTuple
 import orjson
 import redis as redis_lib
 
-from loraplex.errors import ConflictError
-from loraplex.protocol import CONTROL_KINDS
+from loraplex.errors import ConflictError, QuotaExceededError
+from loraplex.protocol import CONTROL_KINDS, RequestKind
 from loraplex.queue import keys
-from loraplex.queue.envelope import Envelope, encode
+from loraplex.queue.envelope import TOKENS_FIELD, Envelope, encode, token_count
 from loraplex.queue.keys import JobState
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import DEFAULT_TTL_S
 
-# KEYS: idempotency, stream, state. ARGV: claim ("<request_id> <fingerprint> <kind>"), request_id, ttl_s, state value,
-# then field/value pairs for XADD.
+# KEYS: idempotency, stream, state, tenants set, doorbell, queued-tokens hash.
+# ARGV: claim ("<request_id> <fingerprint> <kind>"), request_id, ttl_s, state value, tenant_id, tokens,
+# max queued requests (0: no limit), max queued tokens (0: no limit), then field/value pairs for XADD.
 _SUBMIT = """
 local prev = redis.call('GET', KEYS[1])
 if prev then return {0, prev} end
+local tokens = tonumber(ARGV[6])
+local max_requests = tonumber(ARGV[7])
+if max_requests > 0 then
+  local queued = redis.call('XLEN', KEYS[2])
+  if queued >= max_requests then return {-1, tostring(queued)} end
+end
+local max_tokens = tonumber(ARGV[8])
+if max_tokens > 0 then
+  local queued = tonumber(redis.call('HGET', KEYS[6], ARGV[5]) or '0')
+  if queued > 0 and queued + tokens > max_tokens then return {-2, tostring(queued)} end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
+if tokens > 0 then redis.call('HINCRBY', KEYS[6], ARGV[5], tokens) end
 redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3])
+if redis.call('SADD', KEYS[4], ARGV[5]) == 1 then
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', '64', '*', 'tenant', ARGV[5])
+end
 return {1, ARGV[1]}
 """
 
+# How long a caller over its queue quota is told to wait before sending the same request again.
+QUOTA_RETRY_AFTER_S = 1.0
+
 
 class Producer:
-    def __init__(self, redis: redis_lib.Redis, pool: str, idempotency_ttl_s: int = DEFAULT_TTL_S) -> None:
+    def __init__(
+        self,
+        redis: redis_lib.Redis,
+        pool: str,
+        idempotency_ttl_s: int = DEFAULT_TTL_S,
+        *,
+        max_queued_requests: int = 0,
+        max_queued_tokens: int = 0,
+    ) -> None:
+        """max_queued_requests / max_queued_tokens: each tenant's quotas on this pool (0: none)."""
         self.redis = redis
         self.pool = pool
-        self.stream = keys.request_stream(pool)
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
         self._script = redis.register_script(_SUBMIT)
 
     def submit(self, env: Envelope) -> str:
@@ -55,12 +89,27 @@ class Producer:
         """Like `submit`, plus whether this call enqueued anything (False: a retry of an earlier request)."""
         idem = keys.request_idempotency_key(env.kind, env.model_id, env.seq_id)
         claim = Claim(env.request_id, fingerprint(env), str(env.kind))
+        tokens = token_count(env)
+        exempt = env.kind in CONTROL_KINDS or env.kind == RequestKind.REJECTED
         argv: list[str | int] = [claim.encode(), env.request_id, self.idempotency_ttl_s, JobState.QUEUED.value]
+        argv += [env.tenant_id, tokens, 0 if exempt else self.max_queued_requests]
+        argv += [0 if exempt else self.max_queued_tokens]
         for name, value in encode(env).items():
             argv += [name, value]
-        created, raw = self._script(keys=[idem, self.stream, keys.state_key(env.request_id)], args=argv)
-        if created:
+        argv += [TOKENS_FIELD, tokens]
+        script_keys = [
+            idem,
+            keys.request_stream(self.pool, env.tenant_id),
+            keys.state_key(env.request_id),
+            keys.pool_tenants(self.pool),
+            keys.pool_doorbell(self.pool),
+            keys.queued_tokens(self.pool),
+        ]
+        created, raw = self._script(keys=script_keys, args=argv)
+        if created == 1:
             return env.request_id, True
+        if created < 0:
+            raise self._over_quota(env, tokens, int(text(raw)), requests=created == -1)
         first = Claim.decode(text(raw))
         if first.fingerprint is not None and first.fingerprint != claim.fingerprint:
             where = f"seq_id {env.seq_id}" if env.kind not in CONTROL_KINDS else str(env.kind)
@@ -69,6 +118,16 @@ class Producer:
                 f"{first.request_id}) with a different body; this {env.kind} needs the next unused seq_id"
             )
         return first.request_id, False
+
+    def _over_quota(self, env: Envelope, tokens: int, queued: int, *, requests: bool) -> QuotaExceededError:
+        if requests:
+            what = f"{queued} requests queued; the quota is {self.max_queued_requests}"
+        else:
+            what = f"{queued} tokens queued, and this request adds {tokens}; the quota is {self.max_queued_tokens}"
+        return QuotaExceededError(
+            f"tenant {env.tenant_id} has {what} on pool {self.pool}: send it again once some are answered",
+            retry_after_s=QUOTA_RETRY_AFTER_S,
+        )
 
 
 class Claim(NamedTuple):

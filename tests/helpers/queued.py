@@ -7,9 +7,21 @@ from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, decode
 
 
+def tenant_streams(redis, pool: str) -> list[str]:
+    """The request stream of every tenant that has one on `pool`."""
+    return sorted(keys.request_stream(pool, t.decode() if isinstance(t, bytes) else t)
+                  for t in redis.smembers(keys.pool_tenants(pool)))  # fmt: skip
+
+
+def queue_length(redis, pool: str) -> int:
+    """Entries in all of the pool's request streams (answered ones are deleted)."""
+    return sum(redis.xlen(s) for s in tenant_streams(redis, pool))
+
+
 def queued(services) -> dict[str, Envelope]:
-    """request_id -> envelope of everything queued on the gateway's pool, in arrival order."""
-    entries = services.redis.xrange(keys.request_stream(services.settings.pool))
+    """request_id -> envelope of everything queued on the gateway's pool (per tenant in arrival order)."""
+    pool = services.settings.pool
+    entries = [e for stream in tenant_streams(services.redis, pool) for e in services.redis.xrange(stream)]
     return {env.request_id: env for env in (decode(fields) for _, fields in entries)}
 
 

@@ -19,6 +19,7 @@ from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
+from tests.helpers.queued import queue_length
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +129,7 @@ def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(
     assert results.get(ids[2]).result == pytest.approx({"loss": 7.0})
     assert all(results.state(i) is JobState.COMPLETE for i in ids)
     assert recorded == {a: 2, b: 3} and d.last_applied(b) == 3
-    assert redis_client.xlen(keys.request_stream(pool)) == 0  # everything acked and deleted
+    assert queue_length(redis_client, pool) == 0  # everything acked and deleted
 
 
 def test_a_duplicate_submission_is_applied_once(redis_client: redis.Redis, settings: Settings) -> None:
@@ -136,7 +137,7 @@ def test_a_duplicate_submission_is_applied_once(redis_client: redis.Redis, setti
     engine = ArithmeticEngine({a: 1.0})
     d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20)
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
-    stream = keys.request_stream(pool)
+    stream = keys.request_stream(pool, f"t-{a}")
 
     first = _fb(a, 1, [4])
     assert producer.submit(first) == first.request_id
@@ -255,14 +256,14 @@ def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
     first.consumer.ack = crash_before_acking  # type: ignore[method-assign]
     with pytest.raises(Crash):
         first.run_once()
-    assert all(results.has_many(ids)) and redis_client.xlen(keys.request_stream(pool)) == 2
+    assert all(results.has_many(ids)) and queue_length(redis_client, pool) == 2
     ids.append(producer.submit(_fb(a, 3, [1])))
 
     second = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=recorded.get)
     _drain(second, results, ids)
     assert [s for _, s, _ in engine.applied] == [1, 2, 3]  # 1 and 2 not applied again
     assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1
-    assert redis_client.xlen(keys.request_stream(pool)) == 0
+    assert queue_length(redis_client, pool) == 0
 
 
 def test_entries_of_a_dead_dispatcher_are_claimed(redis_client: redis.Redis, settings: Settings) -> None:
@@ -385,4 +386,4 @@ def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_i
         assert recorded[m] == 2 * steps  # the finisher wrote every plan's records before close() returned
     fb_steps = [s for p in engine.plans for s in p.steps if s.kind == StepKind.FORWARD_BACKWARD]
     assert sum(len(s.requests) for s in fb_steps) / len(fb_steps) >= 3.0  # tenants coalesced
-    assert redis_client.xlen(keys.request_stream(pool)) == 0  # everything acked
+    assert queue_length(redis_client, pool) == 0  # everything acked

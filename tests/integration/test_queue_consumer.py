@@ -22,6 +22,12 @@ def _pool() -> str:
     return f"p-{uuid.uuid4().hex[:8]}"
 
 
+def _xadd(r: redis.Redis, pool: str, fields: dict, tenant: str = "t") -> None:
+    """An entry written straight into tenant `tenant`'s stream (as a producer of another build might)."""
+    r.sadd(keys.pool_tenants(pool), tenant)
+    r.xadd(keys.request_stream(pool, tenant), fields)
+
+
 def _submit(r: redis.Redis, pool: str, n: int) -> list[str]:
     producer = Producer(r, pool)
     model = uuid.uuid4().hex[:6]
@@ -38,7 +44,7 @@ def test_read_then_ack_removes_entries(redis_client: redis.Redis) -> None:
     assert consumer.pending_count() == 3
     consumer.ack([sid for sid, _ in entries])
     assert consumer.pending_count() == 0
-    assert redis_client.xlen(keys.request_stream(pool)) == 0  # XDEL: answered requests leave the stream
+    assert redis_client.xlen(keys.request_stream(pool, "t")) == 0  # XDEL: answered requests leave the stream
 
 
 def test_entries_read_but_not_acked_come_back_after_a_crash(redis_client: redis.Redis) -> None:
@@ -82,13 +88,13 @@ def test_a_live_consumer_claims_the_idle_entries_of_a_dead_one(redis_client: red
 
 def test_an_undecodable_entry_is_acked_and_its_request_fails(redis_client: redis.Redis) -> None:
     pool = _pool()
-    stream = keys.request_stream(pool)
+    stream = keys.request_stream(pool, "t")
     consumer = Consumer(redis_client, pool, "c")
     good = Envelope.new(tenant_id="t", model_id="m", seq_id=1, kind="optim_step")
     future = encode(good) | {"v": "99", "request_id": "req-from-the-future"}
-    redis_client.xadd(stream, future)
-    redis_client.xadd(stream, {"garbage": "x"})  # not even a request_id
-    redis_client.xadd(stream, encode(good))
+    _xadd(redis_client, pool, future)
+    _xadd(redis_client, pool, {"garbage": "x"})  # not even a request_id
+    _xadd(redis_client, pool, encode(good))
 
     entries = consumer.read(count=10)
     assert [env for _, env in entries] == [good]
@@ -102,10 +108,12 @@ def test_an_undecodable_entry_is_acked_and_its_request_fails(redis_client: redis
 def test_the_group_is_recreated_if_the_stream_vanishes(redis_client: redis.Redis) -> None:
     pool = _pool()
     consumer = Consumer(redis_client, pool, "c")
-    redis_client.delete(keys.request_stream(pool))
+    first = _submit(redis_client, pool, 1)
+    consumer.ack([sid for sid, _ in consumer.read(count=5)])
+    redis_client.delete(keys.request_stream(pool, "t"))
     assert consumer.read(block_ms=10) == []
     ids = _submit(redis_client, pool, 1)
-    assert [env.request_id for _, env in consumer.read(count=5)] == ids
+    assert ids != first and [env.request_id for _, env in consumer.read(count=5)] == ids
 
 
 def test_an_entry_whose_payload_does_not_fit_its_kind_fails_as_undecodable(redis_client: redis.Redis) -> None:
@@ -114,9 +122,73 @@ def test_an_entry_whose_payload_does_not_fit_its_kind_fails_as_undecodable(redis
     consumer = Consumer(redis_client, pool, "c")
     bad = Envelope.new(tenant_id="t", model_id="m", seq_id=1, kind="forward_backward", payload={"data": "tokens"})
     good = Envelope.new(tenant_id="t", model_id="m", seq_id=2, kind="optim_step", payload={"adam_params": {}})
-    redis_client.xadd(keys.request_stream(pool), encode(bad))
-    redis_client.xadd(keys.request_stream(pool), encode(good))
+    _xadd(redis_client, pool, encode(bad))
+    _xadd(redis_client, pool, encode(good))
     entries = consumer.read(count=10)
     assert [env for _, env in entries] == [good]
     outcome = ResultStore(redis_client).get(bad.request_id)
     assert outcome is not None and outcome.error_type == "InvalidRequestError" and "data" in (outcome.error or "")
+
+
+def _fill(r: redis.Redis, pool: str, tenant: str, n: int, model: str | None = None) -> list[str]:
+    producer = Producer(r, pool)
+    model = model or uuid.uuid4().hex[:6]
+    return [producer.submit(Envelope.new(tenant_id=tenant, model_id=model, seq_id=i, kind="optim_step"))
+            for i in range(1, n + 1)]  # fmt: skip
+
+
+def test_every_tenant_is_read_side_by_side_whatever_the_backlog_ahead(redis_client: redis.Redis) -> None:
+    """One stream per tenant: a tenant's single request behind another's 500 queued ones is in the first read
+    (before: one arrival-ordered stream, read 256 at a time, so it was 2 reads away, or 20 with 5,000)."""
+    pool = _pool()
+    _fill(redis_client, pool, "flood", 500)
+    (small,) = _fill(redis_client, pool, "small", 1)
+    consumer = Consumer(redis_client, pool, "c", window=16)
+    first = consumer.read(count=8)
+    assert small in [env.request_id for _, env in first]
+    assert sum(env.tenant_id == "flood" for _, env in first) == 8
+
+
+def test_a_tenant_with_a_full_window_is_not_read_until_acks(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    flood = _fill(redis_client, pool, "flood", 20)
+    consumer = Consumer(redis_client, pool, "c", window=6)
+    got = consumer.read(count=4) + consumer.read(count=4)
+    assert [env.request_id for _, env in got] == flood[:8]  # the window is reached within the second read
+    assert consumer.read(block_ms=20, count=4) == []  # 8 unacked >= 6: paused
+    (late,) = _fill(redis_client, pool, "late", 1)
+    assert [env.request_id for _, env in consumer.read(block_ms=20, count=4)] == [late]
+    consumer.ack([ref for ref, _ in got[:4]])  # 4 unacked now: read again
+    assert [env.request_id for _, env in consumer.read(count=4)] == flood[8:12]
+
+
+def test_a_new_tenants_first_request_wakes_a_blocked_read(redis_client: redis.Redis) -> None:
+    import threading
+
+    pool = _pool()
+    consumer = Consumer(redis_client, pool, "c")
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(consumer.read(block_ms=5000, count=4)))
+    started = time.monotonic()
+    reader.start()
+    time.sleep(0.1)  # the read is blocked, on streams that do not include the new tenant's
+    (rid,) = _fill(redis_client, pool, "newcomer", 1)
+    reader.join(timeout=6)
+    assert [env.request_id for _, env in got] == [rid] and time.monotonic() - started < 2
+
+
+def test_acks_give_the_tenants_queued_tokens_back_exactly_once(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    producer = Producer(redis_client, pool)
+    data = [{"model_input": [1, 2, 3], "loss_fn_inputs": {}}, {"model_input": [4, 5], "loss_fn_inputs": {}}]
+    for seq in (1, 2):
+        producer.submit(Envelope.new(tenant_id="t", model_id="m", seq_id=seq, kind="forward", payload={"data": data}))
+    assert int(redis_client.hget(keys.queued_tokens(pool), "t")) == 10
+    consumer = Consumer(redis_client, pool, "c")
+    entries = consumer.read(count=10)
+    consumer.ack([entries[0][0]])
+    assert int(redis_client.hget(keys.queued_tokens(pool), "t")) == 5
+    consumer.ack([entries[0][0]])  # acked again (a redelivery answered twice): nothing more given back
+    assert int(redis_client.hget(keys.queued_tokens(pool), "t")) == 5
+    consumer.ack([entries[1][0]])
+    assert redis_client.hget(keys.queued_tokens(pool), "t") is None

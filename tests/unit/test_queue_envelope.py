@@ -80,7 +80,10 @@ def test_control_requests_default_to_control_seq_and_own_idempotency_key() -> No
 
 def test_every_key_is_prefixed() -> None:
     names = [
-        keys.request_stream("p"),
+        keys.request_stream("p", "t"),
+        keys.pool_tenants("p"),
+        keys.pool_doorbell("p"),
+        keys.queued_tokens("p"),
         keys.CONSUMER_GROUP,
         keys.result_key("r"),
         keys.notify_key("r"),
