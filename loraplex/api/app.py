@@ -9,6 +9,7 @@ import redis
 from fastapi import FastAPI
 
 from loraplex import __version__
+from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
@@ -50,6 +51,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
 
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(health.router)
     app.include_router(adapters.router)
     app.include_router(checkpoints.router)

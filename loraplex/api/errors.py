@@ -12,10 +12,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.admission import BodyTooLarge, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
 from loraplex.api.routes.chain import seq_step_kind
 from loraplex.api.service.rejections import fill_rejected
-from loraplex.errors import LoraplexError, http_status_for
+from loraplex.errors import CapacityError, LoraplexError, RequestTooLargeError, http_status_for
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,24 @@ def install_error_handlers(app: FastAPI) -> None:
         """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail. A chain step's
         seq_id is queued as rejected first (api/service/rejections.py), so the caller's next step does not wait."""
         errors = list(exc.errors())
-        await _fill_rejected_step(request, exc.body, errors)
+        seq_id = exc.body.get("seq_id") if isinstance(exc.body, dict) else None
+        await _fill_rejected_step(request, seq_id, "InvalidRequestError", validation_summary(errors))
         return JSONResponse(status_code=422, content={"detail": json_safe(errors)})
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        """413 before the body was parsed: the seq_id, if any, comes from the X-Seq-Id header."""
+        await _fill_rejected_step(request, seq_id_header(request.headers), RequestTooLargeError.__name__, exc.detail)
+        content = {"detail": exc.detail, "type": RequestTooLargeError.__name__, "category": "user"}
+        # Connection: close, so the server stops reading the rest of the body rather than draining it for keep-alive.
+        return JSONResponse(status_code=413, content=content, headers={"Connection": "close"})
 
     @app.exception_handler(LoraplexError)
     async def _typed(_: Request, exc: LoraplexError) -> JSONResponse:
         status = http_status_for(exc)
         headers = {"WWW-Authenticate": "X-API-Key"} if status == 401 else None
+        if isinstance(exc, CapacityError) and exc.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
         return JSONResponse(
             status_code=status,
             content={"detail": exc.message, "type": type(exc).__name__, "category": exc.category},
@@ -64,10 +76,9 @@ def validation_summary(errors: Sequence[Any]) -> str:
     return "; ".join(parts) + more
 
 
-async def _fill_rejected_step(request: Request, body: Any, errors: Sequence[Any]) -> None:
-    """For a chain step whose body names a usable seq_id: queue its rejection (best effort; the 422 goes out anyway)."""
+async def _fill_rejected_step(request: Request, seq_id: Any, error_type: str, message: str) -> None:
+    """For a chain step that names a usable seq_id: queue its rejection (best effort; the error goes out anyway)."""
     kind = seq_step_kind(request)
-    seq_id = body.get("seq_id") if isinstance(body, dict) else None
     model_id = request.path_params.get("model_id")
     key = key_of_request(request)
     if kind is None or type(seq_id) is not int or not 0 <= seq_id < 2**31 or not model_id or key is None:
@@ -75,7 +86,6 @@ async def _fill_rejected_step(request: Request, body: Any, errors: Sequence[Any]
     try:
         services = request.app.state.services
         tenant = await tenant_for_key(services, key)
-        summary = validation_summary(errors)
-        await run_in_threadpool(fill_rejected, services, tenant, model_id, seq_id, kind, "InvalidRequestError", summary)
-    except Exception as exc:  # the caller's 422 matters more; its next step then waits for the gap timeout
+        await run_in_threadpool(fill_rejected, services, tenant, model_id, seq_id, kind, error_type, message)
+    except Exception as exc:  # the caller's error matters more; its next step then waits for the gap timeout
         log.warning("could not queue the rejection of %s seq_id %s: %s", model_id, seq_id, exc)

@@ -18,6 +18,8 @@ from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
 from loraplex.errors import InvalidRequestError
 
+SEQ_ID_HEADER = "X-Seq-Id"  # read by the gateway (api/admission.py) when it refuses a body unread
+
 
 class TrainingClient:
     def __init__(self, transport: Transport, model_id: str, next_seq_id: int = 1) -> None:
@@ -47,14 +49,19 @@ class TrainingClient:
             raise InvalidRequestError(f"{bad}: must be a finite number (NaN and infinity are not JSON)")
         return {"seq_id": self._take_seq(), **body}
 
+    # The seq_id also rides in a header: a body the gateway refuses unread (413, too large) still names its seq_id,
+    # whose place the gateway then fills with the rejection (so the next call does not wait for it).
     def _submit(self, path: str, body: dict[str, Any]) -> APIFuture:
         numbered = self._numbered(body)
-        ref = self._transport.request("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered)
+        headers = {SEQ_ID_HEADER: str(numbered["seq_id"])}
+        ref = self._transport.request("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered, headers=headers)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     async def _submit_async(self, path: str, body: dict[str, Any]) -> APIFuture:
         numbered = self._numbered(body)
-        ref = await self._transport.request_async("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered)
+        headers = {SEQ_ID_HEADER: str(numbered["seq_id"])}
+        path = f"/v1/adapters/{self.model_id}/{path}"
+        ref = await self._transport.request_async("POST", path, json=numbered, headers=headers)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     def forward_backward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from typing import Any, BinaryIO
 
@@ -24,12 +25,27 @@ def raise_for_status(response: httpx.Response) -> Any:
     raise error_class_for_status(response.status_code)(f"HTTP {response.status_code}: {detail}")
 
 
+def retry_after(response: httpx.Response) -> float | None:
+    """Seconds a 429 asks the caller to wait before sending the same request again (None: no Retry-After, so a retry
+    of the same request cannot succeed on its own, e.g. the adapter quota)."""
+    if response.status_code != 429:
+        return None
+    try:
+        return max(0.0, float(response.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
+
+
 class Transport:
     """A sync HTTP client, and an async one opened on the first async call. The async client's connections belong to
     the event loop that opened it, so it is closed on that loop: `aclose()` from async code, or `close()`, which runs
-    or schedules the close there (see `close`)."""
+    or schedules the close there (see `close`).
 
-    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
+    A 429 with Retry-After (a queue quota: the same request is accepted once some are answered) is sent again after
+    that wait, for up to `quota_wait_s` in all; the request is idempotent (its seq_id), so nothing is applied twice."""
+
+    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0, quota_wait_s: float = 600.0) -> None:
+        self.quota_wait_s = quota_wait_s
         headers = {"X-API-Key": api_key}
         self._sync = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
@@ -38,7 +54,13 @@ class Transport:
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        return raise_for_status(self._sync.request(method, path, **kwargs))
+        deadline = time.monotonic() + self.quota_wait_s
+        while True:
+            response = self._sync.request(method, path, **kwargs)
+            wait = retry_after(response)
+            if wait is None or time.monotonic() + wait > deadline:
+                return raise_for_status(response)
+            time.sleep(wait)
 
     def download(self, path: str, sink: BinaryIO, **kwargs: Any) -> httpx.Headers:
         """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""
@@ -54,7 +76,13 @@ class Transport:
         if self._async is None:
             self._async = httpx.AsyncClient(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
             self._async_loop = asyncio.get_running_loop()
-        return raise_for_status(await self._async.request(method, path, **kwargs))
+        deadline = time.monotonic() + self.quota_wait_s
+        while True:
+            response = await self._async.request(method, path, **kwargs)
+            wait = retry_after(response)
+            if wait is None or time.monotonic() + wait > deadline:
+                return raise_for_status(response)
+            await asyncio.sleep(wait)
 
     async def aclose(self) -> None:
         """Close both clients; call it on the event loop that made the async calls."""

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from loraplex.client import AdamParams, Datum
+from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.errors import InvalidRequestError, NotFoundError
-from tests.helpers.stack import tenant_clients
+from tests.helpers.stack import create_tenants, tenant_clients
 
 pytestmark = pytest.mark.e2e
 
@@ -71,4 +71,57 @@ def test_a_result_is_visible_only_after_its_step_is_recorded(stack) -> None:
         opt.result(timeout=30)
         seen.append(trainer.info()["applied_seq_id"])
     assert seen == list(range(2, 41, 2))
+    client.close()
+
+
+def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) -> None:
+    """Issue: a 235 MB body was parsed for 13 s while every tenant waited. Now a body over LORAPLEX_MAX_BODY_BYTES is
+    a 413 before it is read (a declared Content-Length: at once; chunked: once the limit is passed), and the client's
+    seq_id (named in X-Seq-Id) is held by the rejection, so its next call runs at once."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from loraplex.errors import RequestTooLargeError
+
+    key = create_tenants(stack, "huge")["huge"]
+    client = ServiceClient(stack.base_url, key)
+    trainer = client.create_lora_training_client(rank=4)
+    host, port = urlsplit(stack.base_url).hostname, urlsplit(stack.base_url).port
+    head = (
+        f"POST /v1/adapters/{trainer.model_id}/forward_backward HTTP/1.1\r\nHost: {host}\r\nX-API-Key: {key}\r\n"
+        "Content-Type: application/json\r\nX-Seq-Id: 1\r\n"
+    )
+    with socket.create_connection((host, port), timeout=10) as sock:  # declares 235 MB, sends none of it
+        started = time.monotonic()
+        sock.sendall((head + "Content-Length: 235000000\r\n\r\n").encode())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413") and time.monotonic() - started < 2
+
+    sent = [0]
+    with socket.create_connection((host, port), timeout=10) as sock:  # chunked, no length: 200 MB on offer
+
+        def send_chunks() -> None:
+            chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+            try:
+                sock.sendall((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+                for _ in range(200):
+                    sock.sendall(chunk)
+                    sent[0] += 1
+            except OSError:
+                pass  # the gateway answered and closed: stop sending
+
+        sender = threading.Thread(target=send_chunks, daemon=True)
+        sender.start()
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413")
+        sender.join(timeout=10)
+    assert sent[0] < 100, sent  # refused past the 32 MiB limit, long before 200 MB
+
+    # Through the client: a 3.3 M-token datum (~40 MB of JSON) takes seq_id 2 and is refused unread.
+    tokens = list(range(3_300_000))
+    with pytest.raises(RequestTooLargeError, match="LORAPLEX_MAX_BODY_BYTES"):
+        trainer._next_seq = 2  # seq_id 1 went to the raw requests above (held by their rejection)
+        trainer.forward_backward([Datum(model_input=tokens, loss_fn_inputs={"target_tokens": tokens})])
+    started = time.monotonic()
+    assert trainer.forward_backward([Datum.for_next_token([10, 11, 12, 13])]).result(timeout=30)["metrics"]
+    assert time.monotonic() - started < 20 and trainer.info()["applied_seq_id"] == 3
     client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -45,9 +46,9 @@ class Gateway:
     keys: dict[str, str]  # name -> API key
 
 
-@pytest.fixture()
-def gateway(tmp_path, redis_url: str) -> Iterator[Gateway]:
-    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"gw-{tmp_path.name}", max_rank=16)
+@contextmanager
+def gateway_app(settings: Settings) -> Iterator[Gateway]:
+    """The gateway for `settings` on a freshly migrated database, with tenants alice and bob."""
     migrate(settings.resolved_database_url)
     app = create_app(settings)
     with TestClient(app) as client:
@@ -61,3 +62,9 @@ def gateway(tmp_path, redis_url: str) -> Iterator[Gateway]:
             {name: tenant.id for name, (tenant, _) in created.items()},
             {name: key for name, (_, key) in created.items()},
         )
+
+
+@pytest.fixture()
+def gateway(tmp_path, redis_url: str) -> Iterator[Gateway]:
+    with gateway_app(Settings(home=tmp_path, redis_url=redis_url, pool=f"gw-{tmp_path.name}", max_rank=16)) as gw:
+        yield gw

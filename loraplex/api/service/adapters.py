@@ -9,7 +9,7 @@ from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.submit import submit
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
 from loraplex.storage.models import Adapter
 from loraplex.storage.repositories import AdapterRepository
@@ -67,8 +67,13 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
     alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
     seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
     model_id = uuid.uuid4().hex
-    with write_session(services) as db:  # committed before the worker can report on it
+    with write_session(services) as db:  # committed before the worker can report on it (the quota counted in it)
         adapters = AdapterRepository(db, tenant.id)
+        quota = settings.max_adapters_per_tenant
+        if quota and adapters.count_live() >= quota:
+            raise QuotaExceededError(  # no retry_after: waiting frees nothing, a delete does
+                f"tenant {tenant.name} has {quota} adapters, its quota (LORAPLEX_MAX_ADAPTERS_PER_TENANT): delete one first"
+            )
         adapters.create(
             model_id=model_id,
             base_model=base_model,

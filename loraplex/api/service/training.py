@@ -7,7 +7,7 @@ from loraplex.api.schemas import ForwardBackwardRequest, FutureRef, OptimStepReq
 from loraplex.api.service.context import Services, TenantRef
 from loraplex.api.service.rejections import filling_rejections
 from loraplex.api.service.submit import submit
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload, RequestKind
 from loraplex.settings import Settings
 from loraplex.storage.repositories import AdapterRepository
@@ -21,9 +21,16 @@ def check_live(services: Services, tenant: TenantRef, model_id: str) -> None:
 
 
 def check_datums(settings: Settings, request: ForwardBackwardRequest) -> None:
-    """The pool's limits on one request: datums per request, tokens per datum; cross_entropy needs its targets."""
+    """The pool's limits on one request: datums per request, tokens per datum and per request (413); cross_entropy
+    needs its targets."""
     if len(request.data) > settings.max_datums_per_request:
         raise InvalidRequestError(f"data has {len(request.data)} datums; at most {settings.max_datums_per_request}")
+    tokens = sum(len(d.model_input) for d in request.data)
+    if tokens > settings.max_tokens_per_request:
+        raise RequestTooLargeError(
+            f"data has {tokens} tokens; at most {settings.max_tokens_per_request} per request "
+            "(LORAPLEX_MAX_TOKENS_PER_REQUEST): split it into several forward_backward calls"
+        )
     for i, datum in enumerate(request.data):
         if len(datum.model_input) > settings.max_tokens_per_datum:
             raise InvalidRequestError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import case, or_, select, update
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
@@ -72,6 +72,11 @@ class AdapterRepository:
         )
         if self.session.execute(stmt).first() is None:
             raise _not_found(model_id)
+
+    def count_live(self) -> int:
+        """Adapters of this tenant not deleted (the adapter quota's count)."""
+        stmt = select(func.count()).where(Adapter.tenant_id == self.tenant_id, Adapter.status != AdapterStatus.DELETED)
+        return int(self.session.execute(stmt).scalar_one())
 
     def list(self, session_id: str | None = None, include_deleted: bool = False) -> list[Adapter]:
         stmt = select(Adapter).where(Adapter.tenant_id == self.tenant_id)
