@@ -61,7 +61,7 @@ def acquire_leadership(settings: Settings, stop: threading.Event) -> PoolLease |
                     lease.release()  # a newer leader is in SQL (Redis lost its counter): try again above its token
                     continue
                 holder = lease.current()
-            except redis_lib.ConnectionError as exc:
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
                 if time.monotonic() - last_log >= WAITING_LOG_EVERY_S:
                     last_log = time.monotonic()
                     log.warning("pool %s: redis unavailable (%s) while taking the lease; retrying", settings.pool, exc)
