@@ -77,6 +77,11 @@ class EngineError(LoraplexError, RuntimeError):
     category = "server"
 
 
+class LeaseLostError(LoraplexError, RuntimeError):
+    """Pool side: this process no longer leads its pool (another pool process holds the lease, with a newer fencing
+    token), so a write under its token was refused. Not user-facing: the deposed pool stops."""
+
+
 class RequestFailedError(LoraplexError, RuntimeError):
     """Client side: a future resolved to an error. `error_type` names the server-side class."""
 

@@ -7,6 +7,11 @@ World size N > 1 (setting `world_size`, or torchrun's WORLD_SIZE): this process 
 (under torchrun every rank runs this module and the non-zero ranks only follow). Each plan goes from rank 0 to every
 rank (workers/rank_loop.py); base weights are FSDP2-sharded and rows split across ranks (workers/distributed.py).
 World size 1 makes no process group at all.
+
+One leader per pool (loraplex/leadership.py): before anything is loaded, rank 0 takes the pool's lease in Redis, waiting
+while another pool process holds it; every plan's writes carry its fencing token, and a lost lease stops the pool
+(exit status 1). The ready file (`HOME/pool-<name>.ready`, its pid) is written by the lease holder only, once the
+model is loaded, and removed only by the process whose pid it holds.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from typing import TYPE_CHECKING
 from loraplex.settings import Settings, get_settings
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from torch.multiprocessing import ProcessContext
 
+    from loraplex.queue.lease import PoolLease
     from loraplex.workers.adapter_store import AdapterStoreSpec
     from loraplex.workers.distributed import RankGroup
     from loraplex.workers.rank_loop import EngineSpec
@@ -95,7 +103,20 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
     log.info("rank %d stopped after %d plans", group.rank, executed)
 
 
-def run_pool(settings: Settings, stop: threading.Event) -> None:
+def write_ready_file(ready: Path) -> None:
+    ready.write_text(str(os.getpid()))
+
+
+def remove_ready_file(ready: Path) -> None:
+    """Remove the ready file if it holds this process's pid (another pool process's file is left alone)."""
+    try:
+        if ready.read_text().strip() == str(os.getpid()):
+            ready.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
+def run_pool(settings: Settings, stop: threading.Event, lease: PoolLease | None = None) -> None:
     from loraplex.workers.distributed import RankEnv, destroy_rank_group, init_rank_group, torchrun_env
     from loraplex.workers.rank_loop import spawn_ranks
 
@@ -121,7 +142,7 @@ def run_pool(settings: Settings, stop: threading.Event) -> None:
         group = init_rank_group(env, settings.device)
         log.info("rank 0 of %d joined the process group", world)
     try:
-        _lead(settings, stop, spec, stores, group, world, ranks)
+        _lead(settings, stop, spec, stores, group, world, ranks, lease)
     finally:
         if group is not None:
             destroy_rank_group()
@@ -140,13 +161,16 @@ def _lead(
     group: RankGroup | None,
     world: int,
     ranks: ProcessContext | None,
+    lease: PoolLease | None,
 ) -> None:
+    """lease: the pool's lease (leadership.acquire_leadership), fencing every write; None only outside a pool process."""
     import redis
 
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.embedded import ready_file
+    from loraplex.queue.results import ResultStore
     from loraplex.storage.db import make_db_engine, session_factory
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
     from loraplex.workers.executor import PlanExecutor
@@ -158,19 +182,32 @@ def _lead(
     executor = PlanExecutor(engine, store)
     leader = LeaderExecutor(executor, group) if group is not None else None
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
-    recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes)
-    with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
-        ResidencyRepository(session).clear(settings.pool)
+    recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes, lease=lease)
+    if lease is None:  # the adapters of an earlier run of this pool are gone, and their rows (with a lease: cleared
+        with unit_of_work(sessions) as session:  # when it took the pool over, leadership.py)
+            ResidencyRepository(session).clear(settings.pool)
+    client = redis.Redis.from_url(settings.redis_url)
     dispatcher = Dispatcher(
-        redis.Redis.from_url(settings.redis_url),
+        client,
         settings.pool,
-        RecordingExecutor(leader or executor, sessions, notes, store),
+        RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease),
         on_outcomes=recorder,
+        results=ResultStore(client, lease=lease),
         settings=settings,
         applied_seq_lookup=applied_seq_lookup(sessions),
         pipelined=True,
     )
     ready = ready_file(settings)
+
+    def deposed(reason: str) -> None:
+        """The lease is lost (another pool process took the pool over): stop planning now; writes are refused."""
+        log.error("pool %s: lost its lease, another pool process leads it now (%s); stopping the dispatcher",
+                  settings.pool, reason)  # fmt: skip
+        remove_ready_file(ready)
+        stop.set()
+
+    if lease is not None:
+        lease.on_lost(deposed)
 
     def heartbeat() -> None:
         while not stop.is_set():
@@ -185,7 +222,7 @@ def _lead(
             if dead:
                 log.error("rank process(es) %s exited (%s): stopping the pool", [p.pid for p in dead],
                           [p.exitcode for p in dead])  # fmt: skip
-                ready.unlink(missing_ok=True)
+                remove_ready_file(ready)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
@@ -193,13 +230,17 @@ def _lead(
     threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True).start()
     if ranks is not None:
         threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
-    ready.write_text(str(os.getpid()))
+    if stop.is_set():  # stopped (or deposed) while loading the model
+        if leader is not None:
+            leader.close()
+        return
+    write_ready_file(ready)
     log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
              settings.slots, world)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
     finally:
-        ready.unlink(missing_ok=True)
+        remove_ready_file(ready)
         if leader is not None:
             stop.set()  # the rank watcher stands down: the followers leave on purpose now
             leader.close()
@@ -225,14 +266,40 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     settings = get_settings()
+    lease: PoolLease | None = None
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 talks to Redis and SQL
+        from loraplex.leadership import acquire_leadership
+
         preflight(settings)
-    run_pool(settings, stop)
+        lease = acquire_leadership(settings, stop)  # waits while another pool process leads this pool
+        if lease is None:
+            return  # stopped while waiting
+    run_pool(settings, stop, lease)
+    status = 0
+    if lease is not None:
+        if lease.lost:
+            print(f"loraplex worker: pool {settings.pool}: lost its lease to another pool process "
+                  f"({lease.lost_reason}); stopped without writing further results", file=sys.stderr)  # fmt: skip
+            status = 1
+        else:
+            _release(lease)
     if settings.world_size > 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         # After destroy_process_group, skip the interpreter's exit handlers (a rare abort there; platform.md).
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
+    if status:
+        sys.exit(status)
+
+
+def _release(lease: PoolLease) -> None:
+    """Hand the lease back once every plan is finished, so a waiting pool process takes over at once."""
+    import redis
+
+    try:
+        lease.release()
+    except redis.RedisError as exc:
+        log.warning("pool %s: releasing the lease failed (%s); it lapses by itself", lease.pool, exc)
 
 
 if __name__ == "__main__":

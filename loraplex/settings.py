@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
     # torchrun its WORLD_SIZE wins.
     world_size: int = Field(default=1, ge=1)
+    # One leader per pool: the pool process holds a lease in Redis for this many seconds, renewed every third of it
+    # (queue/lease.py). A pool process killed without releasing it is replaced this long after its last renewal.
+    leader_lease_seconds: float = Field(default=10.0, gt=0)
+    # A second pool process for a pool whose lease another holds: True waits (a standby that takes over when the
+    # lease lapses), False exits at once with a message naming the holder.
+    leader_wait: bool = True
 
     api_host: str = "127.0.0.1"
     api_port: int = 8700

@@ -91,15 +91,17 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         pipelined: bool = False,
         coalesce_s: float | None = None,
+        results: ResultStore | None = None,
     ) -> None:
         """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
-        coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting)."""
+        coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
+        results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
         self.applied_seq_lookup = applied_seq_lookup
         self.pool = pool
-        self.results = ResultStore(redis)
+        self.results = results or ResultStore(redis)
         # read_count: the most of one tenant's requests the dispatcher holds unanswered (the consumer stops reading a
         # tenant's stream there), so one tenant's backlog never crowds another out of the policy's view
         self.consumer = Consumer(redis, pool, consumer_name, self.results, window=read_count)

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis as redis_lib
 
+from loraplex.errors import LeaseLostError
 from loraplex.queue.consumer import Consumer, Entry
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class Finisher:
     def _guarded(job: Callable[..., None], *args: Any) -> None:
         try:
             job(*args)
+        except LeaseLostError as exc:  # a deposed leader: nothing of this plan was written; the new leader redoes it
+            log.error("finishing a plan refused: %s", exc)
         except Exception:  # noqa: BLE001 - the stream keeps the entries (not acked): a restart redelivers them
             log.exception("finishing a plan failed (%s)", getattr(job, "__name__", job))
 

@@ -1,7 +1,9 @@
 """The pool's executor as the dispatcher sees it: the engine's executor, timed per plan (usage seconds, for the
 OutcomeRecorder), with a `checkpoints` row added for each successful save BEFORE the loop stores the results, so a
 client that sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it
-runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails."""
+runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails. With a lease, the rows'
+transaction is fenced like the OutcomeRecorder's (dispatch/records.check_leader): a deposed leader writes no row, and
+its plan fails with LeaseLostError."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.checkpoint_paths import CheckpointKind
-from loraplex.dispatch.records import PlanNotes, TierChanges
+from loraplex.dispatch.records import PlanNotes, TierChanges, check_leader
 from loraplex.errors import LoraplexError
 from loraplex.protocol import (
     KINDS,
@@ -25,6 +27,7 @@ from loraplex.protocol import (
     RequestKind,
     SaveCheckpointPayload,
 )
+from loraplex.queue.lease import PoolLease
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.types import utcnow
 
@@ -33,9 +36,19 @@ log = logging.getLogger(__name__)
 
 class RecordingExecutor:
     def __init__(
-        self, executor: Executor, sessions: sessionmaker[Session], notes: PlanNotes, store: TierChanges | None = None
+        self,
+        executor: Executor,
+        sessions: sessionmaker[Session],
+        notes: PlanNotes,
+        store: TierChanges | None = None,
+        *,
+        pool: str = "",
+        lease: PoolLease | None = None,
     ) -> None:
-        """store: the rank-0 adapter store, drained here right after each plan (the thread that moves adapters)."""
+        """store: the rank-0 adapter store, drained here right after each plan (the thread that moves adapters);
+        lease: fence the checkpoint rows with this lease's token (the pools row of `pool` must hold it)."""
+        self._pool = pool
+        self._lease = lease
         self._executor = executor
         self._sessions = sessions
         self._notes = notes
@@ -67,6 +80,7 @@ class RecordingExecutor:
         done = [r for r in saves if (o := by_id.get(r.request_id)) is not None and o.ok and o.result]
         try:
             with unit_of_work(self._sessions) as session:
+                check_leader(session, self._pool, self._lease)  # LeaseLostError: the plan fails, nothing written
                 for request in done:
                     try:  # one row that cannot be written must not cost the others
                         with session.begin_nested():

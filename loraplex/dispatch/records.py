@@ -1,7 +1,11 @@
 """What the dispatcher writes to SQL after each plan (its `on_outcomes`): adapter status, the applied seq_id per adapter
 (so a restarted pool continues in order), usage per tenant, and where the pool's adapter store moved adapters
 (`residency`), one transaction per plan; and the lookup of an adapter's applied seq_id. The `checkpoints` rows of
-saves are written earlier, before the results (dispatch/recording_executor.py)."""
+saves are written earlier, before the results (dispatch/recording_executor.py).
+
+Fencing (`lease=`, the pool's way): each of these transactions first checks that the pools row still holds this
+process's fencing token (`check_leader`: one SELECT ... FOR UPDATE); when another pool process took the pool over,
+the transaction rolls back, the lease is marked lost, and LeaseLostError propagates: a deposed leader records nothing."""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ from typing import Any, Protocol
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.errors import NotFoundError
+from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.protocol import (
     BatchPlan,
     Outcome,
     RequestKind,
 )
+from loraplex.queue.lease import PoolLease
 from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import (
     AdapterRepository,
@@ -56,6 +61,17 @@ class PlanNotes:
         return self._seconds.pop(id(plan), 0.0), self._changes.pop(id(plan), [])
 
 
+def check_leader(session: Session, pool: str, lease: PoolLease | None) -> None:
+    """The fencing check of a plan's record transaction (see the module doc); nothing without a lease."""
+    if lease is None:
+        return
+    try:
+        PoolRepository(session).check_leader(pool, lease.token or 0)
+    except LeaseLostError as exc:
+        lease.mark_lost(str(exc))
+        raise
+
+
 def applied_seq_lookup(sessions: sessionmaker[Session]) -> Callable[[str], int | None]:
     """The dispatcher's view of an adapter's last applied seq_id when it first meets it (SQL survives a restart)."""
 
@@ -75,11 +91,14 @@ class OutcomeRecorder:
         store: TierChanges | None = None,
         pool: str = "",
         notes: PlanNotes | None = None,
+        lease: PoolLease | None = None,
     ) -> None:
         """pool: record tier changes in `residency` as rank 0 of `pool`; notes: each plan's execution seconds (usage)
         and tier moves, from the RecordingExecutor (the pool's way); store: drain a store here instead (only where
-        nothing else moves adapters at the same time: a single-threaded caller)."""
+        nothing else moves adapters at the same time: a single-threaded caller); lease: fence every transaction with
+        this lease's token (the pools row of `pool` must hold it)."""
         self._sessions = sessions
+        self._lease = lease
         self._store = store
         self._pool = pool
         self._notes = notes or PlanNotes()
@@ -106,6 +125,7 @@ class OutcomeRecorder:
         applied: dict[tuple[str, str], int] = {}  # (tenant, model_id) -> highest seq_id answered in this plan
         usage: dict[str, list[tuple[str | None, str, int, float]]] = {}
         with unit_of_work(self._sessions) as session:
+            check_leader(session, self._pool, self._lease)
             self._record_tiers(session, changes)
             for request in plan.requests:
                 outcome = by_id.get(request.request_id)

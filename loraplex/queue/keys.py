@@ -13,6 +13,8 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
     loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
+    loraplex:pool:{pool}:leader          string "<token> <holder>" with a TTL: the pool's leader lease (queue/lease.py)
+    loraplex:pool:{pool}:leader_token    integer: the pool's fencing-token counter (INCR per acquisition, never expires)
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def queued_tokens(pool: str) -> str:
 
 def pool_stats(pool: str) -> str:
     return f"{PREFIX}pool:{pool}:stats"
+
+
+def pool_leader(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:leader"
+
+
+def pool_leader_token(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:leader_token"
 
 
 def result_key(request_id: str) -> str:

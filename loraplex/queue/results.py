@@ -1,6 +1,10 @@
 """Results and job states in Redis. `put` writes the Outcome, its final JobState and a notify token in one MULTI, so a
 waiter that wakes on the token always finds the result.
 
+Fenced (the pool leader's store, `lease=`): `put_many` and `set_states` run as one Lua script that first checks the pool's
+lease still holds this writer's fencing token (queue/lease.py), and writes nothing otherwise (LeaseLostError): a
+deposed leader that still finishes a plan cannot publish its results. Still one round trip, as the MULTI was.
+
 Waiting: `wait` BLPOPs the notify list in short slices (always below the client's socket timeout) and re-pushes the
 token it took, so any number of waiters, and repeated waits on the same id, all wake; it checks the result key first,
 so a finished request answers at once.
@@ -17,6 +21,7 @@ import redis as redis_lib
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
+from loraplex.queue.lease import HELD_LUA, PoolLease
 from loraplex.queue.redis_text import text
 
 DEFAULT_TTL_S = 24 * 3600
@@ -48,15 +53,49 @@ def outcome_from_json(raw: bytes | str) -> Outcome:
     )
 
 
+# KEYS[3..]: (result, state, notify) per outcome; ARGV[4] ttl s, ARGV[5..]: (result JSON, state) per outcome.
+_FENCED_PUT = (
+    HELD_LUA
+    + """
+if not held() then return 0 end
+local ttl = ARGV[4]
+for i = 0, (#KEYS - 2) / 3 - 1 do
+  local k, a = 3 + 3 * i, 5 + 2 * i
+  redis.call('SET', KEYS[k], ARGV[a], 'EX', ttl)
+  redis.call('SET', KEYS[k + 1], ARGV[a + 1], 'EX', ttl)
+  redis.call('RPUSH', KEYS[k + 2], '1')
+  redis.call('EXPIRE', KEYS[k + 2], ttl)
+end
+return 1
+"""
+)
+# KEYS[3..]: state keys; ARGV[4] ttl s, ARGV[5] the state.
+_FENCED_STATES = (
+    HELD_LUA
+    + """
+if not held() then return 0 end
+for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[5], 'EX', ARGV[4]) end
+return 1
+"""
+)
+
+
 class ResultStore:
-    def __init__(self, redis: redis_lib.Redis, ttl_s: int = DEFAULT_TTL_S) -> None:
+    def __init__(self, redis: redis_lib.Redis, ttl_s: int = DEFAULT_TTL_S, lease: PoolLease | None = None) -> None:
+        """lease: fence every write with this pool lease's token (the pool leader's store; see the module doc)."""
         self.redis = redis
         self.ttl_s = ttl_s
+        self.lease = lease
+        self._fenced_put = redis.register_script(_FENCED_PUT) if lease is not None else None
+        self._fenced_states = redis.register_script(_FENCED_STATES) if lease is not None else None
 
     def put(self, outcome: Outcome) -> None:
         self.put_many([outcome])
 
     def put_many(self, outcomes: Iterable[Outcome]) -> None:
+        if self.lease is not None:
+            self._put_fenced(list(outcomes))
+            return
         pipe = self.redis.pipeline(transaction=True)
         for o in outcomes:
             state = JobState.COMPLETE if o.ok else JobState.FAILED
@@ -65,6 +104,19 @@ class ResultStore:
             pipe.rpush(keys.notify_key(o.request_id), _TOKEN)
             pipe.expire(keys.notify_key(o.request_id), self.ttl_s)
         pipe.execute()
+
+    def _put_fenced(self, outcomes: list[Outcome]) -> None:
+        assert self.lease is not None and self._fenced_put is not None
+        if not outcomes:
+            return
+        script_keys: list[str] = self.lease.fence_keys()
+        args: list[str | int | bytes] = [*self.lease.fence_args(), self.ttl_s]
+        for o in outcomes:
+            state = JobState.COMPLETE if o.ok else JobState.FAILED
+            script_keys += [keys.result_key(o.request_id), keys.state_key(o.request_id), keys.notify_key(o.request_id)]
+            args += [outcome_to_json(o), state.value]
+        if not int(self._fenced_put(keys=script_keys, args=args)):
+            raise self.lease.refused(f"storing {len(outcomes)} results")
 
     def get(self, request_id: str) -> Outcome | None:
         raw = self.redis.get(keys.result_key(request_id))
@@ -111,6 +163,15 @@ class ResultStore:
         self.set_states([request_id], state)
 
     def set_states(self, request_ids: Iterable[str], state: JobState) -> None:
+        if self.lease is not None:
+            assert self._fenced_states is not None
+            state_keys = [keys.state_key(rid) for rid in request_ids]
+            if not state_keys:
+                return
+            args = [*self.lease.fence_args(), self.ttl_s, JobState(state).value]
+            if not int(self._fenced_states(keys=self.lease.fence_keys() + state_keys, args=args)):
+                raise self.lease.refused(f"setting {len(state_keys)} job states")
+            return
         pipe = self.redis.pipeline(transaction=False)
         for rid in request_ids:
             pipe.set(keys.state_key(rid), JobState(state).value, ex=self.ttl_s)

@@ -144,6 +144,9 @@ class Pool(Base):
     slots: Mapped[int] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # The fencing token of the pool process that leads the pool (its Redis lease, queue/lease.py): written when it
+    # takes over, checked by every plan's record transaction, so a deposed leader's records are refused.
+    leader_token: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class TrainingSession(Base):

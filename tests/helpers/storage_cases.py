@@ -318,6 +318,24 @@ def test_pool_heartbeat_upserts(factory: sessionmaker[Session]) -> None:
             PoolRepository(s).get("other")
 
 
+def test_pool_leadership_goes_to_larger_tokens_and_fences_the_old_one(factory: sessionmaker[Session]) -> None:
+    with unit_of_work(factory) as s:
+        assert PoolRepository(s).take_leadership("fenced", 3, "tiny", 1, 8)  # creates the row
+    with unit_of_work(factory) as s:
+        PoolRepository(s).check_leader("fenced", 3)
+        assert PoolRepository(s).heartbeat("fenced", "tiny", 1, 8).leader_token == 3  # a heartbeat keeps it
+    with unit_of_work(factory) as s:
+        assert PoolRepository(s).take_leadership("fenced", 5, "tiny", 1, 8)
+        assert not PoolRepository(s).take_leadership("fenced", 4, "tiny", 1, 8)  # an older token never takes it back
+    with factory() as s:
+        assert PoolRepository(s).leader_token("fenced") == 5 and PoolRepository(s).leader_token("other") is None
+        with pytest.raises(errors.LeaseLostError, match="token 3 no longer leads"):
+            PoolRepository(s).check_leader("fenced", 3)
+        with pytest.raises(errors.LeaseLostError):
+            PoolRepository(s).check_leader("other", 3)
+        PoolRepository(s).check_leader("fenced", 5)
+
+
 def test_datetimes_come_back_timezone_aware_utc(factory: sessionmaker[Session]) -> None:
     a, _ = _tenant(factory, "a")
     with factory() as s:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex import errors
 from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.models import Base
-from loraplex.storage.repositories import AdapterRepository, TenantRepository
+from loraplex.storage.repositories import AdapterRepository, PoolRepository, TenantRepository
 from tests.helpers.services.postgres import postgres_server
 
 # The SQLite tests' shared bodies, re-collected here: pytest binds them to this module's `factory` fixture (PostgreSQL).
@@ -34,6 +34,7 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_missing_or_malformed_keys_are_rejected,
     test_only_the_key_hash_is_stored,
     test_pool_heartbeat_upserts,
+    test_pool_leadership_goes_to_larger_tokens_and_fences_the_old_one,
     test_revoked_key_is_rejected_and_other_keys_still_work,
     test_session_lifecycle,
     test_status_changes,
@@ -107,3 +108,28 @@ def test_concurrent_record_applied_keeps_the_maximum(factory: sessionmaker[Sessi
     assert _in_threads(8, record) == [None] * 8
     with factory() as s:
         assert AdapterRepository(s, tenant_id).get("m").applied_seq_id == 199
+
+
+def test_a_takeover_waits_for_the_old_leaders_record_transaction_then_fences_it(factory: sessionmaker[Session]) -> None:
+    """check_leader locks the pools row (FOR UPDATE): a new leader's take_leadership blocks until the old leader's
+    record transaction commits; after it, the old token is refused."""
+    with unit_of_work(factory) as s:
+        PoolRepository(s).take_leadership("race", 1, "tiny", 1, 8)
+    checked, took = threading.Event(), threading.Event()
+
+    def take_over() -> None:
+        checked.wait(10)
+        with unit_of_work(factory) as s:
+            assert PoolRepository(s).take_leadership("race", 2, "tiny", 1, 8)
+        took.set()
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    with unit_of_work(factory) as s:  # the old leader's plan transaction
+        PoolRepository(s).check_leader("race", 1)
+        checked.set()
+        assert not took.wait(0.5)  # blocked on the row lock while this transaction is open
+    thread.join(timeout=10)
+    assert took.is_set()
+    with factory() as s, pytest.raises(errors.LeaseLostError):
+        PoolRepository(s).check_leader("race", 1)

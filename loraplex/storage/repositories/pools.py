@@ -1,4 +1,5 @@
-"""Worker pools: each pool leader upserts its row on every heartbeat. Not tenant data."""
+"""Worker pools: each pool leader upserts its row on every heartbeat, and writes its fencing token there when it takes
+the pool over (`take_leadership`); every plan's record transaction checks it first (`check_leader`). Not tenant data."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.errors import NotFoundError
+from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.storage.models import Adapter, Pool
 from loraplex.storage.types import utcnow
 
@@ -36,6 +37,34 @@ class PoolRepository:
         pool.heartbeat_at = now
         self.session.flush()
         return pool
+
+    def leader_token(self, name: str) -> int | None:
+        """The fencing token of the pool's last leader (a new one's token must be larger)."""
+        return self.session.scalar(select(Pool.leader_token).where(Pool.name == name))
+
+    def take_leadership(self, name: str, token: int, base_model: str, world_size: int, slots: int) -> bool:
+        """Record `token` as the pool's leader (creating the row if needed); False when the row already holds a token
+        at least as large (a newer leader took over): then nothing changes. The row is locked (FOR UPDATE on
+        PostgreSQL; SQLite's write transaction holds the database), so a record transaction of the old leader
+        commits wholly before this or sees the new token."""
+        pool = self.session.get(Pool, name, with_for_update=True)
+        now = utcnow()
+        if pool is None:
+            pool = Pool(name=name, base_model=base_model, world_size=world_size, slots=slots, heartbeat_at=now)
+            self.session.add(pool)
+        elif pool.leader_token is not None and pool.leader_token >= token:
+            return False
+        pool.leader_token = token
+        pool.started_at = now
+        self.session.flush()
+        return True
+
+    def check_leader(self, name: str, token: int) -> None:
+        """Raise LeaseLostError unless `token` leads the pool; locks the row until the transaction ends, so a takeover
+        cannot commit in between. The first statement of each plan's record transaction (one round trip)."""
+        current = self.session.scalar(select(Pool.leader_token).where(Pool.name == name).with_for_update())
+        if current != token:
+            raise LeaseLostError(f"pool {name}: token {token} no longer leads it (the pools row holds {current})")
 
     def get(self, name: str) -> Pool:
         pool = self.session.get(Pool, name)
