@@ -16,8 +16,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.settings import Settings, get_settings
 
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from loraplex.workers.rank_loop import EngineSpec
 
 log = logging.getLogger("loraplex.pool")
+T = TypeVar("T")
 
-HEARTBEAT_SECONDS = 5.0
 RANK_CHECK_SECONDS = 1.0
 
 
@@ -147,12 +148,34 @@ def _lead(
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.embedded import ready_file
+    from loraplex.logutil import RateLimitedLog
     from loraplex.storage.db import make_db_engine, session_factory
+    from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import LeaderExecutor, build_engine
 
     sessions = session_factory(make_db_engine(settings.resolved_database_url))
+    # The heartbeat runs from the start: LOADING while the engine is built (gateways answer 503 and paused_capacity),
+    # READY once the dispatcher reads, STOPPED after a clean stop. A failed beat (database away) is retried next time.
+    state = {"now": PoolState.LOADING}
+    beat_failed = RateLimitedLog(log, every_s=30.0)
+
+    def heartbeat() -> None:
+        first = True
+        while not stop.is_set():
+            try:
+                with unit_of_work(sessions) as session:
+                    PoolRepository(session).heartbeat(
+                        settings.pool, settings.base_model, world, settings.slots, restarted=first, state=state["now"]
+                    )
+                first = False
+            except Exception as exc:  # noqa: BLE001 - the pool keeps serving; gateways see the heartbeat age
+                beat_failed.warning("pool heartbeat failed (%s: %s); retrying", type(exc).__name__, exc)
+            stop.wait(settings.pool_heartbeat_seconds)
+
+    beating = threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True)
+    beating.start()
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
     executor = PlanExecutor(engine, store)
@@ -161,22 +184,21 @@ def _lead(
     recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes)
     with unit_of_work(sessions) as session:  # the adapters of an earlier run of this pool are gone, and their rows
         ResidencyRepository(session).clear(settings.pool)
-    dispatcher = Dispatcher(
-        redis.Redis.from_url(settings.redis_url),
-        settings.pool,
-        RecordingExecutor(leader or executor, sessions, notes, store),
-        on_outcomes=recorder,
-        settings=settings,
-        applied_seq_lookup=applied_seq_lookup(sessions),
-        pipelined=True,
+    dispatcher = _dispatcher_when_redis_answers(
+        lambda: Dispatcher(
+            redis.Redis.from_url(settings.redis_url),
+            settings.pool,
+            RecordingExecutor(leader or executor, sessions, notes, store),
+            on_outcomes=recorder,
+            settings=settings,
+            applied_seq_lookup=applied_seq_lookup(sessions),
+            pipelined=True,
+        ),
+        stop,
     )
+    if dispatcher is None:  # stopped while Redis was away
+        return
     ready = ready_file(settings)
-
-    def heartbeat() -> None:
-        while not stop.is_set():
-            with unit_of_work(sessions) as session:
-                PoolRepository(session).heartbeat(settings.pool, settings.base_model, world, settings.slots)
-            stop.wait(HEARTBEAT_SECONDS)
 
     def watch_ranks(context: ProcessContext) -> None:
         """A rank that dies leaves the others stuck in a collective: end the pool (its state is durable elsewhere)."""
@@ -190,9 +212,10 @@ def _lead(
                 sys.stderr.flush()
                 os._exit(1)
 
-    threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True).start()
     if ranks is not None:
         threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
+    state["now"] = PoolState.READY
+    _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
     ready.write_text(str(os.getpid()))
     log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
              settings.slots, world)  # fmt: skip
@@ -200,9 +223,41 @@ def _lead(
         dispatcher.run_forever(stop)
     finally:
         ready.unlink(missing_ok=True)
+        state["now"] = PoolState.STOPPED
+        stop.set()
+        beating.join(timeout=5)
+        _beat_now(sessions, settings, PoolState.STOPPED)
         if leader is not None:
             stop.set()  # the rank watcher stands down: the followers leave on purpose now
             leader.close()
+
+
+def _beat_now(sessions: Any, settings: Settings, state: Any) -> None:
+    """Write the pool's state at once (best effort: the heartbeat thread writes it again)."""
+    from loraplex.storage.repositories import PoolRepository, unit_of_work
+
+    try:
+        with unit_of_work(sessions) as session:
+            PoolRepository(session).set_state(settings.pool, state)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not record pool state %s (%s)", state, exc)
+
+
+def _dispatcher_when_redis_answers(build: Callable[[], T], stop: threading.Event) -> T | None:
+    """`build()` (the dispatcher creates its consumer group at once), retried with backoff while Redis is down;
+    None when stopped first."""
+    import redis
+
+    from loraplex.logutil import Backoff, RateLimitedLog
+
+    backoff, warn = Backoff(), RateLimitedLog(log, every_s=10.0)
+    while not stop.is_set():
+        try:
+            return build()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            warn.warning("redis unavailable (%s); the pool waits for it", exc)
+            stop.wait(backoff.next())
+    return None
 
 
 def preflight(settings: Settings) -> None:

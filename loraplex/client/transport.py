@@ -10,6 +10,10 @@ import httpx
 
 from loraplex.errors import error_class_for_status
 
+# How long a future's `result()` waits by default (client/futures.py): a cold pool's first steps and a long queue fit;
+# a dead pool does not hang the caller forever.
+DEFAULT_RESULT_TIMEOUT_S = 900.0
+
 
 def raise_for_status(response: httpx.Response) -> Any:
     if response.is_success:
@@ -29,7 +33,11 @@ class Transport:
     the event loop that opened it, so it is closed on that loop: `aclose()` from async code, or `close()`, which runs
     or schedules the close there (see `close`)."""
 
-    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self, base_url: str, api_key: str, timeout: float = 120.0, result_timeout: float | None = DEFAULT_RESULT_TIMEOUT_S
+    ) -> None:
+        """timeout: per HTTP call; result_timeout: how long a future's `result()` waits by default (None: forever)."""
+        self.result_timeout = result_timeout
         headers = {"X-API-Key": api_key}
         self._sync = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
@@ -39,6 +47,10 @@ class Transport:
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         return raise_for_status(self._sync.request(method, path, **kwargs))
+
+    def get_response(self, path: str, **kwargs: Any) -> httpx.Response:
+        """GET `path` and hand back the response whatever its status (for routes whose error bodies carry data)."""
+        return self._sync.get(path, **kwargs)
 
     def download(self, path: str, sink: BinaryIO, **kwargs: Any) -> httpx.Headers:
         """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""

@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, ResidencyTier
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState, ResidencyTier
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
 # The enums are re-exported: callers reading a model's fields import them from here.
@@ -32,6 +32,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointKind",
     "Pool",
+    "PoolState",
     "Residency",
     "ResidencyTier",
     "Tenant",
@@ -144,6 +145,10 @@ class Pool(Base):
     slots: Mapped[int] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # PoolState value (migration 0003); rows of an older pool build read "ready" and their heartbeat alone decides.
+    state: Mapped[PoolState] = mapped_column(
+        str_enum(PoolState), default=PoolState.READY, server_default=PoolState.READY.value
+    )
 
 
 class TrainingSession(Base):
