@@ -214,9 +214,9 @@ def _lead(
 
     if ranks is not None:
         threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
+    ready.write_text(str(os.getpid()))  # first, so a gateway's healthz 200 implies this file too
     state["now"] = PoolState.READY
     _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
-    ready.write_text(str(os.getpid()))
     log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
              settings.slots, world)  # fmt: skip
     try:
