@@ -88,6 +88,85 @@ def cmd_tenant_rotate_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenant_delete(args: argparse.Namespace) -> int:
+    """Offboard a tenant: refuse while it has live adapters unless --force; else revoke its keys, delete each live
+    adapter through the queue (a delete_adapter request, as the gateway's DELETE does, so the pool frees its slot and
+    host memory), wait for the pool to answer them, then remove the tenant (its rows cascade: keys, adapters,
+    checkpoints, sessions, usage) and its checkpoint files. Safe to run again after a timeout."""
+    from loraplex.errors import ConflictError, InvalidRequestError, ServiceUnavailableError
+    from loraplex.storage.blobs import BlobStore
+    from loraplex.storage.repositories import AdapterRepository, TenantRepository, unit_of_work
+
+    settings = _settings(args)
+    sessions = _tenant_repo_session(settings)
+    with sessions() as session:
+        tenant = TenantRepository(session).get_by_name(args.name)
+        live = [a.model_id for a in AdapterRepository(session, tenant.id).list()]
+    if live and not args.force:
+        shown = ", ".join(live[:5]) + (", ..." if len(live) > 5 else "")
+        raise ConflictError(
+            f"tenant {args.name} has {len(live)} live adapter(s) ({shown}): delete them first, or pass --force to "
+            "revoke its keys and delete them through the queue"
+        )
+    if live and not settings.redis_url:
+        raise InvalidRequestError(
+            "LORAPLEX_REDIS_URL is not set: deleting adapters goes through the pool's queue; point it at the "
+            "Redis the gateway uses"
+        )
+    services = None
+    if live:
+        import redis
+
+        from loraplex.api.app import build_services
+
+        services = build_services(settings)
+        try:
+            services.redis.ping()  # before anything changes: an adapter marked deleted must get its request queued
+        except redis.RedisError as exc:
+            services.redis.close()
+            raise ServiceUnavailableError(f"redis unavailable ({exc}); nothing changed") from exc
+    with unit_of_work(sessions) as session:
+        revoked = TenantRepository(session).revoke_all_keys(tenant.id)
+    print(f"{revoked} key(s) of {args.name} revoked", file=sys.stderr)
+    if services is not None:
+        try:
+            pending = _delete_adapters_through_the_queue(services, tenant.id, tenant.name, live, args.wait)
+        except redis.RedisError as exc:
+            raise ServiceUnavailableError(f"redis unavailable ({exc}); the keys are revoked: run it again") from exc
+        if pending:
+            print(f"loraplex: pool {settings.pool} did not answer {len(pending)} adapter delete(s) within "
+                  f"{args.wait:g} s (is `loraplex worker` running?); the keys stay revoked and the deletes queued: "
+                  "run this command again", file=sys.stderr)  # fmt: skip
+            return 1
+    with unit_of_work(sessions) as session:
+        TenantRepository(session).delete(tenant.id)
+    BlobStore(settings.resolved_blob_root).delete_tree(tenant.id)
+    print(f"tenant {args.name} ({tenant.id}) deleted, with {len(live)} adapter(s)")
+    return 0
+
+
+def _delete_adapters_through_the_queue(services, tenant_id: str, tenant_name: str, live: list[str], wait_s: float):
+    """Queue a delete_adapter for each adapter (the gateway's own rule: row marked deleted, request queued), wait up
+    to `wait_s` for the pool's answers; returns the adapters whose delete was not answered."""
+    from loraplex.api.service import TenantRef, delete_adapter
+
+    try:
+        ref = TenantRef(tenant_id, tenant_name)
+        requests = {delete_adapter(services, ref, m).request_id: m for m in live}
+        print(f"{len(requests)} adapter delete(s) queued", file=sys.stderr)
+        deadline = time.monotonic() + wait_s
+        pending = []
+        for request_id, model_id in requests.items():
+            outcome = services.results.wait(request_id, max(0.0, deadline - time.monotonic()))
+            if outcome is None:
+                pending.append(model_id)
+            elif not outcome.ok:
+                print(f"adapter {model_id}: {outcome.error_type}: {outcome.error}", file=sys.stderr)
+        return pending
+    finally:
+        services.redis.close()
+
+
 def cmd_tenant_list(args: argparse.Namespace) -> int:
     from loraplex.storage.repositories import TenantRepository
 
@@ -225,6 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = tenant.add_parser("rotate-key", help="issue a new API key (printed last) and revoke the tenant's older keys")
     p.add_argument("name")
     p.set_defaults(func=cmd_tenant_rotate_key)
+    p = tenant.add_parser(
+        "delete",
+        help="delete a tenant: refused while it has live adapters unless --force, which revokes its keys, deletes "
+        "each adapter through the queue (the pool must be running) and waits for the pool; then the tenant, its rows "
+        "(keys, adapters, checkpoints, sessions, usage) and its checkpoint files are removed",
+    )
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="delete its live adapters too (through the queue)")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the pool's answers (default 120)")
+    p.set_defaults(func=cmd_tenant_delete)
 
     p = sub.add_parser(
         "export",

@@ -71,6 +71,13 @@ class RequestTooLargeError(InvalidRequestError):
     """One request is over the gateway's size limits (body bytes, tokens per request) (HTTP 413)."""
 
 
+class ServiceUnavailableError(LoraplexError, ConnectionError):
+    """A part the service needs is down (Redis, the database): nothing was done; retry after the `Retry-After`
+    seconds (HTTP 503)."""
+
+    category = "server"
+
+
 class EngineError(LoraplexError, RuntimeError):
     """A training step failed inside a worker (non-finite gradients, a crash); reported for that request only."""
 
@@ -94,6 +101,20 @@ class RequestFailedError(LoraplexError, RuntimeError):
         return (type(self), (self.message, self.error_type, self.category))
 
 
+class FutureTimeoutError(LoraplexError, TimeoutError):
+    """Client side: a future's `result()` gave up waiting. Names the request and what the server last said about it
+    (its state and queue_state, e.g. "paused_capacity: pool default paused: no heartbeat for 40 s")."""
+
+    def __init__(self, message: str = "", request_id: str = "", last_state: str = "", queue_state: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.last_state = last_state
+        self.queue_state = queue_state
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.request_id, self.last_state, self.queue_state))
+
+
 USER_ERRORS: dict[str, type[LoraplexError]] = {
     cls.__name__: cls
     for cls in (
@@ -105,6 +126,7 @@ USER_ERRORS: dict[str, type[LoraplexError]] = {
         QuotaExceededError,
         RequestTooLargeError,
         EngineError,
+        ServiceUnavailableError,
     )
 }
 
@@ -122,6 +144,7 @@ HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
     InvalidRequestError: 400,
     CapacityError: 429,
     RequestTooLargeError: 413,
+    ServiceUnavailableError: 503,
 }
 # And back, for the client. 422 is FastAPI's own answer to a body that fails validation: a bad request too.
 ERROR_BY_HTTP_STATUS: dict[int, type[LoraplexError]] = {

@@ -21,8 +21,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.settings import Settings, get_settings
 
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
     from loraplex.workers.rank_loop import EngineSpec
 
 log = logging.getLogger("loraplex.pool")
+T = TypeVar("T")
 
-HEARTBEAT_SECONDS = 5.0
 RANK_CHECK_SECONDS = 1.0
 
 
@@ -170,13 +171,35 @@ def _lead(
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.embedded import ready_file
+    from loraplex.logutil import RateLimitedLog
     from loraplex.queue.results import ResultStore
     from loraplex.storage.db import make_db_engine, session_factory
+    from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import LeaderExecutor, build_engine
 
     sessions = session_factory(make_db_engine(settings.resolved_database_url))
+    # The heartbeat runs from the start: LOADING while the engine is built (gateways answer 503 and paused_capacity),
+    # READY once the dispatcher reads, STOPPED after a clean stop. A failed beat (database away) is retried next time.
+    state = {"now": PoolState.LOADING}
+    beat_failed = RateLimitedLog(log, every_s=30.0)
+
+    def heartbeat() -> None:
+        first = True
+        while not stop.is_set():
+            try:
+                with unit_of_work(sessions) as session:
+                    PoolRepository(session).heartbeat(
+                        settings.pool, settings.base_model, world, settings.slots, restarted=first, state=state["now"]
+                    )
+                first = False
+            except Exception as exc:  # noqa: BLE001 - the pool keeps serving; gateways see the heartbeat age
+                beat_failed.warning("pool heartbeat failed (%s: %s); retrying", type(exc).__name__, exc)
+            stop.wait(settings.pool_heartbeat_seconds)
+
+    beating = threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True)
+    beating.start()
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
     executor = PlanExecutor(engine, store)
@@ -186,17 +209,26 @@ def _lead(
     if lease is None:  # the adapters of an earlier run of this pool are gone, and their rows (with a lease: cleared
         with unit_of_work(sessions) as session:  # when it took the pool over, leadership.py)
             ResidencyRepository(session).clear(settings.pool)
-    client = redis.Redis.from_url(settings.redis_url)
-    dispatcher = Dispatcher(
-        client,
-        settings.pool,
-        RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease),
-        on_outcomes=recorder,
-        results=ResultStore(client, lease=lease),
-        settings=settings,
-        applied_seq_lookup=applied_seq_lookup(sessions),
-        pipelined=True,
+
+    def build_dispatcher() -> Dispatcher:
+        client = redis.Redis.from_url(settings.redis_url)
+        return Dispatcher(
+            client,
+            settings.pool,
+            RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease),
+            on_outcomes=recorder,
+            results=ResultStore(client, lease=lease),
+            settings=settings,
+            applied_seq_lookup=applied_seq_lookup(sessions),
+            pipelined=True,
+        )
+
+    dispatcher = _dispatcher_when_redis_answers(
+        build_dispatcher,
+        stop,
     )
+    if dispatcher is None:  # stopped while Redis was away
+        return
     ready = ready_file(settings)
 
     def deposed(reason: str) -> None:
@@ -208,12 +240,6 @@ def _lead(
 
     if lease is not None:
         lease.on_lost(deposed)
-
-    def heartbeat() -> None:
-        while not stop.is_set():
-            with unit_of_work(sessions) as session:
-                PoolRepository(session).heartbeat(settings.pool, settings.base_model, world, settings.slots)
-            stop.wait(HEARTBEAT_SECONDS)
 
     def watch_ranks(context: ProcessContext) -> None:
         """A rank that dies leaves the others stuck in a collective: end the pool (its state is durable elsewhere)."""
@@ -227,23 +253,56 @@ def _lead(
                 sys.stderr.flush()
                 os._exit(1)
 
-    threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True).start()
     if ranks is not None:
         threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
     if stop.is_set():  # stopped (or deposed) while loading the model
         if leader is not None:
             leader.close()
         return
-    write_ready_file(ready)
+    write_ready_file(ready)  # first, so a gateway's healthz 200 implies this file too
+    state["now"] = PoolState.READY
+    _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
     log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
              settings.slots, world)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
     finally:
         remove_ready_file(ready)
+        state["now"] = PoolState.STOPPED
+        stop.set()
+        beating.join(timeout=5)
+        _beat_now(sessions, settings, PoolState.STOPPED)
         if leader is not None:
             stop.set()  # the rank watcher stands down: the followers leave on purpose now
             leader.close()
+
+
+def _beat_now(sessions: Any, settings: Settings, state: Any) -> None:
+    """Write the pool's state at once (best effort: the heartbeat thread writes it again)."""
+    from loraplex.storage.repositories import PoolRepository, unit_of_work
+
+    try:
+        with unit_of_work(sessions) as session:
+            PoolRepository(session).set_state(settings.pool, state)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not record pool state %s (%s)", state, exc)
+
+
+def _dispatcher_when_redis_answers(build: Callable[[], T], stop: threading.Event) -> T | None:
+    """`build()` (the dispatcher creates its consumer group at once), retried with backoff while Redis is down;
+    None when stopped first."""
+    import redis
+
+    from loraplex.logutil import Backoff, RateLimitedLog
+
+    backoff, warn = Backoff(), RateLimitedLog(log, every_s=10.0)
+    while not stop.is_set():
+        try:
+            return build()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            warn.warning("redis unavailable (%s); the pool waits for it", exc)
+            stop.wait(backoff.next())
+    return None
 
 
 def preflight(settings: Settings) -> None:

@@ -74,6 +74,12 @@ class RedisChild:
             self._proc.wait()
         self._proc = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (fault tests), keeping its folder; `stop` is the clean way."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._reap()
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             try:

@@ -74,6 +74,10 @@ class Settings(BaseSettings):
     auth_cache_seconds: float = Field(default=2.0, ge=0)
     # Longest a `GET /v1/futures/{id}` long-poll waits before answering "pending".
     long_poll_seconds: float = 20.0
+    # How often the pool process writes its heartbeat (and state) to the `pools` table. A gateway counts a pool as
+    # down (healthz 503, futures `paused_capacity`) once its last heartbeat is older than `pool_stale_seconds`
+    # (3 heartbeats), so pool and gateways should share this setting.
+    pool_heartbeat_seconds: float = Field(default=5.0, gt=0)
     # Largest forward_backward body (datums per request) the gateway accepts.
     max_datums_per_request: int = 1024
     max_tokens_per_datum: int = 32768
@@ -130,6 +134,11 @@ class Settings(BaseSettings):
     def resolved_spill_root(self) -> Path:
         """This pool's spill folder; rank k spills to `<it>/rank<k>`."""
         return (self.spill_dir or self.home / "spill") / self.pool
+
+    @property
+    def pool_stale_seconds(self) -> float:
+        """A pool whose last heartbeat is older than this is down: three missed heartbeats."""
+        return 3 * self.pool_heartbeat_seconds
 
     @property
     def host_budget_bytes(self) -> int:

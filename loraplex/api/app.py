@@ -7,6 +7,8 @@ from contextlib import asynccontextmanager
 
 import redis
 from fastapi import FastAPI
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from loraplex import __version__
 from loraplex.api.admission import BodyLimit
@@ -23,7 +25,14 @@ from loraplex.storage.db import make_db_engine, session_factory
 def build_services(settings: Settings) -> Services:
     if not settings.redis_url:
         raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=False)
+    # Fail fast while Redis is down (one quick retry, which also replaces a connection a Redis restart broke): the
+    # request gets a 503 with Retry-After at once instead of redis-py's default ~5 s of retries (api/errors.py).
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=False,
+        socket_connect_timeout=2.0,
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
+    )
     db_engine = make_db_engine(settings.resolved_database_url)
     return Services(
         settings=settings,

@@ -1,4 +1,8 @@
-"""The one place where typed errors become HTTP responses (their status codes: `loraplex.errors.HTTP_STATUS_BY_ERROR`)."""
+"""The one place where typed errors become HTTP responses (their status codes: `loraplex.errors.HTTP_STATUS_BY_ERROR`).
+
+A part the gateway needs being down (Redis: connection refused or timed out; the database: OperationalError) is a
+503 with `Retry-After` and a JSON error of type ServiceUnavailableError, logged at most once a second (one line, no
+traceback); redis-py and SQLAlchemy reconnect by themselves, so the next request after the part is back succeeds."""
 
 from __future__ import annotations
 
@@ -7,18 +11,22 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.admission import BodyTooLarge, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
 from loraplex.api.routes.chain import seq_step_kind
 from loraplex.api.service.rejections import fill_rejected
-from loraplex.errors import CapacityError, LoraplexError, RequestTooLargeError, http_status_for
+from loraplex.errors import CapacityError, LoraplexError, RequestTooLargeError, ServiceUnavailableError, http_status_for
+from loraplex.logutil import RateLimitedLog
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("loraplex.api")
+RETRY_AFTER_S = 1  # what a 503 asks the caller to wait (seconds)
 
 
 def json_safe(value: Any) -> Any:
@@ -53,17 +61,35 @@ def install_error_handlers(app: FastAPI) -> None:
         # Connection: close, so the server stops reading the rest of the body rather than draining it for keep-alive.
         return JSONResponse(status_code=413, content=content, headers={"Connection": "close"})
 
+    outage_log = RateLimitedLog(log, every_s=1.0)
+
+    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+        part = "redis" if isinstance(exc, redis.RedisError) else "the database"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        outage_log.warning("%s unavailable (%s: %s); answering 503 (%s %s)", part, type(exc).__name__, first_line,
+                           request.method, request.url.path)  # fmt: skip
+        return _typed_response(ServiceUnavailableError(f"{part} is unavailable; retry in {RETRY_AFTER_S} s"))
+
+    for outage in (redis.ConnectionError, redis.TimeoutError, OperationalError):
+        app.add_exception_handler(outage, _unavailable)
+
     @app.exception_handler(LoraplexError)
     async def _typed(_: Request, exc: LoraplexError) -> JSONResponse:
-        status = http_status_for(exc)
-        headers = {"WWW-Authenticate": "X-API-Key"} if status == 401 else None
-        if isinstance(exc, CapacityError) and exc.retry_after_s is not None:
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        return JSONResponse(
-            status_code=status,
-            content={"detail": exc.message, "type": type(exc).__name__, "category": exc.category},
-            headers=headers,
-        )
+        return _typed_response(exc)
+
+
+def _typed_response(exc: LoraplexError) -> JSONResponse:
+    status = http_status_for(exc)
+    headers = {"WWW-Authenticate": "X-API-Key"} if status == 401 else None
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    elif isinstance(exc, CapacityError) and exc.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return JSONResponse(
+        status_code=status,
+        content={"detail": exc.message, "type": type(exc).__name__, "category": exc.category},
+        headers=headers,
+    )
 
 
 def validation_summary(errors: Sequence[Any]) -> str:

@@ -128,3 +128,7 @@ class FutureOut(BaseModel):
     state: str
     result: dict[str, Any] | None = None
     error: ErrorOut | None = None
+    # While not final (queued/running), Tinker's queue_state: "active", or "paused_capacity" while the pool is down
+    # (no recent heartbeat, or still loading its model), with a reason for people.
+    queue_state: str | None = None
+    queue_state_reason: str | None = None

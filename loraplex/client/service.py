@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loraplex.client.futures import APIFuture
+from loraplex.client.futures import DEFAULT_RESULT_TIMEOUT_S, APIFuture
 from loraplex.client.training import TrainingClient
-from loraplex.client.transport import Transport
+from loraplex.client.transport import Transport, raise_for_status
 from loraplex.errors import AuthenticationError
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8700"
@@ -16,14 +16,24 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8700"
 
 class ServiceClient:
     """`ServiceClient(base_url, api_key)`; both default to LORAPLEX_BASE_URL and LORAPLEX_API_KEY. Close it when done:
-    `with ServiceClient() as client:` (or `close()`), and in async code `async with` (or `await aclose()`)."""
+    `with ServiceClient() as client:` (or `close()`), and in async code `async with` (or `await aclose()`).
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float = 120.0) -> None:
+    `timeout`: seconds per HTTP call. `result_timeout`: how long a future's `result()` waits when not given a
+    timeout (default 900 s = 15 minutes; None: forever); past it FutureTimeoutError names the request and the last
+    queue_state the server reported (e.g. paused_capacity while the pool is down)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        result_timeout: float | None = DEFAULT_RESULT_TIMEOUT_S,
+    ) -> None:
         base_url = base_url or os.environ.get("LORAPLEX_BASE_URL", DEFAULT_BASE_URL)
         api_key = api_key or os.environ.get("LORAPLEX_API_KEY", "")
         if not api_key:
             raise AuthenticationError("no API key: pass api_key= or set LORAPLEX_API_KEY")
-        self._transport = Transport(base_url, api_key, timeout)
+        self._transport = Transport(base_url, api_key, timeout, result_timeout)
 
     def create_lora_training_client(
         self,
@@ -67,7 +77,12 @@ class ServiceClient:
         return self._transport.request("GET", "/v1/adapters")
 
     def health(self) -> dict[str, Any]:
-        return self._transport.request("GET", "/v1/healthz")
+        """The gateway's /v1/healthz body (gateway, redis, database, pools), whether the service is up (200) or not
+        (503: `status` "unavailable", `down` says what)."""
+        response = self._transport.get_response("/v1/healthz")
+        if response.status_code in (200, 503):
+            return response.json()
+        return raise_for_status(response)
 
     def close(self) -> None:
         """Close the HTTP connections, the async client's too (on its event loop: from async code prefer `aclose`)."""

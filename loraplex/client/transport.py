@@ -11,6 +11,10 @@ import httpx
 
 from loraplex.errors import error_class_for_status
 
+# How long a future's `result()` waits by default (client/futures.py): a cold pool's first steps and a long queue fit;
+# a dead pool does not hang the caller forever.
+DEFAULT_RESULT_TIMEOUT_S = 900.0
+
 
 def raise_for_status(response: httpx.Response) -> Any:
     if response.is_success:
@@ -26,9 +30,9 @@ def raise_for_status(response: httpx.Response) -> Any:
 
 
 def retry_after(response: httpx.Response) -> float | None:
-    """Seconds a 429 asks the caller to wait before sending the same request again (None: no Retry-After, so a retry
-    of the same request cannot succeed on its own, e.g. the adapter quota)."""
-    if response.status_code != 429:
+    """Seconds a 429 or 503 asks the caller to wait before sending the same request again (None: no Retry-After, so
+    a retry of the same request cannot succeed on its own, e.g. the adapter quota)."""
+    if response.status_code not in (429, 503):
         return None
     try:
         return max(0.0, float(response.headers["retry-after"]))
@@ -41,11 +45,22 @@ class Transport:
     the event loop that opened it, so it is closed on that loop: `aclose()` from async code, or `close()`, which runs
     or schedules the close there (see `close`).
 
-    A 429 with Retry-After (a queue quota: the same request is accepted once some are answered) is sent again after
-    that wait, for up to `quota_wait_s` in all; the request is idempotent (its seq_id), so nothing is applied twice."""
+    A 429 or 503 with Retry-After (a queue quota, or Redis or the database briefly away: the same request goes through
+    once that passes) is sent again after that wait, for up to `retry_wait_s` in all; the request is idempotent (its
+    seq_id), so nothing is applied twice, and its seq_id is never left unsent."""
 
-    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0, quota_wait_s: float = 600.0) -> None:
-        self.quota_wait_s = quota_wait_s
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        timeout: float = 120.0,
+        result_timeout: float | None = DEFAULT_RESULT_TIMEOUT_S,
+        retry_wait_s: float = 600.0,
+    ) -> None:
+        """timeout: per HTTP call; result_timeout: how long a future's `result()` waits by default (None: forever);
+        retry_wait_s: how long 429/503 answers with Retry-After are retried before they raise."""
+        self.result_timeout = result_timeout
+        self.retry_wait_s = retry_wait_s
         headers = {"X-API-Key": api_key}
         self._sync = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
         self._async: httpx.AsyncClient | None = None
@@ -54,13 +69,17 @@ class Transport:
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        deadline = time.monotonic() + self.quota_wait_s
+        deadline = time.monotonic() + self.retry_wait_s
         while True:
             response = self._sync.request(method, path, **kwargs)
             wait = retry_after(response)
             if wait is None or time.monotonic() + wait > deadline:
                 return raise_for_status(response)
             time.sleep(wait)
+
+    def get_response(self, path: str, **kwargs: Any) -> httpx.Response:
+        """GET `path` and hand back the response whatever its status (for routes whose error bodies carry data)."""
+        return self._sync.get(path, **kwargs)
 
     def download(self, path: str, sink: BinaryIO, **kwargs: Any) -> httpx.Headers:
         """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""
@@ -76,7 +95,7 @@ class Transport:
         if self._async is None:
             self._async = httpx.AsyncClient(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
             self._async_loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.quota_wait_s
+        deadline = time.monotonic() + self.retry_wait_s
         while True:
             response = await self._async.request(method, path, **kwargs)
             wait = retry_after(response)

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import redis as redis_lib
 
 from loraplex.dispatch.coalescing import Coalescer
-from loraplex.dispatch.pipeline import Finisher, Prefetcher
+from loraplex.dispatch.pipeline import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
@@ -164,13 +165,25 @@ class Dispatcher:
         return answered
 
     def run_forever(self, stop_event: threading.Event) -> None:
+        """Run until `stop_event`. Redis going away is ridden out: retried with backoff (at most one log line per
+        5 s), and a consumer group lost with Redis's data is recreated; entries read but not answered stay pending in
+        the stream and come back (claim_stale)."""
+        backoff, warn = Backoff(), RateLimitedLog(log, every_s=5.0)
         try:
             while not stop_event.is_set():
                 try:
                     self.run_once()
+                    backoff.reset()
                 except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-                    log.warning("redis unavailable (%s); retrying", exc)
-                    stop_event.wait(0.5)
+                    warn.warning("redis unavailable (%s); retrying", exc)
+                    stop_event.wait(backoff.next())
+                except redis_lib.ResponseError as exc:
+                    if not lost_group(exc):
+                        raise
+                    warn.warning("consumer group of %s missing (redis restarted empty?); recreating it", self.pool)
+                    with suppress(redis_lib.RedisError):
+                        self.consumer.ensure_group()
+                    stop_event.wait(backoff.next())
         finally:
             self.close()
 
@@ -358,17 +371,9 @@ class Dispatcher:
         self._held_ids -= gone
 
 
-def _retry_redis(call: Callable[[], object], attempts: int = 120) -> None:
-    """A finisher write must land (the plan already ran): ride out a Redis restart for up to a minute."""
-    for attempt in range(attempts):
-        try:
-            call()
-            return
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError):
-            if attempt == attempts - 1:
-                raise
-            log.warning("redis unavailable while finishing a plan; retrying")
-            time.sleep(0.5)
+def _retry_redis(call: Callable[[], object]) -> None:
+    """A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py)."""
+    retry_redis(call, "finishing a plan")
 
 
 def _slot(r: PlannedRequest) -> tuple[str, str | int]:

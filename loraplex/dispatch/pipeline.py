@@ -3,6 +3,9 @@
   falls behind, reading stops rather than buffering without end);
 - `Finisher`: one thread that stores results, writes the SQL records and acks, plan after plan in order, while the
   next plan runs. Inline (no thread) when the loop is driven step by step (`run_once` in tests).
+
+Both ride out a Redis outage: the reader retries with backoff and recreates a consumer group that a Redis restart
+lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
 """
 
 from __future__ import annotations
@@ -10,16 +13,43 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any
 
 import redis as redis_lib
 
 from loraplex.errors import LeaseLostError
+from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.queue.consumer import Consumer, Entry
 
 log = logging.getLogger(__name__)
+
+# How long a finisher write waits for Redis to come back before giving up (the entries stay in the stream unacked).
+REDIS_OUTAGE_S = 600.0
+_finish_warn = RateLimitedLog(log, every_s=5.0)
+
+
+def lost_group(exc: redis_lib.ResponseError) -> bool:
+    """Redis answered NOGROUP: the stream's consumer group is gone (a Redis restarted without its data)."""
+    return str(exc).startswith("NOGROUP")
+
+
+def retry_redis(call: Callable[[], object], what: str, outage_s: float = REDIS_OUTAGE_S) -> None:
+    """`call()`, retried with backoff while Redis is unreachable, for up to `outage_s` seconds; then it raises."""
+    deadline = time.monotonic() + outage_s
+    backoff = Backoff()
+    while True:
+        try:
+            call()
+            return
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise
+            _finish_warn.warning("redis unavailable while %s (%s); retrying", what, exc)
+            time.sleep(backoff.next())
 
 
 class Prefetcher:
@@ -33,12 +63,23 @@ class Prefetcher:
         self._thread.start()
 
     def _run(self) -> None:
+        backoff, warn = Backoff(), RateLimitedLog(log, every_s=5.0)
         while not self._stop.is_set():
             try:
                 entries = self._consumer.read(self._block_ms, self._count)
+                backoff.reset()
             except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                self._stop.wait(0.5)
+                warn.warning("redis unavailable (%s); reading resumes when it is back", exc)
+                self._stop.wait(backoff.next())
+                continue
+            except redis_lib.ResponseError as exc:
+                if lost_group(exc):  # Redis came back empty: the stream's group is gone; make it again
+                    warn.warning("consumer group missing (redis restarted empty?); recreating it")
+                    with suppress(redis_lib.RedisError):
+                        self._consumer.ensure_group()
+                else:
+                    warn.error("reading the request stream failed: %s", exc)
+                self._stop.wait(backoff.next())
                 continue
             except Exception:  # noqa: BLE001 - keep reading; the loop must not lose its reader
                 log.exception("reading the request stream failed")
@@ -85,6 +126,8 @@ class Finisher:
             job(*args)
         except LeaseLostError as exc:  # a deposed leader: nothing of this plan was written; the new leader redoes it
             log.error("finishing a plan refused: %s", exc)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:  # e.g. a RUNNING state lost: harmless
+            _finish_warn.warning("redis unavailable: %s skipped (%s)", getattr(job, "__name__", job), exc)
         except Exception:  # noqa: BLE001 - the stream keeps the entries (not acked): a restart redelivers them
             log.exception("finishing a plan failed (%s)", getattr(job, "__name__", job))
 

@@ -106,6 +106,12 @@ class Consumer:
             self._backlog[tenant] = "0"
         return new
 
+    def ensure_group(self) -> None:
+        """(Re)create the group on the doorbell and on every tenant stream this consumer knows (Redis came back
+        empty: the streams, their groups and the tenants set are gone)."""
+        for stream in (self._doorbell, *(self.stream_of(t) for t in self._backlog)):
+            self._ensure_group(stream)
+
     def _ensure_group(self, stream: str) -> None:
         """Create the group (and the stream) if missing. Id "0": entries queued before any dispatcher started count."""
         try:

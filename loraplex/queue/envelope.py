@@ -6,15 +6,17 @@ by the producer: what the tenant's queued-tokens quota gets back when the entry 
 
 `payload` is the wire form (JSON) of the kind's payload model, declared once in loraplex/protocol (kinds.py says
 which model each kind takes); decoding checks it against that model, so a payload that does not fit fails its request
-as undecodable. create_adapter / delete_adapter carry seq_id CONTROL_SEQ_ID (-1): they sit outside the adapter's seq_id
+as undecodable. Encoding is strict JSON: a non-finite float anywhere (payload included) raises NonFiniteNumberError
+naming where it is, instead of being written as null. create_adapter / delete_adapter carry seq_id CONTROL_SEQ_ID (-1): they sit outside the adapter's seq_id
 chain (idempotent per (model_id, kind)).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import Any
 
@@ -32,8 +34,14 @@ class EnvelopeError(InvalidRequestError):
     """A stream entry that cannot be decoded (unknown version, bad JSON, missing fields)."""
 
 
+class NonFiniteNumberError(InvalidRequestError):
+    """An envelope holds NaN or infinity: JSON has no such number (it would be written as null and read back as a
+    missing value), so the envelope is refused."""
+
+
 class Envelope(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # "constants": non-finite floats come out as NaN / Infinity (not null), so `encode` can see them cheaply.
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
     request_id: str
     tenant_id: str
@@ -77,8 +85,27 @@ class Envelope(BaseModel):
 
 
 def encode(env: Envelope) -> dict[str, str]:
-    """Stream entry fields for `env`."""
-    return {"v": str(ENVELOPE_VERSION), "request_id": env.request_id, "data": env.model_dump_json()}
+    """Stream entry fields for `env`; NonFiniteNumberError when a float in it is NaN or infinite."""
+    data = env.model_dump_json()
+    # Fast path: no non-finite float can hide in output without these tokens (a payload is mostly token ids). When one
+    # appears (maybe only inside a string), walk the values to find a real NaN / infinity and name its place.
+    if "NaN" in data or "Infinity" in data:
+        for where, value in _non_finite(env.model_dump(), "envelope"):
+            raise NonFiniteNumberError(f"{where} is {value!r}: JSON has no NaN or infinity; send a finite number")
+    return {"v": str(ENVELOPE_VERSION), "request_id": env.request_id, "data": data}
+
+
+def _non_finite(value: object, where: str) -> Iterator[tuple[str, float]]:
+    """(path, value) of every non-finite float in a JSON-like value."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            yield where, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{where}[{i}]")
 
 
 def token_count(env: Envelope) -> int:

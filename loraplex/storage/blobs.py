@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -50,6 +51,16 @@ class BlobStore:
             self.path(key).unlink()
         except FileNotFoundError:
             return False
+        return True
+
+
+    def delete_tree(self, prefix: str) -> bool:
+        """Remove the folder `prefix` (e.g. a tenant's id: all its checkpoint folders); False when it was not there."""
+        _check_key(prefix)
+        path = self.path(prefix)
+        if not path.is_dir():
+            return False
+        shutil.rmtree(path)
         return True
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -115,3 +115,8 @@ def current_revision(url: str | URL) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         db_engine.dispose()
+
+
+def ping(session: Session) -> None:
+    """A trivial query: raises (SQLAlchemyError) when the database cannot answer."""
+    session.execute(text("SELECT 1"))

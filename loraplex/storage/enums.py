@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from loraplex.checkpoint_paths import CheckpointKind  # the one vocabulary of checkpoint kinds, stored by value here
 
-__all__ = ["AdapterStatus", "CheckpointKind", "ResidencyTier"]
+__all__ = ["AdapterStatus", "CheckpointKind", "PoolState", "ResidencyTier"]
 
 
 class AdapterStatus(StrEnum):
@@ -20,3 +20,13 @@ class ResidencyTier(StrEnum):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"
+
+
+class PoolState(StrEnum):
+    """A pool process's life (`pools.state`): LOADING from its start until its engine is built and the dispatcher
+    reads, READY while it serves, STOPPED after a clean shutdown. A crash leaves the last state: the heartbeat's age
+    tells it apart."""
+
+    LOADING = "loading"
+    READY = "ready"
+    STOPPED = "stopped"

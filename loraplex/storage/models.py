@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, ResidencyTier
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState, ResidencyTier
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
 # The enums are re-exported: callers reading a model's fields import them from here.
@@ -32,6 +32,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointKind",
     "Pool",
+    "PoolState",
     "Residency",
     "ResidencyTier",
     "Tenant",
@@ -147,6 +148,10 @@ class Pool(Base):
     # The fencing token of the pool process that leads the pool (its Redis lease, queue/lease.py): written when it
     # takes over, checked by every plan's record transaction, so a deposed leader's records are refused.
     leader_token: Mapped[int | None] = mapped_column(BigInteger)
+    # PoolState value (migration 0004); rows of an older pool build read "ready" and their heartbeat alone decides.
+    state: Mapped[PoolState] = mapped_column(
+        str_enum(PoolState), default=PoolState.READY, server_default=PoolState.READY.value
+    )
 
 
 class TrainingSession(Base):

@@ -128,3 +128,60 @@ def test_cli_rotates_and_revokes_a_tenants_keys(stack):
         ServiceClient(stack.base_url, new_key).list_adapters()
     unknown = cli("rotate-key", "nobody-here", check=False)
     assert unknown.returncode == 2 and "nobody-here" in unknown.stderr and "Traceback" not in unknown.stderr
+
+
+def test_cli_tenant_delete_refuses_live_adapters_then_deletes_them_through_the_queue(stack):
+    """`loraplex tenant delete NAME` refuses (exit 2, one line) while the tenant has live adapters; `--force` revokes
+    its keys, deletes its adapters through the queue (the pool answers each delete_adapter) and removes the tenant,
+    its rows and its checkpoint files."""
+    import time
+
+    import redis
+
+    from loraplex.errors import AuthenticationError
+    from loraplex.queue import keys
+    from loraplex.queue.producer import Claim
+    from loraplex.queue.redis_text import text
+    from loraplex.queue.results import ResultStore
+    from loraplex.storage.models import Adapter
+
+    env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home), LORAPLEX_REDIS_URL=stack.settings.redis_url)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "loraplex.cli", "tenant", *args], env=env, capture_output=True,
+                              text=True)  # fmt: skip
+
+    key = cli("create", "cli-leaver").stdout.strip().splitlines()[-1]
+    client = ServiceClient(stack.base_url, key)
+    tc = client.create_lora_training_client(rank=4)
+    tc.forward_backward([Datum.for_next_token([1, 2, 3, 4])]).result(timeout=60)
+    tc.optim_step().result(timeout=60)
+    tc.save_state("before-leaving").result(timeout=60)
+    blobs = stack.settings.resolved_blob_root
+    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
+    with sessions() as session:
+        tenant_id = TenantRepository(session).get_by_name("cli-leaver").id
+    assert (blobs / tenant_id).is_dir()
+
+    refused = cli("delete", "cli-leaver")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and "1 live adapter" in refused.stderr and "--force" in refused.stderr
+    assert client.list_adapters()[0]["model_id"] == tc.model_id  # nothing changed
+
+    done = cli("delete", "cli-leaver", "--force")
+    assert done.returncode == 0, done.stderr
+    assert "deleted, with 1 adapter" in done.stdout
+    with sessions() as session:
+        assert session.get(Adapter, tc.model_id) is None  # the row went with the tenant
+        assert [t.name for t in TenantRepository(session).list() if t.name == "cli-leaver"] == []
+    assert not (blobs / tenant_id).exists()
+    time.sleep(stack.settings.auth_cache_seconds + 0.5)
+    with pytest.raises(AuthenticationError):
+        client.list_adapters()
+    r = redis.Redis.from_url(stack.settings.redis_url)
+    claim = Claim.decode(text(r.get(keys.request_idempotency_key("delete_adapter", tc.model_id, -1))))
+    assert ResultStore(r).get(claim.request_id).ok  # the pool answered the queued delete_adapter
+    r.close()
+
+    unknown = cli("delete", "nobody-here")
+    assert unknown.returncode == 2 and "nobody-here" in unknown.stderr and "Traceback" not in unknown.stderr

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
 from loraplex.storage.db import unit_of_work
-from loraplex.storage.enums import AdapterStatus, CheckpointKind
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState
 from loraplex.storage.models import Adapter, ApiKey, Tenant
 from loraplex.storage.repositories import (
     AdapterRepository,
@@ -334,6 +334,17 @@ def test_pool_leadership_goes_to_larger_tokens_and_fences_the_old_one(factory: s
         with pytest.raises(errors.LeaseLostError):
             PoolRepository(s).check_leader("other", 3)
         PoolRepository(s).check_leader("fenced", 5)
+
+
+def test_pool_state_is_recorded(factory: sessionmaker[Session]) -> None:
+    with unit_of_work(factory) as s:
+        assert PoolRepository(s).heartbeat("p", "tiny", 1, 8).state == PoolState.READY  # older pools: ready
+        assert PoolRepository(s).heartbeat("p", "tiny", 1, 8, state=PoolState.LOADING).state == PoolState.LOADING
+        assert PoolRepository(s).heartbeat("p", "tiny", 1, 8).state == PoolState.LOADING  # kept when not given
+        PoolRepository(s).set_state("p", PoolState.STOPPED)
+        PoolRepository(s).set_state("nobody", PoolState.STOPPED)  # no row: nothing to do
+    with factory() as s:
+        assert PoolRepository(s).get("p").state == PoolState.STOPPED and PoolRepository(s).find("nobody") is None
 
 
 def test_datetimes_come_back_timezone_aware_utc(factory: sessionmaker[Session]) -> None:

@@ -14,6 +14,7 @@ from loraplex.queue.envelope import (
     ENVELOPE_VERSION,
     Envelope,
     EnvelopeError,
+    NonFiniteNumberError,
     decode,
     encode,
     request_id_of,
@@ -93,3 +94,25 @@ def test_every_key_is_prefixed() -> None:
     assert all(n.startswith("loraplex:") for n in names)
     assert len(set(names)) == len(names)
     assert [s.value for s in keys.JobState] == ["queued", "running", "complete", "failed"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_float_anywhere_is_refused_not_written_as_null(bad: float) -> None:
+    """orjson and pydantic write NaN as null, which reads back as a missing value (learning_rate=inf once ran with the
+    default): the envelope refuses it, naming where it is."""
+    payload = {**FB_PAYLOAD, "data": [{**FB_PAYLOAD["data"][0], "loss_fn_inputs": {"weights": [1.0, bad]}}]}
+    env = Envelope.new(tenant_id="t1", model_id="m1", seq_id=7, kind="forward_backward", payload=payload)
+    with pytest.raises(NonFiniteNumberError, match=r"envelope\.payload\.data\[0\]\.loss_fn_inputs\.weights\[1\]"):
+        encode(env)
+    assert issubclass(NonFiniteNumberError, InvalidRequestError)
+    nested = Envelope.new(tenant_id="t1", model_id="m1", seq_id=1, kind="optim_step",
+                          payload={"adam_params": {"learning_rate": bad}})  # fmt: skip
+    with pytest.raises(NonFiniteNumberError, match="adam_params.learning_rate"):
+        encode(nested)
+
+
+def test_nan_inside_a_string_is_fine() -> None:
+    env = Envelope.new(tenant_id="t1", model_id="m1", seq_id=1, kind="optim_step",
+                       payload={"note": "NaN and Infinity are words here", "x": 1.5})  # fmt: skip
+    fields = encode(env)
+    assert json.loads(fields["data"])["payload"]["note"] == "NaN and Infinity are words here"

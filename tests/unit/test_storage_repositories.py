@@ -32,6 +32,7 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_only_the_key_hash_is_stored,
     test_pool_heartbeat_upserts,
     test_pool_leadership_goes_to_larger_tokens_and_fences_the_old_one,
+    test_pool_state_is_recorded,
     test_revoked_key_is_rejected_and_other_keys_still_work,
     test_session_lifecycle,
     test_status_changes,

@@ -1,4 +1,6 @@
-"""Futures: a long-poll that answers as soon as the result is stored, or "pending" after the wait."""
+"""Futures: a long-poll that answers as soon as the result is stored, or its current state after the wait, with a
+`queue_state`: "active", or "paused_capacity" and a reason while this gateway's pool is down (no recent heartbeat,
+or loading its model), so a waiting client learns why nothing happens."""
 
 from __future__ import annotations
 
@@ -26,7 +28,13 @@ def get_future(
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
         outcome, state = services.results.snapshot(request_id)
         if outcome is None:
-            return FutureOut(request_id=request_id, state=str(state or "queued"))
+            pool = services.pool_view.get(services.settings, services.sessions)
+            return FutureOut(
+                request_id=request_id,
+                state=str(state or "queued"),
+                queue_state=pool.queue_state,
+                queue_state_reason=pool.reason or None,
+            )
     if outcome.ok:
         return FutureOut(request_id=request_id, state="complete", result=outcome.result)
     error_cls = USER_ERRORS.get(outcome.error_type or "")

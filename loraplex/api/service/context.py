@@ -10,6 +10,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.api.auth_cache import AuthCache
+from loraplex.api.service.pool_health import PoolView
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
@@ -33,6 +34,8 @@ class Services:
     producer: Producer
     results: ResultStore
     auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
+    # This gateway's pool's health, re-read at most once a second (service/pool_health.py).
+    pool_view: PoolView = field(default_factory=PoolView)
 
 
 def write_session(services: Services) -> AbstractContextManager[Session]:

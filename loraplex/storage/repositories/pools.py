@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
-from loraplex.storage.models import Adapter, Pool
+from loraplex.storage.models import Adapter, Pool, PoolState
 from loraplex.storage.types import utcnow
 
 
@@ -22,8 +22,17 @@ class PoolRepository:
         requests the gateway already authorised, so this read needs no tenant."""
         return self.session.scalar(select(Adapter.applied_seq_id).where(Adapter.model_id == model_id))
 
-    def heartbeat(self, name: str, base_model: str, world_size: int, slots: int, restarted: bool = False) -> Pool:
-        """Create or refresh the pool's row. `restarted=True` (first beat after a start) resets `started_at`."""
+    def heartbeat(
+        self,
+        name: str,
+        base_model: str,
+        world_size: int,
+        slots: int,
+        restarted: bool = False,
+        state: PoolState | None = None,
+    ) -> Pool:
+        """Create or refresh the pool's row. `restarted=True` (first beat after a start) resets `started_at`; `state`
+        (when given) is what the pool is doing now (loading its model, ready, stopped)."""
         now = utcnow()
         pool = self.session.get(Pool, name)
         if pool is None:
@@ -35,6 +44,8 @@ class PoolRepository:
         pool.world_size = world_size
         pool.slots = slots
         pool.heartbeat_at = now
+        if state is not None:
+            pool.state = state
         self.session.flush()
         return pool
 
@@ -56,6 +67,7 @@ class PoolRepository:
             return False
         pool.leader_token = token
         pool.started_at = now
+        pool.state = PoolState.LOADING  # until this leader has its model (pool_process: READY)
         self.session.flush()
         return True
 
@@ -65,6 +77,16 @@ class PoolRepository:
         current = self.session.scalar(select(Pool.leader_token).where(Pool.name == name).with_for_update())
         if current != token:
             raise LeaseLostError(f"pool {name}: token {token} no longer leads it (the pools row holds {current})")
+
+    def set_state(self, name: str, state: PoolState) -> None:
+        """Record the pool's state without a heartbeat (a clean stop: STOPPED)."""
+        pool = self.session.get(Pool, name)
+        if pool is not None:
+            pool.state = state
+            self.session.flush()
+
+    def find(self, name: str) -> Pool | None:
+        return self.session.get(Pool, name)
 
     def get(self, name: str) -> Pool:
         pool = self.session.get(Pool, name)

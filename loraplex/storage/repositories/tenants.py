@@ -6,7 +6,7 @@ import hashlib
 import re
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from loraplex.errors import AuthenticationError, ConflictError, InvalidRequestError, NotFoundError
@@ -56,6 +56,21 @@ class TenantRepository:
         if key.revoked_at is None:
             key.revoked_at = utcnow()
             self.session.flush()
+
+    def revoke_all_keys(self, tenant_id: str) -> int:
+        """Revoke every active key of the tenant; returns how many were active."""
+        active = [k for k in self.list_keys(tenant_id) if k.revoked_at is None]
+        for key in active:
+            key.revoked_at = utcnow()
+        self.session.flush()
+        return len(active)
+
+    def delete(self, tenant_id: str) -> None:
+        """Remove the tenant row; the database cascades to its keys, adapters, checkpoints, sessions and usage.
+        Operators only (`loraplex tenant delete`), after its adapters were deleted through the queue."""
+        self.get(tenant_id)
+        self.session.execute(delete(Tenant).where(Tenant.id == tenant_id))
+        self.session.flush()
 
     def list_keys(self, tenant_id: str) -> list[ApiKey]:
         stmt = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at, ApiKey.id)
