@@ -65,7 +65,7 @@ def test_healthz_is_200_only_once_the_pool_has_loaded(watched) -> None:
     assert codes.index(200) > codes.index(503)
     for early in (a for a in seen if a.status_code == 503):
         assert early.json()["redis"]["ok"] and early.json()["database"]["ok"]
-        assert any(w in early.json()["down"][0] for w in ("loading its base model", "never sent a heartbeat"))
+        assert any(w in early.json()["down"][0] for w in ("loading its base model", "never sent a heartbeat")), early.json()
     body = httpx.get(f"{stack.base_url}/v1/healthz").json()
     (pool,) = body["pools"]
     assert body["status"] == "ok" and pool["state"] == "ready" and pool["heartbeat_age_s"] < 1.5

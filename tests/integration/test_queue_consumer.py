@@ -182,7 +182,7 @@ def test_acks_give_the_tenants_queued_tokens_back_exactly_once(redis_client: red
     producer = Producer(redis_client, pool)
     data = [{"model_input": [1, 2, 3], "loss_fn_inputs": {}}, {"model_input": [4, 5], "loss_fn_inputs": {}}]
     for seq in (1, 2):
-        producer.submit(Envelope.new(tenant_id="t", model_id="m", seq_id=seq, kind="forward", payload={"data": data}))
+        producer.submit(Envelope.new(tenant_id="t", model_id=f"m-{pool}", seq_id=seq, kind="forward", payload={"data": data}))
     assert int(redis_client.hget(keys.queued_tokens(pool), "t")) == 10
     consumer = Consumer(redis_client, pool, "c")
     entries = consumer.read(count=10)

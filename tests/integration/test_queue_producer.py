@@ -27,7 +27,7 @@ def _step(model: str, seq: int, kind: str = "forward_backward") -> Envelope:
 
 def test_submit_enqueues_and_marks_queued(redis_client: redis.Redis) -> None:
     pool = _pool()
-    env = _step("m", 1)
+    env = _step(f"m-{uuid.uuid4().hex[:6]}", 1)  # idempotency keys are per model id: unique in a shared Redis
     assert Producer(redis_client, pool).submit(env) == env.request_id
     assert redis_client.xlen(keys.request_stream(pool, "t")) == 1
     assert ResultStore(redis_client).state(env.request_id) is JobState.QUEUED

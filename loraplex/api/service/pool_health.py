@@ -47,7 +47,8 @@ def judge_pool(name: str, row: Pool | None, stale_s: float, now: datetime) -> Po
         return PoolHealth(name, False, f"pool {name} paused: it has never sent a heartbeat (no worker started for it)")
     age = max(0.0, (now - row.heartbeat_at).total_seconds())
     if age > stale_s:
-        reason = f"pool {name} paused: no heartbeat for {age:.0f} s"
+        loading = " while loading its base model" if row.state == PoolState.LOADING else ""
+        reason = f"pool {name} paused: no heartbeat for {age:.0f} s{loading}"
     elif row.state == PoolState.LOADING:
         reason = f"pool {name} paused: loading its base model"
     elif row.state != PoolState.READY:
