@@ -17,7 +17,7 @@ The plan's steps, in order:
      requests the gateway rejected after their seq_id was taken, one REJECT step: answered with their error). Taking a
      request advances that adapter's seq_id, so its next request can join the next round (an adapter's
      forward_backward in one step, its optim_step in a later step of the same plan). Rounds repeat while anything is
-     ready and the plan holds fewer than `max_requests` requests;
+     ready, the plan holds fewer than `max_requests` requests and has run fewer than `max_rounds` rounds;
   3. one DELETE step with the deletes whose adapter has nothing else pending.
 
 Fair share. Within a round, candidates are taken in order of (requests this plan already took for their tenant, how long
@@ -40,6 +40,9 @@ from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, PlannedRequest, S
 class PolicyLimits:
     plan_tokens: int = 16384  # token cap of one FORWARD_BACKWARD step (the engine microbatches it)
     max_requests: int = 256  # requests in one plan, all steps together
+    # rounds in one plan: an adapter's deep backlog (a chain of hundreds of small steps) goes a few per plan, so a plan
+    # stays short and another tenant's step never waits behind hundreds of engine steps of it (results go out per plan)
+    max_rounds: int = 8
     # distinct adapters in one FORWARD_BACKWARD or OPTIM_STEP step: the pool's resident slots (each step's adapters are
     # swapped in before it runs), so the Dispatcher sets it to settings.slots
     max_adapters_per_step: int = 1 << 30
@@ -93,7 +96,9 @@ def plan_batch(
         m = reqs[i].model_id
         return served[reqs[i].tenant_id], waited[m][pos[m]]
 
-    while budget > 0:
+    rounds = 0
+    while budget > 0 and rounds < limits.max_rounds:
+        rounds += 1
         heads = [
             chain[pos[m]]
             for m, chain in chains.items()

@@ -168,3 +168,13 @@ def test_a_rejected_seq_id_is_answered_in_order_and_the_chain_moves_on() -> None
         (StepKind.FORWARD_BACKWARD, [("a", 3)]),
     ]
     assert out.blocked == {} and out.applied_seq == {"a": 3, "b": 1}
+
+
+def test_a_deep_backlog_goes_a_few_rounds_per_plan_so_plans_stay_short() -> None:
+    """One adapter with 300 queued steps: a plan takes `max_rounds` of them (not 256 one-request engine steps), so
+    another tenant's step, taken in the plan's first round, is answered after a short plan."""
+    pending = [req("deep", seq) for seq in range(1, 301)] + [req("other", 1)]
+    out = run(pending, {"deep": 0, "other": 0}, max_rounds=8)
+    assert len(out.plan.steps) == 8 and out.plan.steps[0].requests[-1].model_id == "other"
+    assert [r.seq_id for r in out.plan.requests if r.model_id == "deep"] == list(range(1, 9))
+    assert len(out.pending) == 292
