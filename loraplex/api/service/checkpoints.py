@@ -86,36 +86,26 @@ def _save(
     request_kind: RequestKind,
 ) -> FutureRef:
     with filling_rejections(services, tenant, model_id, request.seq_id, request_kind):
-        return _save_checked(services, tenant, model_id, request, kind, request_kind)
-
-
-def _save_checked(
-    services: Services,
-    tenant: TenantRef,
-    model_id: str,
-    request: SaveCheckpointRequest,
-    kind: CheckpointKind,
-    request_kind: RequestKind,
-) -> FutureRef:
-    with services.sessions() as db:
-        adapter = AdapterRepository(db, tenant.id).get(model_id)  # 404 for unknown, deleted, or another tenant's
-        name = validate_checkpoint_name(request.name)
-        retry = already_submitted(services, request_kind, model_id, request.seq_id)
-        checkpoints = CheckpointRepository(db, tenant.id)
-        if not retry and not request.overwrite and checkpoints.find(model_id, kind, name) is not None:
-            raise ConflictError(f"checkpoint {tinker_path(model_id, kind, name)} already exists (pass overwrite=true)")
-        base_model = adapter.base_model
-    directory = blob_store(services).path(checkpoint_blob_key(tenant.id, model_id, kind, name))
-    payload = SaveCheckpointPayload(
-        name=name,
-        path=tinker_path(model_id, kind, name),
-        directory=str(directory),
-        blob_uri=directory.as_uri(),
-        ttl_seconds=request.ttl_seconds,
-        base_model=base_model,
-        overwrite=request.overwrite,
-    )
-    return submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
+        with services.sessions() as db:
+            adapter = AdapterRepository(db, tenant.id).get(model_id)  # 404 for unknown, deleted, or another tenant's
+            name = validate_checkpoint_name(request.name)
+            retry = already_submitted(services, request_kind, model_id, request.seq_id)
+            checkpoints = CheckpointRepository(db, tenant.id)
+            if not retry and not request.overwrite and checkpoints.find(model_id, kind, name) is not None:
+                path = tinker_path(model_id, kind, name)
+                raise ConflictError(f"checkpoint {path} already exists (pass overwrite=true)")
+            base_model = adapter.base_model
+        directory = blob_store(services).path(checkpoint_blob_key(tenant.id, model_id, kind, name))
+        payload = SaveCheckpointPayload(
+            name=name,
+            path=tinker_path(model_id, kind, name),
+            directory=str(directory),
+            blob_uri=directory.as_uri(),
+            ttl_seconds=request.ttl_seconds,
+            base_model=base_model,
+            overwrite=request.overwrite,
+        )
+        return submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
 
 
 def load_state(services: Services, tenant: TenantRef, model_id: str, request: LoadStateRequest) -> FutureRef:
