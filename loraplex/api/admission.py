@@ -63,10 +63,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 def seq_id_header(headers: Any) -> int | None:
-    """The seq_id a request names in its X-Seq-Id header, if it is a usable one."""
+    """The seq_id a request names in its X-Seq-Id header, if it is an integer (its range is checked by the caller)."""
     raw = headers.get(SEQ_ID_HEADER.lower())
     try:
-        value = int(raw) if raw is not None else None
+        return int(raw) if raw is not None else None
     except ValueError:
         return None
-    return value if value is not None and 0 <= value < 2**31 else None

@@ -1,4 +1,5 @@
-"""The dispatcher loop: thin I/O around dispatch/policy.py. One Dispatcher (the pool leader) per pool stream.
+"""The dispatcher loop: thin I/O around dispatch/policy.py. One Dispatcher (the pool leader) per pool, reading
+every tenant's request stream of it (queue/consumer.py).
 
 Each `run_once`: read envelopes (this consumer's un-acked backlog first, entries of dead consumers every few seconds,
 then new ones), keep them in an arrival-ordered buffer, ask the policy for a plan, mark its requests running, execute
@@ -12,7 +13,7 @@ idempotency keys and the stored-result check below, each request is applied once
 
 Every answered request, failed or not, advances its adapter's seq_id: the client holds an answer for it.
 
-Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the stream
+Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the streams
 while a plan runs, and a finisher thread writes each plan's SQL records (`on_outcomes`), stores its results and acks
 its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
 the next plan never waits for the finisher. An underfilled plan waits a moment for the tenants it just answered

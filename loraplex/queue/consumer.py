@@ -148,11 +148,15 @@ class Consumer:
         by_stream: dict[str, list[str]] = defaultdict(list)
         for ref in refs:
             by_stream[ref.stream].append(ref.id)
+        if not by_stream:
+            return
+        pipe = self.redis.pipeline(transaction=False)  # one round trip for every tenant stream of a plan
         for stream, ids in by_stream.items():
-            tenant = self._tenant_of(stream)
-            self._ack_script(keys=[stream, self._tokens_key], args=[self.group, tenant, *ids])
-            with self._lock:
-                self._unacked[tenant].difference_update(ids)
+            self._ack_script(keys=[stream, self._tokens_key], args=[self.group, self._tenant_of(stream), *ids], client=pipe)
+        pipe.execute()
+        with self._lock:
+            for stream, ids in by_stream.items():
+                self._unacked[self._tenant_of(stream)].difference_update(ids)
 
     def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over entries other consumers left pending longer than `min_idle_ms` (up to `count` per stream)."""
