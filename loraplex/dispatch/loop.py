@@ -120,6 +120,7 @@ class Dispatcher:
         self._buffer: list[_Held] = []  # arrival order
         self._held_ids: set[EntryRef] = set()  # stream entries in the buffer
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
+        self._progress: dict[str, int] = {}  # request_id -> datums run so far, of a request running in parts
         self._next_claim = 0.0
         self._more_ready = False  # the last plan was capped: read without blocking
         window = settings.coalesce_ms / 1000 if coalesce_s is None else coalesce_s
@@ -207,7 +208,7 @@ class Dispatcher:
 
     def _plan(self) -> PolicyResult:
         view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
-        return plan_batch([h.request for h in self._buffer], view, self.limits)
+        return plan_batch([h.request for h in self._buffer], view, self.limits, self._progress)
 
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
         """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back."""
@@ -264,6 +265,9 @@ class Dispatcher:
             outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
         busy = time.monotonic() - started
         outcomes = _one_per_request(outcomes, requests)
+        if any(r.part is not None for r in requests):
+            plan, outcomes = self._settle_parts(plan, outcomes)
+            requests = plan.requests
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
         steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in CONTROL_KINDS]
         self.coalescer.answered(sorted(steps, key=lambda a: a[2]), time.monotonic())
@@ -271,6 +275,28 @@ class Dispatcher:
             if r.kind == RequestKind.DELETE_ADAPTER:
                 self.coalescer.forget(r.model_id)
         return len(outcomes), busy
+
+    def _settle_parts(self, plan: BatchPlan, outcomes: list[Outcome]) -> tuple[BatchPlan, list[Outcome]]:
+        """Requests that ran in parts (dispatch/policy.py): an unfinished part that went well stays pending with its
+        progress noted (no result, no seq_id applied, no ack); a last part, or a failed one, finishes the request as
+        the buffered request itself. Returns the plan and outcomes of what finishes now."""
+        held: dict[str, PlannedRequest] = {}
+        for h in self._buffer:  # the first of a request id: a redelivered twin comes later and is answered as a repeat
+            held.setdefault(h.request.request_id, h.request)
+        finished: dict[str, Outcome] = {}
+        for r, outcome in zip(plan.requests, outcomes, strict=True):
+            if r.part is not None and r.unfinished and outcome.ok:
+                self._progress[r.request_id] = r.part[1]
+                continue
+            self._progress.pop(r.request_id, None)
+            finished[r.request_id] = outcome
+        steps = []
+        for s in plan.steps:
+            kept = tuple(held[r.request_id] if r.part is not None else r for r in s.requests if r.request_id in finished)
+            if kept:
+                steps.append(Step(s.kind, kept))
+        done = BatchPlan(tuple(steps))
+        return done, [finished[r.request_id] for r in done.requests]
 
     def _answer_duplicates(self, duplicates: Sequence[PlannedRequest], by_obj: dict[int, _Held]) -> int:
         if not duplicates:
@@ -347,8 +373,9 @@ class Dispatcher:
             except Exception:  # recording them must not stall every tenant: the results still go out
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
         recorded = time.monotonic()
-        _retry_redis(lambda: self.results.put_many(outcomes))
-        _retry_redis(lambda: self.consumer.ack(stream_ids))
+        # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py).
+        retry_redis(lambda: self.results.put_many(outcomes), "finishing a plan", self._finisher.warn)
+        retry_redis(lambda: self.consumer.ack(stream_ids), "finishing a plan", self._finisher.warn)
         timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
         with suppress(redis_lib.RedisError):  # statistics only
             stats.add(self.redis, self.pool, timing)
@@ -370,11 +397,6 @@ class Dispatcher:
         gone = {h.stream_id for h in held}
         self._buffer = [h for h in self._buffer if h.stream_id not in gone]
         self._held_ids -= gone
-
-
-def _retry_redis(call: Callable[[], object]) -> None:
-    """A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py)."""
-    retry_redis(call, "finishing a plan")
 
 
 def _slot(r: PlannedRequest) -> tuple[str, str | int]:

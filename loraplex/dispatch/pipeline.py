@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 # How long a finisher write waits for Redis to come back before giving up (the entries stay in the stream unacked).
 REDIS_OUTAGE_S = 600.0
-_finish_warn = RateLimitedLog(log, every_s=5.0)
 
 
 def lost_group(exc: redis_lib.ResponseError) -> bool:
@@ -37,7 +36,7 @@ def lost_group(exc: redis_lib.ResponseError) -> bool:
     return str(exc).startswith("NOGROUP")
 
 
-def retry_redis(call: Callable[[], object], what: str, outage_s: float = REDIS_OUTAGE_S) -> None:
+def retry_redis(call: Callable[[], object], what: str, warn: RateLimitedLog, outage_s: float = REDIS_OUTAGE_S) -> None:
     """`call()`, retried with backoff while Redis is unreachable, for up to `outage_s` seconds; then it raises."""
     deadline = time.monotonic() + outage_s
     backoff = Backoff()
@@ -48,7 +47,7 @@ def retry_redis(call: Callable[[], object], what: str, outage_s: float = REDIS_O
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
             if time.monotonic() >= deadline:
                 raise
-            _finish_warn.warning("redis unavailable while %s (%s); retrying", what, exc)
+            warn.warning("redis unavailable while %s (%s); retrying", what, exc)
             time.sleep(backoff.next())
 
 
@@ -113,6 +112,7 @@ class Finisher:
     def __init__(self, background: bool) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch-finish") if background else None
         self._last: Future[Any] | None = None
+        self.warn = RateLimitedLog(log, every_s=5.0)  # this finisher's outage lines (its own: one per dispatcher)
 
     def submit(self, job: Callable[..., None], *args: Any) -> None:
         if self._pool is None:
@@ -120,14 +120,13 @@ class Finisher:
             return
         self._last = self._pool.submit(self._guarded, job, *args)
 
-    @staticmethod
-    def _guarded(job: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, job: Callable[..., None], *args: Any) -> None:
         try:
             job(*args)
         except LeaseLostError as exc:  # a deposed leader: nothing of this plan was written; the new leader redoes it
             log.error("finishing a plan refused: %s", exc)
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:  # e.g. a RUNNING state lost: harmless
-            _finish_warn.warning("redis unavailable: %s skipped (%s)", getattr(job, "__name__", job), exc)
+            self.warn.warning("redis unavailable: %s skipped (%s)", getattr(job, "__name__", job), exc)
         except Exception:  # noqa: BLE001 - the stream keeps the entries (not acked): a restart redelivers them
             log.exception("finishing a plan failed (%s)", getattr(job, "__name__", job))
 

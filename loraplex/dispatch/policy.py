@@ -11,8 +11,9 @@ is reported in `blocked` (model_id -> missing seq_id) so the loop can time it ou
 The plan's steps, in order:
   1. one CREATE step with every pending create_adapter;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
-     forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a single request over the cap
-     still goes, alone: the engine microbatches it), its optim_step requests ONE OPTIM_STEP step after it, and its
+     forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a request over the cap runs in parts
+     of at most the cap, one part per plan; `progress` says how many of its datums earlier
+     plans ran, and until its last part its adapter's chain stays where it is), its optim_step requests ONE OPTIM_STEP step after it, and its
      checkpoint requests (save_state / save_sampler / load_state) ONE CHECKPOINT step after that (and the
      requests the gateway rejected after their seq_id was taken, one REJECT step: answered with their error). Taking a
      request advances that adapter's seq_id, so its next request can join the next round (an adapter's
@@ -31,9 +32,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, PlannedRequest, Step, StepKind
+from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, ForwardBackwardPayload, PlannedRequest, Step, StepKind
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class PolicyResult:
         """model_id -> the highest seq_id this plan takes (what last_applied becomes once the plan is answered)."""
         out: dict[str, int] = {}
         for r in self.plan.requests:
-            if r.kind not in CONTROL_KINDS:
+            if r.kind not in CONTROL_KINDS and not r.unfinished:
                 out[r.model_id] = max(out.get(r.model_id, r.seq_id), r.seq_id)
         return out
 
@@ -69,9 +70,11 @@ def plan_batch(
     pending: Sequence[PlannedRequest],
     last_applied: Mapping[str, int | None],
     limits: PolicyLimits | None = None,
+    progress: Mapping[str, int] | None = None,
 ) -> PolicyResult:
     """Plan the next batch. `pending` is in arrival order; `last_applied` maps model_id -> last applied seq_id (None or
-    absent: none yet)."""
+    absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts)."""
+    progress = progress or {}
     limits = limits or PolicyLimits()
     reqs = list(pending)  # requests are referred to by their index (= arrival order) below
     duplicates, creates, deletes, chains = _sort_out(reqs, last_applied)
@@ -91,6 +94,8 @@ def plan_batch(
     # waited[m][k]: arrival index of the oldest request in chains[m][k:] (how long the adapter has waited from there).
     waited = {m: _suffix_min(chain) for m, chain in chains.items()}
     served: Counter[str] = Counter()  # requests taken per tenant in this plan
+    parts: dict[int, PlannedRequest] = {}  # index -> the part of it this plan runs
+    in_parts: set[str] = set()  # adapters whose request runs in parts: nothing more of theirs in this plan
 
     def priority(i: int) -> tuple[int, int]:
         m = reqs[i].model_id
@@ -102,7 +107,7 @@ def plan_batch(
         heads = [
             chain[pos[m]]
             for m, chain in chains.items()
-            if m not in waiting_create and pos[m] < len(chain) and _ready(reqs[chain[pos[m]]], last[m])
+            if m not in waiting_create and m not in in_parts and pos[m] < len(chain) and _ready(reqs[chain[pos[m]]], last[m])
         ]
         if not heads:
             break
@@ -120,11 +125,14 @@ def plan_batch(
                 if fb_closed:
                     continue
                 full = len(fb) >= limits.max_adapters_per_step  # one request per adapter and round: len = adapters
-                if fb and (full or fb_tokens + r.num_tokens > limits.plan_tokens):
+                piece = _part_of(r, progress.get(r.request_id, 0), limits.plan_tokens)
+                if fb and (full or fb_tokens + piece.num_tokens > limits.plan_tokens):
                     fb_closed = True  # later candidates must not jump it: it leads the next round
                     continue
                 fb.append(i)
-                fb_tokens += r.num_tokens
+                fb_tokens += piece.num_tokens
+                if piece is not r:
+                    parts[i] = piece
             elif step_kind == StepKind.CHECKPOINT:
                 ckpt.append(i)
             elif step_kind == StepKind.REJECT:
@@ -135,14 +143,15 @@ def plan_batch(
                 opt.append(i)
             served[r.tenant_id] += 1
             budget -= 1
-        answered = fb + opt + ckpt + rejected
+        answered = [i for i in fb + opt + ckpt + rejected if not (i in parts and parts[i].unfinished)]
         for i in answered:
             m = reqs[i].model_id
             pos[m] += 1
             last[m] = reqs[i].seq_id
         taken.update(answered)
+        in_parts.update(reqs[i].model_id for i in fb if i in parts and parts[i].unfinished)
         if fb:
-            steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(reqs[i] for i in fb)))
+            steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(parts.get(i, reqs[i]) for i in fb)))
         if opt:
             steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
         if ckpt:
@@ -200,6 +209,19 @@ def _sort_out(
     for chain in chains.values():
         chain.sort(key=lambda i: reqs[i].seq_id)
     return duplicates, creates, deletes, chains
+
+
+def _part_of(r: PlannedRequest, done: int, plan_tokens: int) -> PlannedRequest:
+    """`r` itself when all of it is left and fits in `plan_tokens`; else its next part: datums from `done` on while
+    they fit (at least one)."""
+    p = r.payload
+    if not isinstance(p, ForwardBackwardPayload) or (done == 0 and r.num_tokens <= plan_tokens):
+        return r
+    stop, tokens = done, 0
+    while stop < len(p.data) and (stop == done or tokens + len(p.data[stop].model_input) <= plan_tokens):
+        tokens += len(p.data[stop].model_input)
+        stop += 1
+    return r if (done, stop) == (0, len(p.data)) else replace(r, part=(done, stop))
 
 
 def _ready(r: PlannedRequest, last: int | None) -> bool:

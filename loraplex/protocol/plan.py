@@ -21,6 +21,9 @@ class PlannedRequest:
     seq_id: int
     kind: RequestKind
     payload: Payload | Mapping[str, Any] = field(default_factory=dict)
+    # A forward_backward / forward request too large for one plan runs in parts: datums [start, stop) of its payload
+    # in this plan (the payload stays whole; its gradient accumulates over the parts, and the last answers for all).
+    part: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RequestKind(self.kind))
@@ -28,8 +31,18 @@ class PlannedRequest:
 
     @property
     def num_tokens(self) -> int:
+        """Input tokens this plan runs of it (its part's, when it is a part)."""
         p = self.payload
-        return p.num_tokens if isinstance(p, ForwardBackwardPayload) else 0
+        if not isinstance(p, ForwardBackwardPayload):
+            return 0
+        data = p.data if self.part is None else p.data[self.part[0] : self.part[1]]
+        return sum(len(d.model_input) for d in data)
+
+    @property
+    def unfinished(self) -> bool:
+        """A part that leaves datums for later plans: the request is not answered (nor its seq_id applied) yet."""
+        p = self.payload
+        return self.part is not None and isinstance(p, ForwardBackwardPayload) and self.part[1] < len(p.data)
 
 
 @dataclass(frozen=True)

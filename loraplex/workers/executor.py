@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,21 @@ def _error(request: PlannedRequest, exc: BaseException) -> Outcome:
     return Outcome(request.request_id, error_type=type(exc).__name__, error=str(exc))
 
 
+@dataclass
+class _Parts:
+    """A request running in parts: the whole validated item, and the outputs and loss of the parts so far."""
+
+    whole: PreparedItem
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    loss_sum: float = 0.0
+
+
 class PlanExecutor:
     def __init__(self, engine: Engine, store: AdapterStore | None = None) -> None:
         """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only."""
         self.engine = engine
         self.store = store
+        self._parts: dict[str, _Parts] = {}  # request_id -> a request running in parts (dispatch/policy.py)
         self._handlers: dict[StepKind, Callable[[Step], list[Outcome]]] = {
             StepKind.CREATE: self._create,
             StepKind.DELETE: self._delete,
@@ -154,22 +165,51 @@ class PlanExecutor:
         for request in step.requests:
             p = request.payload
             assert isinstance(p, ForwardBackwardPayload)
-            forward_only = not KINDS[request.kind].trains
             try:
-                data = [d.as_engine_input() for d in p.data]
-                item = self.engine.prepare(request.model_id, data, p.loss_fn, p.loss_fn_config, forward_only)
-                valid.append((request, item))
+                valid.append((request, self._prepare(request, p)))
             except Exception as exc:  # noqa: BLE001
+                self._parts.pop(request.request_id, None)
                 outcomes[request.request_id] = _error(request, exc)
         if valid:
             try:
                 results = self.engine.forward_backward([item for _, item in valid])
                 for (request, _), result in zip(valid, results, strict=True):
-                    outcomes[request.request_id] = Outcome(request.request_id, result=result)
+                    outcomes[request.request_id] = Outcome(request.request_id, result=self._merge_part(request, result))
             except Exception as exc:  # noqa: BLE001 - the whole batch failed: every request in it gets the error
                 for request, _ in valid:
+                    self._parts.pop(request.request_id, None)
                     outcomes[request.request_id] = _error(request, exc)
         return [outcomes[r.request_id] for r in step.requests]
+
+    def _prepare(self, request: PlannedRequest, p: ForwardBackwardPayload) -> PreparedItem:
+        """The engine item for the request, or for its part: the whole request is validated at its first part (so a
+        bad datum in a later part fails it before any gradient), and the parts are slices of that."""
+        forward_only = not KINDS[request.kind].trains
+        if request.part is None or request.part[0] == 0:
+            data = [d.as_engine_input() for d in p.data]
+            item = self.engine.prepare(request.model_id, data, p.loss_fn, p.loss_fn_config, forward_only)
+            if request.part is None:
+                return item
+            self._parts[request.request_id] = _Parts(item)
+        start, stop = request.part
+        parts = self._parts.get(request.request_id)
+        if parts is None:
+            raise EngineError(f"request {request.request_id}: datums [{start}, {stop}) came without its first part")
+        return replace(parts.whole, datums=parts.whole.datums[start:stop])
+
+    def _merge_part(self, request: PlannedRequest, result: dict[str, Any]) -> dict[str, Any]:
+        """A part's result kept until the last part, which answers for the whole request: every datum's outputs in
+        order, loss:sum over all, and the loss's other metrics computed over all datums."""
+        if request.part is None:
+            return result
+        parts = self._parts[request.request_id]
+        parts.outputs += result["loss_fn_outputs"]
+        parts.loss_sum += result["metrics"]["loss:sum"]
+        if request.unfinished:
+            return {"part": list(request.part)}
+        del self._parts[request.request_id]
+        metrics = parts.whole.metrics([o["logprobs"] for o in parts.outputs])
+        return {"loss_fn_outputs": parts.outputs, "metrics": {"loss:sum": parts.loss_sum, **metrics}}
 
     def _optim_step(self, step: Step) -> list[Outcome]:
         try:

@@ -8,9 +8,11 @@ import math
 import time
 
 import pytest
+import redis
 
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.queue import stats
 from tests.helpers.stack import create_tenants, tenant_clients
 
 pytestmark = pytest.mark.e2e
@@ -125,3 +127,45 @@ def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) ->
     assert trainer.forward_backward([Datum.for_next_token([10, 11, 12, 13])]).result(timeout=30)["metrics"]
     assert time.monotonic() - started < 20 and trainer.info()["applied_seq_id"] == 3
     client.close()
+
+
+def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered_first(stack) -> None:
+    """Issue: one tenant's 2.56 M-token request held the pool 93 s while another's 3-token step waited 92 s. Now a
+    request over LORAPLEX_PLAN_TOKENS (16,384 here) runs one part per plan: 6 x 3,000 tokens go as [0, 5) and [5, 6),
+    the other tenant's small step, sent just after, is answered with the first plan, and the big one answers once, with
+    every datum's logprobs, after its last part."""
+    import threading
+
+    clients = tenant_clients(stack, "parts-big", "parts-small")
+    big = clients["parts-big"].create_lora_training_client(rank=4)
+    small = clients["parts-small"].create_lora_training_client(rank=4)
+    warm = [Datum.for_next_token([10, 11, 12, 13])]
+    big.forward_backward(warm).result(timeout=60)
+    small.forward_backward(warm).result(timeout=60)
+    data = [Datum.for_next_token([(7 * i + k) % 190 + 1 for k in range(3001)]) for i in range(6)]
+    pool_stats = redis.Redis.from_url(stack.settings.redis_url)
+    time.sleep(0.5)  # the warm-up plans' statistics are in
+    before = stats.read(pool_stats, stack.settings.pool)
+    done: dict[str, float] = {}
+    results: dict[str, dict] = {}
+
+    def wait(name: str, future) -> None:
+        results[name] = future.result(timeout=300)
+        done[name] = time.monotonic()
+
+    waiters = [threading.Thread(target=wait, args=("big", big.forward_backward(data)))]
+    waiters.append(threading.Thread(target=wait, args=("small", small.forward_backward(warm))))
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join(timeout=320)
+    assert done["small"] < done["big"]
+    time.sleep(0.5)
+    ran = stats.read(pool_stats, stack.settings.pool).minus(before)
+    assert (ran.plans, ran.fb_steps, ran.fb_tokens) == (2, 2, 18003)  # [0, 5) + the small step, then [5, 6)
+    assert [len(o["logprobs"]) for o in results["big"]["loss_fn_outputs"]] == [3000] * 6
+    assert math.isfinite(results["big"]["metrics"]["loss:sum"]) and results["big"]["metrics"]["loss:sum"] > 0
+    assert big.info()["applied_seq_id"] == 2  # applied once, as one step
+    assert big.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=60) is not None
+    for c in clients.values():
+        c.close()

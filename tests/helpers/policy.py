@@ -13,10 +13,14 @@ REJECTED = RequestKind.REJECTED
 _ids = itertools.count()
 
 
-def req(model: str, seq: int, kind: RequestKind = FB, tokens: int = 8, tenant: str | None = None) -> PlannedRequest:
+def req(
+    model: str, seq: int, kind: RequestKind = FB, tokens: int = 8, tenant: str | None = None, datums: int = 1
+) -> PlannedRequest:
+    """`datums` datums of `tokens` tokens each for forward_backward / forward."""
     payload: dict = {}
     if kind in (FB, FWD):
-        payload = {"data": [{"model_input": [0] * tokens, "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"}
+        data = [{"model_input": [0] * tokens, "loss_fn_inputs": {}} for _ in range(datums)]
+        payload = {"data": data, "loss_fn": "cross_entropy"}
     elif kind == REJECTED:
         payload = {"rejected_kind": "forward_backward", "message": "loss_fn: Input should be 'cross_entropy'"}
     return PlannedRequest(f"r{next(_ids)}", tenant or f"t-{model}", model, seq, kind, payload)
@@ -26,5 +30,5 @@ def steps(plan: BatchPlan) -> list[tuple[StepKind, list[tuple[str, int]]]]:
     return [(s.kind, [(r.model_id, r.seq_id) for r in s.requests]) for s in plan.steps]
 
 
-def run(pending, last=None, **limits) -> PolicyResult:
-    return plan_batch(pending, last or {}, PolicyLimits(**limits))
+def run(pending, last=None, progress=None, **limits) -> PolicyResult:
+    return plan_batch(pending, last or {}, PolicyLimits(**limits), progress)

@@ -107,3 +107,60 @@ def test_an_unexpected_failure_becomes_engine_errors(executor: PlanExecutor, mon
     outcomes = executor.execute(BatchPlan(steps=(step,)))
     assert [o.error_type for o in outcomes] == ["EngineError", "EngineError"]
     assert "device lost" in outcomes[0].error
+
+
+def test_a_request_run_in_parts_equals_it_run_whole(tiny_dir: Path) -> None:
+    """The same importance_sampling request on two fresh engines: whole in one plan, and in three parts over three
+    plans (as the policy splits one over the token cap). Same gradients, every datum's logprobs in order, loss:sum,
+    and the loss's metrics over all datums; only the last part answers with a result."""
+    import random
+
+    import torch
+
+    from loraplex.models import load_base_model
+
+    rng = random.Random(3)
+    data = []
+    for n in (5, 7, 3, 6, 4):
+        ids = [rng.randrange(1, 200) for _ in range(n)]
+        data.append({"model_input": ids, "loss_fn_inputs": {"target_tokens": ids[1:] + [1], "logprobs": [-1.5] * n,
+                                                            "advantages": [rng.uniform(-1, 1) for _ in range(n)]}})  # fmt: skip
+    executors = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+        ex = PlanExecutor(Engine(model, num_slots=2, max_rank=8))  # fp32 on the CPU
+        ex.engine.create_adapter("a", 4, 8.0, seed=5)
+        executors.append(ex)
+    whole_ex, parts_ex = executors
+    request = req("f", "a", RequestKind.FORWARD_BACKWARD, data=data, loss_fn="importance_sampling")
+    (whole,) = whole_ex.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (request,)),)))
+    answers = []
+    for part in ((0, 2), (2, 4), (4, 5)):
+        piece = PlannedRequest(request.request_id, "t", "a", 0, RequestKind.FORWARD_BACKWARD, request.payload, part)
+        (answer,) = parts_ex.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (piece,)),)))
+        answers.append(answer)
+    assert [a.result for a in answers[:2]] == [{"part": [0, 2]}, {"part": [2, 4]}]
+    last = answers[-1].result
+    assert whole.ok and last is not None and whole.result is not None
+    assert [len(o["logprobs"]) for o in last["loss_fn_outputs"]] == [5, 7, 3, 6, 4]
+    for got, want in zip(last["loss_fn_outputs"], whole.result["loss_fn_outputs"], strict=True):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    assert last["metrics"].keys() == whole.result["metrics"].keys()
+    for name, value in whole.result["metrics"].items():
+        assert last["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    for name, (ga, gb) in whole_ex.engine.adapter_grads("a").items():
+        pa, pb = parts_ex.engine.adapter_grads("a")[name]
+        torch.testing.assert_close(pa, ga, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pb, gb, rtol=1e-5, atol=1e-6)
+    assert parts_ex._parts == {}
+
+
+def test_a_bad_datum_in_a_later_part_fails_the_request_at_its_first_part(executor: PlanExecutor) -> None:
+    executor.engine.create_adapter("a", 4, 8.0, seed=1)
+    bad = [*DATA, {"model_input": [999999], "loss_fn_inputs": {"target_tokens": [1]}}]
+    request = req("f", "a", RequestKind.FORWARD_BACKWARD, data=bad)
+    first = PlannedRequest(request.request_id, "t", "a", 0, RequestKind.FORWARD_BACKWARD, request.payload, (0, 1))
+    (outcome,) = executor.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (first,)),)))
+    assert outcome.error_type == "InvalidRequestError" and executor._parts == {}
+    assert all(g.abs().sum() == 0 for pair in executor.engine.adapter_grads("a").values() for g in pair)

@@ -178,3 +178,21 @@ def test_a_deep_backlog_goes_a_few_rounds_per_plan_so_plans_stay_short() -> None
     assert len(out.plan.steps) == 8 and out.plan.steps[0].requests[-1].model_id == "other"
     assert [r.seq_id for r in out.plan.requests if r.model_id == "deep"] == list(range(1, 9))
     assert len(out.pending) == 292
+
+
+def test_a_request_over_the_token_cap_runs_one_part_per_plan_and_others_go_beside_it() -> None:
+    """5 datums x 40 tokens with a 100-token cap: parts [0, 2), [2, 4), [4, 5) in three plans. Until the last part
+    the adapter's chain stays put (its optim_step waits, nothing of it is applied); another tenant's small step shares
+    the first plan's step (before: the whole request held the pool, 93 s in the issue)."""
+    big, small, after = req("a", 1, tokens=40, datums=5), req("b", 1, tokens=10), req("a", 2, OPT)
+    out = run([big, small, after], {"a": 0, "b": 0}, plan_tokens=100)
+    (first,) = out.plan.steps
+    assert [(r.model_id, r.part) for r in first.requests] == [("a", (0, 2)), ("b", None)]
+    assert first.requests[0].num_tokens == 80 and first.requests[0].unfinished
+    assert out.applied_seq == {"b": 1} and out.pending == (big, after) and out.blocked == {}
+    out = run([big, after], {"a": 0}, progress={big.request_id: 2}, plan_tokens=100)
+    assert [(r.part, r.unfinished) for r in out.plan.requests] == [((2, 4), True)]
+    out = run([big, after], {"a": 0}, progress={big.request_id: 4}, plan_tokens=100)
+    assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("a", 1)]), (StepKind.OPTIM_STEP, [("a", 2)])]
+    assert out.plan.requests[0].part == (4, 5) and not out.plan.requests[0].unfinished
+    assert out.applied_seq == {"a": 2} and out.pending == ()
