@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_run.sh engine [bench_engine args...]    the gpu-marked tests, then the engine benchmark
 #   bash benchmarks/gpu_run.sh service [bench_service args...]  the whole service (needs .whl/ carried: gpu_wheels.sh)
 #   bash benchmarks/gpu_run.sh tests                            the gpu-marked tests only
+#   bash benchmarks/gpu_run.sh flood [bench_flood args...]      the gpu-marked tests, then bench_flood.py on the stack
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -33,5 +34,8 @@ case $mode in
     cp /tmp/loraplex/logs/pool.log "$OUT/pool.log" 2>/dev/null
     cp /tmp/loraplex/logs/api.log "$OUT/api.log" 2>/dev/null
     exit "$status" ;;
-  *) echo "unknown mode $mode (engine | service | tests)"; exit 2 ;;
+  flood)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
+    python3 benchmarks/bench_flood.py "$@" 2>&1 | tee "$OUT/bench_flood.txt" ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood)"; exit 2 ;;
 esac
