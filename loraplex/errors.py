@@ -46,6 +46,17 @@ class ConflictError(LoraplexError, ValueError):
     category = "user"
 
 
+class GoneError(LoraplexError, LookupError):
+    """The thing existed and has ended: a finished or expired session (HTTP 410; the Tinker SDK stops its heartbeat)."""
+
+    category = "user"
+
+
+class NotSupportedError(InvalidRequestError):
+    """A well-formed request for something this server does not do (yet): image inputs, the Dimuon optimizer,
+    sampling before the sampler exists (HTTP 400, so clients report it instead of retrying)."""
+
+
 class CapacityError(LoraplexError, RuntimeError):
     """The pool cannot take this now (no free slot, quota); retry later (HTTP 429, with Retry-After when a retry of
     the same request can succeed on its own)."""
@@ -122,6 +133,8 @@ USER_ERRORS: dict[str, type[LoraplexError]] = {
         NotFoundError,
         InvalidRequestError,
         ConflictError,
+        GoneError,
+        NotSupportedError,
         CapacityError,
         QuotaExceededError,
         RequestTooLargeError,
@@ -141,6 +154,7 @@ HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
     AuthenticationError: 401,
     NotFoundError: 404,
     ConflictError: 409,
+    GoneError: 410,
     InvalidRequestError: 400,
     CapacityError: 429,
     RequestTooLargeError: 413,

@@ -74,6 +74,16 @@ class Settings(BaseSettings):
     auth_cache_seconds: float = Field(default=2.0, ge=0)
     # Longest a `GET /v1/futures/{id}` long-poll waits before answering "pending".
     long_poll_seconds: float = 20.0
+    # Longest a Tinker `retrieve_future` waits before answering try_again (the SDK's poll times out at 45 s and
+    # re-polls at once, so the wait is what keeps it from spinning).
+    tinker_long_poll_seconds: float = Field(default=30.0, ge=0, le=40)
+    # Ask Tinker SDK clients (client/config's proto_compress_fwdbwd) to zstd-compress forward_backward bodies.
+    tinker_compress_fwdbwd: bool = False
+    # A Tinker session whose last heartbeat (the SDK beats every 10 s) is older than this is finished by the gateway's
+    # session reaper (every `session_reap_seconds`, one gateway at a time), which frees its adapters the way
+    # `sessions/{id}/finish` does (api/service/sessions.py). 0: sessions never expire.
+    session_expiry_seconds: float = Field(default=600.0, ge=0)
+    session_reap_seconds: float = Field(default=60.0, gt=0)
     # How often the pool process writes its heartbeat (and state) to the `pools` table. A gateway counts a pool as
     # down (healthz 503, futures `paused_capacity`) once its last heartbeat is older than `pool_stale_seconds`
     # (3 heartbeats), so pool and gateways should share this setting.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,17 +11,22 @@ import redis
 from fastapi import FastAPI
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from starlette.concurrency import run_in_threadpool
 
 from loraplex import __version__
+from loraplex.api import tinker
 from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
 from loraplex.api.routes import adapters, checkpoints, export, futures, health
+from loraplex.api.service import reap_idle_sessions
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
 from loraplex.storage.db import make_db_engine, session_factory
+
+log = logging.getLogger("loraplex.api")
 
 
 def build_services(settings: Settings) -> Services:
@@ -49,13 +56,26 @@ def build_services(settings: Settings) -> Services:
     )
 
 
+async def _reap_sessions(services: Services) -> None:
+    """Finish Tinker sessions that stopped beating, freeing their adapters (api/service/sessions.py), every
+    `session_reap_seconds`; one gateway a round does it (a Redis lock). A failed round is logged and retried."""
+    while True:
+        await asyncio.sleep(services.settings.session_reap_seconds)
+        try:
+            await run_in_threadpool(reap_idle_sessions, services)
+        except Exception as exc:  # noqa: BLE001 - Redis or the database away: the next round tries again
+            log.warning("session reaper: %s: %s", type(exc).__name__, exc)
+
+
 def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = services or build_services(settings)
+        reaper = asyncio.create_task(_reap_sessions(app.state.services))
         yield
+        reaper.cancel()
         app.state.services.redis.close()
 
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
@@ -66,4 +86,5 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(checkpoints.router)
     app.include_router(export.router)
     app.include_router(futures.router)
+    app.include_router(tinker.router)
     return app

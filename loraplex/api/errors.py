@@ -27,6 +27,7 @@ from loraplex.logutil import RateLimitedLog
 
 log = logging.getLogger("loraplex.api")
 RETRY_AFTER_S = 1  # what a 503 asks the caller to wait (seconds)
+TINKER_PREFIX = "/api/v1/"  # the Tinker routes (api/tinker/)
 
 
 def json_safe(value: Any) -> Any:
@@ -49,8 +50,10 @@ def install_error_handlers(app: FastAPI) -> None:
         """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail. A chain step's
         seq_id is queued as rejected first (api/service/rejections.py), so the caller's next step does not wait."""
         errors = list(exc.errors())
-        seq_id = exc.body.get("seq_id") if isinstance(exc.body, dict) else None
-        await _fill_rejected_step(request, seq_id, "InvalidRequestError", validation_summary(errors))
+        body = exc.body if isinstance(exc.body, dict) else {}
+        await _fill_rejected_step(
+            request, body.get("seq_id"), "InvalidRequestError", validation_summary(errors), body.get("model_id")
+        )
         return JSONResponse(status_code=422, content={"detail": json_safe(errors)})
 
     @app.exception_handler(BodyTooLarge)
@@ -74,12 +77,14 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(outage, _unavailable)
 
     @app.exception_handler(LoraplexError)
-    async def _typed(_: Request, exc: LoraplexError) -> JSONResponse:
-        return _typed_response(exc)
+    async def _typed(request: Request, exc: LoraplexError) -> JSONResponse:
+        return _typed_response(exc, tinker=request.url.path.startswith(TINKER_PREFIX))
 
 
-def _typed_response(exc: LoraplexError) -> JSONResponse:
+def _typed_response(exc: LoraplexError, tinker: bool = False) -> JSONResponse:
     status = http_status_for(exc)
+    if tinker and status == 409:
+        status = 400  # the Tinker SDK retries a 409 for minutes; a clash does not go away by itself
     headers = {"WWW-Authenticate": "X-API-Key"} if status == 401 else None
     if status == 503:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
@@ -102,12 +107,15 @@ def validation_summary(errors: Sequence[Any]) -> str:
     return "; ".join(parts) + more
 
 
-async def _fill_rejected_step(request: Request, seq_id: Any, error_type: str, message: str) -> None:
-    """For a chain step that names a usable seq_id: queue its rejection (best effort; the error goes out anyway)."""
+async def _fill_rejected_step(
+    request: Request, seq_id: Any, error_type: str, message: str, body_model_id: Any = None
+) -> None:
+    """For a chain step that names a usable seq_id: queue its rejection (best effort; the error goes out anyway).
+    The adapter is the path's `model_id` (native routes) or the body's (Tinker routes)."""
     kind = seq_step_kind(request)
-    model_id = request.path_params.get("model_id")
+    model_id = request.path_params.get("model_id") or body_model_id
     key = key_of_request(request)
-    if kind is None or type(seq_id) is not int or not 0 <= seq_id < 2**31 or not model_id or key is None:
+    if kind is None or type(seq_id) is not int or not 0 <= seq_id < 2**31 or not isinstance(model_id, str) or not model_id or key is None:
         return
     try:
         services = request.app.state.services

@@ -89,3 +89,8 @@ def request_idempotency_key(kind: RequestKind | str, model_id: str, seq_id: int)
 
 def request_owner(request_id: str) -> str:
     return f"{PREFIX}owner:{request_id}"
+
+
+def session_reaper_lock() -> str:
+    """Held (SET NX EX) by the one gateway that expires idle sessions this round (api/service/sessions.py)."""
+    return f"{PREFIX}session_reaper"

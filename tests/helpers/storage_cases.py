@@ -282,7 +282,7 @@ def test_session_lifecycle(factory: sessionmaker[Session]) -> None:
         row = SessionRepository(s, a).get(sid)
         assert (row.finish_reason, row.tags, row.user_metadata) == ("success", ["rl"], {"k": "v"})
         assert row.finished_at is not None and SessionRepository(s, a).list(active_only=True) == []
-    with pytest.raises(errors.ConflictError), unit_of_work(factory) as s:
+    with pytest.raises(errors.GoneError), unit_of_work(factory) as s:
         SessionRepository(s, a).heartbeat(sid)
 
 

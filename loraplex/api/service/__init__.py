@@ -7,6 +7,7 @@ routes, the admin and the pipelines, only translate their wire format to these c
     checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete
     export       a checkpoint as a PEFT folder
     submit       enqueue -> the future's reference; who owns a request
+    sessions     client sessions: create, heartbeat, finish (frees the session's adapters), expiry
 """
 
 from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
@@ -19,6 +20,13 @@ from loraplex.api.service.checkpoints import (
 )
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.export import PeftExport, export_peft
+from loraplex.api.service.sessions import (
+    check_active,
+    create_session,
+    finish_session,
+    heartbeat,
+    reap_idle_sessions,
+)
 from loraplex.api.service.submit import owner_of
 from loraplex.api.service.training import forward, forward_backward, optim_step
 
@@ -41,4 +49,10 @@ __all__ = [
     "save_state",
     "save_weights_for_sampler",
     "write_session",
+    # sessions
+    "check_active",
+    "create_session",
+    "finish_session",
+    "heartbeat",
+    "reap_idle_sessions",
 ]

@@ -8,10 +8,10 @@ import uuid
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
-from loraplex.api.service.submit import submit
-from loraplex.errors import InvalidRequestError, QuotaExceededError
+from loraplex.api.service.submit import existing_request_id, submit
+from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
-from loraplex.storage.models import Adapter
+from loraplex.storage.models import Adapter, AdapterStatus
 from loraplex.storage.repositories import AdapterRepository
 
 ALPHA_PER_RANK = 2.0  # LoRA alpha when none is given: 2 x rank
@@ -35,11 +35,27 @@ def adapter_out(adapter: Adapter) -> AdapterOut:
     )
 
 
-def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapterRequest) -> FutureRef:
+def create_adapter(
+    services: Services,
+    tenant: TenantRef,
+    request: CreateAdapterRequest,
+    *,
+    model_id: str | None = None,
+    session_id: str | None = None,
+    target_modules: tuple[str, ...] | None = None,
+) -> FutureRef:
     """A new adapter from its seed, or (`from_checkpoint`) from one of the tenant's checkpoints. The fields the caller
     set are `request.model_fields_set` (build the request with only those: rank, alpha and seed clash with
-    from_checkpoint). Nothing is written when a check fails."""
+    from_checkpoint). Nothing is written when a check fails.
+
+    The Tinker routes name the adapter themselves (`model_id` = "<session_id>:train:<n>", in `session_id`) and may
+    train a subset of the pool's `target_modules`; sending the same creation again (the SDK retries) answers the
+    first one's future."""
     settings = services.settings
+    if model_id is not None:
+        retry = _resubmit_create(services, tenant, model_id)
+        if retry is not None:
+            return retry
     base_model = request.base_model or settings.base_model
     if base_model != settings.base_model:
         raise InvalidRequestError(
@@ -54,9 +70,10 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
         with services.sessions() as db:  # 404 for a missing checkpoint or another tenant's
             checkpoint = resolve_checkpoint(db, tenant.id, request.from_checkpoint, request.with_optimizer)
             source = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
-        if list(source.target_modules) != list(settings.target_modules) or source.base_model != base_model:
+        if not set(source.target_modules) <= set(settings.target_modules) or source.base_model != base_model:
             raise InvalidRequestError(f"{request.from_checkpoint} was trained for another base model or target modules")
         rank, alpha, seed = source.rank, source.alpha, source.seed
+        target_modules = tuple(source.target_modules)
         from_checkpoint = FromCheckpoint(
             path=request.from_checkpoint,
             directory=str(checkpoint_dir(services, checkpoint)),
@@ -66,7 +83,8 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
         raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
     alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
     seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
-    model_id = uuid.uuid4().hex
+    modules = tuple(target_modules or settings.target_modules)
+    model_id = model_id or uuid.uuid4().hex
     with write_session(services) as db:  # committed before the worker can report on it (the quota counted in it)
         adapters = AdapterRepository(db, tenant.id)
         quota = settings.max_adapters_per_tenant
@@ -79,8 +97,9 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
             base_model=base_model,
             rank=rank,
             alpha=alpha,
-            target_modules=list(settings.target_modules),
+            target_modules=list(modules),
             seed=seed,
+            session_id=session_id,
             user_metadata=request.user_metadata,
         )
         # seq_id 0 stands for the creation: the adapter's first step is seq_id 1, whatever order steps arrive in.
@@ -90,10 +109,25 @@ def create_adapter(services: Services, tenant: TenantRef, request: CreateAdapter
         rank=rank,
         alpha=alpha,
         seed=seed,
-        target_modules=tuple(settings.target_modules),
+        target_modules=modules,
         from_checkpoint=from_checkpoint,
     )
     return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
+
+
+def _resubmit_create(services: Services, tenant: TenantRef, model_id: str) -> FutureRef | None:
+    """The first creation's future when `model_id` was created already (None when it is new). The request queued
+    under (model_id, create) answers it; a deleted adapter's id is not reused."""
+    with services.sessions() as db:
+        adapter = AdapterRepository(db, tenant.id).find(model_id)
+    if adapter is None:
+        return None
+    if adapter.status == AdapterStatus.DELETED:
+        raise ConflictError(f"adapter {model_id!r} was created and deleted; its id is not reused")
+    request_id = existing_request_id(services, RequestKind.CREATE_ADAPTER, model_id)
+    if request_id is None:  # its idempotency key expired: the adapter is long created
+        raise ConflictError(f"adapter {model_id!r} already exists")
+    return FutureRef(request_id=request_id, model_id=model_id)
 
 
 def list_adapters(services: Services, tenant: TenantRef) -> list[AdapterOut]:

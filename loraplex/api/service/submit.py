@@ -53,3 +53,11 @@ def owner_of(services: Services, request_id: str) -> str | None:
 def already_submitted(services: Services, kind: RequestKind, model_id: str, seq_id: int) -> bool:
     """Whether (model_id, seq_id) was queued before: a retry must get the first request back, not a fresh check."""
     return bool(services.redis.exists(keys.request_idempotency_key(kind, model_id, seq_id)))
+
+
+def existing_request_id(services: Services, kind: RequestKind, model_id: str, seq_id: int | None = None) -> str | None:
+    """The request id queued under (model_id, seq_id) (or (model_id, kind) for create/delete), None if none is."""
+    value = services.redis.get(keys.request_idempotency_key(kind, model_id, seq_id if seq_id is not None else -1))
+    if value is None:
+        return None
+    return (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 1)[0]

@@ -7,7 +7,7 @@ from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
-from loraplex.storage.repositories.sessions import SessionRepository
+from loraplex.storage.repositories.sessions import SessionRepository, idle_sessions
 from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
 from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
 
@@ -23,6 +23,7 @@ __all__ = [
     "UsageRepository",
     "UsageTotals",
     "hash_api_key",
+    "idle_sessions",
     "new_api_key",
     "unit_of_work",
 ]

@@ -55,6 +55,10 @@ class AdapterRepository:
         add_or_conflict(self.session, adapter, f"adapter {model_id!r} already exists")
         return adapter
 
+    def find(self, model_id: str) -> Adapter | None:
+        """This tenant's adapter of this id, deleted or not (None if there is none)."""
+        return self.session.scalar(select(Adapter).where(Adapter.model_id == model_id, Adapter.tenant_id == self.tenant_id))
+
     def get(self, model_id: str, include_deleted: bool = False) -> Adapter:
         """A live adapter of this tenant (or a deleted one too, with `include_deleted`), else NotFoundError."""
         stmt = select(Adapter).where(Adapter.model_id == model_id, Adapter.tenant_id == self.tenant_id)

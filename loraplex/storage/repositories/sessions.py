@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.errors import ConflictError, NotFoundError
+from loraplex.errors import GoneError, NotFoundError
 from loraplex.storage.models import TrainingSession
 from loraplex.storage.types import utcnow
 
@@ -39,11 +40,16 @@ class SessionRepository:
             raise NotFoundError(f"session {session_id!r} not found")
         return row
 
-    def heartbeat(self, session_id: str) -> TrainingSession:
-        """Mark the session alive. A finished session raises ConflictError (Tinker clients stop on 410)."""
+    def get_active(self, session_id: str) -> TrainingSession:
+        """The session, if not finished (GoneError: new adapters cannot join a finished session)."""
         row = self.get(session_id)
         if row.finished_at is not None:
-            raise ConflictError(f"session {session_id!r} is finished")
+            raise GoneError(f"session {session_id!r} is finished ({row.finish_reason})")
+        return row
+
+    def heartbeat(self, session_id: str) -> TrainingSession:
+        """Mark the session alive. A finished (or expired) session raises GoneError (Tinker clients stop on 410)."""
+        row = self.get_active(session_id)
         row.last_heartbeat_at = utcnow()
         self.session.flush()
         return row
@@ -62,3 +68,12 @@ class SessionRepository:
         if active_only:
             stmt = stmt.where(TrainingSession.finished_at.is_(None))
         return list(self.session.scalars(stmt.order_by(TrainingSession.created_at, TrainingSession.id)))
+
+
+def idle_sessions(session: Session, before: datetime, limit: int = 100) -> list[TrainingSession]:
+    """Every tenant's unfinished sessions whose last heartbeat is older than `before` (operator-side: the session
+    reaper, api/service/sessions.py)."""
+    stmt = select(TrainingSession).where(
+        TrainingSession.finished_at.is_(None), TrainingSession.last_heartbeat_at < before
+    )
+    return list(session.scalars(stmt.order_by(TrainingSession.last_heartbeat_at).limit(limit)))

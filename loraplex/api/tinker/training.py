@@ -1,0 +1,221 @@
+"""Tinker training routes: create_model, get_info, forward_backward (protobuf), optim_step, save_weights,
+save_weights_for_sampler, load_weights. Each translates the SDK's body and calls the same service function as the
+native route (api/service/), so admission control, limits, tenant isolation and rejections that fill their seq_id
+are one set of rules. Submit routes answer an UntypedAPIFuture whose id `retrieve_future` understands
+(api/tinker/futures.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.api import service
+from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.errors import validation_summary
+from loraplex.api.routes.chain import seq_step
+from loraplex.api.schemas import (
+    CreateAdapterRequest,
+    ForwardBackwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+    SaveCheckpointRequest,
+)
+from loraplex.api.service.context import Services, TenantRef
+from loraplex.api.service.rejections import filling_rejections
+from loraplex.api.tinker.codec import decode_forward_backward, decompress
+from loraplex.api.tinker.futures import Tag, future_out
+from loraplex.api.tinker.schemas import (
+    CreateModelBody,
+    LoadWeightsBody,
+    LoraConfigBody,
+    ModelBody,
+    OptimizerConfigBody,
+    OptimStepBody,
+    SaveWeightsBody,
+    SaveWeightsForSamplerBody,
+)
+from loraplex.errors import InvalidRequestError, NotSupportedError
+from loraplex.protocol import RequestKind
+from loraplex.settings import Settings
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+# Tinker's lora_config groups -> the projection names they cover (intersected with the pool's target modules).
+ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
+SAMPLING_LATER = (
+    "sampling is not available on this server yet (loraplex adds its samplers next); "
+    "save named sampler weights with save_weights_for_sampler(name) and export them instead"
+)
+
+
+def tinker_model_id(session_id: str, model_seq_id: int) -> str:
+    """The SDK fixes this id itself on create-via-load (tinker-wire.md finding 7); create_model uses it too."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def target_modules_for(settings: Settings, lora: LoraConfigBody) -> tuple[str, ...]:
+    """The pool's target modules that `lora_config` asks for. train_unembed is not trained here (no LoRA on the LM
+    head): it is accepted and ignored, as create_session's info_message and the README say."""
+    wanted = (ATTENTION_MODULES if lora.train_attn else frozenset()) | (MLP_MODULES if lora.train_mlp else frozenset())
+    modules = tuple(m for m in settings.target_modules if m in wanted)
+    if not modules:
+        raise InvalidRequestError(
+            "lora_config trains nothing this pool can: it trains LoRA on "
+            f"{', '.join(settings.target_modules)}; set train_attn and/or train_mlp"
+        )
+    for group, flag, names in (("attention", lora.train_attn, ATTENTION_MODULES), ("MLP", lora.train_mlp, MLP_MODULES)):
+        if flag and not names & set(settings.target_modules):
+            raise InvalidRequestError(f"this pool has no {group} LoRA modules ({', '.join(settings.target_modules)})")
+    return modules
+
+
+def check_optimizer(config: OptimizerConfigBody | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise NotSupportedError(
+            f"optimizer {config.type!r} is not supported here: loraplex trains with AdamW only (Dimuon's update rule "
+            "is internal to Tinker, so a copy could not promise the same training); use AdamOptimizerConfig"
+        )
+
+
+@router.post("/create_model")
+def create_model(body: CreateModelBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    check_optimizer(body.optimizer_config)
+    service.check_active(services, tenant, body.session_id)
+    lora = body.lora_config or LoraConfigBody(rank=services.settings.max_rank, seed=None)
+    fields: dict[str, Any] = {"rank": lora.rank, "user_metadata": body.user_metadata or {}}
+    if lora.seed is not None:
+        fields["seed"] = lora.seed
+    if body.base_model:
+        fields["base_model"] = body.base_model
+    ref = service.create_adapter(
+        services,
+        tenant,
+        CreateAdapterRequest(**fields),
+        model_id=tinker_model_id(body.session_id, body.model_seq_id),
+        session_id=body.session_id,
+        target_modules=target_modules_for(services.settings, lora),
+    )
+    return future_out(Tag.CREATE, ref)
+
+
+@router.post("/get_info")
+def get_info(body: ModelBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    adapter = service.get_adapter(services, tenant, body.model_id)
+    return {
+        "type": "get_info",
+        "model_id": adapter.model_id,
+        "model_data": {
+            "arch": "qwen3",
+            "model_name": adapter.base_model,
+            "tokenizer_id": tokenizer_folder(services.settings, adapter.base_model),
+        },
+        "is_lora": True,
+        "lora_rank": adapter.rank,
+        "model_name": adapter.base_model,
+    }
+
+
+def tokenizer_folder(settings: Settings, base_model: str) -> str | None:
+    """A local folder the SDK's `get_tokenizer()` loads offline: the base model's own folder, else the folder the
+    pool built the preset in (real-shape presets use the tiny preset's tokenizer)."""
+    for folder in (Path(base_model).expanduser(), settings.resolved_model_cache / base_model,
+                   settings.resolved_model_cache / "tiny"):  # fmt: skip
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+            return str(folder.resolve())
+    return None
+
+
+@router.post("/forward_backward")
+@seq_step(RequestKind.FORWARD_BACKWARD)
+async def forward_backward(request: Request, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """A protobuf ForwardBackwardRequest (zstd-compressed too); `forward_only` makes it a forward."""
+    raw = await request.body()
+    encoding = request.headers.get("content-encoding")
+    return await run_in_threadpool(_forward_backward, services, tenant, raw, encoding)
+
+
+def _forward_backward(services: Services, tenant: TenantRef, raw: bytes, encoding: str | None) -> dict[str, Any]:
+    decoded = decode_forward_backward(decompress(raw, encoding, services.settings.max_body_bytes))
+    kind = RequestKind.FORWARD if decoded.forward_only else RequestKind.FORWARD_BACKWARD
+    with filling_rejections(services, tenant, decoded.model_id, decoded.seq_id, kind):
+        try:
+            request = ForwardBackwardRequest.model_validate(decoded.fields())
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_summary(exc.errors())) from None
+    call = service.forward if decoded.forward_only else service.forward_backward
+    return future_out(Tag.FORWARD, call(services, tenant, decoded.model_id, request))
+
+
+@router.post("/optim_step")
+@seq_step(RequestKind.OPTIM_STEP)
+def optim_step(body: OptimStepBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    if body.optimizer_params is not None and body.adam_params is None:
+        with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.OPTIM_STEP):
+            check_optimizer(OptimizerConfigBody(type=str(body.optimizer_params.get("type", "unknown"))))
+    adam = body.adam_params.model_dump() if body.adam_params is not None else {}
+    request = OptimStepRequest.model_validate({"seq_id": body.seq_id, "adam_params": adam})
+    return future_out(Tag.OPTIM, service.optim_step(services, tenant, body.model_id, request))
+
+
+@router.post("/save_weights")
+@seq_step(RequestKind.SAVE_STATE)
+def save_weights(body: SaveWeightsBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """save_state: weights + optimizer state, at tinker://<model_id>/weights/<path>."""
+    request = _save_request(services, tenant, body, RequestKind.SAVE_STATE)
+    return future_out(Tag.SAVE, service.save_state(services, tenant, body.model_id, request))
+
+
+@router.post("/save_weights_for_sampler")
+@seq_step(RequestKind.SAVE_SAMPLER)
+def save_weights_for_sampler(body: SaveWeightsForSamplerBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """The named form (a sampler checkpoint); the unnamed one creates a sampling session, which waits for sampling."""
+    if body.path is None:
+        with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.SAVE_SAMPLER):
+            raise NotSupportedError(SAMPLING_LATER)
+    request = _save_request(services, tenant, body, RequestKind.SAVE_SAMPLER)
+    return future_out(Tag.SAVE_SAMPLER, service.save_weights_for_sampler(services, tenant, body.model_id, request))
+
+
+def _save_request(services: Services, tenant: TenantRef, body: SaveWeightsBody, kind: RequestKind) -> SaveCheckpointRequest:
+    name = body.path if body.path is not None else f"seq-{body.seq_id:06d}"
+    with filling_rejections(services, tenant, body.model_id, body.seq_id, kind):
+        try:
+            return SaveCheckpointRequest(
+                seq_id=body.seq_id, name=name, ttl_seconds=body.ttl_seconds, overwrite=body.overwrite
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_summary(exc.errors())) from None
+
+
+@router.post("/load_weights")
+@seq_step(RequestKind.LOAD_STATE)
+def load_weights(body: LoadWeightsBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """Create-via-load (session_id + model_seq_id: a new adapter from a checkpoint) or the deprecated load_state
+    (model_id + seq_id: into that adapter)."""
+    if body.model_id is not None:
+        if body.seq_id is None:
+            raise InvalidRequestError("load_weights into an existing model needs its seq_id")
+        request = LoadStateRequest(seq_id=body.seq_id, path=body.path, with_optimizer=body.optimizer)
+        return future_out(Tag.LOAD, service.load_state(services, tenant, body.model_id, request))
+    if body.session_id is None or body.model_seq_id is None:
+        raise InvalidRequestError("load_weights needs model_id + seq_id, or session_id + model_seq_id")
+    check_optimizer(body.optimizer_config)
+    service.check_active(services, tenant, body.session_id)
+    fields: dict[str, Any] = {"from_checkpoint": body.path, "with_optimizer": body.optimizer}
+    if body.base_model:
+        fields["base_model"] = body.base_model
+    if body.user_metadata:
+        fields["user_metadata"] = body.user_metadata
+    ref = service.create_adapter(
+        services,
+        tenant,
+        CreateAdapterRequest(**fields),
+        model_id=tinker_model_id(body.session_id, body.model_seq_id),
+        session_id=body.session_id,
+    )
+    return future_out(Tag.CREATE_FROM, ref)
