@@ -15,7 +15,7 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
-from loraplex.api.routes import adapters, checkpoints, export, futures, health
+from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, tenant_checkpoints
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings, get_settings
@@ -66,4 +66,6 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(checkpoints.router)
     app.include_router(export.router)
     app.include_router(futures.router)
+    app.include_router(runs.router)
+    app.include_router(tenant_checkpoints.router)
     return app
