@@ -46,6 +46,10 @@ TYPE_BY_KIND: dict[CheckpointKind, str] = {
 }
 
 
+# The longest time to live a checkpoint may be given (seconds; 100 years): beyond it an expiry date overflows.
+MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
+
+
 # ---- names -------------------------------------------------------------------------------------------------------------
 CHECKPOINT_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 

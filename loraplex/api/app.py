@@ -19,7 +19,7 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
-from loraplex.api.routes import adapters, checkpoints, export, futures, health
+from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, tenant_checkpoints
 from loraplex.api.service import reap_idle_sessions
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
@@ -87,4 +87,6 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(export.router)
     app.include_router(futures.router)
     app.include_router(tinker.router)
+    app.include_router(runs.router)
+    app.include_router(tenant_checkpoints.router)
     return app

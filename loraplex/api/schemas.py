@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loraplex.checkpoint_paths import MAX_TTL_SECONDS
 from loraplex.protocol_defaults import ADAM_DEFAULTS
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
@@ -69,7 +70,9 @@ class OptimStepRequest(Strict):
 class SaveCheckpointRequest(Strict):
     seq_id: int = Field(..., ge=0, lt=2**31)
     name: str = Field(..., min_length=1, max_length=255, description="Letters, digits, '_', '-', '.'; no path tricks")
-    ttl_seconds: int | None = Field(None, gt=0, description="Delete the checkpoint this long after it is saved")
+    ttl_seconds: int | None = Field(
+        None, gt=0, le=MAX_TTL_SECONDS, description="Delete the checkpoint this long after it is saved"
+    )
     overwrite: bool = Field(False, description="Replace an existing checkpoint of this name (else 409)")
 
 
@@ -97,6 +100,77 @@ class CheckpointOut(BaseModel):
 
 class CheckpointListOut(BaseModel):
     checkpoints: list[CheckpointOut]
+
+
+class Cursor(BaseModel):
+    """Where a page sits in a listing (Tinker's cursor): its offset and limit, and how many items there are in all."""
+
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointPage(BaseModel):
+    """A page of the tenant's checkpoints across its runs, newest first."""
+
+    checkpoints: list[CheckpointOut]
+    cursor: Cursor
+
+
+class RunOut(BaseModel):
+    """A training run (an adapter; its model_id is the training_run_id) with Tinker's TrainingRun fields, then ours.
+    Deleted adapters stay listed: `status` says "deleted"."""
+
+    training_run_id: str
+    base_model: str
+    model_owner: str  # the tenant's name
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int
+    last_request_time: Any  # the adapter's last_used_at, or created_at before its first step
+    last_checkpoint: CheckpointOut | None = None  # the newest state checkpoint (weights/<name>)
+    last_sampler_checkpoint: CheckpointOut | None = None  # the newest sampler checkpoint (sampler_weights/<name>)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    status: str
+    applied_seq_id: int | None
+    session_id: str | None = None
+
+
+class RunPage(BaseModel):
+    """A page of the tenant's training runs, newest first."""
+
+    training_runs: list[RunOut]
+    cursor: Cursor
+
+
+class DeleteCheckpointsRequest(Strict):
+    paths: list[str] = Field(..., description="tinker://<model_id>/<weights|sampler_weights>/<name>, at most 1000")
+
+
+class CheckpointTtlRequest(Strict):
+    path: str = Field(..., description="tinker://<model_id>/<weights|sampler_weights>/<name>")
+    ttl_seconds: int | None = Field(..., description="Expire this long from now (> 0); null: never expire")
+
+
+class WeightsInfoRequest(Strict):
+    tinker_path: str = Field(..., description="tinker://<model_id>/<weights|sampler_weights>/<name>")
+
+
+class WeightsInfoOut(BaseModel):
+    """What a checkpoint's weights are (Tinker's weights_info fields, then ours)."""
+
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int
+    train_unembed: bool = False
+    train_mlp: bool  # the adapter targets gate/up/down_proj
+    train_attn: bool  # the adapter targets q/k/v/o_proj
+    tinker_path: str
+    model_id: str
+    kind: str  # "state" or "sampler"
+    checkpoint_type: str  # "training" or "sampler"
+    size_bytes: int
+    step: int
 
 
 class FutureRef(BaseModel):

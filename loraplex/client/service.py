@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import DEFAULT_RESULT_TIMEOUT_S, APIFuture
 from loraplex.client.training import TrainingClient
 from loraplex.client.transport import Transport, raise_for_status
@@ -66,6 +67,46 @@ class ServiceClient:
     def export_peft(self, model_id: str, out_dir: str | os.PathLike[str], checkpoint: str | None = None) -> Path:
         """Download an adapter's checkpoint as a PEFT folder into `out_dir` (see TrainingClient.export_peft)."""
         return TrainingClient(self._transport, model_id).export_peft(out_dir, checkpoint)
+
+    def download_checkpoint_archive(self, path: str, out_file: str | os.PathLike[str]) -> Path:
+        """Download the checkpoint at `path` (tinker://<model_id>/<weights|sampler_weights>/<name>) as a tar archive
+        of its PEFT folder into the file `out_file` (returned; see TrainingClient.download_checkpoint_archive)."""
+        model_id, _, _ = split_tinker_path(path)
+        return TrainingClient(self._transport, model_id).download_checkpoint_archive(out_file, path)
+
+    # ---- runs and checkpoints across them ----------------------------------------------------------------------------
+    def list_runs(self, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        """A page of this tenant's training runs (adapters, deleted ones too), newest first:
+        {"training_runs": [...], "cursor": {"offset", "limit", "total_count"}}. limit: 1 to 1000."""
+        return self._transport.request("GET", "/v1/runs", params={"limit": limit, "offset": offset})
+
+    def get_run(self, model_id: str) -> dict[str, Any]:
+        """A training run: Tinker's TrainingRun fields (training_run_id, base_model, model_owner, lora_rank,
+        last_request_time, last_checkpoint, last_sampler_checkpoint, user_metadata, ...) and status, applied_seq_id."""
+        return self._transport.request("GET", f"/v1/runs/{model_id}")
+
+    def list_all_checkpoints(self, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        """A page of this tenant's checkpoints across its runs, newest first: {"checkpoints": [...], "cursor": ...}."""
+        return self._transport.request("GET", "/v1/checkpoints", params={"limit": limit, "offset": offset})
+
+    def delete_checkpoints(self, paths: list[str]) -> list[dict[str, Any]]:
+        """Delete the checkpoints at these tinker paths (at most 1000), all or none: one missing or not this tenant's
+        raises NotFoundError naming it, and nothing is deleted. Returns the deleted checkpoints."""
+        body = {"paths": list(paths)}
+        return self._transport.request("POST", "/v1/checkpoints/delete", json=body)["checkpoints"]
+
+    def delete_checkpoint(self, path: str) -> dict[str, Any]:
+        """Delete one checkpoint (row and files) by its tinker path."""
+        return self.delete_checkpoints([path])[0]
+
+    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> dict[str, Any]:
+        """Expire the checkpoint `ttl_seconds` from now (the retention job then deletes it), or never with None."""
+        return self._transport.request("PUT", "/v1/checkpoints/ttl", json={"path": path, "ttl_seconds": ttl_seconds})
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        """What the weights at a tinker path are: base_model, is_lora, lora_rank, train_mlp, train_attn,
+        train_unembed, and the checkpoint's kind, size_bytes and step."""
+        return self._transport.request("POST", "/v1/weights_info", json={"tinker_path": path})
 
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing adapter; its seq_ids continue after the last applied one."""

@@ -146,6 +146,24 @@ class TrainingClient:
             archive.seek(0)
             return extract_tar(archive, Path(out_dir))
 
+    def download_checkpoint_archive(self, out_file: str | os.PathLike[str], checkpoint: str | None = None) -> Path:
+        """Download a saved checkpoint of this adapter as a tar archive of its PEFT folder (what `export_peft`
+        extracts) into the file `out_file` (returned), written whole or not at all. `checkpoint`: as for
+        `export_peft`."""
+        out = Path(out_file)
+        params = {"checkpoint": checkpoint} if checkpoint is not None else None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", delete=False) as part:
+            try:
+                self._transport.download(f"/v1/adapters/{self.model_id}/export", part, params=params)
+                part.close()
+                os.replace(part.name, out)
+            except BaseException:
+                part.close()
+                Path(part.name).unlink(missing_ok=True)
+                raise
+        return out
+
     def info(self) -> dict[str, Any]:
         return self._transport.request("GET", f"/v1/adapters/{self.model_id}")
 

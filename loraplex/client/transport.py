@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import httpx
 
@@ -81,7 +81,7 @@ class Transport:
         """GET `path` and hand back the response whatever its status (for routes whose error bodies carry data)."""
         return self._sync.get(path, **kwargs)
 
-    def download(self, path: str, sink: BinaryIO, **kwargs: Any) -> httpx.Headers:
+    def download(self, path: str, sink: IO[bytes], **kwargs: Any) -> httpx.Headers:
         """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""
         with self._sync.stream("GET", path, **kwargs) as response:
             if not response.is_success:

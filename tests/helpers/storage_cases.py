@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
+from loraplex.checkpoint_paths import TinkerPath
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState
 from loraplex.storage.models import Adapter, ApiKey, Tenant
@@ -263,6 +264,49 @@ def test_checkpoints(factory: sessionmaker[Session]) -> None:
         assert removed.blob_uri == "file:///x/1"
     with factory() as s:
         assert [c.name for c in CheckpointRepository(s, a).list("m")] == ["step-1"]
+
+
+def test_pages_latest_of_and_bulk_delete_across_adapters(factory: sessionmaker[Session]) -> None:
+    a, _ = _tenant(factory, "a")
+    b, _ = _tenant(factory, "b")
+    for model_id in ("m1", "m2"):
+        _adapter(factory, a, model_id)
+    _adapter(factory, b, "theirs")
+    made = [("m1", CheckpointKind.STATE, "s1", 1), ("m2", CheckpointKind.SAMPLER, "w1", 1),
+            ("m1", CheckpointKind.STATE, "s2", 2), ("m1", CheckpointKind.SAMPLER, "w2", 2)]  # fmt: skip
+    for model_id, kind, name, step in made:  # one transaction each: created_at increases
+        with unit_of_work(factory) as s:
+            CheckpointRepository(s, a).add(model_id, kind, name, f"file:///x/{name}", 1, "0" * 64, step=step)
+    with unit_of_work(factory) as s:
+        CheckpointRepository(s, b).add("theirs", CheckpointKind.STATE, "s1", "file:///y/s1", 1, "0" * 64)
+        AdapterRepository(s, a).mark_deleted("m1")
+    with factory() as s:
+        repo = CheckpointRepository(s, a)
+        assert repo.count() == 4 and CheckpointRepository(s, b).count() == 1
+        assert [c.name for c in repo.page(3, 0)] == ["w2", "s2", "w1"]
+        assert [c.name for c in repo.page(3, 3)] == ["s1"] and repo.page(3, 4) == []
+        latest = {key: c.name for key, c in repo.latest_of(["m1", "m2", "theirs", "none"]).items()}
+        assert latest == {("m1", "state"): "s2", ("m1", "sampler"): "w2", ("m2", "sampler"): "w1"}
+        assert repo.latest_of([]) == {}
+        adapters = AdapterRepository(s, a)
+        assert adapters.count() == 1 and adapters.count(include_deleted=True) == 2
+        assert [x.model_id for x in adapters.page(10, 0, include_deleted=True)] == ["m2", "m1"]
+        assert [x.model_id for x in adapters.page(1, 1, include_deleted=True)] == ["m1"]
+        assert [x.model_id for x in adapters.page(10, 0)] == ["m2"]
+    paths = [TinkerPath("m1", CheckpointKind.STATE, "s1"), TinkerPath("m2", CheckpointKind.SAMPLER, "w1")]
+    for bad in (TinkerPath("theirs", CheckpointKind.STATE, "s1"), TinkerPath("m1", CheckpointKind.SAMPLER, "s1")):
+        with pytest.raises(errors.NotFoundError, match=str(bad)), unit_of_work(factory) as s:
+            CheckpointRepository(s, a).delete_many([*paths, bad])
+    with unit_of_work(factory) as s:
+        assert [c.blob_uri for c in CheckpointRepository(s, a).delete_many(paths)] == ["file:///x/s1", "file:///x/w1"]
+        expires = datetime.now(UTC) + timedelta(hours=1)
+        assert CheckpointRepository(s, a).set_expiry("m1", CheckpointKind.STATE, "s2", expires).expires_at == expires
+        with pytest.raises(errors.NotFoundError):
+            CheckpointRepository(s, b).set_expiry("m1", CheckpointKind.STATE, "s2", None)
+    with factory() as s:
+        assert sorted(c.name for c in CheckpointRepository(s, a).page(10, 0)) == ["s2", "w2"]
+        assert CheckpointRepository(s, b).count() == 1
+        assert CheckpointRepository(s, a).get("m1", CheckpointKind.STATE, "s2").expires_at == expires
 
 
 def test_session_lifecycle(factory: sessionmaker[Session]) -> None:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.checkpoint_paths import checkpoint_blob_key
-from loraplex.storage.blobs import BlobStore
 from loraplex.storage.enums import CheckpointKind
-from loraplex.storage.repositories import CheckpointRepository, unit_of_work
+from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.queued import queued, queued_work, rejections
 
 pytestmark = pytest.mark.integration
@@ -24,18 +22,6 @@ def _adapter(client, headers) -> str:
     response = client.post("/v1/adapters", json={"rank": 4}, headers=headers)
     assert response.status_code == 202, response.text
     return response.json()["model_id"]
-
-
-def _saved(services, tenant_id: str, model_id: str, kind: CheckpointKind, name: str) -> str:
-    """What the recorder does after a worker's save: files in the gateway's folder, and the row. Returns the path."""
-    store = BlobStore(services.settings.resolved_blob_root)
-    folder = store.path(checkpoint_blob_key(tenant_id, model_id, kind, name))
-    folder.mkdir(parents=True)
-    (folder / "checkpoint.json").write_text("{}")
-    with unit_of_work(services.sessions) as session:
-        CheckpointRepository(session, tenant_id).add(model_id, kind, name, folder.as_uri(), 2, "0" * 64, step=3)
-    segment = "weights" if kind == CheckpointKind.STATE else "sampler_weights"
-    return f"tinker://{model_id}/{segment}/{name}"
 
 
 def _queued(services, request_id: str):
@@ -87,7 +73,7 @@ def test_existing_name_is_409_unless_overwrite_and_a_retry_gets_its_first_reques
     alice = headers["alice"]
     first = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": "ckpt"}, headers=alice)
     assert first.status_code == 202
-    _saved(services, tenants["alice"], model_id, CheckpointKind.STATE, "ckpt")  # the save finished
+    saved_checkpoint(services, tenants["alice"], model_id, CheckpointKind.STATE, "ckpt")  # the save finished
     # The same request again (a client retry) gets the first request, not a conflict.
     again = client.post(f"/v1/adapters/{model_id}/save_state", json={"seq_id": 1, "name": "ckpt"}, headers=alice)
     assert again.status_code == 202 and again.json()["request_id"] == first.json()["request_id"]
@@ -106,7 +92,7 @@ def test_other_tenants_checkpoints_are_404_everywhere(stack):
     client, headers, tenants, services = stack
     alice, bob = headers["alice"], headers["bob"]
     model_id = _adapter(client, alice)
-    path = _saved(services, tenants["alice"], model_id, CheckpointKind.STATE, "final")
+    path = saved_checkpoint(services, tenants["alice"], model_id, CheckpointKind.STATE, "final")
     bobs = _adapter(client, bob)
     # Load into bob's own adapter, create from it, list, delete: all 404, as for a checkpoint that does not exist.
     for p in (path, f"tinker://{model_id}/weights/nope", f"tinker://{'0' * 32}/weights/final"):
@@ -144,7 +130,7 @@ def test_bad_paths_and_options_are_400(stack):
     client, headers, tenants, services = stack
     alice = headers["alice"]
     model_id = _adapter(client, alice)
-    sampler = _saved(services, tenants["alice"], model_id, CheckpointKind.SAMPLER, "s1")
+    sampler = saved_checkpoint(services, tenants["alice"], model_id, CheckpointKind.SAMPLER, "s1")
     for bad in ("weights/final", "tinker://x/weights", "tinker://x/other/n", "tinker://x/weights/a/b", "file:///etc"):
         response = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": bad}, headers=alice)
         assert response.status_code == 400, (bad, response.text)

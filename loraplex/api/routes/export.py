@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from loraplex.api import service
-from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.deps import Services, ServicesDep, TenantDep, TenantRef
 
 router = APIRouter(prefix="/v1/adapters", tags=["export"])
 
@@ -39,6 +39,15 @@ def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
 def export_peft(model_id: str, tenant: TenantDep, services: ServicesDep, checkpoint: str | None = None) -> FileResponse:
     """The PEFT folder of `checkpoint` (tinker://<model_id>/<weights|sampler_weights>/<name> or <kind>/<name>;
     default: the latest sampler or state checkpoint) as a tar archive of plain files (application/x-tar)."""
+    return peft_tar_response(services, tenant, model_id, checkpoint)
+
+
+def peft_tar_response(services: Services, tenant: TenantRef, model_id: str, checkpoint: str | None) -> FileResponse:
+    """The PEFT folder of one of the tenant's checkpoints as a tar response (for any router): built in a temporary
+    folder that is removed once the response is sent (or at once on an error, which is raised as it is: 404 for a
+    missing or foreign adapter or checkpoint, 400 for a tampered one). `checkpoint`: a tinker path of `model_id`, or
+    `<kind>/<name>`, or None for the latest sampler or state checkpoint. The X-Loraplex-Checkpoint header names the
+    exported checkpoint's tinker path."""
     work = Path(tempfile.mkdtemp(prefix="loraplex-export-"))
     try:
         exported = service.export_peft(services, tenant, model_id, checkpoint, work / "peft")

@@ -4,7 +4,9 @@ routes, the admin and the pipelines, only translate their wire format to these c
 
     adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete
     training     forward_backward / forward (datum limits), optim_step
-    checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete
+    checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete;
+                 across adapters by tinker path: list_all (paged), get, bulk delete, ttl, weights_info
+    runs         training runs (Tinker's TrainingRun view of an adapter): get, list (paged)
     export       a checkpoint as a PEFT folder
     submit       enqueue -> the future's reference; who owns a request
     sessions     client sessions: create, heartbeat, finish (frees the session's adapters), expiry
@@ -13,13 +15,19 @@ routes, the admin and the pipelines, only translate their wire format to these c
 from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
 from loraplex.api.service.checkpoints import (
     delete_checkpoint,
+    delete_checkpoints,
+    get_checkpoint,
+    list_all_checkpoints,
     list_checkpoints,
     load_state,
     save_state,
     save_weights_for_sampler,
+    set_checkpoint_ttl,
+    weights_info,
 )
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.export import PeftExport, export_peft
+from loraplex.api.service.runs import get_run, list_runs
 from loraplex.api.service.sessions import (
     check_active,
     create_session,
@@ -37,17 +45,24 @@ __all__ = [
     "create_adapter",
     "delete_adapter",
     "delete_checkpoint",
+    "delete_checkpoints",
     "export_peft",
     "forward",
     "forward_backward",
     "get_adapter",
+    "get_checkpoint",
+    "get_run",
     "list_adapters",
+    "list_all_checkpoints",
     "list_checkpoints",
+    "list_runs",
     "load_state",
     "optim_step",
     "owner_of",
     "save_state",
     "save_weights_for_sampler",
+    "set_checkpoint_ttl",
+    "weights_info",
     "write_session",
     # sessions
     "check_active",

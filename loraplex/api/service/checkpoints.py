@@ -1,4 +1,5 @@
-"""Checkpoints of an adapter: save (state or sampler weights), load into the adapter, list, delete.
+"""Checkpoints of an adapter: save (state or sampler weights), load into the adapter, list, delete; and the tenant's
+checkpoints across its adapters: list (paged), get, bulk delete, time to live, weights_info, all by tinker path.
 
 Saves and loads are steps in the adapter's seq_id order (they return futures). The gateway validates the name and
 chooses the folder in the blob store (`<tenant>/<model>/<kind>/<name>`); the payload carries its absolute path, so
@@ -8,18 +9,29 @@ tenant's checkpoint is a 404, the same as a missing one."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from loraplex.api.schemas import CheckpointOut, FutureRef, LoadStateRequest, SaveCheckpointRequest
+from loraplex.api.schemas import (
+    CheckpointOut,
+    CheckpointPage,
+    FutureRef,
+    LoadStateRequest,
+    SaveCheckpointRequest,
+    WeightsInfoOut,
+)
 from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
+from loraplex.api.service.paging import MAX_PAGE_LIMIT, check_page, cursor
 from loraplex.api.service.rejections import filling_rejections
 from loraplex.api.service.submit import already_submitted, submit
 from loraplex.checkpoint_paths import (
+    MAX_TTL_SECONDS,
     SEGMENT_BY_KIND,
     TYPE_BY_KIND,
     CheckpointKind,
+    TinkerPath,
     checkpoint_blob_key,
     parse_kind,
     parse_tinker_path,
@@ -31,6 +43,12 @@ from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPaylo
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 from loraplex.storage.retention import delete_checkpoint_files
+from loraplex.storage.types import utcnow
+
+# Which target modules train attention and which the MLP (weights_info's train_attn / train_mlp).
+ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
+MAX_DELETE_PATHS = MAX_PAGE_LIMIT  # paths per bulk delete
 
 
 def checkpoint_dir(services: Services, checkpoint: Checkpoint) -> Path:
@@ -135,3 +153,80 @@ def delete_checkpoint(services: Services, tenant: TenantRef, model_id: str, kind
         checkpoint = CheckpointRepository(db, tenant.id).delete(model_id, parsed, name)
     delete_checkpoint_files(blob_store(services), checkpoint.blob_uri)
     return checkpoint_out(checkpoint)
+
+
+# ---- the tenant's checkpoints across its adapters, by tinker path --------------------------------------------------------
+def list_all_checkpoints(services: Services, tenant: TenantRef, limit: int, offset: int) -> CheckpointPage:
+    """Every checkpoint of the tenant (deleted adapters' too), newest first; 400 for a limit outside 1..1000 or a
+    negative offset."""
+    check_page(limit, offset)
+    with services.sessions() as db:
+        checkpoints = CheckpointRepository(db, tenant.id)
+        total = checkpoints.count()
+        rows = checkpoints.page(limit, offset)
+        return CheckpointPage(checkpoints=[checkpoint_out(c) for c in rows], cursor=cursor(limit, offset, total))
+
+
+def get_checkpoint(services: Services, tenant: TenantRef, path: str) -> CheckpointOut:
+    """The tenant's checkpoint at a tinker path (400 for a malformed path, 404 for a missing or foreign one)."""
+    parsed = parse_tinker_path(path)
+    with services.sessions() as db:
+        return checkpoint_out(CheckpointRepository(db, tenant.id).get(parsed.model_id, parsed.kind, parsed.name))
+
+
+def delete_checkpoints(services: Services, tenant: TenantRef, paths: list[str]) -> list[CheckpointOut]:
+    """Delete the checkpoints at `paths` (tinker paths, at most 1000; a path given twice counts once), all or none:
+    a malformed path is a 400 and a missing or foreign one a 404 naming it, with nothing deleted. The files go once
+    the rows' transaction has committed. Returns the deleted checkpoints, in the order given."""
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise InvalidRequestError("paths must be a list of tinker paths")
+    if len(paths) > MAX_DELETE_PATHS:
+        raise InvalidRequestError(f"{len(paths)} paths; at most {MAX_DELETE_PATHS} per delete")
+    parsed: list[TinkerPath] = list(dict.fromkeys(parse_tinker_path(p) for p in paths))
+    with write_session(services) as db:
+        deleted = CheckpointRepository(db, tenant.id).delete_many(parsed)
+        out = [checkpoint_out(c) for c in deleted]
+        uris = [c.blob_uri for c in deleted]
+    store = blob_store(services)
+    for uri in uris:
+        delete_checkpoint_files(store, uri)
+    return out
+
+
+def set_checkpoint_ttl(services: Services, tenant: TenantRef, path: str, ttl_seconds: int | None) -> CheckpointOut:
+    """Expire the checkpoint `ttl_seconds` from now (the retention job then deletes it), or never with None. 400 for
+    a ttl that is not a whole number of seconds from 1 to MAX_TTL_SECONDS (100 years)."""
+    if ttl_seconds is not None and (
+        isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not 0 < ttl_seconds <= MAX_TTL_SECONDS
+    ):
+        raise InvalidRequestError(
+            f"ttl_seconds must be a whole number of seconds from 1 to {MAX_TTL_SECONDS}, or null to keep the "
+            f"checkpoint; got {ttl_seconds!r}"
+        )
+    parsed = parse_tinker_path(path)
+    expires_at = None if ttl_seconds is None else utcnow() + timedelta(seconds=ttl_seconds)
+    with write_session(services) as db:
+        checkpoint = CheckpointRepository(db, tenant.id).set_expiry(parsed.model_id, parsed.kind, parsed.name, expires_at)
+        return checkpoint_out(checkpoint)
+
+
+def weights_info(services: Services, tenant: TenantRef, path: str) -> WeightsInfoOut:
+    """What the weights at a tinker path are: base model, LoRA rank, which parts of the model they train."""
+    parsed = parse_tinker_path(path)
+    with services.sessions() as db:
+        checkpoint = CheckpointRepository(db, tenant.id).get(parsed.model_id, parsed.kind, parsed.name)
+        adapter = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
+        targets = {m.rsplit(".", 1)[-1] for m in adapter.target_modules}
+        kind = CheckpointKind(checkpoint.kind)
+        return WeightsInfoOut(
+            base_model=adapter.base_model,
+            lora_rank=adapter.rank,
+            train_mlp=bool(targets & MLP_MODULES),
+            train_attn=bool(targets & ATTENTION_MODULES),
+            tinker_path=tinker_path(checkpoint.model_id, kind, checkpoint.name),
+            model_id=checkpoint.model_id,
+            kind=kind.value,
+            checkpoint_type=TYPE_BY_KIND[kind],
+            size_bytes=checkpoint.size_bytes,
+            step=checkpoint.step,
+        )

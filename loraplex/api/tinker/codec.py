@@ -111,7 +111,7 @@ def _datum(i: int, datum: pb.Datum) -> dict[str, Any]:
 
 
 def _tensor(where: str, tensor: pb.Tensor) -> list[float] | list[int]:
-    """A tensor as one flat list per token: [N], or [N, 1]; dense or sparse CSR."""
+    """A tensor as one flat list per token: [N], [N, 1] or [1, N]; dense or sparse CSR."""
     np_dtype = _NUMPY_BY_DTYPE.get(tensor.dtype)
     if np_dtype is None:
         raise InvalidRequestError(f"{where}: unknown dtype {tensor.dtype}")
@@ -128,8 +128,8 @@ def _tensor(where: str, tensor: pb.Tensor) -> list[float] | list[int]:
         values = np.frombuffer(raw, dtype=np_dtype)
         if shape and math.prod(shape) != values.size:
             raise InvalidRequestError(f"{where}: shape {shape} does not hold {values.size} values")
-    if len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
-        raise InvalidRequestError(f"{where}: shape {shape}; one value per token ([N] or [N, 1]) is supported")
+    if sum(1 for s in shape if s != 1) > 1:
+        raise InvalidRequestError(f"{where}: shape {shape}; one value per token ([N], [N, 1] or [1, N]) is supported")
     if tensor.dtype == pb.DTYPE_BFLOAT16:  # the upper half of a float32
         values = (values.astype(np.uint32) << 16).view(np.float32)
     if values.dtype.kind == "f":

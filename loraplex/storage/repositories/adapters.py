@@ -3,6 +3,7 @@ a missing one (same NotFoundError message), so ids are never confirmed across te
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,20 @@ class AdapterRepository:
         if session_id is not None:
             stmt = stmt.where(Adapter.session_id == session_id)
         return list(self.session.scalars(stmt.order_by(Adapter.created_at, Adapter.model_id)))
+
+    def count(self, include_deleted: bool = False) -> int:
+        stmt = select(func.count()).select_from(Adapter).where(Adapter.tenant_id == self.tenant_id)
+        if not include_deleted:
+            stmt = stmt.where(Adapter.status != AdapterStatus.DELETED)
+        return int(self.session.execute(stmt).scalar_one())
+
+    def page(self, limit: int, offset: int, include_deleted: bool = False) -> builtins.list[Adapter]:
+        """Adapters of this tenant, newest first (ties: model_id), `limit` of them after the first `offset`."""
+        stmt = select(Adapter).where(Adapter.tenant_id == self.tenant_id)
+        if not include_deleted:
+            stmt = stmt.where(Adapter.status != AdapterStatus.DELETED)
+        stmt = stmt.order_by(Adapter.created_at.desc(), Adapter.model_id.desc()).limit(limit).offset(offset)
+        return list(self.session.scalars(stmt))
 
     def set_status(self, model_id: str, status: AdapterStatus) -> Adapter:
         adapter = self.get(model_id)

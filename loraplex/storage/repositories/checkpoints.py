@@ -3,11 +3,14 @@ addressed (tinker paths, blob keys) is `loraplex.checkpoint_paths`."""
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from loraplex.checkpoint_paths import TinkerPath
 from loraplex.errors import NotFoundError
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.models import Checkpoint
@@ -94,6 +97,86 @@ class CheckpointRepository:
             Checkpoint.kind.in_([CheckpointKind(k) for k in kinds]),
         )
         return self.session.scalar(stmt.order_by(Checkpoint.created_at.desc(), Checkpoint.step.desc()).limit(1))
+
+    def count(self) -> int:
+        """Checkpoints of this tenant, every adapter's (deleted adapters' too)."""
+        stmt = select(func.count()).select_from(Checkpoint).where(Checkpoint.tenant_id == self.tenant_id)
+        return int(self.session.execute(stmt).scalar_one())
+
+    def page(self, limit: int, offset: int) -> builtins.list[Checkpoint]:
+        """Checkpoints of this tenant across its adapters, newest first (ties: higher step, then name, then kind)."""
+        stmt = (
+            select(Checkpoint)
+            .where(Checkpoint.tenant_id == self.tenant_id)
+            .order_by(
+                Checkpoint.created_at.desc(),
+                Checkpoint.step.desc(),
+                Checkpoint.model_id,
+                Checkpoint.name,
+                Checkpoint.kind,
+            )
+            .limit(limit)
+            .offset(offset)
+        )
+        return list(self.session.scalars(stmt))
+
+    def latest_of(self, model_ids: Iterable[str]) -> dict[tuple[str, CheckpointKind], Checkpoint]:
+        """The newest checkpoint of each kind of each of `model_ids` (one query): (model_id, kind) -> checkpoint;
+        a pair with no checkpoint is absent."""
+        ids = sorted(set(model_ids))
+        if not ids:
+            return {}
+        newest = (
+            func.row_number()
+            .over(
+                partition_by=(Checkpoint.model_id, Checkpoint.kind),
+                order_by=(Checkpoint.created_at.desc(), Checkpoint.step.desc(), Checkpoint.name.desc()),
+            )
+            .label("newest")
+        )
+        ranked = (
+            select(Checkpoint.id, newest)
+            .where(Checkpoint.tenant_id == self.tenant_id, Checkpoint.model_id.in_(ids))
+            .subquery()
+        )
+        stmt = select(Checkpoint).join(ranked, Checkpoint.id == ranked.c.id).where(ranked.c.newest == 1)
+        return {(c.model_id, CheckpointKind(c.kind)): c for c in self.session.scalars(stmt)}
+
+    def get_many(self, paths: Sequence[TinkerPath]) -> builtins.list[Checkpoint]:
+        """The checkpoints `paths` name, in their order (one query); NotFoundError naming the first path that is
+        missing or another tenant's (the same message for both)."""
+        if not paths:
+            return []
+        stmt = select(Checkpoint).where(
+            Checkpoint.tenant_id == self.tenant_id,
+            Checkpoint.model_id.in_(sorted({p.model_id for p in paths})),
+            Checkpoint.name.in_(sorted({p.name for p in paths})),
+        )
+        found = {(c.model_id, CheckpointKind(c.kind), c.name): c for c in self.session.scalars(stmt)}
+        rows: builtins.list[Checkpoint] = []
+        for path in paths:
+            row = found.get((path.model_id, CheckpointKind(path.kind), path.name))
+            if row is None:
+                raise NotFoundError(f"checkpoint {path} not found")
+            rows.append(row)
+        return rows
+
+    def delete_many(self, paths: Sequence[TinkerPath]) -> builtins.list[Checkpoint]:
+        """Remove every record `paths` name, or none: a missing or foreign path raises NotFoundError (naming it)
+        before anything is deleted. Returns the rows, so the caller deletes their files once the transaction
+        commits."""
+        rows = self.get_many(paths)
+        for row in rows:
+            self.session.delete(row)
+        self.session.flush()
+        return rows
+
+    def set_expiry(self, model_id: str, kind: CheckpointKind, name: str, expires_at: datetime | None) -> Checkpoint:
+        """Set (or, with None, clear) when the retention job deletes this checkpoint."""
+        checkpoint = self.get(model_id, kind, name)
+        checkpoint.expires_at = expires_at
+        self.session.flush()
+        return checkpoint
 
     def delete(self, model_id: str, kind: CheckpointKind, name: str) -> Checkpoint:
         """Remove the record and return it, so the caller can delete its blob once the transaction commits."""

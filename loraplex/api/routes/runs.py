@@ -1,0 +1,27 @@
+"""Training runs (Tinker's TrainingRun view of an adapter): list, paged and newest first, and read one. Deleted
+adapters stay listed, `status` "deleted". Rules: api/service/runs.py."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+
+from loraplex.api import service
+from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.schemas import RunOut, RunPage
+from loraplex.api.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+# The bounds are the service's (a 400 naming them), so every front end shares one rule.
+LIMIT = Query(DEFAULT_PAGE_LIMIT, description=f"Runs per page, 1 to {MAX_PAGE_LIMIT}")
+OFFSET = Query(0, description="Runs to skip, >= 0")
+
+
+@router.get("")
+def list_runs(tenant: TenantDep, services: ServicesDep, limit: int = LIMIT, offset: int = OFFSET) -> RunPage:
+    return service.list_runs(services, tenant, limit, offset)
+
+
+@router.get("/{model_id}")
+def get_run(model_id: str, tenant: TenantDep, services: ServicesDep) -> RunOut:
+    return service.get_run(services, tenant, model_id)

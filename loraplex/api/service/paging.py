@@ -1,0 +1,21 @@
+"""Offset pagination of the listings (runs, checkpoints): one rule for every front end."""
+
+from __future__ import annotations
+
+from loraplex.api.schemas import Cursor
+from loraplex.errors import InvalidRequestError
+
+MAX_PAGE_LIMIT = 1000
+DEFAULT_PAGE_LIMIT = 20
+
+
+def check_page(limit: int, offset: int) -> None:
+    """InvalidRequestError unless 1 <= limit <= MAX_PAGE_LIMIT and offset >= 0 (both integers)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_LIMIT:
+        raise InvalidRequestError(f"limit must be an integer from 1 to {MAX_PAGE_LIMIT}, got {limit!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidRequestError(f"offset must be a non-negative integer, got {offset!r}")
+
+
+def cursor(limit: int, offset: int, total_count: int) -> Cursor:
+    return Cursor(offset=offset, limit=limit, total_count=total_count)
