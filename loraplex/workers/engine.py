@@ -40,6 +40,7 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.init import init_lora_a
+from loraplex.workers.losses import segments_of
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
 
@@ -382,7 +383,8 @@ class Engine:
                     k: torch.cat([d.inputs[k] for d in run_datums]).to(self.device, non_blocking=True)
                     for k in run_datums[0].inputs
                 }
-                item_loss = item.loss.fn(lp[start : start + count], inputs, item.loss_config).sum()
+                segments = segments_of([d.length for d in run_datums], self.device)  # each token's datum
+                item_loss = item.loss.fn(lp[start : start + count], inputs, item.loss_config, segments).sum()
                 losses[item_index] = losses[item_index] + item_loss.detach()
                 if not item.forward_only:
                     total = item_loss if total is None else total + item_loss
