@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from loraplex.checkpoint_paths import MAX_TTL_SECONDS
 from loraplex.protocol_defaults import ADAM_DEFAULTS
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 
 
 class Strict(BaseModel):

@@ -148,7 +148,9 @@ class AdapterStore:
         if tier == CPU:
             snap = self._host[model_id]
             out.copy_(snap.rows)
-            return AdapterSnapshot(snap.model_id, snap.rank, snap.alpha, snap.seed, snap.step, snap.signature, out)
+            return AdapterSnapshot(
+                snap.model_id, snap.rank, snap.alpha, snap.seed, snap.step, snap.signature, out, snap.target_modules
+            )
         return read_spill(self._disk[model_id], out)
 
     def lru_order(self) -> list[str]:
@@ -157,19 +159,26 @@ class AdapterStore:
         return list(self._lru)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------------
-    def create(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
-        """A new adapter from its seed in a slot (the LRU resident adapter makes room when none is free)."""
+    def create(
+        self, model_id: str, rank: int, alpha: float, seed: int, target_modules: Iterable[str] | None = None
+    ) -> AdapterRecord:
+        """A new adapter from its seed in a slot (the LRU resident adapter makes room when none is free), training
+        `target_modules` (a subset of the pool's; None = all: Engine.create_adapter)."""
         self._check_new(model_id)
+        targets = self.engine.resolve_target_modules(target_modules)  # refused before anything is evicted
         self._free_slots(1, protect=())
-        record = self.engine.create_adapter(model_id, rank, alpha, seed)
+        record = self.engine.create_adapter(model_id, rank, alpha, seed, targets)
         self._placed(record)
         return record
 
-    def claim_slot(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+    def claim_slot(
+        self, model_id: str, rank: int, alpha: float, seed: int, target_modules: Iterable[str] | None = None
+    ) -> AdapterRecord:
         """As Engine.claim_slot (a zeroed slot for the caller to fill, e.g. from a checkpoint), making room as `create`."""
         self._check_new(model_id)
+        targets = self.engine.resolve_target_modules(target_modules)
         self._free_slots(1, protect=())
-        record = self.engine.claim_slot(model_id, rank, alpha, seed)
+        record = self.engine.claim_slot(model_id, rank, alpha, seed, targets)
         self._placed(record)
         return record
 

@@ -123,6 +123,10 @@ def prepare_datum(
             inputs[key] = torch.full((n,), resolved[key], dtype=torch.float32)
     if "clip_low_threshold" in inputs:
         check_clip_thresholds(inputs["clip_low_threshold"], inputs["clip_high_threshold"], f"{where}.loss_fn_inputs")
+    for key, derive in loss.derived.items():  # e.g. gspo's sequence_ratio_mask: given, or from the other inputs
+        inputs[key] = _float_tensor(raw_inputs[key], f"{where}.{key}", n) if key in raw_inputs else derive(inputs)
+    if loss.check is not None:
+        loss.check(inputs, f"{where}.loss_fn_inputs")
     return PreparedDatum(tokens, targets, inputs)
 
 

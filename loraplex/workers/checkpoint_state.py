@@ -4,6 +4,8 @@ A slot holds the adapter zero padded to the pool's r_max, each bank as A [in, r_
 the optimizer's flat buffers; a CheckpointState holds only the real-rank parts in PEFT's layout (A [r, in], B [out, r]),
 fp32 on the CPU. Saving copies the slot's rows to the host (Engine.read_slot) and slices them; loading builds the rows
 on the host (zero padding included) and copies them into a zeroed slot (Engine.write_slot). Gradients are never saved.
+An adapter that trains a subset of the pool's target modules saves only those (target_modules and modules in the
+signature list the subset) and restores into the same subset: the other modules' banks stay zero.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def state_from_engine(
     r = record.rank
     weights: Weights = {}
     moments: Moments = {}
+    modules = engine.adapter_modules(record)
     for name, a, b in _bank_views(engine, rows):
+        if name not in modules:
+            continue  # not trained by this adapter: zero, not saved
         weights[name] = _real_parts(a[0], b[0], r)
         if with_optimizer:
             (m_a, m_b), (v_a, v_b) = _real_parts(a[1], b[1], r), _real_parts(a[2], b[2], r)
@@ -54,8 +59,8 @@ def state_from_engine(
         seed=record.seed,
         step=int(engine.optimizer.steps[record.slot]),
         base_model=str(base_model),
-        target_modules=tuple(engine.target_modules),
-        modules=tuple(engine.banks),
+        target_modules=tuple(engine.adapter_target_modules(record)),
+        modules=tuple(modules),
         max_rank_hint=engine.max_rank,
         weights=weights,
         optimizer=moments if with_optimizer else None,
@@ -65,24 +70,25 @@ def state_from_engine(
 
 
 def check_signature(engine: Engine, state: CheckpointState) -> None:
-    """Whether `state` fits this pool: rank <= r_max, the same target-module set, the same modules with the same
-    shapes. InvalidRequestError naming what differs."""
+    """Whether `state` fits this pool: rank <= r_max, its target modules a subset of the pool's, its modules the pool's
+    banks of those target modules, with the same shapes. InvalidRequestError naming what differs."""
     if state.rank > engine.max_rank:
         raise InvalidRequestError(f"checkpoint rank {state.rank} exceeds this pool's max rank {engine.max_rank}")
     ours, theirs = set(engine.target_modules), set(state.target_modules)
-    if ours != theirs:
+    if not theirs <= ours:
         raise InvalidRequestError(
-            f"checkpoint target modules {sorted(theirs)} differ from this pool's {sorted(ours)} "
-            f"(missing here: {sorted(theirs - ours)}, not in checkpoint: {sorted(ours - theirs)})"
+            f"checkpoint target modules {sorted(theirs)} are not among this pool's {sorted(ours)} "
+            f"(missing here: {sorted(theirs - ours)})"
         )
-    pool_modules = set(engine.banks)
+    pool_modules = {name for name in engine.banks if name.rsplit(".", 1)[-1] in theirs}
     if set(state.modules) != pool_modules:
         extra, missing = sorted(set(state.modules) - pool_modules), sorted(pool_modules - set(state.modules))
         raise InvalidRequestError(
             f"checkpoint modules do not match this pool's base model: {len(extra)} unknown here "
             f"(e.g. {extra[:3]}), {len(missing)} missing from the checkpoint (e.g. {missing[:3]})"
         )
-    for name, bank in engine.banks.items():
+    for name in state.modules:
+        bank = engine.banks[name]
         a, b = state.weights[name]
         want_a, want_b = (state.rank, bank.in_features), (bank.out_features, state.rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
@@ -106,15 +112,18 @@ def load_into_engine(
     check_signature(engine, state)
     if with_optimizer and state.optimizer is None:
         raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
+    targets = state.target_modules  # the same subset as saved
     if existing:
-        record = engine.reset_adapter(model_id, state.rank, state.alpha, state.seed)  # same slot, zeroed
+        record = engine.reset_adapter(model_id, state.rank, state.alpha, state.seed, targets)  # same slot, zeroed
     else:
-        record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed)  # a zeroed slot
+        record = engine.claim_slot(model_id, state.rank, state.alpha, state.seed, targets)  # a zeroed slot
     names = OPTIMIZER_ROWS if with_optimizer else WEIGHT_ROWS
     rows = torch.zeros((len(names), engine.slot_width))  # the zero padding stays zero
     r = record.rank
     with torch.no_grad():
         for name, a, b in _bank_views(engine, rows):
+            if name not in state.weights:
+                continue  # a module the adapter does not train: stays zero
             parts = [state.weights[name]]
             if with_optimizer:
                 assert state.optimizer is not None

@@ -40,6 +40,7 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.init import init_lora_a
+from loraplex.workers.losses import segments_of
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.trunk import Trunk
 
@@ -54,6 +55,9 @@ class AdapterRecord:
     rank: int
     alpha: float
     seed: int
+    # The leaf names (q_proj, ...) this adapter trains, in the pool's order; None: all of the pool's target modules.
+    # The others keep A and B at exactly zero (zero A and B get zero gradients; the optimizer never moves them).
+    target_modules: tuple[str, ...] | None = None
 
     @property
     def scale(self) -> float:
@@ -150,10 +154,14 @@ class Engine:
         except KeyError:
             raise NotFoundError(f"adapter {model_id!r} is not resident on this worker") from None
 
-    def create_adapter(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
+    def create_adapter(
+        self, model_id: str, rank: int, alpha: float, seed: int, target_modules: Iterable[str] | None = None
+    ) -> AdapterRecord:
         """Put a new adapter in a free slot: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform a=sqrt(5), as PEFT) hashed
         from `seed` on the device (lora/init.py: same weights in any slot, on any device), B = 0, gradients and Adam
-        state zero."""
+        state zero. target_modules: a non-empty subset of the pool's (leaf names; None = all): the other modules' A is
+        zeroed after the init (their B is zero already), so they stay exactly zero and the trained modules' init is the
+        one a full adapter of that seed gets."""
         if model_id in self._adapters:
             raise ConflictError(f"adapter {model_id!r} already exists")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
@@ -162,26 +170,78 @@ class Engine:
             )
         if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
             raise InvalidRequestError(f"alpha must be a positive number, got {alpha!r}")
-        record = self.claim_slot(model_id, rank, alpha, seed)
+        targets = self.resolve_target_modules(target_modules)  # checked before a slot is claimed
+        record = self.claim_slot(model_id, rank, alpha, seed, targets)
         init_lora_a(list(self.banks.values()), record.slot, rank, int(seed))
+        if targets is not None:
+            with torch.no_grad():
+                for name, bank in self.banks.items():
+                    if name not in self.adapter_modules(record):
+                        bank.lora_A[record.slot].zero_()
         return record
 
-    def claim_slot(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
-        """Register an adapter in a free, zeroed slot (weights, gradients, Adam state all zero); the caller fills it."""
+    def resolve_target_modules(self, target_modules: Iterable[str] | None) -> tuple[str, ...] | None:
+        """An adapter's target modules, checked: None for all of the pool's (also when the set is the pool's), else the
+        subset in the pool's order. InvalidRequestError for an empty set or a module the pool has no bank for."""
+        if target_modules is None:
+            return None
+        if isinstance(target_modules, str):
+            raise InvalidRequestError(f"target_modules must be a list of module names, got {target_modules!r}")
+        wanted = set(target_modules)
+        if not wanted:
+            raise InvalidRequestError("target_modules is empty: an adapter trains at least one module")
+        unknown = sorted(m for m in wanted if m not in self.target_modules)
+        if unknown:
+            raise InvalidRequestError(
+                f"target_modules {unknown} are not among this pool's LoRA modules {list(self.target_modules)}"
+            )
+        if wanted == set(self.target_modules):
+            return None
+        return tuple(m for m in self.target_modules if m in wanted)
+
+    def adapter_target_modules(self, record: AdapterRecord) -> tuple[str, ...]:
+        """The leaf names the adapter trains, in the pool's order."""
+        return record.target_modules if record.target_modules is not None else self.target_modules
+
+    def adapter_modules(self, record: AdapterRecord) -> list[str]:
+        """The bank (full module) names the adapter trains, in bank order."""
+        if record.target_modules is None:
+            return list(self.banks)
+        leaves = set(record.target_modules)
+        return [name for name in self.banks if name.rsplit(".", 1)[-1] in leaves]
+
+    def _trained_params(self, record: AdapterRecord) -> frozenset[int] | None:
+        """Indices into optimizer.params (A, B per bank, in bank order) the adapter trains; None: all of them."""
+        if record.target_modules is None:
+            return None
+        mine = set(self.adapter_modules(record))
+        return frozenset(j for i, name in enumerate(self.banks) if name in mine for j in (2 * i, 2 * i + 1))
+
+    def claim_slot(
+        self, model_id: str, rank: int, alpha: float, seed: int, target_modules: Iterable[str] | None = None
+    ) -> AdapterRecord:
+        """Register an adapter in a free, zeroed slot (weights, gradients, Adam state all zero); the caller fills it
+        (only the modules in `target_modules`, None = all: the others must stay zero)."""
         if model_id in self._adapters:
             raise ConflictError(f"adapter {model_id!r} already exists")
+        targets = self.resolve_target_modules(target_modules)
         if not self._free:
             raise CapacityError(f"all {self.num_slots} adapter slots are in use")
-        record = AdapterRecord(model_id, self._free.pop(0), int(rank), float(alpha), int(seed))
+        record = AdapterRecord(model_id, self._free.pop(0), int(rank), float(alpha), int(seed), targets)
         self._clear_slot(record.slot)
         self._adapters[model_id] = record
         return record
 
-    def reset_adapter(self, model_id: str, rank: int, alpha: float, seed: int) -> AdapterRecord:
-        """Keep the adapter's slot but zero everything in it and give it new hyperparameters (a checkpoint load)."""
+    def reset_adapter(
+        self, model_id: str, rank: int, alpha: float, seed: int, target_modules: Iterable[str] | None = None
+    ) -> AdapterRecord:
+        """Keep the adapter's slot but zero everything in it and give it new hyperparameters and target modules (a
+        checkpoint load)."""
         old = self.adapter(model_id)
+        targets = self.resolve_target_modules(target_modules)
         self._clear_slot(old.slot)
-        record = self._adapters[model_id] = AdapterRecord(model_id, old.slot, int(rank), float(alpha), int(seed))
+        record = AdapterRecord(model_id, old.slot, int(rank), float(alpha), int(seed), targets)
+        self._adapters[model_id] = record
         return record
 
     def is_resident(self, model_id: str) -> bool:
@@ -203,21 +263,22 @@ class Engine:
         self.optimizer.reset_slots([slot])
 
     def adapter_weights(self, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per wrapped module: (A [in, r], B [r, out]) real-rank parts, fp32 CPU copies."""
+        """Per module the adapter trains: (A [in, r], B [r, out]) real-rank parts, fp32 CPU copies."""
         r = self.adapter(model_id)
         return {
             name: (
-                b.lora_A[r.slot, :, : r.rank].detach().cpu().clone(),
-                b.lora_B[r.slot, : r.rank].detach().cpu().clone(),
+                self.banks[name].lora_A[r.slot, :, : r.rank].detach().cpu().clone(),
+                self.banks[name].lora_B[r.slot, : r.rank].detach().cpu().clone(),
             )
-            for name, b in self.banks.items()
+            for name in self.adapter_modules(r)
         }
 
     def adapter_grads(self, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Accumulated, not yet applied gradients, shaped as adapter_weights (zeros when none)."""
         r = self.adapter(model_id)
         out = {}
-        for name, b in self.banks.items():
+        for name in self.adapter_modules(r):
+            b = self.banks[name]
             ga, gb = (
                 (p.grad[r.slot] if p.grad is not None else torch.zeros_like(p[r.slot])) for p in (b.lora_A, b.lora_B)
             )
@@ -225,12 +286,15 @@ class Engine:
         return out
 
     def load_adapter_weights(self, model_id: str, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Overwrite an adapter's weights (restore, tests); every wrapped module must be given, shaped as adapter_weights."""
+        """Overwrite an adapter's weights (restore, tests); every module it trains must be given (and no other), shaped as
+        adapter_weights."""
         r = self.adapter(model_id)
-        if set(weights) != set(self.banks):
-            raise InvalidRequestError(f"weights must cover exactly the modules {sorted(self.banks)[:3]}...")
+        modules = self.adapter_modules(r)
+        if set(weights) != set(modules):
+            raise InvalidRequestError(f"weights must cover exactly the adapter's modules {modules[:3]}...")
         with torch.no_grad():
-            for name, bank in self.banks.items():
+            for name in modules:
+                bank = self.banks[name]
                 a, b = weights[name]
                 if tuple(a.shape) != (bank.in_features, r.rank) or tuple(b.shape) != (r.rank, bank.out_features):
                     raise InvalidRequestError(
@@ -382,7 +446,8 @@ class Engine:
                     k: torch.cat([d.inputs[k] for d in run_datums]).to(self.device, non_blocking=True)
                     for k in run_datums[0].inputs
                 }
-                item_loss = item.loss.fn(lp[start : start + count], inputs, item.loss_config).sum()
+                segments = segments_of([d.length for d in run_datums], self.device)  # each token's datum
+                item_loss = item.loss.fn(lp[start : start + count], inputs, item.loss_config, segments).sum()
                 losses[item_index] = losses[item_index] + item_loss.detach()
                 if not item.forward_only:
                     total = item_loss if total is None else total + item_loss
@@ -495,7 +560,10 @@ class Engine:
                 rounds.append([(i, record, hp)])
         for round_ in rounds:
             stepped = self.optimizer.step(
-                [r.slot for _, r, _ in round_], [h for _, _, h in round_], [r.rank for _, r, _ in round_]
+                [r.slot for _, r, _ in round_],
+                [h for _, _, h in round_],
+                [r.rank for _, r, _ in round_],
+                [self._trained_params(r) for _, r, _ in round_],  # a subset adapter's other modules never move
             )
             for (i, record, hp), res in zip(round_, stepped, strict=True):
                 if res.stepped:

@@ -125,18 +125,18 @@ class PlanExecutor:
             assert isinstance(p, CreateAdapterPayload)
             if p.rank is None:
                 raise InvalidRequestError("create_adapter needs a rank")
-            modules = p.target_modules
-            if modules is not None and set(modules) != set(self.engine.target_modules):
-                raise InvalidRequestError(
-                    f"target_modules {sorted(modules)} differ from this pool's {sorted(self.engine.target_modules)}"
-                )
+            # A non-empty subset of the pool's target modules (None: all); unknown or empty: InvalidRequestError.
+            modules = self.engine.resolve_target_modules(p.target_modules)
             alpha = p.alpha if p.alpha is not None else DEFAULT_ALPHA_PER_RANK * p.rank
             source = p.from_checkpoint  # a new adapter from a checkpoint folder
             if source is not None:
-                self._create_from_checkpoint(request.model_id, Path(source.directory), source.with_optimizer)
+                self._create_from_checkpoint(
+                    request.model_id, Path(source.directory), source.with_optimizer, p.target_modules is not None,
+                    modules,
+                )  # fmt: skip
             else:
                 create_adapter = self.store.create if self.store is not None else self.engine.create_adapter
-                create_adapter(request.model_id, p.rank, alpha, p.seed)
+                create_adapter(request.model_id, p.rank, alpha, p.seed, modules)
             return {"model_id": request.model_id}
 
         return self._one_by_one(step, create)
@@ -221,20 +221,34 @@ class PlanExecutor:
             for r, res in zip(step.requests, results, strict=True)
         ]
 
-    def _create_from_checkpoint(self, model_id: str, directory: Path, with_optimizer: bool | None) -> None:
-        """A new adapter restored from a checkpoint folder (checked in full before a slot is claimed)."""
+    def _create_from_checkpoint(
+        self,
+        model_id: str,
+        directory: Path,
+        with_optimizer: bool | None,
+        modules_given: bool = False,
+        modules: tuple[str, ...] | None = None,
+    ) -> None:
+        """A new adapter restored from a checkpoint folder (checked in full before a slot is claimed), training the
+        checkpoint's target modules; target modules given with it must be those."""
         from loraplex.workers.checkpoint import read_checkpoint
         from loraplex.workers.checkpoint_state import check_signature, load_into_engine
 
         state = read_checkpoint(directory)
         with_optimizer = True if with_optimizer is None else bool(with_optimizer)
         check_signature(self.engine, state)
+        saved = self.engine.resolve_target_modules(state.target_modules)
+        if modules_given and modules != saved:
+            raise InvalidRequestError(
+                f"target_modules {list(modules or self.engine.target_modules)} differ from the checkpoint's "
+                f"{list(saved or self.engine.target_modules)}"
+            )
         if with_optimizer and state.optimizer is None:
             raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
         if self.store is None:
             load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=False)
         else:  # the store makes room and tracks it; the zeroed slot is then filled in place
-            self.store.claim_slot(model_id, state.rank, state.alpha, state.seed)
+            self.store.claim_slot(model_id, state.rank, state.alpha, state.seed, state.target_modules)
             load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=True)
 
     def _checkpoint(self, step: Step) -> list[Outcome]:

@@ -14,6 +14,11 @@ epsilons).
     ppo                  loss = -sum(min(ratio * A, clip(ratio, lo, hi) * A))  config: lo = 0.8, hi = 1.2
     cispo                loss = -sum(sg(clip(ratio, lo, hi)) * lp * A)         config: lo = 0.0, hi = 4.0 (one-sided)
     dro                  loss = -sum(lp * A - beta / 2 * (lp - q)^2)           config: beta = 1.0
+    gspo                 loss = -sum(min(s_t * A, clip(s_t, lo, hi) * A))      config: lo = 0.8, hi = 1.2
+                         s_t = exp(log_s + lp - sg(lp)), log_s = mean over M of sg(lp) - q (one value per datum)
+                         M = tokens with sequence_ratio_mask != 0 (default: tokens with A != 0); input sequence_ratio_mask
+    stable_reinforce     loss = -sum(sg(ratio) * lp * A) + kl_coeff * sum over A != 0 of (ratio - 1 - log(ratio))
+                         config: kl_coeff = 0.0; inputs: target_tokens, logprobs, advantages (see below: a stand-in)
 
 Sources (formulas re-derived here from the text; no code copied):
 - Tinker docs, "Loss functions" (https://tinker-docs.thinkingmachines.ai/losses, the same text as tinker-cookbook
@@ -27,6 +32,31 @@ Sources (formulas re-derived here from the text; no code copied):
 - Tinker SDK `tinker/types/datum.py` (`_KEY_TO_TYPE`): `clip_low_threshold` and `clip_high_threshold` are also accepted as
   float32 `loss_fn_inputs` of a datum. We take them per token ([N], or one value for the whole datum) and let them override
   `loss_fn_config` for that datum's tokens.
+- GSPO: Tinker docs `/tinker/losses/gspo` (Zheng et al. 2025, arXiv 2507.18071), the token-level variant GSPO-token:
+  "The sequence ratio, over the tokens M that sequence_ratio_mask marks, is s = exp(1/|M| sum_{t in M} log p/q)"; "Each
+  token's ratio takes s's value and its own gradient: s_t = sg[s] * p_theta(x_t) / sg[p_theta(x_t)]"; the objective is
+  PPO's min/clip on s_t with clip thresholds. The stored page we could read stops before it states defaults, so the
+  thresholds default to PPO's 0.8 / 1.2 (loss_fn_config or per-token inputs override them, as for ppo; the paper itself
+  uses epsilons 3e-4 / 4e-4, which a client passes as 0.9997 / 1.0004). `sequence_ratio_mask` is a float32 input in
+  the SDK (`tinker/types/datum.py` _KEY_TO_TYPE), set by tinker-cookbook `recipes/rl_loop.py` to 1 on the sampled tokens;
+  when a datum has none we take M = its tokens with A != 0 (the sampled tokens in Tinker RL data: the cookbook gives
+  prompt tokens A = 0 and q = 0, which must stay out of the mean). A mask that marks no token gives log_s = 0 (s = 1);
+  that is refused when the datum has a non-zero advantage (the sequence ratio would be undefined). The mean is per
+  datum: the engine passes each token's datum index (`segments`), and a datum is never split across microbatches.
+- stable_reinforce: Tinker docs `/tinker/losses/stable-reinforce` (alpha) call it "a REINFORCE variant that stays stable
+  even when the sampling policy differs from the policy being trained"; it trains on stability information that
+  Tinker's *sampler* records per sampled sequence (`record_stability_info=True`, SDK `types/sample_request.py`), named
+  from the training datum through provenance spans (`Datum.with_provenance`: `SampledProvenanceSpan(sequence_id=...)`,
+  SDK `types/datum.py`, `types/provenance_spans.py`; tinker-cookbook `recipes/rl_loop.py` builds them). Its config key
+  `kl_coeff` comes from the SDK (`types/forward_backward_input.py`: "StableReinforce kl_coeff"; the proto's example is
+  `{"kl_coeff": 0.01}`). The objective itself is not in the text we could read. NOT SUPPORTED here: the sampler-recorded
+  stability information and provenance spans (we have no sampler yet, and our datums carry no spans). What we compute
+  is a stand-in from the per-token inputs the datum does carry (target_tokens; logprobs = q, the sampler's; advantages):
+  REINFORCE with a stop-gradient importance weight (gradient -ratio * A per token, every token keeps its gradient) plus
+  kl_coeff times the k3 estimator of KL(q || p_theta) on the sampled tokens (A != 0; the prompt tokens' q = 0 padding
+  would make it meaningless there). kl_coeff defaults to 0.0 (no default is documented). It is NOT numerically Tinker's
+  stable_reinforce; revisit it when sampling lands. logprobs and advantages missing: InvalidRequestError, as for the
+  other RL losses.
 - SkyRL `skyrl/tinker/loss_fns.py` (JAX): the same cross_entropy / importance_sampling / ppo / cispo token formulas, with
   clip thresholds carried per example; it has no dro.
 
@@ -35,7 +65,13 @@ Metrics (all `name:reduction`, reductions from {sum, mean, min, max}); the engin
     importance_sampling, ppo, cispo, dro   importance_ratio:mean, importance_ratio:min, importance_ratio:max
     ppo                                    clip_fraction:mean  tokens where the clipped term wins the min (zero gradient)
     cispo                                  clip_fraction:mean  tokens whose ratio lies outside [lo, hi]
+    gspo                                   clip_fraction:mean  as ppo, on s_t;  sequence_ratio:mean/min/max  s per datum
+                                           (over the datums whose M is not empty)
+    stable_reinforce                       kl:mean  the k3 term's mean over the active tokens
 A metric over an empty set of active tokens is left out (clip_fraction is then 0.0), so every value is finite.
+
+Every loss function takes `segments`: int64 [N], the index (0, 1, ...) of the datum each token belongs to, for losses
+with a per-datum quantity (gspo's sequence ratio); the token-wise losses ignore it.
 """
 
 from __future__ import annotations
@@ -50,8 +86,11 @@ from loraplex.errors import InvalidRequestError
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
-TokenLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
-LossMetrics = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], dict[str, float]]
+# (target logprobs [N], float inputs [N] each, config, segments [N] int64: each token's datum index) -> loss [N]
+TokenLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float], torch.Tensor], torch.Tensor]
+LossMetrics = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float], torch.Tensor], dict[str, float]]
+DerivedInput = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]  # an absent input, from the datum's other inputs
+DatumCheck = Callable[[Mapping[str, torch.Tensor], str], None]  # raises InvalidRequestError naming `where`
 
 
 @dataclass(frozen=True)
@@ -65,6 +104,9 @@ class LossSpec:
     # from the resolved config where the datum has none.
     per_token_config: tuple[str, ...] = ()
     metrics: LossMetrics | None = None  # extra metrics beyond loss:sum, from the item's logprobs and inputs
+    # float inputs a datum may give ([N]); when absent, computed from its other inputs (after defaults and config).
+    derived: Mapping[str, DerivedInput] = field(default_factory=dict)
+    check: DatumCheck | None = None  # a datum's prepared inputs, checked together (e.g. gspo's mask vs its advantages)
 
     def item_metrics(
         self,
@@ -77,7 +119,13 @@ class LossSpec:
             return {}
         lp = torch.tensor([v for d in logprobs for v in d], dtype=torch.float32)
         cat = {k: torch.cat([d[k].detach().float().cpu() for d in inputs]) for k in inputs[0]}
-        return self.metrics(lp, cat, config)
+        return self.metrics(lp, cat, config, segments_of([len(d) for d in logprobs]))
+
+
+def segments_of(lengths: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [sum(lengths)]: token i's datum index, for datums of these lengths laid end to end."""
+    counts = torch.tensor(list(lengths), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(counts)), counts).to(device or "cpu")
 
 
 # ---- losses ----------------------------------------------------------------------------------------------------------
@@ -89,29 +137,76 @@ def _clip(ratio: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tens
     return torch.clamp(ratio, inputs["clip_low_threshold"], inputs["clip_high_threshold"])
 
 
-def _cross_entropy(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float]) -> torch.Tensor:
+def _cross_entropy(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
     return -(inputs["weights"] * lp)
 
 
-def _importance_sampling(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float]) -> torch.Tensor:
+def _importance_sampling(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
     return -(_ratio(lp, inputs) * inputs["advantages"])
 
 
-def _ppo(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float]) -> torch.Tensor:
+def _ppo(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
     ratio, adv = _ratio(lp, inputs), inputs["advantages"]
     return -torch.minimum(ratio * adv, _clip(ratio, inputs) * adv)
 
 
-def _cispo(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float]) -> torch.Tensor:
+def _cispo(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
     return -(_clip(_ratio(lp, inputs), inputs).detach() * lp * inputs["advantages"])
 
 
-def _dro(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+def _dro(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
     return -(lp * inputs["advantages"] - 0.5 * cfg["beta"] * (lp - inputs["logprobs"]).square())
 
 
+def _sequence_log_ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], seg: torch.Tensor) -> torch.Tensor:
+    """gspo's log s per token: the mean of sg(lp) - q over its datum's masked tokens (0 where the mask is empty)."""
+    in_ratio = (inputs["sequence_ratio_mask"] != 0).to(lp.dtype)
+    # Sized by tokens (>= datums), not by seg.max(): no device sync.
+    total = torch.zeros_like(lp, requires_grad=False).index_add_(0, seg, in_ratio * (lp.detach() - inputs["logprobs"]))
+    count = torch.zeros_like(lp, requires_grad=False).index_add_(0, seg, in_ratio)
+    return torch.where(count > 0, total / count.clamp(min=1), 0.0)[seg]
+
+
+def _gspo_ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], seg: torch.Tensor) -> torch.Tensor:
+    """s_t = sg(s) * p / sg(p): the sequence ratio's value with the token's own gradient."""
+    return torch.exp(_sequence_log_ratio(lp, inputs, seg) + lp - lp.detach())
+
+
+def _gspo(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], seg: torch.Tensor
+) -> torch.Tensor:
+    ratio, adv = _gspo_ratio(lp, inputs, seg), inputs["advantages"]
+    return -torch.minimum(ratio * adv, _clip(ratio, inputs) * adv)
+
+
+def _k3(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """ratio - 1 - log(ratio): the k3 estimator of KL(q || p_theta) at tokens sampled from q (>= 0, 0 at ratio 1)."""
+    log_ratio = lp - inputs["logprobs"]
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+def _stable_reinforce(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], _seg: torch.Tensor
+) -> torch.Tensor:
+    adv = inputs["advantages"]
+    reinforce = -(_ratio(lp, inputs).detach() * lp * adv)
+    return reinforce + cfg["kl_coeff"] * torch.where(adv != 0, _k3(lp, inputs), 0.0)
+
+
 # ---- metrics ---------------------------------------------------------------------------------------------------------
-def _ratio_metrics(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float]) -> dict[str, float]:
+def _ratio_metrics(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], _: Mapping[str, float], seg: torch.Tensor
+) -> dict[str, float]:
     active = inputs["advantages"] != 0
     if not bool(active.any()):
         return {}
@@ -128,16 +223,58 @@ def _fraction(mask: torch.Tensor, active: torch.Tensor) -> float:
     return float((mask & active).sum()) / n if n else 0.0
 
 
-def _ppo_metrics(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> dict[str, float]:
+def _ppo_metrics(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], seg: torch.Tensor
+) -> dict[str, float]:
     ratio, adv = _ratio(lp, inputs), inputs["advantages"]
     clipped = _clip(ratio, inputs) * adv < ratio * adv  # the min picks the clipped term: this token's gradient is zero
-    return {**_ratio_metrics(lp, inputs, cfg), "clip_fraction:mean": _fraction(clipped, adv != 0)}
+    return {**_ratio_metrics(lp, inputs, cfg, seg), "clip_fraction:mean": _fraction(clipped, adv != 0)}
 
 
-def _cispo_metrics(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> dict[str, float]:
+def _cispo_metrics(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], seg: torch.Tensor
+) -> dict[str, float]:
     ratio = _ratio(lp, inputs)
     outside = (ratio < inputs["clip_low_threshold"]) | (ratio > inputs["clip_high_threshold"])
-    return {**_ratio_metrics(lp, inputs, cfg), "clip_fraction:mean": _fraction(outside, inputs["advantages"] != 0)}
+    return {**_ratio_metrics(lp, inputs, cfg, seg), "clip_fraction:mean": _fraction(outside, inputs["advantages"] != 0)}
+
+
+def _gspo_metrics(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], seg: torch.Tensor
+) -> dict[str, float]:
+    ratio, adv = _gspo_ratio(lp, inputs, seg), inputs["advantages"]
+    clipped = _clip(ratio, inputs) * adv < ratio * adv
+    out = {**_ratio_metrics(lp, inputs, cfg, seg), "clip_fraction:mean": _fraction(clipped, adv != 0)}
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    with_mask = torch.unique(seg[in_ratio])  # the datums whose sequence ratio is defined
+    if with_mask.numel():
+        first = torch.searchsorted(seg, with_mask)  # seg is sorted: a datum's first token
+        s = ratio.detach()[first]
+        out.update({"sequence_ratio:mean": s.mean().item(), "sequence_ratio:min": s.min().item(),
+                    "sequence_ratio:max": s.max().item()})  # fmt: skip
+    return out
+
+
+def _stable_reinforce_metrics(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float], seg: torch.Tensor
+) -> dict[str, float]:
+    active = inputs["advantages"] != 0
+    out = _ratio_metrics(lp, inputs, cfg, seg)
+    if bool(active.any()):
+        out["kl:mean"] = _k3(lp, inputs)[active].mean().item()
+    return out
+
+
+def _default_ratio_mask(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return (inputs["advantages"] != 0).to(torch.float32)
+
+
+def _check_ratio_mask(inputs: Mapping[str, torch.Tensor], where: str) -> None:
+    if not bool((inputs["sequence_ratio_mask"] != 0).any()) and bool((inputs["advantages"] != 0).any()):
+        raise InvalidRequestError(
+            f"{where}.sequence_ratio_mask marks no token but the datum has non-zero advantages: gspo's sequence "
+            "ratio is undefined (mark the sampled tokens)"
+        )
 
 
 _RL = ("logprobs", "advantages")
@@ -162,6 +299,23 @@ LOSSES: dict[str, LossSpec] = {
         metrics=_cispo_metrics,
     ),
     "dro": LossSpec("dro", _dro, required=_RL, config_defaults={"beta": 1.0}, metrics=_ratio_metrics),
+    "gspo": LossSpec(
+        "gspo",
+        _gspo,
+        required=_RL,
+        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        per_token_config=CLIP_KEYS,
+        metrics=_gspo_metrics,
+        derived={"sequence_ratio_mask": _default_ratio_mask},
+        check=_check_ratio_mask,
+    ),
+    "stable_reinforce": LossSpec(
+        "stable_reinforce",
+        _stable_reinforce,
+        required=_RL,
+        config_defaults={"kl_coeff": 0.0},
+        metrics=_stable_reinforce_metrics,
+    ),
 }
 
 
@@ -194,6 +348,7 @@ def resolve_loss_config(spec: LossSpec, config: Mapping[str, object] | None) -> 
             resolved[key] = number
     if "clip_low_threshold" in resolved:
         check_clip_thresholds(resolved["clip_low_threshold"], resolved["clip_high_threshold"], "loss_fn_config")
-    if resolved.get("beta", 0.0) < 0:
-        raise InvalidRequestError(f"loss_fn_config['beta'] must be >= 0, got {resolved['beta']}")
+    for key in ("beta", "kl_coeff"):
+        if resolved.get(key, 0.0) < 0:
+            raise InvalidRequestError(f"loss_fn_config[{key!r}] must be >= 0, got {resolved[key]}")
     return resolved

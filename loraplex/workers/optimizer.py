@@ -2,7 +2,8 @@
 
 Per slot it equals `torch.optim.AdamW` (decoupled weight decay) run on that adapter alone, preceded by
 `torch.nn.utils.clip_grad_norm_` over the adapter's LoRA tensors when grad_clip_norm > 0. Only the real-rank part of a slot
-changes; the zero padding stays exactly zero (even with eps = 0). Stepped slots get their gradients cleared.
+changes; the zero padding stays exactly zero (even with eps = 0), and so do the banks an adapter does not train (a
+target-module subset: `step(..., params=)`). Stepped slots get their gradients cleared.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class SlotAdamW:
             self._view(self.exp_avg_sq_flat, p, seg) for p, seg in zip(self.params, self.segments, strict=True)
         ]
         self.steps = [0] * num_slots  # host ints: bias corrections are computed in Python doubles, like torch
-        self._rank_masks: dict[int, torch.Tensor] = {}
+        self._rank_masks: dict[tuple[int, frozenset[int] | None], torch.Tensor] = {}
 
     @torch.no_grad()
     def adopt_views(self) -> None:
@@ -128,17 +129,19 @@ class SlotAdamW:
         start, size = segment
         return flat[:, start : start + size].view(p.shape)
 
-    def _rank_mask(self, rank: int) -> torch.Tensor:
-        """[P] bool: True where a rank-`rank` adapter has real weights (the rest is zero padding)."""
-        mask = self._rank_masks.get(rank)
+    def _rank_mask(self, rank: int, params: frozenset[int] | None = None) -> torch.Tensor:
+        """[P] bool: True where a rank-`rank` adapter has real weights (the rest is zero padding), within the params
+        (indices into self.params) it trains; None: all of them."""
+        mask = self._rank_masks.get((rank, params))
         if mask is None:
             pieces = []
-            for p, dim in zip(self.params, self.rank_dims, strict=True):
+            for i, (p, dim) in enumerate(zip(self.params, self.rank_dims, strict=True)):
                 shape = [1] * (p.dim() - 1)
                 shape[dim - 1] = p.shape[dim]
                 positions = torch.arange(p.shape[dim], device=self.data.device).view(shape)
-                pieces.append((positions < rank).expand(p.shape[1:]).reshape(-1))
-            mask = self._rank_masks[rank] = torch.cat(pieces)
+                trained = params is None or i in params
+                pieces.append((positions < (rank if trained else 0)).expand(p.shape[1:]).reshape(-1))
+            mask = self._rank_masks[(rank, params)] = torch.cat(pieces)
         return mask
 
     def reset_slots(self, slots: Sequence[int]) -> None:
@@ -158,8 +161,15 @@ class SlotAdamW:
         return torch.linalg.vector_norm(self.grad.index_select(0, idx), dim=1)
 
     @torch.no_grad()
-    def step(self, slots: Sequence[int], hparams: Sequence[AdamParams], ranks: Sequence[int]) -> list[SlotStepResult]:
-        """One AdamW step for each of `slots` (distinct), then clear their gradients."""
+    def step(
+        self,
+        slots: Sequence[int],
+        hparams: Sequence[AdamParams],
+        ranks: Sequence[int],
+        params: Sequence[frozenset[int] | None] | None = None,
+    ) -> list[SlotStepResult]:
+        """One AdamW step for each of `slots` (distinct), then clear their gradients. params: per slot, the indices
+        into self.params it trains (None: all); the others keep their values (zero) whatever eps or weight decay."""
         if len(set(slots)) != len(slots):
             raise ValueError("each slot may appear once per step")
         if not slots:
@@ -167,15 +177,27 @@ class SlotAdamW:
         idx_all = torch.tensor(list(slots), dtype=torch.int64, device=self.data.device)
         norms = self.grad_norms(idx_all).tolist()  # one sync: the host decides which slots step
         ok = [i for i, n in enumerate(norms) if math.isfinite(n)]
+        trained = list(params) if params is not None else [None] * len(slots)
         if ok:
             self._update(
-                [slots[i] for i in ok], [hparams[i] for i in ok], [ranks[i] for i in ok], [norms[i] for i in ok]
+                [slots[i] for i in ok],
+                [hparams[i] for i in ok],
+                [ranks[i] for i in ok],
+                [norms[i] for i in ok],
+                [trained[i] for i in ok],
             )
         self.grad.index_fill_(0, idx_all, 0.0)
         ok_set = set(ok)
         return [SlotStepResult(norms[i], i in ok_set, self.steps[s]) for i, s in enumerate(slots)]
 
-    def _update(self, slots: list[int], hps: list[AdamParams], ranks: list[int], norms: list[float]) -> None:
+    def _update(
+        self,
+        slots: list[int],
+        hps: list[AdamParams],
+        ranks: list[int],
+        norms: list[float],
+        params: list[frozenset[int] | None],
+    ) -> None:
         device = self.data.device
         idx = torch.tensor(slots, dtype=torch.int64, device=device)
         for s in slots:
@@ -200,7 +222,8 @@ class SlotAdamW:
         step_size = col([h.learning_rate / (1.0 - h.beta1**t) for h, t in zip(hps, steps, strict=True)])
         bc2_sqrt = col([(1.0 - h.beta2**t) ** 0.5 for h, t in zip(hps, steps, strict=True)])
         eps = col([h.eps for h in hps])
-        masks = torch.stack([self._rank_mask(r) for r in ranks])  # [n, P]: only the real-rank part moves
+        # [n, P]: only the real-rank part of the trained banks moves
+        masks = torch.stack([self._rank_mask(r, t) for r, t in zip(ranks, params, strict=True)])
 
         width = self.data.shape[1]
         for lo in range(0, width, self.COLUMN_CHUNK):

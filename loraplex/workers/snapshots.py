@@ -41,6 +41,7 @@ class AdapterSnapshot:
     step: int
     signature: PoolSignature
     rows: torch.Tensor  # [4, P] fp32 on the CPU (pinned when the engine is on CUDA)
+    target_modules: tuple[str, ...] | None = None  # AdapterRecord.target_modules: the subset it trains (None: all)
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +55,9 @@ def take_snapshot(engine: Engine, model_id: str, out: torch.Tensor | None = None
         out = torch.empty((len(ROWS), engine.slot_width), pin_memory=engine.device.type == "cuda")
     engine.read_slot(record.slot, ROWS, out=out)
     step = engine.optimizer.steps[record.slot]
-    return AdapterSnapshot(model_id, record.rank, record.alpha, record.seed, step, PoolSignature.of(engine), out)
+    return AdapterSnapshot(
+        model_id, record.rank, record.alpha, record.seed, step, PoolSignature.of(engine), out, record.target_modules
+    )
 
 
 def restore_snapshot(engine: Engine, snapshot: AdapterSnapshot, model_id: str | None = None) -> AdapterRecord:
@@ -64,7 +67,9 @@ def restore_snapshot(engine: Engine, snapshot: AdapterSnapshot, model_id: str | 
             f"adapter state laid out for r_max {snapshot.signature.max_rank} and {len(snapshot.signature.modules)} "
             f"modules does not fit this pool (r_max {engine.max_rank}, {len(engine.banks)} modules)"
         )
-    record = engine.claim_slot(model_id or snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed)
+    record = engine.claim_slot(
+        model_id or snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed, snapshot.target_modules
+    )
     engine.write_slot(record.slot, snapshot.rows, ROWS)
     engine.optimizer.steps[record.slot] = snapshot.step
     return record

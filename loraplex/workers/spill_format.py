@@ -2,7 +2,8 @@
 
 One safetensors file: a single F32 tensor "rows" [4, P] (the snapshot's weights, gradients, exp_avg and exp_avg_sq
 rows, zero padding included) and string metadata: format, version, model_id, rank, alpha, seed, step (the Adam step
-count) and signature (JSON: max_rank, modules, width), so a restarted pool can tell whether a file fits its layout.
+count), signature (JSON: max_rank, modules, width), so a restarted pool can tell whether a file fits its layout, and
+target_modules (JSON: the adapter's subset of the pool's target modules, or null for all; absent in older files = null).
 Files are written atomically (`fsutil.atomic_write`) and read straight into a caller's (pinned) buffer.
 """
 
@@ -37,6 +38,7 @@ def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
         "seed": str(snapshot.seed),
         "step": str(snapshot.step),
         "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
+        "target_modules": json.dumps(None if snapshot.target_modules is None else list(snapshot.target_modules)),
     }
     nbytes = rows.numel() * rows.element_size()
     header = {
@@ -73,7 +75,14 @@ def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
         if f.readinto(view) != len(view):
             raise InvalidRequestError(f"spill file {path.name} is truncated")
     return AdapterSnapshot(
-        meta["model_id"], meta["rank"], meta["alpha"], meta["seed"], meta["step"], meta["signature"], out
+        meta["model_id"],
+        meta["rank"],
+        meta["alpha"],
+        meta["seed"],
+        meta["step"],
+        meta["signature"],
+        out,
+        meta["target_modules"],
     )
 
 
@@ -89,6 +98,7 @@ def _parse_metadata(header: dict) -> dict:
     if meta.get("format") != SPILL_FORMAT or meta.get("version") != SPILL_VERSION:
         raise ValueError(f"not a {SPILL_FORMAT} v{SPILL_VERSION} file")
     sig = json.loads(meta["signature"])
+    targets = json.loads(meta.get("target_modules", "null"))
     return {
         "model_id": meta["model_id"],
         "rank": int(meta["rank"]),
@@ -96,4 +106,5 @@ def _parse_metadata(header: dict) -> dict:
         "seed": int(meta["seed"]),
         "step": int(meta["step"]),
         "signature": PoolSignature(int(sig["max_rank"]), tuple(sig["modules"]), int(sig["width"])),
+        "target_modules": None if targets is None else tuple(str(t) for t in targets),
     }

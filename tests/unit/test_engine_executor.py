@@ -34,7 +34,7 @@ def test_plan_runs_steps_in_order_with_per_request_errors(executor: PlanExecutor
                     req("c1", "a", RequestKind.CREATE_ADAPTER, rank=4, alpha=8.0, seed=1),
                     req("c2", "b", RequestKind.CREATE_ADAPTER, rank=64, alpha=8.0, seed=1),  # above max_rank
                     req("c3", "b2", RequestKind.CREATE_ADAPTER, rank=2, seed=2),  # alpha defaults to 2 x rank
-                    req("c4", "b3", RequestKind.CREATE_ADAPTER, rank=2, target_modules=["q_proj"]),
+                    req("c4", "b3", RequestKind.CREATE_ADAPTER, rank=2, target_modules=["q_proj", "w_proj"]),
                 ),
             ),
             Step(

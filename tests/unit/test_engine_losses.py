@@ -9,7 +9,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.workers.engine import Engine
 from loraplex.workers.lm_head import target_logprobs
-from loraplex.workers.losses import LOSSES
+from loraplex.workers.losses import LOSSES, segments_of
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     )[0]
     expected_tight = -torch.minimum(ratio * adv, ratio.clamp(0.95, 1.05) * adv).sum()
     assert tight["metrics"]["loss:sum"] == pytest.approx(expected_tight.item(), rel=1e-4, abs=1e-5)
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
 
 
 def test_mixed_losses_share_one_batch(engine: Engine) -> None:
@@ -111,7 +111,7 @@ def test_mixed_losses_share_one_batch(engine: Engine) -> None:
         assert t["metrics"]["loss:sum"] == pytest.approx(a["metrics"]["loss:sum"], abs=1e-5)
 
 
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 
 
 def rl_datum(engine: Engine, n: int, seed: int, **extra: list[float]) -> tuple[dict, torch.Tensor]:
@@ -164,7 +164,7 @@ def test_token_gradients_follow_the_formulas(name: str) -> None:
     lo, hi = torch.full((n,), 0.8), torch.full((n,), 1.25)
     spec = LOSSES[name]
     inputs = {"logprobs": q, "advantages": a, "clip_low_threshold": lo, "clip_high_threshold": hi}
-    (grad,) = torch.autograd.grad(spec.fn(lp, inputs, {"beta": 0.3}).sum(), lp)
+    (grad,) = torch.autograd.grad(spec.fn(lp, inputs, {"beta": 0.3}, segments_of([n])).sum(), lp)
     r = torch.exp(lp.detach() - q)
     if name == "importance_sampling":
         expected = -r * a
@@ -250,6 +250,18 @@ RL_OK = {"logprobs": [-1.0, -2.0, -0.5], "advantages": [1.0, -1.0, 0.5]}
         (bad(**RL_OK), "dro", {"beta": -0.1}, "beta'] must be >= 0"),
         (bad(**RL_OK), "dro", {"beta": True}, "must be a number"),
         (bad(**RL_OK), "grpo", None, "unknown loss_fn 'grpo'"),
+        (
+            bad(advantages=[1.0, 1.0, 1.0]),
+            "stable_reinforce",
+            None,
+            "logprobs is required by loss_fn 'stable_reinforce'",
+        ),
+        (bad(logprobs=[-1.0, -1.0, -1.0]), "gspo", None, "advantages is required by loss_fn 'gspo'"),
+        (bad(**RL_OK, sequence_ratio_mask=[0.0, 0.0, 0.0]), "gspo", None, "sequence_ratio_mask marks no token"),
+        (bad(**RL_OK, sequence_ratio_mask=[1.0, 1.0]), "gspo", None, r"sequence_ratio_mask: length 2"),
+        (bad(**RL_OK, sequence_ratio_mask=[1.0, float("nan"), 1.0]), "gspo", None, "NaN or infinity"),
+        (bad(**RL_OK), "gspo", {"clip_low_threshold": 1.5}, "clip_low_threshold must be <="),
+        (bad(**RL_OK), "stable_reinforce", {"kl_coeff": -0.01}, "kl_coeff'] must be >= 0"),
     ],
 )
 def test_bad_loss_inputs_are_refused(
@@ -272,3 +284,129 @@ def test_all_losses_share_one_batch(engine: Engine) -> None:
         assert got["metrics"] == pytest.approx(alone["metrics"], rel=1e-5, abs=1e-6), item[2]
         for x, y in zip(got["loss_fn_outputs"], alone["loss_fn_outputs"], strict=True):
             torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)
+
+
+# ---- gspo and stable_reinforce against plain-torch references ------------------------------------------------------
+def gspo_reference(lps: list[torch.Tensor], datums: list[dict], lo: float, hi: float) -> torch.Tensor:
+    """GSPO-token (Tinker docs /tinker/losses/gspo), one datum at a time: the sequence log-ratio is the mean of
+    sg(lp) - q over the tokens sequence_ratio_mask marks (default: A != 0); each token carries exp of it times
+    p / sg(p); then PPO's min / clip per token, summed."""
+    total = torch.zeros(())
+    for lp, d in zip(lps, datums, strict=True):
+        inp = d["loss_fn_inputs"]
+        q, a = torch.tensor(inp["logprobs"]), torch.tensor(inp["advantages"])
+        mask = torch.tensor(inp["sequence_ratio_mask"]) != 0 if "sequence_ratio_mask" in inp else a != 0
+        log_s = (lp.detach() - q)[mask].mean() if bool(mask.any()) else torch.zeros(())
+        s_t = torch.exp(log_s) * torch.exp(lp - lp.detach())
+        for t in range(lp.numel()):
+            total = total - torch.minimum(s_t[t] * a[t], s_t[t].clamp(lo, hi) * a[t])
+    return total
+
+
+def stable_reinforce_reference(lps: list[torch.Tensor], datums: list[dict], kl_coeff: float) -> torch.Tensor:
+    """Our stand-in (losses.py docstring): -sg(p/q) * lp * A per token, plus kl_coeff * (r - 1 - log r) where A != 0."""
+    total = torch.zeros(())
+    for lp, d in zip(lps, datums, strict=True):
+        q = torch.tensor(d["loss_fn_inputs"]["logprobs"])
+        a = torch.tensor(d["loss_fn_inputs"]["advantages"])
+        for t in range(lp.numel()):
+            r = torch.exp(lp[t] - q[t])
+            total = total - r.detach() * lp[t] * a[t]
+            if a[t] != 0:
+                total = total + kl_coeff * (r - 1 - torch.log(r))
+    return total
+
+
+def sequence_level_data(engine: Engine) -> list[dict]:
+    """Datums of different lengths with prompt tokens (A = 0, q = 0 as the cookbook pads them) and sampled tokens; one
+    datum's sampler sits far from the model so its whole sequence clips, one carries an explicit sequence_ratio_mask."""
+    data = []
+    for i, (prompt, sampled, shift) in enumerate([(3, 6, 0.0), (2, 9, 0.6), (4, 5, -0.5), (1, 7, 0.05)]):
+        d, lp = rl_datum(engine, prompt + sampled, 40 + i)
+        inp = d["loss_fn_inputs"]
+        g = torch.Generator().manual_seed(80 + i)
+        q = lp[prompt:] + shift + 0.2 * torch.randn(sampled, generator=g)
+        inp["logprobs"] = [0.0] * prompt + q.tolist()
+        inp["advantages"] = [0.0] * prompt + [float(torch.randn(1, generator=g)) * 2] * sampled
+        if i == 3:  # a mask narrower than the sampled tokens: only the last four count for the ratio
+            inp["sequence_ratio_mask"] = [0.0] * (prompt + sampled - 4) + [1.0] * 4
+        data.append(d)
+    return data
+
+
+def engine_grads(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    out = engine.adapter_grads("a")
+    engine.optimizer.grad.zero_()  # the fixture engine's accumulated gradients: cleared for the next call
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("gspo", None),
+        ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+        ("stable_reinforce", None),
+        ("stable_reinforce", {"kl_coeff": 0.3}),
+    ],
+)
+def test_sequence_losses_equal_a_per_datum_reference_with_gradients(
+    engine: Engine, name: str, config: dict | None
+) -> None:
+    data = sequence_level_data(engine)
+    engine_grads(engine)
+    out = engine.forward_backward([engine.prepare("a", data, name, config, False)])[0]
+    got_grads = engine_grads(engine)
+    lps = [torch.tensor(o["logprobs"], requires_grad=True) for o in out["loss_fn_outputs"]]
+    if name == "gspo":
+        cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **(config or {})}
+        expected = gspo_reference(lps, data, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    else:
+        expected = stable_reinforce_reference(lps, data, (config or {}).get("kl_coeff", 0.0))
+    assert out["metrics"]["loss:sum"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-5)
+    for key, value in out["metrics"].items():
+        assert key.split(":")[1] in {"sum", "mean", "min", "max"} and value == value and abs(value) < float("inf")
+    # The engine's adapter gradient is sum_t dL/dlp_t * dlp_t/dtheta: the same as cross_entropy with weights -dL/dlp.
+    token_grads = torch.autograd.grad(expected, lps)
+    assert any(bool((g == 0).any()) for g in token_grads) and any(bool((g != 0).any()) for g in token_grads)
+    as_ce = [
+        {"model_input": d["model_input"], "loss_fn_inputs": {"target_tokens": d["loss_fn_inputs"]["target_tokens"],
+                                                              "weights": (-g).tolist()}}
+        for d, g in zip(data, token_grads, strict=True)
+    ]  # fmt: skip
+    engine.forward_backward([engine.prepare("a", as_ce, "cross_entropy", None, False)])
+    want_grads = engine_grads(engine)
+    for module, (ga, gb) in got_grads.items():
+        torch.testing.assert_close(ga, want_grads[module][0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(gb, want_grads[module][1], atol=2e-5, rtol=1e-4)
+    assert any(bool(gb.abs().sum() > 0) for _, gb in got_grads.values())
+
+
+def test_gspo_clips_whole_sequences_and_reports_sequence_ratios() -> None:
+    """A sequence whose geometric-mean ratio is outside [lo, hi] on the advantage's side has zero gradient on every
+    token, even tokens whose own ratio is inside; a sequence inside keeps every token's gradient, -s * A."""
+    lp = torch.tensor([-1.0, -2.0, -0.5, -1.5, -1.0, -3.0], requires_grad=True)
+    q = torch.tensor([-1.0, -2.0, -1.0, -1.5, -1.1, -2.9])  # datum 0: mean log-ratio 0.5 / 3 -> s = 1.18
+    a = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])  # datum 1: log-ratios 0, 0.1, -0.1 -> s = 1
+    seg = segments_of([3, 3])
+    inputs = {"logprobs": q, "advantages": a, "sequence_ratio_mask": torch.ones(6)}
+    inputs |= {"clip_low_threshold": torch.full((6,), 0.9), "clip_high_threshold": torch.full((6,), 1.1)}
+    (grad,) = torch.autograd.grad(LOSSES["gspo"].fn(lp, inputs, {}, seg).sum(), lp)
+    s0 = float(torch.exp(torch.tensor(0.5 / 3)))
+    assert s0 > 1.1
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]))
+    metrics = LOSSES["gspo"].metrics(lp.detach(), inputs, {}, seg)  # type: ignore[misc]
+    assert metrics["sequence_ratio:max"] == pytest.approx(s0, rel=1e-6)
+    assert metrics["sequence_ratio:min"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["clip_fraction:mean"] == pytest.approx(0.5)
+
+
+def test_gspo_without_a_mask_takes_the_tokens_with_advantages(engine: Engine) -> None:
+    data = sequence_level_data(engine)[:3]
+    explicit = [
+        {**d, "loss_fn_inputs": {**d["loss_fn_inputs"],
+                                 "sequence_ratio_mask": [float(x != 0) for x in d["loss_fn_inputs"]["advantages"]]}}
+        for d in data
+    ]  # fmt: skip
+    got = engine.forward_backward([engine.prepare("a", data, "gspo", None, True)])[0]
+    want = engine.forward_backward([engine.prepare("a", explicit, "gspo", None, True)])[0]
+    assert got == want

@@ -194,3 +194,53 @@ def test_seeded_init_is_independent_of_slot_and_matches_kaiming_bound(tiny_dir: 
         assert torch.equal(a, wy[name][0]) and torch.count_nonzero(b) == 0
         bound = a.shape[0] ** -0.5
         assert a.abs().max() <= bound and a.abs().max() > 0.8 * bound
+
+
+ALL_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+
+
+def rl_data(engine: Engine, model_id: str, lengths: list[int], seed: int) -> list[dict]:
+    """Datums with prompt tokens (A = 0, q = 0) and sampled tokens whose sampler logprobs sit near the adapter's own
+    (ratios around 1, some clipped), read by a forward-only call (no gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for n in lengths:
+        ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
+        probe = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}
+        out = engine.forward_backward([engine.prepare(model_id, [probe], "cross_entropy", None, True)])[0]
+        lp = torch.tensor(out["loss_fn_outputs"][0]["logprobs"])
+        prompt = n // 3
+        q = [0.0] * prompt + (lp[prompt:] + 0.3 * torch.randn(n - prompt, generator=g)).tolist()
+        adv = [0.0] * prompt + (torch.randn(n - prompt, generator=g)).tolist()
+        inputs = {"target_tokens": ids[1:], "logprobs": q, "advantages": adv}
+        data.append({"model_input": ids[:-1], "loss_fn_inputs": inputs})
+    return data
+
+
+def test_one_batch_of_all_seven_losses_equals_each_loss_alone(tiny_dir: Path) -> None:
+    """Every loss in ONE mixed batch over four adapters (some adapters with several losses, interleaved), against each
+    request run alone on a twin engine: per request loss:sum, metrics and logprobs; per adapter the accumulated
+    gradients (the alone engine accumulates the same requests' gradients one call at a time)."""
+    adapters = [*ADAPTERS, ("d", 6, 3.0, 4)]
+    mixed = with_adapters(make_engine(tiny_dir), adapters)
+    alone = with_adapters(make_engine(tiny_dir), adapters)
+    owners = ["a", "b", "c", "d", "a", "b", "c"]  # loss i trains adapter owners[i]
+    items = []
+    for i, (name, model_id) in enumerate(zip(ALL_LOSSES, owners, strict=True)):
+        data = rl_data(alone, model_id, [5 + i, 9, 3 + 2 * i], seed=100 + i)
+        if name == "gspo":
+            data[0]["loss_fn_inputs"]["sequence_ratio_mask"] = [0.0] * 3 + [1.0] * (len(data[0]["model_input"]) - 3)
+        config = {"beta": 0.3, "kl_coeff": 0.2, "clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+        items.append((model_id, data, name, config if name != "cross_entropy" else None, False))
+    items.append(("b", rl_data(alone, "b", [4], seed=7), "gspo", None, True))  # forward-only rows mixed in too
+    together = mixed.forward_backward([mixed.prepare(*it) for it in items])
+    for item, got in zip(items, together, strict=True):
+        expected = alone.forward_backward([alone.prepare(*item)])[0]
+        assert got["metrics"].keys() == expected["metrics"].keys(), item[2]
+        assert got["metrics"] == pytest.approx(expected["metrics"], rel=1e-5, abs=1e-5), item[2]
+        assert_results_close(got, expected)
+        if item[2] != "cross_entropy":
+            assert len(got["metrics"]) > 1, item[2]  # the loss's own metrics, not just loss:sum
+    for model_id, *_ in adapters:
+        assert_grads_close(mixed, alone, model_id)
+        assert any(g.abs().sum() > 0 for pair in mixed.adapter_grads(model_id).values() for g in pair)
