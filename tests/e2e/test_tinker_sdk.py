@@ -27,7 +27,7 @@ def keys(stack):
 def alice(stack, keys):
     client = tinker.ServiceClient(base_url=stack.base_url, api_key=keys["sdk-alice"])
     yield client
-    client.close()
+    client.close("success").result()
 
 
 def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
@@ -179,7 +179,7 @@ def test_checkpoints_through_the_rest_client_and_another_tenant_sees_none(stack,
         with pytest.raises(Exception, match="not found"):
             bob.create_training_client_from_state(state).result()
     finally:
-        bob.close()
+        bob.close("success").result()
 
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [state]

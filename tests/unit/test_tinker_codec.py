@@ -4,6 +4,8 @@ bytes at all are an InvalidRequestError, never another exception."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -111,10 +113,8 @@ def test_unsupported_inputs_are_clear_errors() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_any_bytes_decode_or_fail_with_a_typed_error(body: bytes) -> None:
-    try:
+    with contextlib.suppress(InvalidRequestError):
         decode_forward_backward(body).fields()
-    except InvalidRequestError:
-        pass
 
 
 def test_our_output_reads_back_with_the_sdk() -> None:
