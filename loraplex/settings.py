@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     max_queued_requests_per_tenant: int = Field(default=4096, ge=0)
     max_queued_tokens_per_tenant: int = Field(default=4 * 2**20, ge=0)
     max_adapters_per_tenant: int = Field(default=256, ge=0)
+    # Requests per second each tenant may send to one gateway process (api/rate_limit.py: 429 + Retry-After); 0: off.
+    tenant_requests_per_second: float = Field(default=200.0, ge=0)
+    tenant_request_burst: int = Field(default=400, ge=1)
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
+from loraplex.api.rate_limit import TenantRateLimit
 from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, tenant_checkpoints
 from loraplex.api.service import reap_idle_sessions
 from loraplex.queue.producer import Producer
@@ -53,6 +54,7 @@ def build_services(settings: Settings) -> Services:
         ),
         results=ResultStore(client),
         auth=AuthCache(settings.auth_cache_seconds),
+        rate_limit=TenantRateLimit(settings.tenant_requests_per_second, settings.tenant_request_burst),
     )
 
 

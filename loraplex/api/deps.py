@@ -47,8 +47,11 @@ async def get_tenant(
     authorization: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
 ) -> TenantRef:
     """The key's tenant: from this process's recent checks (api/auth_cache.py), else from SQL in a worker thread and
-    a short session of its own (so a long-polling route holds no connection)."""
-    return await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
+    a short session of its own (so a long-polling route holds no connection). Each call spends one of the tenant's
+    requests (api/rate_limit.py: 429 past its rate)."""
+    tenant = await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
+    services.rate_limit.take(tenant.id, tenant.name)
+    return tenant
 
 
 async def tenant_for_key(services: Services, key: str) -> TenantRef:

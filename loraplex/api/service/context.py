@@ -10,6 +10,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.api.auth_cache import AuthCache
+from loraplex.api.rate_limit import TenantRateLimit
 from loraplex.api.service.pool_health import PoolView
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
@@ -36,6 +37,8 @@ class Services:
     auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
     # This gateway's pool's health, re-read at most once a second (service/pool_health.py).
     pool_view: PoolView = field(default_factory=PoolView)
+    # Each tenant's request rate on this process (api/rate_limit.py); off unless built with a rate.
+    rate_limit: TenantRateLimit = field(default_factory=lambda: TenantRateLimit(0.0, 1))
 
 
 def write_session(services: Services) -> AbstractContextManager[Session]:

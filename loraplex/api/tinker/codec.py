@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
 
+from loraplex.api.tinker.proto import pb
+
+if TYPE_CHECKING:  # the SDK's typed stubs, for mypy only (importing `tinker` at run time pulls in torch)
+    from tinker.proto import tinker_public_pb2 as pbt
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
@@ -41,7 +44,7 @@ class DecodedForwardBackward:
     model_id: str
     seq_id: int
     forward_only: bool
-    message: pb.ForwardBackwardRequest
+    message: pbt.ForwardBackwardRequest
 
     def fields(self) -> dict[str, Any]:
         msg = self.message
@@ -82,7 +85,7 @@ def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
     return DecodedForwardBackward(msg.model_id, msg.seq_id, msg.forward_only, msg)
 
 
-def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
+def _loss_config(msg: pbt.ForwardBackwardRequest) -> dict[str, float]:
     """`loss_fn_config_v2` when set (the SDK writes both), else the legacy float map. Our losses take numbers only."""
     if msg.loss_fn_config_v2:
         config: dict[str, float] = {}
@@ -94,7 +97,7 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
     return dict(msg.loss_fn_config)
 
 
-def _datum(i: int, datum: pb.Datum) -> dict[str, Any]:
+def _datum(i: int, datum: pbt.Datum) -> dict[str, Any]:
     tokens: list[int] = []
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -110,7 +113,7 @@ def _datum(i: int, datum: pb.Datum) -> dict[str, Any]:
     return {"model_input": tokens, "loss_fn_inputs": inputs}
 
 
-def _tensor(where: str, tensor: pb.Tensor) -> list[float] | list[int]:
+def _tensor(where: str, tensor: pbt.Tensor) -> list[float] | list[int]:
     """A tensor as one flat list per token: [N], [N, 1] or [1, N]; dense or sparse CSR."""
     np_dtype = _NUMPY_BY_DTYPE.get(tensor.dtype)
     if np_dtype is None:
@@ -137,7 +140,7 @@ def _tensor(where: str, tensor: pb.Tensor) -> list[float] | list[int]:
     return values.astype(np.int64).tolist()
 
 
-def _dense_from_csr(where: str, csr: pb.SparseCsr, np_dtype: np.dtype[Any], shape: list[int]) -> np.ndarray:
+def _dense_from_csr(where: str, csr: pbt.SparseCsr, np_dtype: np.dtype[Any], shape: list[int]) -> np.ndarray:
     if len(shape) not in (1, 2):
         raise InvalidRequestError(f"{where}: a sparse tensor needs its shape [rows] or [rows, cols], got {shape}")
     rows, cols = shape[0], (shape[1] if len(shape) == 2 else 1)
