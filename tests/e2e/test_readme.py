@@ -1,5 +1,6 @@
 """The README's quick tour, run as written: the tour's first shell block (the embedded stack in the background, a tenant),
-then its first Python block against that stack (the default port 8700), then the stack stopped. The harness only
+then its first Python block against that stack (the default port 8700), then the same with the Tinker SDK (its second
+Python block, with TINKER_BASE_URL and TINKER_API_KEY as the README says), then the stack stopped. The harness only
 waits for the gateway between the two blocks, as a reader would."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def test_the_quick_tour_runs_as_written(tmp_path: Path) -> None:
             pytest.fail("port 8700 (the README's) is taken: stop whatever listens there")
     tour = (ROOT / "README.md").read_text().split("## A quick tour", 1)[1]  # not the make demo / make test block
     shell = re.findall(r"```sh\n(.*?)```", tour, flags=re.S)[0]
-    python = re.findall(r"```python\n(.*?)```", tour, flags=re.S)[0]
+    python_blocks = re.findall(r"```python\n(.*?)```", tour, flags=re.S)  # ours, then the same with the Tinker SDK
+    python = python_blocks[0]
     assert "loraplex serve --embedded" in shell and "make " not in shell
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")} | {"LORAPLEX_HOME": str(tmp_path)}
     log = tmp_path / "tour.log"
@@ -50,6 +52,11 @@ def test_the_quick_tour_runs_as_written(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr + log.read_text()[-3000:]
         assert "tinker://" in done.stdout  # the checkpoint listing printed at the end
+        tinker_env = env | {"TINKER_BASE_URL": "http://127.0.0.1:8700", "TINKER_API_KEY": found["TOUR_KEY"]}
+        sdk = subprocess.run([sys.executable, "-c", python_blocks[1]], cwd=tmp_path, env=tinker_env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert sdk.returncode == 0, sdk.stdout + sdk.stderr + log.read_text()[-3000:]
+        assert "tinker://" in sdk.stdout  # the SDK's checkpoint listing
     finally:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 60

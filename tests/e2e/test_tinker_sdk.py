@@ -204,3 +204,20 @@ def test_closing_the_session_frees_its_adapters_and_keeps_their_checkpoints(stac
     with tinker.ServiceClient(base_url=stack.base_url, api_key=keys["sdk-alice"]) as sdk:
         resumed = sdk.create_training_client_from_state_with_optimizer(path).result()
         assert train(resumed, batch(6), 1)
+
+
+def test_every_loss_the_sdk_names_runs_through_the_tinker_route(alice) -> None:
+    client = alice.create_lora_training_client(base_model="tiny", rank=8, seed=8).result()
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(3, 250, size=13).tolist()
+    n = len(tokens) - 1
+    rl = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": (-rng.random(n) * 3).astype(np.float32),
+                        "advantages": np.r_[np.zeros(4), rng.normal(size=n - 4)].astype(np.float32)},
+    )  # fmt: skip
+    for loss in ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"):
+        out = client.forward_backward([rl], loss).result()
+        assert np.isfinite(out.metrics["loss:sum"]) and len(logprobs(out)[0]) == n, loss
+    out = client.forward_backward([rl], "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}).result()
+    assert np.isfinite(out.metrics["loss:sum"]) and "clip_fraction:mean" in out.metrics
