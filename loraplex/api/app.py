@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis
+from anyio import to_thread
 from fastapi import FastAPI
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -75,6 +76,9 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = services or build_services(settings)
+        # Sync routes run on anyio's worker threads (40 by default). A long-poll (futures, retrieve_future) holds one
+        # while it waits, so the Tinker SDK polling every outstanding future could starve the other routes.
+        to_thread.current_default_thread_limiter().total_tokens = settings.gateway_threads
         reaper = asyncio.create_task(_reap_sessions(app.state.services))
         yield
         reaper.cancel()

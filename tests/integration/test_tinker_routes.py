@@ -253,3 +253,33 @@ def test_each_tenants_request_rate_is_limited_on_every_route(tmp_path, redis_url
         assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
         assert "requests/s" in over.json()["detail"]
         assert gw.client.get("/v1/adapters", headers=_h(gw, "bob")).status_code == 200  # bob has his own budget
+
+
+def test_many_waiting_long_polls_do_not_hold_up_other_calls(tmp_path, redis_url) -> None:
+    """Each retrieve_future waits on a worker thread; 80 of them waiting (more than anyio's default 40 threads) leave
+    room for a submit, which is answered while they all still wait."""
+    import threading
+
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"lp-{tmp_path.name}", max_rank=16,
+                        tinker_long_poll_seconds=6)  # fmt: skip
+    with gateway_app(settings) as gw:
+        ref = _create(gw, _session(gw)).json()
+        answered: list[float] = []
+        import time
+
+        def poll() -> None:
+            gw.client.post("/api/v1/retrieve_future", json={"request_id": ref["request_id"]}, headers=_h(gw))
+            answered.append(time.monotonic())
+
+        pollers = [threading.Thread(target=poll) for _ in range(80)]
+        for t in pollers:
+            t.start()
+        time.sleep(1.0)  # all 80 are waiting now
+        started = time.monotonic()
+        session = gw.client.post("/api/v1/create_session", json={"tags": []}, headers=_h(gw))
+        done = time.monotonic()
+        assert session.status_code == 200 and not answered, "the submit waited for the long polls"
+        assert done - started < 5  # well inside the polls' 6 s wait
+        for t in pollers:
+            t.join()
+        assert len(answered) == 80
