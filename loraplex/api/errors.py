@@ -31,17 +31,28 @@ TINKER_PREFIX = "/api/v1/"  # the Tinker routes (api/tinker/)
 
 
 def json_safe(value: Any) -> Any:
-    """`value` as plain JSON: non-finite floats as their names ("NaN", "Infinity"), anything else unknown as its str, so
-    an error body can always be rendered (an invalid input is exactly what it quotes)."""
+    """`value` as plain JSON: non-finite floats as their names ("NaN", "Infinity"), lone surrogates escaped, anything
+    else unknown as its str, so an error body can always be rendered (an invalid input is exactly what it quotes)."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value).replace("inf", "Infinity").replace("nan", "NaN")
-    if value is None or isinstance(value, bool | int | float | str):
+    if isinstance(value, str):
+        return _utf8_safe(value)
+    if value is None or isinstance(value, bool | int | float):
         return value
     if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
+        return {_utf8_safe(str(k)): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
-    return str(value)
+    return _utf8_safe(str(value))
+
+
+def _utf8_safe(text: str) -> str:
+    """`text`, with any lone surrogate (JSON allows the escape "\\ud800"; UTF-8 cannot encode it) as its escape."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -92,7 +103,7 @@ def _typed_response(exc: LoraplexError, tinker: bool = False) -> JSONResponse:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
     return JSONResponse(
         status_code=status,
-        content={"detail": exc.message, "type": type(exc).__name__, "category": exc.category},
+        content={"detail": _utf8_safe(exc.message), "type": type(exc).__name__, "category": exc.category},
         headers=headers,
     )
 

@@ -8,6 +8,7 @@ import uuid
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
+from loraplex.api.service.free_text import check_storable
 from loraplex.api.service.submit import existing_request_id, submit
 from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
@@ -52,6 +53,7 @@ def create_adapter(
     train a subset of the pool's `target_modules`; sending the same creation again (the SDK retries) answers the
     first one's future."""
     settings = services.settings
+    check_storable(request.user_metadata, "user_metadata")
     if model_id is not None:
         retry = _resubmit_create(services, tenant, model_id)
         if retry is not None:

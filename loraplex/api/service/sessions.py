@@ -15,6 +15,7 @@ from datetime import timedelta
 
 from loraplex.api.service.adapters import delete_adapter
 from loraplex.api.service.context import Services, TenantRef, write_session
+from loraplex.api.service.free_text import check_storable
 from loraplex.errors import NotFoundError
 from loraplex.queue import keys
 from loraplex.storage.repositories import AdapterRepository, SessionRepository, idle_sessions
@@ -26,6 +27,8 @@ EXPIRED_REASON = "expired: no heartbeat"
 
 
 def create_session(services: Services, tenant: TenantRef, tags: list[str], user_metadata: dict[str, object]) -> str:
+    check_storable(tags, "tags")
+    check_storable(user_metadata, "user_metadata")
     with write_session(services) as db:
         return SessionRepository(db, tenant.id).create(tags=tags, user_metadata=user_metadata)
 
