@@ -15,14 +15,21 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.admission import BodyTooLarge, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
 from loraplex.api.routes.chain import seq_step_kind
 from loraplex.api.service.rejections import fill_rejected
-from loraplex.errors import CapacityError, LoraplexError, RequestTooLargeError, ServiceUnavailableError, http_status_for
+from loraplex.errors import (
+    CapacityError,
+    InvalidRequestError,
+    LoraplexError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
+    http_status_for,
+)
 from loraplex.logutil import RateLimitedLog
 
 log = logging.getLogger("loraplex.api")
@@ -86,6 +93,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for outage in (redis.ConnectionError, redis.TimeoutError, OperationalError):
         app.add_exception_handler(outage, _unavailable)
+
+    @app.exception_handler(DataError)
+    async def _unstorable(request: Request, exc: DataError) -> JSONResponse:
+        """A value the database refuses to hold or compare (PostgreSQL: a NUL character in a text, an integer past
+        bigint) came from the request: a 400 naming the database's reason. The transaction rolled back."""
+        reason = (str(exc.orig).strip().splitlines() or ["invalid value"])[0][:200]
+        error = InvalidRequestError(f"the request holds a value the database cannot store: {reason}")
+        return _typed_response(error, tinker=request.url.path.startswith(TINKER_PREFIX))
 
     @app.exception_handler(LoraplexError)
     async def _typed(request: Request, exc: LoraplexError) -> JSONResponse:

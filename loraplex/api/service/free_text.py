@@ -1,5 +1,5 @@
 """Free-form text a caller gives to be stored and answered back later (user_metadata, session tags): it must be
-encodable as UTF-8. JSON lets a lone UTF-16 surrogate in (the escape "\\ud800"); stored, it would make every later
+encodable as UTF-8 and hold no NUL (PostgreSQL refuses it). JSON lets a lone UTF-16 surrogate in (the escape "\\ud800"); stored, it would make every later
 answer that quotes it fail to render (the tenant's run listings would be 500s for good). So it is a 400 at once."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ def check_storable(value: Any, where: str) -> None:
     """InvalidRequestError naming the field if any string in `value` (nested dicts' keys and values, lists) is not
     encodable as UTF-8."""
     if isinstance(value, str):
+        if "\x00" in value:  # PostgreSQL text and JSON cannot hold it
+            raise InvalidRequestError(f"{where} holds a NUL character, which cannot be stored")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
