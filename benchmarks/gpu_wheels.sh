@@ -11,7 +11,8 @@ mkdir -p "$dest"
 # peft, numpy, safetensors, tokenizers, typing_extensions, httpx (and its deps), pyyaml.
 py=${PY:-.venv/bin/python}
 names=(pydantic pydantic_core pydantic-settings python-dotenv typing-inspection annotated-types fastapi starlette
-       uvicorn httptools sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore)
+       uvicorn httptools sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore
+       tinker protobuf zstandard)  # the Tinker routes: the SDK's protobuf messages (the package is not imported), zstd
 specs=()
 for n in "${names[@]}"; do
   v=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$n" 2>/dev/null) || continue
