@@ -26,8 +26,6 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.app import create_app
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
@@ -35,6 +33,7 @@ from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
 from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.tenant_state import check_consistent
+from tests.helpers.tinker_wire import forward_backward_body, text_datum
 from tests.integration.conftest import gateway_app
 
 pytestmark = pytest.mark.integration
@@ -182,18 +181,8 @@ def test_native_routes_never_answer_a_server_error(world: World, label: str) -> 
 
 # ---- hypothesis over the Tinker routes -----------------------------------------------------------------------------
 def _sdk_forward_backward(model_id: str, seq_id: int) -> bytes:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([5, 9, 11, 300]),
-        loss_fn_inputs={"target_tokens": [9, 11, 300, 2], "weights": [1.0, 0.5, 1.0, 0.0]},
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(
-            data=[datum, datum], loss_fn="importance_sampling", loss_fn_config={"clip": 0.2}
-        ),
-        model_id=model_id,
-        seq_id=seq_id,
-    )
-    return forward_backward_request_to_proto(request).SerializeToString()
+    datum = text_datum([5, 9, 11, 300, 2], weights=[1.0, 0.5, 1.0, 0.0])
+    return forward_backward_body(model_id, seq_id, [datum, datum], "importance_sampling", {"clip": 0.2})
 
 
 @st.composite

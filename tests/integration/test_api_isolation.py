@@ -21,8 +21,6 @@ from typing import Any
 
 import pytest
 from fastapi.routing import APIRoute
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.app import create_app
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
@@ -32,6 +30,7 @@ from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
 from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.tenant_state import db_state, stream_of
+from tests.helpers.tinker_wire import forward_backward_body
 from tests.integration.conftest import gateway_app
 
 pytestmark = pytest.mark.integration
@@ -98,17 +97,7 @@ class Variant:
 
 
 def _fb_proto(model_id: str, seq_id: int, forward_only: bool = False) -> bytes:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]}
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id,
-        seq_id=seq_id,
-    )
-    msg = forward_backward_request_to_proto(request)
-    msg.forward_only = forward_only
-    return msg.SerializeToString()
+    return forward_backward_body(model_id, seq_id, forward_only=forward_only)
 
 
 def _proto(path: str, body: bytes) -> Call:

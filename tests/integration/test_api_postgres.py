@@ -5,11 +5,10 @@ nothing is half-written, and the tenant's next call works."""
 from __future__ import annotations
 
 import pytest
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.settings import Settings
 from tests.helpers.services.postgres import postgres_server
+from tests.helpers.tinker_wire import forward_backward_body
 from tests.integration.conftest import gateway_app
 
 pytestmark = pytest.mark.integration
@@ -36,10 +35,7 @@ def test_values_postgresql_cannot_hold_are_4xx_and_the_next_call_works(pg) -> No
     h = {"X-API-Key": pg.keys["alice"]}
     sid = pg.client.post("/api/v1/create_session", json={"tags": []}, headers=h).json()["session_id"]
     model_id = pg.client.post("/v1/adapters", json={"rank": 4}, headers=h).json()["model_id"]
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
-    fb = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"), model_id=NUL, seq_id=1,
-    )).SerializeToString()  # fmt: skip
+    fb = forward_backward_body(NUL, 1)
     calls = [
         ("GET", f"/v1/adapters/{NUL_IN_URL}", None),
         ("GET", f"/v1/runs/{NUL_IN_URL}", None),

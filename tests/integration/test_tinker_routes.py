@@ -10,7 +10,6 @@ import pytest
 import zstandard
 from sqlalchemy import update
 from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.service import reap_idle_sessions
 from loraplex.api.tinker.training import ATTENTION_MODULES
@@ -22,6 +21,7 @@ from loraplex.storage.repositories import unit_of_work
 from loraplex.storage.types import utcnow
 from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.queued import queued, rejections
+from tests.helpers.tinker_wire import forward_backward_body, text_datum
 from tests.integration.conftest import gateway_app
 
 pytestmark = pytest.mark.integration
@@ -60,16 +60,7 @@ def _create(gw, session_id: str, seq: int = 0, who: str = "alice", **lora) -> di
 
 
 def _fb_body(model_id: str, seq_id: int, n: int = 6, forward_only: bool = False) -> bytes:
-    datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
-                        loss_fn_inputs={"target_tokens": list(range(2, n + 2))})  # fmt: skip
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id,
-        seq_id=seq_id,
-    )
-    msg = forward_backward_request_to_proto(request)
-    msg.forward_only = forward_only
-    return msg.SerializeToString()
+    return forward_backward_body(model_id, seq_id, [text_datum(list(range(1, n + 2)))], forward_only=forward_only)
 
 
 def test_the_handshake_and_what_is_left_out(tk) -> None:
@@ -187,11 +178,7 @@ def test_refused_chain_steps_hold_their_seq_id_and_say_why(tk) -> None:
         model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=2)]),
         loss_fn_inputs={},
     )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[image], loss_fn="cross_entropy"),
-        model_id=model_id, seq_id=1,
-    )  # fmt: skip
-    bad = tk.client.post("/api/v1/forward_backward", content=forward_backward_request_to_proto(request).SerializeToString(), headers=h)  # fmt: skip
+    bad = tk.client.post("/api/v1/forward_backward", content=forward_backward_body(model_id, 1, [image]), headers=h)
     assert bad.status_code == 400 and "text tokens only" in bad.json()["detail"]
     dimuon = tk.client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2, "optimizer_params": {"type": "dimuon", "learning_rate": 1e-3}}, headers=_h(tk))  # fmt: skip
     assert dimuon.status_code == 400 and "AdamW" in dimuon.json()["detail"]

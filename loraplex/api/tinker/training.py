@@ -20,6 +20,7 @@ from loraplex.api.routes.chain import seq_step
 from loraplex.api.schemas import (
     CreateAdapterRequest,
     ForwardBackwardRequest,
+    FutureRef,
     LoadStateRequest,
     OptimStepRequest,
     SaveCheckpointRequest,
@@ -84,23 +85,38 @@ def check_optimizer(config: OptimizerConfigBody | None) -> None:
 
 @router.post("/create_model")
 def create_model(body: CreateModelBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    check_optimizer(body.optimizer_config)
-    service.check_active(services, tenant, body.session_id)
     lora = body.lora_config or LoraConfigBody(rank=services.settings.max_rank, seed=None)
     fields: dict[str, Any] = {"rank": lora.rank, "user_metadata": body.user_metadata or {}}
     if lora.seed is not None:
         fields["seed"] = lora.seed
+    modules = target_modules_for(services.settings, lora)
+    ref = _create_in_session(services, tenant, body.session_id, body.model_seq_id, body, fields, modules)
+    return future_out(Tag.CREATE, ref)
+
+
+def _create_in_session(
+    services: Services,
+    tenant: TenantRef,
+    session_id: str,
+    model_seq_id: int,
+    body: CreateModelBody | LoadWeightsBody,
+    fields: dict[str, Any],
+    target_modules: tuple[str, ...] | None = None,
+) -> FutureRef:
+    """A new adapter `<session_id>:train:<model_seq_id>` of a live session of this tenant (create_model, and
+    load_weights that creates)."""
+    check_optimizer(body.optimizer_config)
+    service.check_active(services, tenant, session_id)
     if body.base_model:
         fields["base_model"] = body.base_model
-    ref = service.create_adapter(
+    return service.create_adapter(
         services,
         tenant,
         CreateAdapterRequest(**fields),
-        model_id=tinker_model_id(body.session_id, body.model_seq_id),
-        session_id=body.session_id,
-        target_modules=target_modules_for(services.settings, lora),
+        model_id=tinker_model_id(session_id, model_seq_id),
+        session_id=session_id,
+        target_modules=target_modules,
     )
-    return future_out(Tag.CREATE, ref)
 
 
 @router.post("/get_info")
@@ -204,18 +220,8 @@ def load_weights(body: LoadWeightsBody, tenant: TenantDep, services: ServicesDep
         return future_out(Tag.LOAD, service.load_state(services, tenant, body.model_id, request))
     if body.session_id is None or body.model_seq_id is None:
         raise InvalidRequestError("load_weights needs model_id + seq_id, or session_id + model_seq_id")
-    check_optimizer(body.optimizer_config)
-    service.check_active(services, tenant, body.session_id)
     fields: dict[str, Any] = {"from_checkpoint": body.path, "with_optimizer": body.optimizer}
-    if body.base_model:
-        fields["base_model"] = body.base_model
     if body.user_metadata:
         fields["user_metadata"] = body.user_metadata
-    ref = service.create_adapter(
-        services,
-        tenant,
-        CreateAdapterRequest(**fields),
-        model_id=tinker_model_id(body.session_id, body.model_seq_id),
-        session_id=body.session_id,
-    )
+    ref = _create_in_session(services, tenant, body.session_id, body.model_seq_id, body, fields)
     return future_out(Tag.CREATE_FROM, ref)
