@@ -221,3 +221,13 @@ def test_every_loss_the_sdk_names_runs_through_the_tinker_route(alice) -> None:
         assert np.isfinite(out.metrics["loss:sum"]) and len(logprobs(out)[0]) == n, loss
     out = client.forward_backward([rl], "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}).result()
     assert np.isfinite(out.metrics["loss:sum"]) and "clip_fraction:mean" in out.metrics
+
+
+def test_a_request_that_fails_in_the_pool_reaches_the_sdk_as_request_failed_with_its_category(alice) -> None:
+    """retrieve_future answers {error, category}: the SDK raises RequestFailedError, category user for a bad input."""
+    client = alice.create_lora_training_client(base_model="tiny", rank=8, seed=10).result()
+    too_big = 10**6  # past the tiny vocabulary: the gateway cannot know it, the pool refuses it
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        client.forward_backward([datum([5, too_big, 7])], "cross_entropy").result()
+    assert failed.value.category == types.RequestErrorCategory.User
+    assert "vocab" in str(failed.value).lower() or str(too_big) in str(failed.value)
