@@ -29,6 +29,10 @@ class CreateAdapterRequest(Strict):
         "alpha and seed come from it) instead of from a seed"
     )
     with_optimizer: bool = Field(True, description="With from_checkpoint: also restore the Adam state (weights only if false)")
+    target_modules: list[str] | None = Field(
+        None, min_length=1, max_length=64,
+        description="Train LoRA on these of the pool's target modules only (empty means all of them)",
+    )  # fmt: skip
 
 
 class Datum(Strict):

@@ -43,9 +43,12 @@ class ServiceClient:
         alpha: float | None = None,
         seed: int | None = None,
         user_metadata: dict[str, Any] | None = None,
+        target_modules: list[str] | None = None,
     ) -> TrainingClient:
-        """Create an adapter (waits until the pool has initialised it from its seed) and return its client."""
-        body = {"base_model": base_model, "rank": rank, "alpha": alpha, "seed": seed, "user_metadata": user_metadata or {}}
+        """Create an adapter (waits until the pool has initialised it from its seed) and return its client.
+        `target_modules`: train only these of the pool's modules (e.g. the attention projections); default all."""
+        body = {"base_model": base_model, "rank": rank, "alpha": alpha, "seed": seed, "user_metadata": user_metadata or {},
+                "target_modules": target_modules}  # fmt: skip
         ref = self._transport.request("POST", "/v1/adapters", json=body)
         APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
         return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)

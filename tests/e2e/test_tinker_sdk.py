@@ -231,3 +231,15 @@ def test_a_request_that_fails_in_the_pool_reaches_the_sdk_as_request_failed_with
         client.forward_backward([datum([5, too_big, 7])], "cross_entropy").result()
     assert failed.value.category == types.RequestErrorCategory.User
     assert "vocab" in str(failed.value).lower() or str(too_big) in str(failed.value)
+
+
+def test_an_attention_only_adapter_trains_and_says_so(alice) -> None:
+    """lora_config train_mlp=False: the pool trains the attention projections only (the MLP ones held at zero)."""
+    client = alice.create_lora_training_client(base_model="tiny", rank=8, seed=11, train_mlp=False).result()
+    losses = train(client, batch(10), 4)
+    assert losses[-1] < losses[0]
+    path = client.save_state("attn").result().path
+    info = alice.create_rest_client().get_weights_info_by_tinker_path(path).result()
+    assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, False, False)
+    resumed = alice.create_training_client_from_state_with_optimizer(path).result()
+    assert train(resumed, batch(10), 1)[0] == pytest.approx(train(client, batch(10), 1)[0], rel=1e-6)

@@ -154,3 +154,17 @@ def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeyp
     monkeypatch.setattr(services.results, "wait", wait_then_land)
     answer = client.get(f"/v1/futures/{request_id}?timeout=1", headers=alice).json()
     assert answer["state"] == "complete" and answer["result"] == {"loss": 1.5}
+
+
+def test_an_adapter_may_train_a_subset_of_the_pools_target_modules(stack):
+    client, keys, _ = stack
+    h = {"X-API-Key": keys["alice"]}
+    created = _create(client, keys["alice"], rank=4, target_modules=["v_proj", "q_proj"])
+    assert created.status_code == 202, created.text
+    adapter = client.get(f"/v1/adapters/{created.json()['model_id']}", headers=h).json()
+    assert adapter["target_modules"] == ["q_proj", "v_proj"]  # in the pool's order
+    unknown = _create(client, keys["alice"], rank=4, target_modules=["q_proj", "lm_head"])
+    assert unknown.status_code == 400 and "lm_head" in unknown.json()["detail"]
+    assert _create(client, keys["alice"], rank=4, target_modules=[]).status_code == 422
+    with_checkpoint = _create(client, keys["alice"], from_checkpoint="tinker://m/weights/x", target_modules=["q_proj"])
+    assert with_checkpoint.status_code == 400 and "taken from the checkpoint" in with_checkpoint.json()["detail"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections.abc import Sequence
 
 from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
@@ -18,7 +19,7 @@ from loraplex.storage.repositories import AdapterRepository
 ALPHA_PER_RANK = 2.0  # LoRA alpha when none is given: 2 x rank
 SEED_LIMIT = 2**31  # a seed when none is given: uniform in [0, SEED_LIMIT)
 # With from_checkpoint these come from the checkpoint's adapter: setting one is an error, not an override.
-FROM_CHECKPOINT_FIELDS = frozenset({"rank", "alpha", "seed"})
+FROM_CHECKPOINT_FIELDS = frozenset({"rank", "alpha", "seed", "target_modules"})
 
 
 def adapter_out(adapter: Adapter) -> AdapterOut:
@@ -85,7 +86,7 @@ def create_adapter(
         raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
     alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
     seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
-    modules = tuple(target_modules or settings.target_modules)
+    modules = _modules(settings.target_modules, target_modules or request.target_modules)
     model_id = model_id or uuid.uuid4().hex
     with write_session(services) as db:  # committed before the worker can report on it (the quota counted in it)
         adapters = AdapterRepository(db, tenant.id)
@@ -115,6 +116,16 @@ def create_adapter(
         from_checkpoint=from_checkpoint,
     )
     return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
+
+
+def _modules(pool: tuple[str, ...], asked: Sequence[str] | None) -> tuple[str, ...]:
+    """The pool's target modules an adapter trains: all of them, or the subset asked for (in the pool's order)."""
+    if not asked:
+        return tuple(pool)
+    unknown = sorted(set(asked) - set(pool))
+    if unknown:
+        raise InvalidRequestError(f"target_modules {unknown} are not among this pool's {list(pool)}")
+    return tuple(m for m in pool if m in set(asked))
 
 
 def _resubmit_create(services: Services, tenant: TenantRef, model_id: str) -> FutureRef | None:
