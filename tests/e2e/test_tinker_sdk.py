@@ -3,6 +3,10 @@ custom losses, save and resume, checkpoints through its RestClient, the session'
 
 from __future__ import annotations
 
+import io
+import tarfile
+
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -186,6 +190,17 @@ def test_checkpoints_through_the_rest_client_and_another_tenant_sees_none(stack,
     finally:
         bob.close("success").result()
 
+    rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result()
+    (kept,) = [c for c in rest.list_checkpoints(client.model_id).result().checkpoints if c.tinker_path == state]
+    assert kept.expires_at is not None and kept.expires_at > kept.time
+    archive = httpx.get(f"{stack.base_url}/api/v1/training_runs/{client.model_id}/checkpoints/weights/s1/archive",
+                        headers={"X-API-Key": keys["sdk-alice"]}, timeout=60)  # fmt: skip
+    assert archive.status_code == 200, archive.text
+    with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= set(tar.getnames())
+    foreign = httpx.get(f"{stack.base_url}/api/v1/training_runs/{client.model_id}/checkpoints/weights/s1/archive",
+                        headers={"X-API-Key": keys["sdk-bob"]}, timeout=60)  # fmt: skip
+    assert foreign.status_code == 404
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [state]
 
