@@ -42,6 +42,8 @@ from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
+    UNCHAINED_KINDS,
+    UNORDERED_KINDS,
     BatchPlan,
     Executor,
     Outcome,
@@ -241,7 +243,7 @@ class Dispatcher:
         stale: list[EntryRef] = []
         for (sid, env), answered in zip(fresh, done, strict=True):
             req = to_planned(env)
-            if req.model_id not in self._applied:
+            if req.model_id not in self._applied and req.kind not in UNORDERED_KINDS:  # a sampler is no adapter
                 lookup = self.applied_seq_lookup
                 self._applied[req.model_id] = lookup(req.model_id) if lookup else None
             if answered:  # stored before a crash, never acked: never apply twice
@@ -269,7 +271,7 @@ class Dispatcher:
             plan, outcomes = self._settle_parts(plan, outcomes)
             requests = plan.requests
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
-        steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in CONTROL_KINDS]
+        steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in UNCHAINED_KINDS]
         self.coalescer.answered(sorted(steps, key=lambda a: a[2]), time.monotonic())
         for r in requests:
             if r.kind == RequestKind.DELETE_ADAPTER:
@@ -339,7 +341,7 @@ class Dispatcher:
         outcomes: list[Outcome] = []
         for model_id, missing in blocked.items():
             waiting = [
-                h for h in self._buffer if h.request.model_id == model_id and h.request.kind not in CONTROL_KINDS
+                h for h in self._buffer if h.request.model_id == model_id and h.request.kind not in UNCHAINED_KINDS
             ]
             if not waiting or now - min(h.first_seen for h in waiting) < self.seq_gap_timeout_s:
                 continue
@@ -382,7 +384,7 @@ class Dispatcher:
 
     def _advance(self, requests: Iterable[PlannedRequest]) -> None:
         for r in requests:
-            if r.kind in CONTROL_KINDS:
+            if r.kind in UNCHAINED_KINDS:
                 continue
             last = self._applied.get(r.model_id)
             self._applied[r.model_id] = r.seq_id if last is None else max(last, r.seq_id)

@@ -9,7 +9,9 @@ is reported in `blocked` (model_id -> missing seq_id) so the loop can time it ou
 (seq_id -1) sit outside the chain: a create runs before anything else of its model_id, a delete after all of them.
 
 The plan's steps, in order:
-  1. one CREATE step with every pending create_adapter;
+  1. one CREATE step with every pending create_adapter; then one SAMPLE step with the oldest pending sampling
+     requests (up to `max_sample_rows` sequences): they sit in no chain (any order), so a sample waits for at most
+     one plan of training, whoever queued it;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
      forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a request over the cap runs in parts
      of at most the cap, one part per plan; `progress` says how many of its datums earlier
@@ -34,7 +36,18 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from loraplex.protocol import CONTROL_KINDS, KINDS, BatchPlan, ForwardBackwardPayload, PlannedRequest, Step, StepKind
+from loraplex.protocol import (
+    CONTROL_KINDS,
+    KINDS,
+    UNCHAINED_KINDS,
+    UNORDERED_KINDS,
+    BatchPlan,
+    ForwardBackwardPayload,
+    PlannedRequest,
+    SamplePayload,
+    Step,
+    StepKind,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,9 @@ class PolicyLimits:
     # distinct adapters in one FORWARD_BACKWARD or OPTIM_STEP step: the pool's resident slots (each step's adapters are
     # swapped in before it runs), so the Dispatcher sets it to settings.slots
     max_adapters_per_step: int = 1 << 30
+    # sampled sequences (requests x num_samples) in one SAMPLE step; every plan takes the oldest pending samples first,
+    # so a tenant's sample waits for at most one plan of anyone's training
+    max_sample_rows: int = 64
 
 
 @dataclass(frozen=True)
@@ -61,7 +77,7 @@ class PolicyResult:
         """model_id -> the highest seq_id this plan takes (what last_applied becomes once the plan is answered)."""
         out: dict[str, int] = {}
         for r in self.plan.requests:
-            if r.kind not in CONTROL_KINDS and not r.unfinished:
+            if r.kind not in UNCHAINED_KINDS and not r.unfinished:
                 out[r.model_id] = max(out.get(r.model_id, r.seq_id), r.seq_id)
         return out
 
@@ -77,7 +93,7 @@ def plan_batch(
     progress = progress or {}
     limits = limits or PolicyLimits()
     reqs = list(pending)  # requests are referred to by their index (= arrival order) below
-    duplicates, creates, deletes, chains = _sort_out(reqs, last_applied)
+    duplicates, creates, deletes, samples, chains = _sort_out(reqs, last_applied)
 
     budget = limits.max_requests
     taken: set[int] = set()
@@ -88,6 +104,20 @@ def plan_batch(
     waiting_create = {reqs[i].model_id for i in creates[len(create_step) :]}  # their chains and deletes wait
     if create_step:
         steps.append(Step(StepKind.CREATE, tuple(reqs[i] for i in create_step)))
+
+    sample_step: list[int] = []
+    rows = 0
+    for i in samples:  # oldest first, up to the row budget (one request always fits)
+        p = reqs[i].payload
+        n = p.num_samples if isinstance(p, SamplePayload) else 1
+        if budget <= 0 or (sample_step and rows + n > limits.max_sample_rows):
+            break
+        sample_step.append(i)
+        rows += n
+        budget -= 1
+    if sample_step:
+        steps.append(Step(StepKind.SAMPLE, tuple(reqs[i] for i in sample_step)))
+    taken.update(sample_step)
 
     last = {m: last_applied.get(m) for m in chains}
     pos = dict.fromkeys(chains, 0)
@@ -181,11 +211,13 @@ def plan_batch(
 
 def _sort_out(
     reqs: list[PlannedRequest], last_applied: Mapping[str, int | None]
-) -> tuple[list[int], list[int], list[int], dict[str, list[int]]]:
-    """Split request indices into duplicates, creates, deletes and per-adapter chains sorted by seq_id."""
+) -> tuple[list[int], list[int], list[int], list[int], dict[str, list[int]]]:
+    """Split request indices into duplicates, creates, deletes, samples (arrival order) and per-adapter chains sorted
+    by seq_id."""
     duplicates: list[int] = []
     creates: list[int] = []
     deletes: list[int] = []
+    samples: list[int] = []
     chains: dict[str, list[int]] = {}
     seen_ids: set[str] = set()
     seen_slots: set[tuple[str, str | int]] = set()
@@ -193,14 +225,17 @@ def _sort_out(
         control = r.kind in CONTROL_KINDS
         slot = (r.model_id, str(r.kind) if control else r.seq_id)
         last = last_applied.get(r.model_id)
-        already = not control and last is not None and r.seq_id <= last
+        unordered = r.kind in UNORDERED_KINDS
+        already = not control and not unordered and last is not None and r.seq_id <= last
         if r.request_id in seen_ids or slot in seen_slots or already:
             duplicates.append(i)
             continue
         seen_ids.add(r.request_id)
         seen_slots.add(slot)
         step_kind = KINDS[r.kind].step
-        if step_kind == StepKind.CREATE:
+        if unordered:
+            samples.append(i)
+        elif step_kind == StepKind.CREATE:
             creates.append(i)
         elif step_kind == StepKind.DELETE:
             deletes.append(i)
@@ -208,7 +243,7 @@ def _sort_out(
             chains.setdefault(r.model_id, []).append(i)
     for chain in chains.values():
         chain.sort(key=lambda i: reqs[i].seq_id)
-    return duplicates, creates, deletes, chains
+    return duplicates, creates, deletes, samples, chains
 
 
 def _part_of(r: PlannedRequest, done: int, plan_tokens: int) -> PlannedRequest:

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.protocol import (
+    UNCHAINED_KINDS,
     BatchPlan,
     Outcome,
     RequestKind,
@@ -135,8 +136,8 @@ class OutcomeRecorder:
                     with suppress(NotFoundError):  # deleted before its creation finished
                         status = AdapterStatus.READY if outcome.ok else AdapterStatus.FAILED
                         AdapterRepository(session, request.tenant_id).set_status(request.model_id, status)
-                if request.kind in (RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER):
-                    continue  # outside the seq_id chain
+                if request.kind in UNCHAINED_KINDS:
+                    continue  # outside the seq_id chain (create, delete, sample)
                 # A failed request still takes its place in the order: later seq_ids must not wait for it.
                 key = (request.tenant_id, request.model_id)
                 applied[key] = max(applied.get(key, request.seq_id), request.seq_id)

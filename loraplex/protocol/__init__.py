@@ -6,6 +6,8 @@ from loraplex.protocol.kinds import (
     CONTROL_SEQ_ID,
     KINDS,
     SAVE_KINDS,
+    UNCHAINED_KINDS,
+    UNORDERED_KINDS,
     KindSpec,
     RequestKind,
     StepKind,
@@ -22,6 +24,7 @@ from loraplex.protocol.payloads import (
     OptimStepPayload,
     Payload,
     RejectedPayload,
+    SamplePayload,
     SaveCheckpointPayload,
 )
 from loraplex.protocol.plan import BatchPlan, Executor, Outcome, PlannedRequest, Step
@@ -31,6 +34,8 @@ __all__ = [
     "CONTROL_SEQ_ID",
     "KINDS",
     "SAVE_KINDS",
+    "UNCHAINED_KINDS",
+    "UNORDERED_KINDS",
     "BatchPlan",
     "CreateAdapterPayload",
     "DatumPayload",
@@ -46,6 +51,7 @@ __all__ = [
     "PlannedRequest",
     "RejectedPayload",
     "RequestKind",
+    "SamplePayload",
     "SaveCheckpointPayload",
     "Step",
     "StepKind",

@@ -16,6 +16,7 @@ from loraplex.protocol.payloads import (
     OptimStepPayload,
     Payload,
     RejectedPayload,
+    SamplePayload,
     SaveCheckpointPayload,
 )
 
@@ -30,6 +31,7 @@ class RequestKind(StrEnum):
     SAVE_SAMPLER = "save_sampler"  # weights only (for sampling / export)
     LOAD_STATE = "load_state"  # checkpoint files -> this (new or existing) adapter
     REJECTED = "rejected"  # a request the gateway rejected after its seq_id was taken: answered with its error
+    SAMPLE = "sample"  # continuations of a prompt from a sampler snapshot (or the base model); in no seq_id chain
 
 
 class StepKind(StrEnum):
@@ -39,6 +41,7 @@ class StepKind(StrEnum):
     OPTIM_STEP = "optim_step"  # one batched AdamW update over the requests' adapters
     CHECKPOINT = "checkpoint"  # save_state / save_sampler / load_state requests, one by one, in seq_id order
     REJECT = "reject"  # rejected requests: each answered with its payload's error, no engine work
+    SAMPLE = "sample"  # one batched generation over the plan's sampling requests (mixed snapshots and base rows)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class KindSpec:
     step: StepKind
     payload: type[Payload]
     control: bool = False  # outside the seq_id chain: seq_id CONTROL_SEQ_ID, idempotent per (model_id, kind)
+    # outside every chain, in any order, but idempotent per (model_id, seq_id) like a step (model_id: a sampling
+    # session, not an adapter)
+    unordered: bool = False
     trains: bool = False  # forward_backward rows that get gradients (FORWARD shares the step without them)
     saves: CheckpointKind | None = None  # the checkpoint a successful request writes
 
@@ -60,12 +66,16 @@ KINDS: dict[RequestKind, KindSpec] = {
     RequestKind.SAVE_SAMPLER: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER),
     RequestKind.LOAD_STATE: KindSpec(StepKind.CHECKPOINT, LoadStatePayload),
     RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload),
+    RequestKind.SAMPLE: KindSpec(StepKind.SAMPLE, SamplePayload, unordered=True),
 }
 assert set(KINDS) == set(RequestKind), "every request kind needs its row"
 
 # create/delete are not steps in the adapter's seq_id chain: they carry this seq_id.
 CONTROL_SEQ_ID = -1
 CONTROL_KINDS = frozenset(k for k, spec in KINDS.items() if spec.control)
+UNORDERED_KINDS = frozenset(k for k, spec in KINDS.items() if spec.unordered)
+# Kinds whose request does not take a place in an adapter's seq_id chain (nothing to record as applied).
+UNCHAINED_KINDS = CONTROL_KINDS | UNORDERED_KINDS
 SAVE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.saves)
 
 

@@ -241,3 +241,53 @@ class RejectedPayload(Payload):
             error_type=_check(d.get("error_type", "InvalidRequestError"), str, "error_type"),
             message=_check(d.get("message", ""), str, "message"),
         )
+
+
+@dataclass(frozen=True)
+class SamplePayload(Payload):
+    """A sampling request: `num_samples` continuations of `prompt` from the frozen sampler snapshot `snapshot` (an
+    adapter id in the pool: the copy a save_weights_for_sampler took), or from the bare base model when None. The
+    envelope's model_id is the sampling session's id, its seq_id the client's sampling counter: the idempotency key.
+    Sampling requests sit outside every adapter's seq_id chain (their order does not matter)."""
+
+    KIND_NAME: ClassVar[str] = "sample"
+    prompt: tuple[int, ...] = ()
+    snapshot: str | None = None
+    num_samples: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SamplePayload:
+        d = cls._fields_of(data)
+        prompt = _check(d.get("prompt", []), (list, tuple), "prompt")
+        stop_ids = _check(d.get("stop_token_ids", []), (list, tuple), "stop_token_ids")
+        stop_strings = _check(d.get("stop_strings", []), (list, tuple), "stop_strings")
+        return cls(
+            prompt=tuple(_check(t, int, "prompt[]") for t in prompt),
+            snapshot=_check(d.get("snapshot"), str, "snapshot", optional=True),
+            num_samples=_check(d.get("num_samples", 1), int, "num_samples"),
+            max_tokens=_check(d.get("max_tokens", 16), int, "max_tokens"),
+            temperature=float(_check(d.get("temperature", 1.0), (int, float), "temperature")),
+            top_k=_check(d.get("top_k", -1), int, "top_k"),
+            top_p=float(_check(d.get("top_p", 1.0), (int, float), "top_p")),
+            seed=_check(d.get("seed"), int, "seed", optional=True),
+            stop_token_ids=tuple(_check(t, int, "stop_token_ids[]") for t in stop_ids),
+            stop_strings=tuple(_check(s, str, "stop_strings[]") for s in stop_strings),
+            prompt_logprobs=_check(d.get("prompt_logprobs", False), bool, "prompt_logprobs"),
+            topk_prompt_logprobs=_check(d.get("topk_prompt_logprobs", 0), int, "topk_prompt_logprobs"),
+            topk_sample_logprobs=_check(d.get("topk_sample_logprobs", 0), int, "topk_sample_logprobs"),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """What the sample costs the pool, for queue quotas and plan budgets: its prompt and the most it can add."""
+        return len(self.prompt) + self.num_samples * self.max_tokens

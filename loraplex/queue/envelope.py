@@ -109,7 +109,12 @@ def _non_finite(value: object, where: str) -> Iterator[tuple[str, float]]:
 
 
 def token_count(env: Envelope) -> int:
-    """Input tokens of a forward_backward / forward request (0 for other kinds), read from its wire payload."""
+    """Input tokens of a forward_backward / forward request, and a sample's prompt plus the most it can add (0 for
+    other kinds), read from its wire payload."""
+    if env.kind == RequestKind.SAMPLE:
+        prompt, n, most = env.payload.get("prompt"), env.payload.get("num_samples", 1), env.payload.get("max_tokens", 0)
+        ok = isinstance(prompt, list | tuple) and type(n) is int and type(most) is int
+        return len(prompt) + max(n, 0) * max(most, 0) if ok else 0  # type: ignore[arg-type]
     data = env.payload.get("data") if env.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD) else None
     return sum(len(d.get("model_input", ())) for d in data) if isinstance(data, list | tuple) else 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.checkpoint_paths import CheckpointKind
-from loraplex.errors import EngineError, InvalidRequestError, LoraplexError
+from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotSupportedError
 from loraplex.protocol import (
     KINDS,
     BatchPlan,
@@ -61,10 +61,18 @@ class _Parts:
 
 
 class PlanExecutor:
-    def __init__(self, engine: Engine, store: AdapterStore | None = None) -> None:
-        """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only."""
+    def __init__(
+        self,
+        engine: Engine,
+        store: AdapterStore | None = None,
+        sampling: Callable[[Step], list[Outcome]] | None = None,
+    ) -> None:
+        """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only.
+        sampling: runs a SAMPLE step (the native sampler over this engine); None: this pool does not sample, and each
+        sampling request fails with a NotSupportedError saying so."""
         self.engine = engine
         self.store = store
+        self.sampling = sampling
         self._parts: dict[str, _Parts] = {}  # request_id -> a request running in parts (dispatch/policy.py)
         self._handlers: dict[StepKind, Callable[[Step], list[Outcome]]] = {
             StepKind.CREATE: self._create,
@@ -73,6 +81,7 @@ class PlanExecutor:
             StepKind.OPTIM_STEP: self._optim_step,
             StepKind.CHECKPOINT: self._checkpoint,
             StepKind.REJECT: self._reject,
+            StepKind.SAMPLE: self._sample,
         }
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
@@ -157,6 +166,15 @@ class PlanExecutor:
             message = f"the gateway rejected this {p.rejected_kind or 'request'}: {p.message}"
             outcomes.append(Outcome(request.request_id, error_type=p.error_type, error=message))
         return outcomes
+
+    def _sample(self, step: Step) -> list[Outcome]:
+        if self.sampling is None:
+            exc = NotSupportedError("this pool has no sampler (its pool process was started without one)")
+            return [_error(r, exc) for r in step.requests]
+        try:
+            return self.sampling(step)
+        except Exception as exc:  # noqa: BLE001 - the step failed as a whole: each of its requests gets the error
+            return [_error(r, exc) for r in step.requests]
 
     def _forward_backward(self, step: Step) -> list[Outcome]:
         """Validate each request alone, then run every valid one in a single mixed batch."""

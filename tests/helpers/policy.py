@@ -10,6 +10,7 @@ from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, StepKind
 FB, FWD, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP
 CREATE, DELETE = RequestKind.CREATE_ADAPTER, RequestKind.DELETE_ADAPTER
 REJECTED = RequestKind.REJECTED
+SAMPLE = RequestKind.SAMPLE
 _ids = itertools.count()
 
 
@@ -21,6 +22,8 @@ def req(
     if kind in (FB, FWD):
         data = [{"model_input": [0] * tokens, "loss_fn_inputs": {}} for _ in range(datums)]
         payload = {"data": data, "loss_fn": "cross_entropy"}
+    elif kind == SAMPLE:
+        payload = {"prompt": [1] * tokens, "num_samples": datums, "max_tokens": 4}
     elif kind == REJECTED:
         payload = {"rejected_kind": "forward_backward", "message": "loss_fn: Input should be 'cross_entropy'"}
     return PlannedRequest(f"r{next(_ids)}", tenant or f"t-{model}", model, seq, kind, payload)

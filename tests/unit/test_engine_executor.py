@@ -164,3 +164,13 @@ def test_a_bad_datum_in_a_later_part_fails_the_request_at_its_first_part(executo
     (outcome,) = executor.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (first,)),)))
     assert outcome.error_type == "InvalidRequestError" and executor._parts == {}
     assert all(g.abs().sum() == 0 for pair in executor.engine.adapter_grads("a").values() for g in pair)
+
+
+def test_a_pool_without_a_sampler_fails_its_sampling_requests_alone(executor: PlanExecutor) -> None:
+    plan = BatchPlan((
+        Step(StepKind.CREATE, (req("c", "m", RequestKind.CREATE_ADAPTER, rank=2, alpha=4.0, seed=1),)),
+        Step(StepKind.SAMPLE, (PlannedRequest("s", "t", "session", 0, RequestKind.SAMPLE, {"prompt": [1, 2]}),)),
+    ))  # fmt: skip
+    created, sampled = executor.execute(plan)
+    assert created.ok and not sampled.ok
+    assert sampled.error_type == "NotSupportedError" and "no sampler" in (sampled.error or "")

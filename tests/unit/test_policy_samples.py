@@ -1,0 +1,40 @@
+"""Sampling requests in the policy: in no chain (any order, no gaps), one SAMPLE step per plan ahead of training, the
+oldest first within a row budget, duplicates by (sampling session, seq_id), nothing recorded as applied."""
+
+from __future__ import annotations
+
+from loraplex.protocol import StepKind
+from tests.helpers.policy import CREATE, OPT, SAMPLE, req, run, steps
+
+
+def test_samples_run_ahead_of_training_in_any_seq_order() -> None:
+    pending = [req("a", 1), req("a", 2, OPT), req("s1", 5, SAMPLE), req("s1", 2, SAMPLE), req("s2", 0, SAMPLE)]
+    result = run(pending, {"a": 0})
+    assert steps(result.plan) == [
+        (StepKind.SAMPLE, [("s1", 5), ("s1", 2), ("s2", 0)]),  # arrival order; seq 5 before 2 is fine: no chain
+        (StepKind.FORWARD_BACKWARD, [("a", 1)]),
+        (StepKind.OPTIM_STEP, [("a", 2)]),
+    ]
+    assert result.applied_seq == {"a": 2} and result.blocked == {}  # samples neither advance nor block anything
+
+
+def test_a_sample_waits_for_at_most_one_plan_behind_a_deep_training_backlog() -> None:
+    backlog = [req("big", s, tenant="trainer") for s in range(1, 200)]
+    result = run([*backlog, req("s", 1, SAMPLE, tenant="sampler")], {"big": 0})
+    assert result.plan.steps[0].kind == StepKind.SAMPLE and [r.model_id for r in result.plan.steps[0].requests] == ["s"]
+
+
+def test_the_row_budget_takes_the_oldest_samples_and_one_always_fits() -> None:
+    pending = [req("s", i, SAMPLE, datums=3) for i in range(5)]  # 3 samples each
+    first = run(pending, max_sample_rows=7)
+    assert steps(first.plan) == [(StepKind.SAMPLE, [("s", 0), ("s", 1)])]
+    assert [r.seq_id for r in first.pending] == [2, 3, 4]
+    huge = run([req("s", 0, SAMPLE, datums=100)], max_sample_rows=7)
+    assert steps(huge.plan) == [(StepKind.SAMPLE, [("s", 0)])]
+
+
+def test_a_repeated_sample_is_a_duplicate_and_creates_still_come_first() -> None:
+    first, again = req("s", 3, SAMPLE), req("s", 3, SAMPLE)
+    result = run([req("a", -1, CREATE), first, again])
+    assert steps(result.plan) == [(StepKind.CREATE, [("a", -1)]), (StepKind.SAMPLE, [("s", 3)])]
+    assert [d.request_id for d in result.duplicates] == [again.request_id]
