@@ -45,6 +45,12 @@ GPU, CPU, DISK = "gpu", "cpu", "disk"
 SPARE_BUFFERS = 2  # host buffers kept for reuse beyond the cpu tier's own
 
 
+def is_snapshot_id(model_id: str) -> bool:
+    """Sampler snapshots are named by their sampler checkpoint's tinker path (tinker://<model>/sampler_weights/<name>),
+    which no adapter id can be (ids hold no '/')."""
+    return model_id.startswith("tinker://")
+
+
 @dataclass(frozen=True)
 class TierChange:
     """Where an adapter is now. tier None: it is gone (deleted); its record should be removed."""
@@ -194,6 +200,25 @@ class AdapterStore:
         del self._lru[model_id]
         self._note(TierChange(model_id, None))
 
+    def freeze_copy(self, model_id: str, snapshot_id: str) -> None:
+        """A sampler snapshot: `snapshot_id` becomes an adapter of its own in the host tier holding `model_id`'s
+        weights as they are now (its gradients and Adam moments zero), while `model_id` trains on. A slot-row copy
+        (device to host), no file; a snapshot of that id already there is replaced. Swapped like any adapter (a
+        sample swaps it in); its tier moves are not recorded in SQL (it is no adapter row: `is_snapshot_id`)."""
+        if model_id not in self:
+            raise NotFoundError(f"adapter {model_id!r} not found on this pool")
+        if snapshot_id in self._lru:
+            self.delete(snapshot_id)
+        self.ensure_resident([model_id])
+        snapshot = take_snapshot(self.engine, model_id, out=self._buffer())
+        snapshot.rows[1:].zero_()  # weights only: SLOT_ROWS = weights, grads, exp_avg, exp_avg_sq
+        snapshot.model_id = snapshot_id
+        self._host[snapshot_id] = snapshot
+        self._lru[snapshot_id] = None
+        self._lru.move_to_end(snapshot_id)
+        self._note(TierChange(snapshot_id, CPU))
+        self._enforce_budget(prefer_keep=(snapshot_id,))
+
     def touch(self, model_id: str) -> None:
         """Mark as just used (most recently used)."""
         self.tier_of(model_id)
@@ -230,7 +255,7 @@ class AdapterStore:
     def drain_changes(self) -> list[TierChange]:
         """The tier changes since the last drain: the latest per adapter, oldest first."""
         self._sync()
-        out = list(self._changes.values())
+        out = [c for c in self._changes.values() if not is_snapshot_id(c.model_id)]
         self._changes.clear()
         return out
 

@@ -303,4 +303,8 @@ class PlanExecutor:
         if self.engine.dist is None or self.engine.dist.is_leader:
             files = write_checkpoint(state, directory)
             result.update(size_bytes=int(files.total_size), sha256=files.sha256)
+        if saves == CheckpointKind.SAMPLER and self.store is not None and p.path:
+            # The frozen copy sampling reads (workers/adapter_store.py: freeze_copy): slot rows to host memory, no file
+            # read back; every rank keeps one (the banks are replicated).
+            self.store.freeze_copy(request.model_id, p.path)
         return result

@@ -1,0 +1,73 @@
+"""Sampler snapshots (workers/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
+the adapter's weights as an adapter of its own, which stays as it was while the adapter trains on, survives swaps
+through host memory and disk bit for bit, and never reaches the SQL residency records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.models import load_base_model
+from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.adapter_store import AdapterStore, is_snapshot_id
+from loraplex.workers.engine import Engine
+from loraplex.workers.executor import PlanExecutor
+
+SNAP = "tinker://a/sampler_weights/s1"
+DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13]}}]
+
+
+@pytest.fixture
+def pool(tiny_dir: Path, tmp_path: Path) -> tuple[PlanExecutor, AdapterStore]:
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    engine = Engine(model, num_slots=2, max_rank=4)
+    store = AdapterStore(engine, 1 << 30, tmp_path / "spill")
+    return PlanExecutor(engine, store), store
+
+
+def _same(x: dict, y: dict) -> bool:
+    return x.keys() == y.keys() and all(torch.equal(x[n][0], y[n][0]) and torch.equal(x[n][1], y[n][1]) for n in x)
+
+
+def _req(rid: str, kind: RequestKind, seq: int, **payload) -> PlannedRequest:
+    return PlannedRequest(rid, "t", "a", seq, kind, payload)
+
+
+def _train(executor: PlanExecutor, seq: int) -> None:
+    plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (_req(f"fb{seq}", RequestKind.FORWARD_BACKWARD, seq, data=DATA),)),
+                      Step(StepKind.OPTIM_STEP, (_req(f"o{seq}", RequestKind.OPTIM_STEP, seq + 1,
+                                                      adam_params={"learning_rate": 0.05}),)),))  # fmt: skip
+    assert all(o.ok for o in executor.execute(plan))
+
+
+def test_a_sampler_save_keeps_a_frozen_copy_while_the_adapter_trains_on(pool, tmp_path) -> None:
+    executor, store = pool
+    store.create("a", 4, 8.0, seed=1)
+    _train(executor, 1)
+    weights_then = store.engine.adapter_weights("a")
+    save = _req("s", RequestKind.SAVE_SAMPLER, 3, name="s1", path=SNAP, directory=str(tmp_path / "ckpt"))
+    (saved,) = executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),)))
+    assert saved.ok, saved.error
+    assert store.tier_of(SNAP) == "cpu" and is_snapshot_id(SNAP)
+    frozen = store.peek(SNAP)
+    assert not frozen.rows[1:].any()  # weights only: no gradients or Adam moments
+    _train(executor, 4)  # the adapter moves on
+    store.ensure_resident([SNAP])
+    assert _same(store.engine.adapter_weights(SNAP), weights_then)  # the snapshot is the weights at the save
+    assert not _same(store.engine.adapter_weights("a"), weights_then)  # while the adapter trained on
+    assert all(not is_snapshot_id(c.model_id) for c in store.drain_changes())  # no residency rows for snapshots
+
+
+def test_a_snapshot_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, tmp_path: Path) -> None:
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    store = AdapterStore(Engine(model, num_slots=2, max_rank=4), 0, tmp_path / "spill")  # no host budget: to disk
+    store.create("a", 2, 4.0, seed=2)
+    store.freeze_copy("a", SNAP)
+    assert store.tier_of(SNAP) == "disk"
+    first = store.engine.adapter_weights("a")
+    store.ensure_resident([SNAP])
+    assert _same(store.engine.adapter_weights(SNAP), first)
+    store.freeze_copy("a", SNAP)  # the same name again (overwrite): one snapshot, the newest
+    assert store.lru_order().count(SNAP) == 1
