@@ -92,6 +92,11 @@ class Settings(BaseSettings):
     pool_heartbeat_seconds: float = Field(default=5.0, gt=0)
     # Largest forward_backward body (datums per request) the gateway accepts.
     max_datums_per_request: int = 1024
+    # Sampling limits per request (api/service/sampling.py): samples, new tokens each.
+    max_samples_per_request: int = Field(default=64, ge=1)
+    max_sample_tokens: int = Field(default=4096, ge=1)
+    # How long the checkpoint of an unnamed save_weights_for_sampler (save_weights_and_get_sampling_client) is kept.
+    unnamed_sampler_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     max_tokens_per_datum: int = 32768
     # Admission control (api/admission.py, queue/producer.py). A body over `max_body_bytes` is a 413 as soon as that
     # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the

@@ -193,6 +193,7 @@ class AdapterOut(BaseModel):
     target_modules: list[str]
     created_at: Any
     last_used_at: Any | None = None
+    session_id: str | None = None  # the Tinker session that created it
 
 
 class ErrorOut(BaseModel):
@@ -210,3 +211,33 @@ class FutureOut(BaseModel):
     # (no recent heartbeat, or still loading its model), with a reason for people.
     queue_state: str | None = None
     queue_state_reason: str | None = None
+
+
+class CreateSamplerRequest(Strict):
+    model_path: str | None = Field(
+        None, max_length=1024, description="tinker://<model_id>/sampler_weights/<name>; empty samples the base model"
+    )
+    base_model: str | None = Field(None, description="Must be the pool's base model; empty means the pool's")
+
+
+class SamplerOut(BaseModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class SampleRequest(Strict):
+    seq_id: int = Field(..., ge=0, lt=2**31, description="The sampler's request counter: (sampler, seq_id) is idempotent")
+    prompt: list[int] = Field(..., min_length=1)
+    num_samples: int = Field(1, ge=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | list[int] | None = Field(
+        None, description="Stop strings or token ids; null stops at EOS only, [] not even there"
+    )
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(0, ge=0, le=20)
+    topk_sample_logprobs: int = Field(0, ge=0, le=20)

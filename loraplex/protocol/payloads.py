@@ -253,6 +253,8 @@ class SamplePayload(Payload):
     KIND_NAME: ClassVar[str] = "sample"
     prompt: tuple[int, ...] = ()
     snapshot: str | None = None
+    # The sampler checkpoint's folder: a pool that no longer holds the snapshot in memory (a restart) loads it from here.
+    snapshot_dir: str | None = None
     num_samples: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
@@ -261,6 +263,7 @@ class SamplePayload(Payload):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    stop_at_eos: bool = True  # Tinker: `stop=[]` samples through EOS up to max_tokens
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
@@ -274,6 +277,7 @@ class SamplePayload(Payload):
         return cls(
             prompt=tuple(_check(t, int, "prompt[]") for t in prompt),
             snapshot=_check(d.get("snapshot"), str, "snapshot", optional=True),
+            snapshot_dir=_check(d.get("snapshot_dir"), str, "snapshot_dir", optional=True),
             num_samples=_check(d.get("num_samples", 1), int, "num_samples"),
             max_tokens=_check(d.get("max_tokens", 16), int, "max_tokens"),
             temperature=float(_check(d.get("temperature", 1.0), (int, float), "temperature")),
@@ -282,6 +286,7 @@ class SamplePayload(Payload):
             seed=_check(d.get("seed"), int, "seed", optional=True),
             stop_token_ids=tuple(_check(t, int, "stop_token_ids[]") for t in stop_ids),
             stop_strings=tuple(_check(s, str, "stop_strings[]") for s in stop_strings),
+            stop_at_eos=_check(d.get("stop_at_eos", True), bool, "stop_at_eos"),
             prompt_logprobs=_check(d.get("prompt_logprobs", False), bool, "prompt_logprobs"),
             topk_prompt_logprobs=_check(d.get("topk_prompt_logprobs", 0), int, "topk_prompt_logprobs"),
             topk_sample_logprobs=_check(d.get("topk_sample_logprobs", 0), int, "topk_sample_logprobs"),

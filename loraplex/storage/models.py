@@ -35,6 +35,7 @@ __all__ = [
     "PoolState",
     "Residency",
     "ResidencyTier",
+    "SamplingSession",
     "Tenant",
     "TrainingSession",
     "Usage",
@@ -167,6 +168,24 @@ class TrainingSession(Base):
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finish_reason: Mapped[str | None] = mapped_column(String(255))
+
+
+class SamplingSession(Base):
+    """A sampler (Tinker `create_sampling_session`, or the unnamed save_weights_for_sampler): what sampling requests
+    of its id sample from, a sampler checkpoint of the tenant (its tinker path) or the bare base model (None)."""
+
+    __tablename__ = "sampling_sessions"
+    __table_args__ = (UniqueConstraint("session_id", "sampling_session_seq_id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # The client session and its per-session counter (the SDK's idempotency key for creating it); None for the unnamed
+    # form, which the save names.
+    session_id: Mapped[str | None] = mapped_column(String(64))
+    sampling_session_seq_id: Mapped[int | None] = mapped_column(BigInteger)
+    base_model: Mapped[str] = mapped_column(String(255))
+    model_path: Mapped[str | None] = mapped_column(String(1024))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Usage(Base):

@@ -304,6 +304,15 @@ def _plausible(world: World, seq: int) -> dict[str, tuple[str, str, dict[str, An
         "finish": ("POST", f"/api/v1/sessions/{w.bob_session_id}/finish", {"reason": {"type": "success"}, "detail": None}),
         "ttl": ("PUT", f"/api/v1/training_runs/{w.model_id}/checkpoints/weights/s1/ttl", {"ttl_seconds": 60}),
         "client_config": ("POST", "/api/v1/client/config", {"sdk_version": "0.38.0"}),
+        "create_sampling_session": ("POST", "/api/v1/create_sampling_session",
+                                    {"session_id": w.session_id, "sampling_session_seq_id": seq, "base_model": None,
+                                     "model_path": w.sampler_path, "type": "create_sampling_session"}),
+        "asample": ("POST", "/api/v1/asample",
+                    {"sampling_session_id": w.session_id, "seq_id": seq, "num_samples": 2,
+                     "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                     "sampling_params": {"max_tokens": 4, "seed": 1, "stop": ["\n"], "temperature": 0.7,
+                                         "top_k": 5, "top_p": 0.9},
+                     "prompt_logprobs": True, "topk_prompt_logprobs": 2, "topk_sample_logprobs": 1, "type": "sample"}),
     }  # fmt: skip
 
 

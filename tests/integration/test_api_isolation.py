@@ -40,7 +40,7 @@ ID_PATH_PARAMS = ("{model_id}", "{training_run_id}", "{session_id}", "{request_i
 # Body fields that name another resource: adapters/runs, sessions, futures, checkpoints (tinker paths).
 ID_BODY_FIELDS = frozenset({
     "model_id", "training_run_id", "session_id", "request_id", "from_checkpoint",
-    "path", "paths", "tinker_path", "tinker_paths",
+    "path", "paths", "tinker_path", "tinker_paths", "model_path", "sampling_session_id",
 })  # fmt: skip
 # Routes whose body carries an id but has no JSON schema to find it in (the protobuf forward_backward).
 BODY_ID_ROUTES_WITHOUT_SCHEMA = frozenset({("POST", "/api/v1/forward_backward")})
@@ -57,6 +57,7 @@ class Owned:
     session_id: str
     request_id: str  # a native future: an optim_step on model_id
     future_id: str  # a Tinker future: "<tag>.<request_id>" of tinker_model_id's creation
+    sampler_id: str  # a sampler over the sampler checkpoint
     state_name: str = "s1"
     sampler_name: str = "w1"
 
@@ -70,7 +71,7 @@ class Owned:
 
     def ids(self) -> dict[str, str]:
         return {"model_id": self.model_id, "tinker_model_id": self.tinker_model_id, "session_id": self.session_id,
-                "request_id": self.request_id, "future_id": self.future_id}  # fmt: skip
+                "request_id": self.request_id, "future_id": self.future_id, "sampler_id": self.sampler_id}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -262,9 +263,31 @@ CALLS: dict[tuple[str, str], list[Variant]] = {
     ("POST", "/api/v1/weights_info"): [
         V("info", lambda o, x: Call("POST", "/api/v1/weights_info", json={"tinker_path": x.state_path})),
     ],
-    # Sampling is not built: everyone gets the same 400. Once it is, this entry fails: write the real isolation case.
     ("GET", "/api/v1/samplers/{sampler_id}"): [
-        V("get", lambda o, x: Call("GET", f"/api/v1/samplers/{x.session_id}:sample:0"), (400,), "not_built"),
+        V("get", lambda o, x: Call("GET", f"/api/v1/samplers/{x.sampler_id}")),
+    ],
+    ("POST", "/api/v1/create_sampling_session"): [
+        V("in_their_session", lambda o, x: Call("POST", "/api/v1/create_sampling_session",
+                                                json={"session_id": x.session_id, "sampling_session_seq_id": 5})),
+        V("their_checkpoint", lambda o, x: Call("POST", "/api/v1/create_sampling_session",
+                                                json={"session_id": o.session_id, "sampling_session_seq_id": 6,
+                                                      "model_path": x.sampler_path})),
+    ],
+    ("POST", "/api/v1/asample"): [
+        V("sample", lambda o, x: Call("POST", "/api/v1/asample", json={
+            "sampling_session_id": x.sampler_id, "seq_id": 1, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 2}})),
+    ],
+    ("POST", "/v1/samplers"): [
+        V("their_checkpoint", lambda o, x: Call("POST", "/v1/samplers", json={"model_path": x.sampler_path}), (201,)),
+    ],
+    ("GET", "/v1/samplers/{sampler_id}"): [
+        V("get", lambda o, x: Call("GET", f"/v1/samplers/{x.sampler_id}")),
+    ],
+    ("POST", "/v1/samplers/{sampler_id}/sample"): [
+        V("sample", lambda o, x: Call("POST", f"/v1/samplers/{x.sampler_id}/sample",
+                                      json={"seq_id": 1, "prompt": [1, 2], "max_tokens": 2}), (202,)),
     ],
 }
 # fmt: on
@@ -360,12 +383,15 @@ def _resources(gateway, name: str) -> Owned:
     assert tinker_model_id == f"{session_id}:train:0"
     # Each adapter's seq_id 1 is taken (an optim_step), so the calls under test use seq_id 2 on both.
     _ok(client.post("/api/v1/optim_step", json={"model_id": tinker_model_id, "seq_id": 1}, headers=headers))
-    return Owned(model_id, tinker_model_id, session_id, request_id, created["request_id"])
+    sampler_path = f"tinker://{model_id}/sampler_weights/w1"
+    sampler_id = _ok(client.post("/v1/samplers", json={"model_path": sampler_path}, headers=headers), 201)["sampler_id"]
+    return Owned(model_id, tinker_model_id, session_id, request_id, created["request_id"], sampler_id)
 
 
 def _phantom() -> Owned:
     session_id = str(uuid.uuid4())
-    return Owned(uuid.uuid4().hex, f"{session_id}:train:0", session_id, str(uuid.uuid4()), f"create.{uuid.uuid4()}")
+    return Owned(uuid.uuid4().hex, f"{session_id}:train:0", session_id, str(uuid.uuid4()), f"create.{uuid.uuid4()}",
+                 str(uuid.uuid4()))  # fmt: skip
 
 
 @pytest.fixture()

@@ -75,10 +75,8 @@ def test_the_handshake_and_what_is_left_out(tk) -> None:
     assert caps["supported_models"][0]["model_name"] == tk.services.settings.base_model
     health = tk.client.get("/api/v1/healthz")
     assert health.status_code == 503 and "pool" in str(health.json()["down"])  # no pool runs here
-    for method, path in (("POST", "/api/v1/asample"), ("POST", "/api/v1/create_sampling_session"),
-                         ("GET", "/api/v1/samplers/abc")):  # fmt: skip
-        refused = tk.client.request(method, path, json={}, headers=_h(tk))
-        assert refused.status_code == 400 and "sampling is not available" in refused.json()["detail"]
+    join = tk.client.post("/api/v1/join_sampling_session", json={}, headers=_h(tk))
+    assert join.status_code == 400 and "not offered" in join.json()["detail"]
 
 
 def test_sessions_beat_finish_and_free_their_adapters(tk) -> None:
@@ -184,8 +182,8 @@ def test_refused_chain_steps_hold_their_seq_id_and_say_why(tk) -> None:
     assert dimuon.status_code == 400 and "AdamW" in dimuon.json()["detail"]
     negative = tk.client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": -1}}, headers=_h(tk))  # fmt: skip
     assert negative.status_code == 422 and "learning_rate" in negative.text
-    unnamed = tk.client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 4, "sampling_session_seq_id": 0}, headers=_h(tk))  # fmt: skip
-    assert unnamed.status_code == 400 and "sampling" in unnamed.json()["detail"]
+    unnamed = tk.client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 4}, headers=_h(tk))  # fmt: skip
+    assert unnamed.status_code == 400 and "sampling_session_seq_id" in unnamed.json()["detail"]
     held = rejections(tk.services)
     assert {seq for (m, seq) in held if m == model_id} == {1, 2, 3, 4}
     ok = tk.client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 5, "adam_params": {}}, headers=_h(tk))
@@ -270,3 +268,59 @@ def test_many_waiting_long_polls_do_not_hold_up_other_calls(tmp_path, redis_url)
         for t in pollers:
             t.join()
         assert len(answered) == 80
+
+
+def test_samplers_and_samples_queue_outside_any_chain(tk) -> None:
+    sid = _session(tk)
+    model_id = _create(tk, sid).json()["model_id"]
+    path = saved_checkpoint(tk.services, tk.tenant_ids["alice"], model_id, CheckpointKind.SAMPLER, "w1")
+    body = {"session_id": sid, "sampling_session_seq_id": 0, "model_path": path}
+    created = tk.client.post("/api/v1/create_sampling_session", json=body, headers=_h(tk))
+    assert created.status_code == 200, created.text
+    sampler_id = created.json()["sampling_session_id"]
+    assert tk.client.post("/api/v1/create_sampling_session", json=body, headers=_h(tk)).json() == created.json()
+    info = tk.client.get(f"/api/v1/samplers/{sampler_id}", headers=_h(tk)).json()
+    assert (info["sampler_id"], info["model_path"]) == (sampler_id, path)
+    assert tk.client.get(f"/api/v1/samplers/{sampler_id}", headers=_h(tk, "bob")).status_code == 404
+
+    sample = {"sampling_session_id": sampler_id, "seq_id": 7, "num_samples": 3,
+              "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+              "sampling_params": {"max_tokens": 5, "stop": [9], "seed": 1}, "prompt_logprobs": True}  # fmt: skip
+    future = tk.client.post("/api/v1/asample", json=sample, headers=_h(tk))
+    assert future.status_code == 200, future.text
+    ref = future.json()
+    assert ref["request_id"].startswith("sample.") and len(ref["sample_sequence_ids"]) == 3
+    queued_sample = next(e for e in queued(tk.services).values() if e.kind == RequestKind.SAMPLE)
+    assert (queued_sample.model_id, queued_sample.seq_id) == (sampler_id, 7)
+    assert queued_sample.payload["snapshot"] == path and queued_sample.payload["stop_token_ids"] == [9]
+    assert queued_sample.payload["snapshot_dir"]  # a restarted pool loads the snapshot from the checkpoint
+    assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk)).json() == ref  # (sampler, seq_id) idempotent
+    assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk, "bob")).status_code == 404
+
+    state = saved_checkpoint(tk.services, tk.tenant_ids["alice"], model_id, CheckpointKind.STATE, "s1")
+    wrong = tk.client.post("/api/v1/create_sampling_session", json={**body, "sampling_session_seq_id": 1,
+                                                                       "model_path": state}, headers=_h(tk))  # fmt: skip
+    assert wrong.status_code == 400 and "sampler checkpoint" in wrong.json()["detail"]
+    base = tk.client.post("/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 2,
+                                                                      "base_model": "tiny"}, headers=_h(tk))  # fmt: skip
+    assert base.status_code == 200 and base.json()["sampling_session_id"] != sampler_id
+    image = {**sample, "seq_id": 8, "prompt": {"chunks": [{"type": "image", "data": "AA==", "format": "png"}]}}
+    assert tk.client.post("/api/v1/asample", json=image, headers=_h(tk)).status_code == 400
+    huge = {**sample, "seq_id": 9, "num_samples": 10_000}
+    assert tk.client.post("/api/v1/asample", json=huge, headers=_h(tk)).status_code == 400
+
+
+def test_the_unnamed_sampler_save_answers_a_sampler_over_its_own_checkpoint(tk) -> None:
+    sid = _session(tk)
+    model_id = _create(tk, sid).json()["model_id"]
+    body = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0, "kind": "snapshot"}
+    ref = tk.client.post("/api/v1/save_weights_for_sampler", json=body, headers=_h(tk))
+    assert ref.status_code == 200, ref.text
+    tag, request_id, sampler_id = ref.json()["request_id"].split(".")
+    assert tag == "ssave"
+    info = tk.client.get(f"/api/v1/samplers/{sampler_id}", headers=_h(tk)).json()
+    assert info["model_path"] == f"tinker://{model_id}/sampler_weights/sampling-0-1"
+    saves = [e for e in queued(tk.services).values() if e.kind == RequestKind.SAVE_SAMPLER]
+    assert [e.request_id for e in saves] == [request_id] and saves[0].payload["ttl_seconds"] == 86400
+    again = tk.client.post("/api/v1/save_weights_for_sampler", json=body, headers=_h(tk))
+    assert again.json() == ref.json()  # the SDK's retry: the same save, the same sampler

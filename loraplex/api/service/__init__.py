@@ -10,6 +10,7 @@ routes, the admin and the pipelines, only translate their wire format to these c
     export       a checkpoint as a PEFT folder
     submit       enqueue -> the future's reference; who owns a request
     sessions     client sessions: create, heartbeat, finish (frees the session's adapters), expiry
+    sampling     samplers (a sampler checkpoint or the base model) and sampling requests
 """
 
 from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
@@ -28,6 +29,7 @@ from loraplex.api.service.checkpoints import (
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.export import PeftExport, export_peft
 from loraplex.api.service.runs import get_run, list_runs
+from loraplex.api.service.sampling import create_sampler, get_sampler, sample
 from loraplex.api.service.sessions import (
     check_active,
     create_session,
@@ -64,6 +66,10 @@ __all__ = [
     "set_checkpoint_ttl",
     "weights_info",
     "write_session",
+    # sampling
+    "create_sampler",
+    "get_sampler",
+    "sample",
     # sessions
     "check_active",
     "create_session",

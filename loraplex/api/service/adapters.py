@@ -34,6 +34,7 @@ def adapter_out(adapter: Adapter) -> AdapterOut:
         target_modules=list(adapter.target_modules),
         created_at=adapter.created_at,
         last_used_at=adapter.last_used_at,
+        session_id=adapter.session_id,
     )
 
 

@@ -4,10 +4,10 @@ call of the service layer (api/service/), the same call the native `/v1` route m
 
 from fastapi import APIRouter
 
-from loraplex.api.tinker import rest, retrieve, session, training
+from loraplex.api.tinker import rest, retrieve, sampling, session, training
 
 router = APIRouter()
-for _module in (session, training, retrieve, rest):
+for _module in (session, training, sampling, retrieve, rest):
     router.include_router(_module.router)
 
 __all__ = ["router"]

@@ -181,3 +181,40 @@ def encode_forward_backward_output(result: dict[str, Any]) -> bytes:
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.get("metrics") or {})
     out.loss_fn_outputs.append(record)
     return out.SerializeToString()
+
+
+STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+def _topk(rows: list[list[Any]] | None, k: int) -> Any:
+    """Per position, up to k (token_id, logprob) pairs, as the SDK's TopkLogprobs (positions x k, padded)."""
+    n = len(rows or [])
+    ids = np.zeros((n, k), dtype="<i4")
+    lps = np.full((n, k), -np.inf, dtype="<f4")
+    for i, row in enumerate(rows or []):
+        for j, (token, logprob) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=n)
+
+
+def encode_sample_response(result: dict[str, Any]) -> bytes:
+    """Our sample result ({sequences: [{tokens, logprobs, stop_reason, topk_logprobs?}], prompt_logprobs?,
+    topk_prompt_logprobs?}) as the SDK's SampleResponse; an unscored prompt position (the first) is NaN."""
+    out = pb.SampleResponse()
+    for seq in result.get("sequences") or []:
+        msg = out.sequences.add()
+        msg.stop_reason = STOP_REASONS.get(seq.get("stop_reason", "length"), pb.STOP_REASON_LENGTH)
+        msg.tokens = np.asarray(seq.get("tokens", []), dtype="<i4").tobytes()
+        if seq.get("logprobs") is not None:
+            msg.logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
+        topk = seq.get("topk_logprobs")
+        if topk:
+            msg.topk_sampled_logprobs.CopyFrom(_topk(topk, max(len(r or []) for r in topk)))
+    prompt = result.get("prompt_logprobs")
+    if prompt is not None:
+        out.prompt_logprobs = np.asarray([np.nan if v is None else v for v in prompt], dtype="<f4").tobytes()
+    topk_prompt = result.get("topk_prompt_logprobs")
+    if topk_prompt:
+        out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, max(len(r or []) for r in topk_prompt)))
+    out.prompt_cache_hit_tokens = 0
+    return out.SerializeToString()

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from loraplex.api.schemas import FutureRef
-from loraplex.api.tinker.codec import encode_forward_backward_output
+from loraplex.api.tinker.codec import encode_forward_backward_output, encode_sample_response
 from loraplex.errors import NotFoundError
 
 
@@ -23,23 +23,38 @@ class Tag(StrEnum):
     SAVE = "save"  # save_weights
     SAVE_SAMPLER = "sampler"  # save_weights_for_sampler (named)
     LOAD = "load"  # the deprecated load_state into an existing adapter
+    SAMPLE = "sample"  # asample: a protobuf SampleResponse
+    SAMPLING_SESSION = "ssave"  # the unnamed save_weights_for_sampler: answers the sampler's id (the id's extra part)
 
 
-def future_out(tag: Tag, ref: FutureRef) -> dict[str, Any]:
-    """The UntypedAPIFuture a submit route answers."""
-    return {"request_id": f"{tag.value}.{ref.request_id}", "model_id": ref.model_id}
+def future_out(tag: Tag, ref: FutureRef, extra: str | None = None) -> dict[str, Any]:
+    """The UntypedAPIFuture a submit route answers; `extra` rides along in the id (`<tag>.<request_id>.<extra>`)."""
+    suffix = f".{extra}" if extra is not None else ""
+    return {"request_id": f"{tag.value}.{ref.request_id}{suffix}", "model_id": ref.model_id}
 
 
-def parse_future_id(future_id: str) -> tuple[Tag, str]:
-    tag, _, request_id = future_id.partition(".")
+def sample_future_out(ref: FutureRef, num_samples: int) -> dict[str, Any]:
+    """asample's future: with one sequence id per requested sample, in the response's order (the SDK requires them)."""
+    return {
+        "request_id": f"{Tag.SAMPLE.value}.{ref.request_id}",
+        "sample_sequence_ids": [f"{ref.request_id}-{i}" for i in range(num_samples)],
+    }
+
+
+def parse_future_id(future_id: str) -> tuple[Tag, str, str | None]:
+    """(tag, request_id, extra)."""
+    tag, _, rest = future_id.partition(".")
+    request_id, _, extra = rest.partition(".")
     try:
-        return Tag(tag), request_id
+        return Tag(tag), request_id, extra or None
     except ValueError:
         raise NotFoundError(f"no request {future_id!r}") from None
 
 
-def json_result(tag: Tag, model_id: str | None, result: dict[str, Any]) -> dict[str, Any]:
-    """A stored result as the SDK's response model for its tag (every tag but FORWARD)."""
+def json_result(tag: Tag, model_id: str | None, result: dict[str, Any], extra: str | None = None) -> dict[str, Any]:
+    """A stored result as the SDK's response model for its tag (every tag but the PROTO_TAGS)."""
+    if tag is Tag.SAMPLING_SESSION:
+        return {"path": result.get("path"), "sampling_session_id": extra, "type": "save_weights_for_sampler"}
     if tag is Tag.CREATE:
         return {"model_id": result.get("model_id", model_id), "type": "create_model"}
     if tag is Tag.CREATE_FROM:
@@ -52,8 +67,13 @@ def json_result(tag: Tag, model_id: str | None, result: dict[str, Any]) -> dict[
         return {"path": result["path"], "type": "save_weights_for_sampler"}
     if tag is Tag.LOAD:
         return {"path": result.get("path"), "model_id": model_id, "type": "load_weights"}
-    raise AssertionError(f"{tag} has a protobuf result")
+    raise AssertionError(f"{tag} has a protobuf result")  # PROTO_TAGS
 
 
-def proto_result(result: dict[str, Any]) -> bytes:
+PROTO_TAGS = frozenset({Tag.FORWARD, Tag.SAMPLE})
+
+
+def proto_result(tag: Tag, result: dict[str, Any]) -> bytes:
+    if tag is Tag.SAMPLE:
+        return encode_sample_response(result)
     return encode_forward_backward_output(result)

@@ -1,5 +1,6 @@
 """`POST /api/v1/retrieve_future`: a long-poll (up to LORAPLEX_TINKER_LONG_POLL_SECONDS, under the SDK's 45 s
-timeout), then one of: the result (protobuf ForwardBackwardOutput for forward/forward_backward, JSON for the rest),
+timeout), then one of: the result (protobuf ForwardBackwardOutput for forward/forward_backward, SampleResponse for
+asample, JSON for the rest),
 `{error, category}` for a failed request (the SDK raises RequestFailedError with it), or `{type: try_again,
 queue_state}` while it is still queued or running (`paused_capacity` and a reason while the pool is down). Only the
 submitting tenant may read a future: anyone else gets the 404 an unknown id gets."""
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.service import owner_of
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
-from loraplex.api.tinker.futures import Tag, json_result, parse_future_id, proto_result
+from loraplex.api.tinker.futures import PROTO_TAGS, json_result, parse_future_id, proto_result
 from loraplex.api.tinker.schemas import RetrieveFutureBody
 from loraplex.errors import USER_ERRORS, NotFoundError
 
@@ -21,7 +22,7 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 @router.post("/retrieve_future")
 def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: ServicesDep) -> Response:
-    tag, request_id = parse_future_id(body.request_id)
+    tag, request_id, extra = parse_future_id(body.request_id)
     if not request_id or owner_of(services, request_id) != tenant.id:
         raise NotFoundError(f"no request {body.request_id!r}")
     outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds)
@@ -38,6 +39,6 @@ def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: Servi
         category = error_cls.category if error_cls else "server"
         return JSONResponse({"error": f"{outcome.error_type}: {outcome.error}", "category": category})
     result = outcome.result or {}
-    if tag is Tag.FORWARD:
-        return Response(proto_result(result), media_type=PROTOBUF_MEDIA_TYPE)
-    return JSONResponse(json_result(tag, result.get("model_id"), result))
+    if tag in PROTO_TAGS:
+        return Response(proto_result(tag, result), media_type=PROTOBUF_MEDIA_TYPE)
+    return JSONResponse(json_result(tag, result.get("model_id"), result, extra))

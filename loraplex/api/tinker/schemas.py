@@ -116,3 +116,39 @@ class TtlBody(Body):
 
 class WeightsInfoBody(Body):
     tinker_path: str = Field(..., min_length=1, max_length=1024)
+
+
+class CreateSamplingSessionBody(Body):
+    session_id: str = Field(..., min_length=1, max_length=64)
+    sampling_session_seq_id: int = Field(..., ge=0, lt=2**31)
+    base_model: str | None = None
+    model_path: str | None = Field(None, max_length=1024)
+
+
+class PromptChunk(Body):
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class PromptBody(Body):
+    chunks: list[PromptChunk] = Field(..., min_length=1)
+
+
+class SamplingParamsBody(Body):
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class AsampleBody(Body):
+    sampling_session_id: str | None = Field(None, min_length=1, max_length=64)
+    seq_id: int | None = Field(None, ge=0, lt=2**31)
+    num_samples: int = Field(1, ge=1)
+    prompt: PromptBody
+    sampling_params: SamplingParamsBody = Field(default_factory=lambda: SamplingParamsBody.model_validate({}))
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = Field(0, ge=0, le=20)
+    topk_sample_logprobs: int = Field(0, ge=0, le=20)

@@ -1,6 +1,5 @@
 """Tinker handshake and session routes: client/config, create_session, session_heartbeat, sessions/{id}/finish,
-telemetry, get_server_capabilities, healthz; and the sampling routes, which answer a clear 400 until the samplers
-exist. `client/dynamic_config` is left out on purpose: its 404 tells the SDK to use its defaults."""
+telemetry, get_server_capabilities, healthz. (Sampling: api/tinker/sampling.py.) `client/dynamic_config` is left out on purpose: its 404 tells the SDK to use its defaults."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from loraplex.api import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.service.health import health_report
 from loraplex.api.tinker.schemas import CreateSessionBody, FinishBody, SessionBody
-from loraplex.api.tinker.training import SAMPLING_LATER
 from loraplex.errors import NotSupportedError
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
@@ -83,13 +81,7 @@ def healthz(services: ServicesDep) -> JSONResponse:
 
 
 def _sampling_later(tenant: TenantDep) -> None:
-    raise NotSupportedError(SAMPLING_LATER)
+    raise NotSupportedError("join_sampling_session is not offered (client/config leaves sample_join_sampling_session off)")
 
 
-for _path, _method in (
-    ("/asample", "POST"),
-    ("/create_sampling_session", "POST"),
-    ("/samplers/{sampler_id}", "GET"),
-    ("/join_sampling_session", "POST"),
-):
-    router.add_api_route(_path, _sampling_later, methods=[_method], status_code=400, include_in_schema=True)
+router.add_api_route("/join_sampling_session", _sampling_later, methods=["POST"], status_code=400)

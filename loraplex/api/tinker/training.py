@@ -19,6 +19,7 @@ from loraplex.api.errors import validation_summary
 from loraplex.api.routes.chain import seq_step
 from loraplex.api.schemas import (
     CreateAdapterRequest,
+    CreateSamplerRequest,
     ForwardBackwardRequest,
     FutureRef,
     LoadStateRequest,
@@ -39,6 +40,7 @@ from loraplex.api.tinker.schemas import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
+from loraplex.checkpoint_paths import CheckpointKind, tinker_path
 from loraplex.errors import InvalidRequestError, NotSupportedError
 from loraplex.protocol import RequestKind
 from loraplex.settings import Settings
@@ -48,10 +50,6 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"])
 # Tinker's lora_config groups -> the projection names they cover (intersected with the pool's target modules).
 ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
-SAMPLING_LATER = (
-    "sampling is not available on this server yet (loraplex adds its samplers next); "
-    "save named sampler weights with save_weights_for_sampler(name) and export them instead"
-)
 
 
 def tinker_model_id(session_id: str, model_seq_id: int) -> str:
@@ -189,12 +187,31 @@ def save_weights(body: SaveWeightsBody, tenant: TenantDep, services: ServicesDep
 @router.post("/save_weights_for_sampler")
 @seq_step(RequestKind.SAVE_SAMPLER)
 def save_weights_for_sampler(body: SaveWeightsForSamplerBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    """The named form (a sampler checkpoint); the unnamed one creates a sampling session, which waits for sampling."""
-    if body.path is None:
-        with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.SAVE_SAMPLER):
-            raise NotSupportedError(SAMPLING_LATER)
-    request = _save_request(services, tenant, body, RequestKind.SAVE_SAMPLER)
-    return future_out(Tag.SAVE_SAMPLER, service.save_weights_for_sampler(services, tenant, body.model_id, request))
+    """The named form: a sampler checkpoint. The unnamed one (save_weights_and_get_sampling_client): a sampler
+    checkpoint of its own name (`sampling-<sampling_session_seq_id>-<seq_id>`, kept LORAPLEX_UNNAMED_SAMPLER_TTL_SECONDS)
+    and a sampler over it, whose id the future answers."""
+    if body.path is not None:
+        request = _save_request(services, tenant, body, RequestKind.SAVE_SAMPLER)
+        return future_out(Tag.SAVE_SAMPLER, service.save_weights_for_sampler(services, tenant, body.model_id, request))
+    with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.SAVE_SAMPLER):
+        if body.sampling_session_seq_id is None:
+            raise InvalidRequestError("save_weights_for_sampler needs a path, or a sampling_session_seq_id")
+        adapter = service.get_adapter(services, tenant, body.model_id)
+    name = f"sampling-{body.sampling_session_seq_id}-{body.seq_id}"
+    unnamed = body.model_copy(update={"path": name, "ttl_seconds": services.settings.unnamed_sampler_ttl_seconds,
+                                      "overwrite": True})  # fmt: skip
+    ref = service.save_weights_for_sampler(
+        services, tenant, body.model_id, _save_request(services, tenant, unnamed, RequestKind.SAVE_SAMPLER)
+    )
+    sampler = service.create_sampler(
+        services,
+        tenant,
+        CreateSamplerRequest(model_path=tinker_path(body.model_id, CheckpointKind.SAMPLER, name), base_model=None),
+        session_id=adapter.session_id,
+        sampling_session_seq_id=body.sampling_session_seq_id if adapter.session_id else None,
+        saved_by=ref.request_id,
+    )
+    return future_out(Tag.SAMPLING_SESSION, ref, extra=sampler.sampler_id)
 
 
 def _save_request(services: Services, tenant: TenantRef, body: SaveWeightsBody, kind: RequestKind) -> SaveCheckpointRequest:

@@ -7,6 +7,7 @@ from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
+from loraplex.storage.repositories.samplers import SamplerRepository
 from loraplex.storage.repositories.sessions import SessionRepository, idle_sessions
 from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
 from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
@@ -19,6 +20,7 @@ __all__ = [
     "PoolRepository",
     "SessionRepository",
     "ResidencyRepository",
+    "SamplerRepository",
     "TenantRepository",
     "UsageRepository",
     "UsageTotals",

@@ -1,0 +1,105 @@
+"""Samplers and sampling: a sampler (a sampling session) names what its requests sample from, one of the tenant's
+sampler checkpoints (`tinker://<model_id>/sampler_weights/<name>`) or the bare base model; a sample is a request of
+kind `sample` queued under (sampler id, seq_id), the idempotency key, outside every adapter's seq_id chain.
+
+The pool samples from the frozen copy a named save_weights_for_sampler left in its memory (workers/adapter_store.py:
+freeze_copy), or loads it from the checkpoint's folder when it has none (a restarted pool): the payload carries both."""
+
+from __future__ import annotations
+
+from loraplex.api.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
+from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
+from loraplex.api.service.context import Services, TenantRef, write_session
+from loraplex.api.service.submit import submit
+from loraplex.checkpoint_paths import CheckpointKind, parse_tinker_path
+from loraplex.errors import InvalidRequestError
+from loraplex.protocol import RequestKind, SamplePayload
+from loraplex.storage.models import SamplingSession
+from loraplex.storage.repositories import SamplerRepository, SessionRepository
+
+
+def sampler_out(row: SamplingSession) -> SamplerOut:
+    return SamplerOut(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
+
+
+def create_sampler(
+    services: Services,
+    tenant: TenantRef,
+    request: CreateSamplerRequest,
+    *,
+    session_id: str | None = None,
+    sampling_session_seq_id: int | None = None,
+    saved_by: str | None = None,
+) -> SamplerOut:
+    """A sampler over one of the tenant's sampler checkpoints (404 for a missing or foreign one; 400 for a state
+    checkpoint: sample from save_weights_for_sampler's) or the base model. In a client session (Tinker) the same
+    (session, sampling_session_seq_id) again answers the first sampler (the SDK retries). `saved_by`: the queued
+    save that writes the checkpoint (the unnamed save_weights_for_sampler): it need not exist yet."""
+    settings = services.settings
+    base_model = request.base_model or settings.base_model
+    if base_model != settings.base_model:
+        raise InvalidRequestError(f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}")
+    with write_session(services) as db:
+        samplers = SamplerRepository(db, tenant.id)
+        if session_id is not None:
+            SessionRepository(db, tenant.id).get_active(session_id)
+            if sampling_session_seq_id is not None:
+                found = samplers.find_by_seq(session_id, sampling_session_seq_id)
+                if found is not None:
+                    return sampler_out(found)
+        if request.model_path is not None:
+            parsed = parse_tinker_path(request.model_path)
+            if parsed.kind != CheckpointKind.SAMPLER:
+                raise InvalidRequestError(
+                    f"{request.model_path} is a training state; sample from a sampler checkpoint "
+                    "(save_weights_for_sampler's tinker://<model_id>/sampler_weights/<name>)"
+                )
+            if saved_by is None:
+                resolve_checkpoint(db, tenant.id, request.model_path, with_optimizer=False)  # 404: missing or foreign
+        row = samplers.create(base_model, request.model_path, session_id, sampling_session_seq_id)
+        return sampler_out(row)
+
+
+def get_sampler(services: Services, tenant: TenantRef, sampler_id: str) -> SamplerOut:
+    with services.sessions() as db:
+        return sampler_out(SamplerRepository(db, tenant.id).get(sampler_id))
+
+
+def sample(services: Services, tenant: TenantRef, sampler_id: str, request: SampleRequest) -> FutureRef:
+    """Queue `num_samples` continuations of the prompt; the future's result holds the sequences (tokens, logprobs,
+    stop_reason) and, when asked, the prompt's logprobs."""
+    settings = services.settings
+    if len(request.prompt) > settings.max_tokens_per_datum:
+        raise InvalidRequestError(f"the prompt has {len(request.prompt)} tokens; at most {settings.max_tokens_per_datum}")
+    if request.num_samples > settings.max_samples_per_request:
+        raise InvalidRequestError(f"num_samples {request.num_samples}; at most {settings.max_samples_per_request}")
+    if request.max_tokens > settings.max_sample_tokens:
+        raise InvalidRequestError(f"max_tokens {request.max_tokens}; at most {settings.max_sample_tokens}")
+    if any(t < 0 for t in request.prompt):
+        raise InvalidRequestError("the prompt holds a negative token id")
+    with services.sessions() as db:
+        sampler = SamplerRepository(db, tenant.id).get(sampler_id)
+        directory = None
+        if sampler.model_path is not None:
+            checkpoint = resolve_checkpoint(db, tenant.id, sampler.model_path, with_optimizer=False)
+            directory = str(checkpoint_dir(services, checkpoint))
+    stop = request.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    payload = SamplePayload(
+        prompt=tuple(request.prompt),
+        snapshot=sampler.model_path,
+        snapshot_dir=directory,
+        num_samples=request.num_samples,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
+        stop_strings=tuple(s for s in stops if isinstance(s, str)),
+        stop_at_eos=stop is None or bool(stops),  # Tinker: `stop=[]` samples through EOS
+        prompt_logprobs=request.prompt_logprobs,
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
+        topk_sample_logprobs=request.topk_sample_logprobs,
+    )
+    return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id)
