@@ -8,6 +8,7 @@ from typing import Any
 
 from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import DEFAULT_RESULT_TIMEOUT_S, APIFuture
+from loraplex.client.sampling import SamplingClient
 from loraplex.client.training import TrainingClient
 from loraplex.client.transport import Transport, raise_for_status
 from loraplex.errors import AuthenticationError
@@ -62,6 +63,12 @@ class ServiceClient:
         ref = self._transport.request("POST", "/v1/adapters", json=body)
         APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
         return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        """A sampler over one of your sampler checkpoints (`tinker://<model_id>/sampler_weights/<name>`, as
+        `save_weights_for_sampler` returns) or, with no path, the base model."""
+        out = self._transport.request("POST", "/v1/samplers", json={"model_path": model_path, "base_model": base_model})
+        return SamplingClient(self._transport, out["sampler_id"], out["model_path"])
 
     def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
         """An adapter's checkpoints (also after the adapter was deleted), oldest first."""

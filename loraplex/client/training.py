@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import APIFuture
+from loraplex.client.sampling import SamplingClient
 from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
 from loraplex.errors import InvalidRequestError
@@ -108,6 +109,15 @@ class TrainingClient:
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
         """Save the weights only (tinker://<model_id>/sampler_weights/<name>): for sampling and `loraplex export`."""
         return self._submit("save_weights_for_sampler", self._save_body(name, ttl_seconds, overwrite))
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, ttl_seconds: int | None = None) -> SamplingClient:
+        """Save the weights for sampling (as `name`, default `sampler-<seq_id>`), wait for it, and return a
+        SamplingClient over that frozen copy: it keeps sampling these weights while this adapter trains on."""
+        with self._lock:
+            name = name or f"sampler-{self._next_seq}"
+        path = self.save_weights_for_sampler(name, ttl_seconds, overwrite=True).result()["path"]
+        out = self._transport.request("POST", "/v1/samplers", json={"model_path": path})
+        return SamplingClient(self._transport, out["sampler_id"], out["model_path"])
 
     def load_state(self, path: str, with_optimizer: bool = True) -> APIFuture:
         """Replace this adapter's weights (and Adam state, `with_optimizer`) with a checkpoint of this tenant."""
