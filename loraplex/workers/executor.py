@@ -43,7 +43,8 @@ def _adam_params(request: PlannedRequest) -> dict[str, Any] | None:
     return p.adam_params
 
 
-def _error(request: PlannedRequest, exc: BaseException) -> Outcome:
+def error_outcome(request: PlannedRequest, exc: BaseException) -> Outcome:
+    """The Outcome of a request that failed with `exc` (typed errors as they are; anything else as an EngineError)."""
     if not isinstance(exc, LoraplexError):
         # A bug or a device failure: keep the worker alive, report it for the request(s) it hit, and log the trace.
         log.exception("request %s (%s) failed", request.request_id, request.kind, exc_info=exc)
@@ -114,7 +115,7 @@ class PlanExecutor:
             try:
                 self.store.ensure_resident(r.model_id for r in part if r.model_id in self.store)
             except Exception as exc:  # noqa: BLE001 - a failed swap (disk full...) fails this part's requests only
-                outcomes.extend(_error(r, exc) for r in part)
+                outcomes.extend(error_outcome(r, exc) for r in part)
                 continue
             outcomes.extend(self._handlers[step.kind](Step(step.kind, tuple(part))))
         return outcomes
@@ -125,7 +126,7 @@ class PlanExecutor:
             try:
                 outcomes.append(Outcome(request.request_id, result=call(request)))
             except Exception as exc:  # noqa: BLE001 - reported per request, see _error
-                outcomes.append(_error(request, exc))
+                outcomes.append(error_outcome(request, exc))
         return outcomes
 
     def _create(self, step: Step) -> list[Outcome]:
@@ -170,11 +171,11 @@ class PlanExecutor:
     def _sample(self, step: Step) -> list[Outcome]:
         if self.sampling is None:
             exc = NotSupportedError("this pool has no sampler (its pool process was started without one)")
-            return [_error(r, exc) for r in step.requests]
+            return [error_outcome(r, exc) for r in step.requests]
         try:
             return self.sampling(step)
         except Exception as exc:  # noqa: BLE001 - the step failed as a whole: each of its requests gets the error
-            return [_error(r, exc) for r in step.requests]
+            return [error_outcome(r, exc) for r in step.requests]
 
     def _forward_backward(self, step: Step) -> list[Outcome]:
         """Validate each request alone, then run every valid one in a single mixed batch."""
@@ -187,7 +188,7 @@ class PlanExecutor:
                 valid.append((request, self._prepare(request, p)))
             except Exception as exc:  # noqa: BLE001
                 self._parts.pop(request.request_id, None)
-                outcomes[request.request_id] = _error(request, exc)
+                outcomes[request.request_id] = error_outcome(request, exc)
         if valid:
             try:
                 results = self.engine.forward_backward([item for _, item in valid])
@@ -196,7 +197,7 @@ class PlanExecutor:
             except Exception as exc:  # noqa: BLE001 - the whole batch failed: every request in it gets the error
                 for request, _ in valid:
                     self._parts.pop(request.request_id, None)
-                    outcomes[request.request_id] = _error(request, exc)
+                    outcomes[request.request_id] = error_outcome(request, exc)
         return [outcomes[r.request_id] for r in step.requests]
 
     def _prepare(self, request: PlannedRequest, p: ForwardBackwardPayload) -> PreparedItem:
@@ -233,9 +234,9 @@ class PlanExecutor:
         try:
             results = self.engine.optim_step([(r.model_id, _adam_params(r)) for r in step.requests])
         except Exception as exc:  # noqa: BLE001
-            return [_error(r, exc) for r in step.requests]
+            return [error_outcome(r, exc) for r in step.requests]
         return [
-            _error(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, result=res)
+            error_outcome(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, result=res)
             for r, res in zip(step.requests, results, strict=True)
         ]
 
