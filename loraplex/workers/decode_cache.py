@@ -1,5 +1,5 @@
-"""The native sampler's live decode batch: one KV cache (transformers' DynamicCache) whose rows are LEFT padded, so every
-row's next token is written into the same column, and rows can leave and join between decode steps.
+"""The native sampler's live decode batch: one KV cache (transformers' DynamicCache) whose rows are LEFT padded, so
+every row's next token is written into the same column, and rows can leave and join between decode steps.
 
 Layout: per layer keys / values [B, H, T, D]; row b's `lengths[b]` cached tokens sit in the last lengths[b] columns
 (columns before them are zero and masked out). A decode step feeds one token per row at position lengths[b] with the 2D
@@ -7,9 +7,9 @@ attention mask `column >= T - lengths[b]` over T + 1 columns (HF builds the caus
 cache grows by one column for every row.
 
 `rebuild(keep, joiners, order)` is the only place rows move: it keeps the listed rows, appends the joiners' prompt KV
-(right-aligned), puts the rows in `order` (the sampler orders them contiguous per adapter, for the LoRA routing) and drops
-leading columns no row needs any more. It runs only when the batch's membership changes; between changes the cache is
-the model's own DynamicCache growing step by step.
+(right-aligned), puts the rows in `order` (the sampler orders them contiguous per adapter, for the LoRA routing) and
+drops leading columns no row needs any more. It runs only when the batch's membership changes; between changes the
+cache is the model's own DynamicCache growing step by step.
 """
 
 from __future__ import annotations

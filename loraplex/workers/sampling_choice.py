@@ -8,7 +8,7 @@ Semantics per row (fp32 logits z over the vocabulary):
         p      = softmax(z / temperature), sorted descending (stable: ties keep vocabulary order)
         keep   = rank < top_k                                  # top_k = -1: every token
         p_k    = p * keep / sum(p * keep)                      # renormalised over the top-k
-        keep  &= cumsum(p_k) - p_k < top_p                     # the smallest prefix with mass >= top_p (first always kept)
+        keep  &= cumsum(p_k) - p_k < top_p                     # smallest prefix with mass >= top_p (first kept)
         token  = inverse CDF of p * keep at u * sum(p * keep)  # u ~ U[0, 1) from the row's own generator
 
 The draw u comes from the row's own CPU `torch.Generator`, seeded from (seed, sample index): one draw per sampled token,

@@ -18,6 +18,7 @@ from loraplex.workers.checkpoint_state import state_from_engine
 from loraplex.workers.engine import Engine
 from loraplex.workers.export import export_peft
 from loraplex.workers.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
+from loraplex.workers.sampling_choice import choose_tokens, draw_uniform, row_generator
 
 # model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {
@@ -59,7 +60,7 @@ def assert_same(a: SampledSequence, b: SampledSequence, tol: float = 1e-5) -> No
     assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) <= tol
 
 
-# ---- 1. greedy == transformers + PEFT generate -------------------------------------------------------------------------
+# ---- 1. greedy == transformers + PEFT generate ----------------------------------------------------------------------
 def hf_greedy(
     model: torch.nn.Module, ids: tuple[int, ...], max_new: int, tokenizer: Any
 ) -> tuple[list[int], list[float]]:
@@ -283,7 +284,7 @@ def test_more_jobs_than_rows_match_one_big_batch(setup: tuple[Engine, Any]) -> N
             temperature=0.0 if i % 3 == 0 else 0.9,
             top_k=-1 if i % 2 else 40,
             seed=1000 + i,
-            stop_token_ids=(17,) if i % 4 == 1 else (),
+            stop_token_ids=tuple(range(3, 512, 9)) if i % 4 == 1 else (),  # about 1 in 9 tokens stops
         )
         jobs.append(SampleJob(prompt(200 + i, 2 + (3 * i) % 10), m, params, 3, prompt_logprobs=i % 2 == 0))
     small = Sampler(engine, tokenizer, max_rows=4)
@@ -291,9 +292,11 @@ def test_more_jobs_than_rows_match_one_big_batch(setup: tuple[Engine, Any]) -> N
     stats = small.stats
     big = Sampler(engine, tokenizer, max_rows=64)
     many = big.generate(jobs)
-    assert big.stats.peak_rows == 30 and big.stats.joined_live_batch == 0
+    assert big.stats.prefill_forwards == 1 and big.stats.joined_live_batch == 0  # one batch: nobody waited
     assert stats.peak_rows == 4 and stats.rows_admitted == 30
     assert stats.joined_live_batch > 0  # rows joined a live batch: continuous, not waves
+    reasons = {seq.stop_reason for out in few for seq in out.sequences}
+    assert reasons == {"stop", "length"}
     for job, a, b in zip(jobs, few, many, strict=True):
         assert len(a.sequences) == 3
         for x, y in zip(a.sequences, b.sequences, strict=True):
@@ -333,3 +336,47 @@ def test_bad_jobs_are_refused_before_any_work(setup: tuple[Engine, Any]) -> None
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         Sampler(engine).generate([SampleJob((1,), None, SampleParams(stop_strings=("x",)))])
     assert sampler.generate([]) == []
+
+
+# ---- the token choice itself ----------------------------------------------------------------------------------------
+def test_choose_tokens_draws_from_the_filtered_renormalised_distribution() -> None:
+    """2000 seeded draws per row from hand-made logits: the frequencies follow temperature -> top-k -> top-p,
+    renormalised, and filtered-out tokens never come."""
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    logits = probs.log().repeat(3, 1)
+    cases = [  # (temperature, top_k, top_p) -> the distribution the draws must follow
+        ((1.0, 2, 1.0), torch.tensor([0.0, 0.4, 0.0, 0.3, 0.0]) / 0.7),
+        ((1.0, -1, 0.75), torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15]) / 0.85),  # 0.4 + 0.3 < 0.75: the 0.15 is needed
+        ((0.5, -1, 1.0), probs**2 / (probs**2).sum()),
+    ]
+    gens = [row_generator(5, i) for i in range(3)]
+    counts = torch.zeros(3, 5)
+    for _ in range(2000):
+        tokens, logprobs = choose_tokens(
+            logits,
+            [c[0][0] for c in cases],
+            [c[0][1] for c in cases],
+            [c[0][2] for c in cases],
+            [draw_uniform(g) for g in gens],
+        )
+        counts[torch.arange(3), tokens] += 1
+    for row, (_, expected) in enumerate(cases):
+        assert (counts[row] / 2000 - expected).abs().max() < 0.035, (row, counts[row])
+        assert torch.all(counts[row][expected == 0] == 0)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1))  # reported: the raw distribution
+    greedy, _ = choose_tokens(logits, [0.0] * 3, [-1] * 3, [1.0] * 3, [None] * 3)
+    assert greedy.tolist() == [1, 1, 1]
+
+
+def test_generate_leaves_the_engine_as_it_was(setup: tuple[Engine, Any]) -> None:
+    engine, tokenizer = setup
+    before = {m: engine.adapter_weights(m) for m in ADAPTERS}
+    grads = engine.optimizer.grad.clone()
+    Sampler(engine, tokenizer, max_rows=2).generate(
+        [SampleJob(prompt(300 + i, 4), m, SampleParams(max_tokens=3, seed=i), 2) for i, m in enumerate(ADAPTERS)]
+    )
+    assert engine.context.routing is None and engine.context.banks is None
+    assert torch.equal(engine.optimizer.grad, grads)
+    for m, weights in before.items():
+        after = engine.adapter_weights(m)
+        assert all(torch.equal(after[n][i], weights[n][i]) for n in weights for i in (0, 1))
