@@ -1,0 +1,475 @@
+"""The native sampler: batched autoregressive generation over the Engine's own multi-LoRA model.
+
+Rows of different adapters and rows of the bare base model decode in one batch. The LoRA routing is the engine's
+(workers/lora/routing.py): rows are kept contiguous per adapter, one `Routing` is built per batch composition (at most
+once per decode step) and read by every `SlotBankLinear` through `engine.context.use(routing, banks)`. Each adapter of a
+`generate` call is one routing group, in a fixed order for the whole call; a group with no live row has zero rows. The
+base model is a group of scale 0: its LoRA delta is (x @ A) * 0 @ B = 0 exactly, so a base row is the model without
+LoRA (a batch of base rows only runs with no routing at all). On the fused path (engine.fused_lora) the call's slots
+are gathered and cast ONCE per `generate` (`MicrobatchBanks`), which also freezes the weights the call samples from.
+
+Continuous batching: at most `max_rows` rows decode at once. Samples wait in job order; whenever rows are free (at the
+start, and after a decode step in which rows finished) the next samples are admitted: their jobs are prefilled (one
+forward per chunk of jobs, right padded, at most `engine.microbatch_tokens` padded tokens; the samples of one job share
+its prefill), each new row draws its first token from the prefill's last logits and joins the live KV cache
+(decode_cache.py: left padded, spliced in and re-ordered per adapter) while the other rows keep their caches.
+
+Per token the reported logprob is log_softmax of the model's raw logits (fp32), i.e. the policy's logprob of the token,
+before temperature / top-k / top-p (as vLLM's default logprobs and Tinker's sampling logprobs, which RL losses compare
+with the trainer's). Top-k logprobs (prompt and sample) are of that same distribution, sorted descending.
+
+Stops: a token in `stop_token_ids` or in the EOS ids ends the sequence with "stop" (the stop token is kept, with its
+logprob, as the last token); a stop string ends it with "stop" at the token whose decoded text completes the string
+(that token is kept; the decoded text of the sample is `tokenizer.decode(tokens, skip_special_tokens=False)`, and
+cutting the text at the string is the caller's business); `max_tokens` tokens end it with "length".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from loraplex.errors import EngineError, InvalidRequestError
+from loraplex.workers.decode_cache import DecodeCache, LayerKV, cache_layers
+from loraplex.workers.engine import Engine
+from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
+from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
+from loraplex.workers.sampling_choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+
+STOP = "stop"
+LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    seed: int | None = None  # same seed + same job = same tokens, whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # needs the Sampler's tokenizer; matched on the decoded text of the sample
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    prompt: tuple[int, ...]
+    model_id: str | None  # an adapter resident in the engine; None = the bare base model
+    params: SampleParams = SampleParams()
+    num_samples: int = 1
+    prompt_logprobs: bool = False  # logprob of each prompt token given the ones before (first: None)
+    topk_prompt_logprobs: int = 0  # per prompt position, the top-k (token_id, logprob) (first: None)
+    topk_sample_logprobs: int = 0  # per sampled position, the top-k (token_id, logprob)
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # log_softmax of the raw logits at each sampled token (before temperature/top-k/top-p)
+    stop_reason: str  # "stop" (a stop token or string, or EOS) or "length"
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]  # num_samples of them
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class SamplerStats:
+    """What the last `generate` did (for tests and benchmarks)."""
+
+    decode_steps: int = 0
+    prefill_forwards: int = 0
+    rows_admitted: int = 0
+    joined_live_batch: int = 0  # rows that joined while other rows were mid-decode (continuous batching)
+    peak_rows: int = 0
+
+
+@dataclass
+class _Row:
+    job: int
+    sample: int
+    group: int  # the call's routing group (adapter or base)
+    generator: torch.Generator | None  # None: greedy
+    length: int  # tokens in the KV cache (the last sampled token is not yet)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[list[tuple[int, float]]] | None = None
+    stop_reason: str | None = None
+    text_checked: int = 0  # decoded characters already searched for stop strings
+    cache_row: int = -1  # the row's index in the decode cache (set when the cache is rebuilt)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.group, self.job, self.sample)
+
+
+@dataclass
+class _Prefilled:
+    kv: list[LayerKV]  # per layer [H, L, D]
+    last_logits: torch.Tensor  # fp32 [V]
+
+
+@dataclass(frozen=True)
+class _Group:
+    slot: int
+    rank: int
+    scale: float  # 0 for the base model
+
+
+class Sampler:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any = None,
+        max_rows: int = 32,
+        eos_token_ids: tuple[int, ...] | None = None,
+    ) -> None:
+        """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
+        with "stop" (default: the tokenizer's EOS, else the model config's; () = none)."""
+        if engine.dist is not None:
+            raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
+        layer_types = getattr(engine.model.config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise EngineError(f"the native sampler supports full-attention layers only, got {sorted(set(layer_types))}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise InvalidRequestError(f"max_rows must be a positive integer, got {max_rows!r}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_rows = max_rows
+        if eos_token_ids is None:
+            eos: Any = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+            if eos is None:
+                eos = getattr(engine.model.config, "eos_token_id", None)
+            eos_token_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.max_positions = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
+        self.stats = SamplerStats()
+
+    # ---- validation --------------------------------------------------------------------------------------------------
+    def check(self, job: SampleJob) -> None:
+        """InvalidRequestError (or NotFoundError for an adapter not resident) if the job cannot run on this engine."""
+        p = job.params
+        vocab = self.engine.vocab_size
+        if not job.prompt:
+            raise InvalidRequestError("the prompt is empty: sampling needs at least one prompt token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in job.prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if job.model_id is not None:
+            self.engine.adapter(job.model_id)
+        if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
+            raise InvalidRequestError(f"num_samples must be a positive integer, got {job.num_samples!r}")
+        if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
+        if self.max_positions and len(job.prompt) + p.max_tokens > self.max_positions:
+            raise InvalidRequestError(
+                f"prompt ({len(job.prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the model's "
+                f"{self.max_positions} positions"
+            )
+        if not isinstance(p.temperature, int | float) or not 0 <= p.temperature < float("inf"):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+        if isinstance(p.top_k, bool) or not isinstance(p.top_k, int) or not (p.top_k == -1 or p.top_k >= 1):
+            raise InvalidRequestError(f"top_k must be -1 (off) or a positive integer, got {p.top_k!r}")
+        if not isinstance(p.top_p, int | float) or not 0 < p.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer or None, got {p.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p.stop_token_ids):
+            raise InvalidRequestError(f"stop token ids must be integers in [0, {vocab})")
+        if p.stop_strings:
+            if self.tokenizer is None:
+                raise InvalidRequestError("stop strings need a tokenizer; this sampler has none")
+            if any(not isinstance(s, str) or not s for s in p.stop_strings):
+                raise InvalidRequestError("stop strings must be non-empty strings")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            k = getattr(job, name)
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
+                raise InvalidRequestError(f"{name} must be an integer in [0, {vocab}], got {k!r}")
+
+    # ---- generation --------------------------------------------------------------------------------------------------
+    def generate(self, jobs: Sequence[SampleJob]) -> list[SampleOutput]:
+        """One output per job, in order (see the module docstring). Every job is checked first (`check`)."""
+        for job in jobs:
+            self.check(job)
+        self.stats = SamplerStats()
+        outputs = [SampleOutput(sequences=[]) for _ in jobs]
+        if not jobs:
+            return outputs
+        with torch.inference_mode():
+            _Run(self, list(jobs), outputs).run()
+        return outputs
+
+
+class _Run:
+    """One `generate` call's state."""
+
+    def __init__(self, sampler: Sampler, jobs: list[SampleJob], outputs: list[SampleOutput]) -> None:
+        self.sampler = sampler
+        self.engine = engine = sampler.engine
+        self.jobs = jobs
+        self.outputs = outputs
+        self.finished: list[list[SampledSequence | None]] = [[None] * j.num_samples for j in jobs]
+        # Routing groups: one per distinct adapter (and the base model), in order of first appearance.
+        self.group_of: dict[str | None, int] = {}
+        self.groups: list[_Group] = []
+        for job in jobs:
+            if job.model_id not in self.group_of:
+                self.group_of[job.model_id] = len(self.groups)
+                if job.model_id is None:
+                    self.groups.append(_Group(slot=0, rank=1, scale=0.0))
+                else:
+                    r = engine.adapter(job.model_id)
+                    self.groups.append(_Group(slot=r.slot, rank=r.rank, scale=r.scale))
+        self.banks: MicrobatchBanks | None = None
+        if engine.fused_lora and any(g.scale != 0.0 for g in self.groups):
+            engine.optimizer.adopt_views()
+            full = Routing.build(
+                [g.slot for g in self.groups],
+                [g.rank for g in self.groups],
+                [g.scale for g in self.groups],
+                [0] * len(self.groups),
+                engine.device,
+            )
+            grouped = next(iter(engine.banks.values())).op is lora_delta_grouped
+            self.banks = MicrobatchBanks.gather(
+                engine.optimizer.data, full, engine.compute_dtype, trainable=False, grouped=grouped
+            )
+        self.head_weight = cast(torch.Tensor, engine.head.weight)
+        self.config: Any = engine.model.config
+        self.cache = DecodeCache(self.config, engine.device)
+        self.live: list[_Row] = []
+        self.prefilled: dict[int, _Prefilled] = {}
+        self.waiting: deque[tuple[int, int]] = deque(
+            (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
+        )
+        self.unadmitted = [job.num_samples for job in jobs]
+        self.decode_lora: tuple[Routing | None, MicrobatchBanks | None] = (None, None)
+        self.seeds = [
+            job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**62, ()).item()) for job in jobs
+        ]
+
+    # ---- routing -----------------------------------------------------------------------------------------------------
+    def _lora(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
+        """Routing (and gathered banks) for a batch whose rows are contiguous per group, `rows_per_group` rows each."""
+        present = [g for g, n in enumerate(rows_per_group) if n > 0]
+        if all(self.groups[g].scale == 0.0 for g in present):
+            return None, None  # base rows only: the plain model
+        if len(present) == 1:  # one adapter: the plain-matmul path on a one-group view of the gathered banks
+            g = present[0]
+            group = self.groups[g]
+            routing = Routing.build([group.slot], [group.rank], [group.scale], [rows_per_group[g]], self.engine.device)
+            banks = None
+            if self.banks is not None:
+                banks = MicrobatchBanks(self.banks.compute[g : g + 1], None, self.banks.grouped)
+            return routing, banks
+        routing = Routing.build(
+            [g.slot for g in self.groups],
+            [g.rank for g in self.groups],
+            [g.scale for g in self.groups],
+            list(rows_per_group),
+            self.engine.device,
+        )
+        return routing, self.banks
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of final-norm hidden states [N, H]."""
+        return F.linear(hidden, self.head_weight).float()
+
+    # ---- the loop ----------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        stats = self.sampler.stats
+        while self.waiting or self.live:
+            joiners = self._admit()
+            if joiners or self.cache.rows != len(self.live):  # membership changed: splice the cache once
+                self._rebuild(joiners)
+            if not self.live:
+                continue
+            stats.peak_rows = max(stats.peak_rows, len(self.live))
+            self._decode_step()
+
+    def _admit(self) -> list[tuple[_Row, list[LayerKV]]]:
+        """Admit waiting samples into free rows; returns those that join the decode batch (with their prompt KV)."""
+        stats = self.sampler.stats
+        joiners: list[tuple[_Row, list[LayerKV]]] = []
+        while self.waiting and len(self.live) + len(joiners) < self.sampler.max_rows:
+            free = self.sampler.max_rows - len(self.live) - len(joiners)
+            take = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+            self._prefill(sorted({j for j, _ in take if j not in self.prefilled}))
+            rows = [self._new_row(j, s) for j, s in take]
+            first = [row for row in rows if row.stop_reason is None]  # max_tokens 0 ends at once
+            if first:  # every new row's first token, from its job's prefill logits: one choice for all
+                self._choose(first, torch.stack([self.prefilled[row.job].last_logits for row in first]))
+            for row in rows:
+                stats.rows_admitted += 1
+                if row.stop_reason is None:
+                    joiners.append((row, self.prefilled[row.job].kv))
+                    stats.joined_live_batch += bool(self.live)
+                else:
+                    self._finish(row)
+                self.unadmitted[row.job] -= 1
+                if self.unadmitted[row.job] == 0:
+                    del self.prefilled[row.job]  # every sample has its copy of the prompt KV in the cache
+        return joiners
+
+    def _rebuild(self, joiners: list[tuple[_Row, list[LayerKV]]]) -> None:
+        """Live rows (the unfinished ones, already in self.live) + joiners, ordered contiguous per group."""
+        kept = self.live
+        everyone = kept + [row for row, _ in joiners]
+        order = sorted(range(len(everyone)), key=lambda i: everyone[i].key)
+        self.live = [everyone[i] for i in order]
+        self.cache.rebuild(
+            [row.cache_row for row in kept], [kv for _, kv in joiners], order, [row.length for row in self.live]
+        )
+        counts = [0] * len(self.groups)
+        for i, row in enumerate(self.live):
+            row.cache_row = i
+            counts[row.group] += 1
+        self.decode_lora = self._lora(counts)
+
+    def _new_row(self, j: int, s: int) -> _Row:
+        job = self.jobs[j]
+        generator = row_generator(self.seeds[j], s) if job.params.temperature > 0 else None
+        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], generator=generator, length=len(job.prompt))
+        if job.topk_sample_logprobs:
+            row.topk = []
+        if job.params.max_tokens == 0:
+            row.stop_reason = LENGTH
+        return row
+
+    def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        """Pick each row's next token from its logits [B, V] (fp32), append it and check the stops."""
+        params = [self.jobs[r.job].params for r in rows]
+        uniforms = [draw_uniform(r.generator) if r.generator is not None else None for r in rows]
+        tokens, logprobs = choose_tokens(
+            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params], uniforms
+        )
+        picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+        tokens_l, picked_l = tokens.cpu().tolist(), picked.cpu().tolist()
+        ks = [self.jobs[r.job].topk_sample_logprobs for r in rows]
+        tops = top_logprobs(logprobs, ks) if any(ks) else [None] * len(rows)
+        for row, p, tok, lp, top in zip(rows, params, tokens_l, picked_l, tops, strict=True):
+            row.tokens.append(int(tok))
+            row.logprobs.append(float(lp))
+            if row.topk is not None and top is not None:
+                row.topk.append(top)
+            if tok in p.stop_token_ids or tok in self.sampler.eos_token_ids or self._hit_stop_string(row, p):
+                row.stop_reason = STOP
+            elif len(row.tokens) >= p.max_tokens:
+                row.stop_reason = LENGTH
+
+    def _hit_stop_string(self, row: _Row, p: SampleParams) -> bool:
+        if not p.stop_strings:
+            return False
+        text: str = self.sampler.tokenizer.decode(row.tokens, skip_special_tokens=False)
+        longest = max(len(s) for s in p.stop_strings)
+        start = max(0, row.text_checked - longest)  # a string may end in the new text and start before it
+        row.text_checked = len(text)
+        window = text[start:]
+        return any(s in window for s in p.stop_strings)
+
+    def _finish(self, row: _Row) -> None:
+        assert row.stop_reason is not None
+        self.finished[row.job][row.sample] = SampledSequence(
+            tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason, topk_logprobs=row.topk
+        )
+        out = self.outputs[row.job]
+        if all(seq is not None for seq in self.finished[row.job]):
+            out.sequences = [seq for seq in self.finished[row.job] if seq is not None]
+
+    def _decode_step(self) -> None:
+        engine = self.engine
+        self.sampler.stats.decode_steps += 1
+        inputs = torch.tensor([[row.tokens[-1]] for row in self.live], dtype=torch.int64).to(engine.device)
+        mask, positions = self.cache.step_inputs()
+        routing, banks = self.decode_lora
+        with engine.context.use(routing, banks):
+            hidden = engine.body(
+                input_ids=inputs,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self.cache.cache,
+                use_cache=True,
+            ).last_hidden_state[:, -1]
+        self.cache.advance()
+        for row in self.live:
+            row.length += 1
+        self._choose(self.live, self._logits(hidden))
+        done = [row for row in self.live if row.stop_reason is not None]
+        if done:
+            for row in done:
+                self._finish(row)
+            self.live = [row for row in self.live if row.stop_reason is None]
+
+    # ---- prefill -----------------------------------------------------------------------------------------------------
+    def _prefill(self, job_ids: Sequence[int]) -> None:
+        """Prefill these jobs' prompts (chunks of at most engine.microbatch_tokens padded tokens, rows contiguous per
+        group): keep each job's prompt KV and last logits, and fill in its prompt logprobs when asked."""
+        pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
+        budget = max(1, self.engine.microbatch_tokens)
+        chunk: list[int] = []
+        for j in pending:
+            longest = max([len(self.jobs[i].prompt) for i in chunk] + [len(self.jobs[j].prompt)])
+            if chunk and longest * (len(chunk) + 1) > budget:
+                self._prefill_chunk(chunk)
+                chunk = []
+            chunk.append(j)
+        if chunk:
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, job_ids: Sequence[int]) -> None:
+        engine = self.engine
+        self.sampler.stats.prefill_forwards += 1
+        prompts = [self.jobs[j].prompt for j in job_ids]
+        width = max(len(p) for p in prompts)
+        # Right padding: causal attention keeps each real token blind to the pads after it (as the engine's forward).
+        tokens = torch.full((len(prompts), width), engine.pad_id, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        tokens = tokens.to(engine.device)
+        positions = torch.arange(width, device=engine.device).expand(len(prompts), width)
+        counts = [0] * len(self.groups)
+        for j in job_ids:
+            counts[self.group_of[self.jobs[j].model_id]] += width
+        routing, banks = self._lora(counts)
+        cache = DynamicCache(config=self.config)
+        with engine.context.use(routing, banks):
+            hidden = engine.body(
+                input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True
+            ).last_hidden_state
+        lengths = torch.tensor([len(p) for p in prompts], device=engine.device)
+        last = self._logits(hidden[torch.arange(len(prompts), device=engine.device), lengths - 1])
+        layers = cache_layers(cache)
+        for b, j in enumerate(job_ids):
+            n = len(prompts[b])
+            kv = [(k[b, :, :n].clone(), v[b, :, :n].clone()) for k, v in layers]
+            self.prefilled[j] = _Prefilled(kv=kv, last_logits=last[b])
+            job = self.jobs[j]
+            if job.prompt_logprobs or job.topk_prompt_logprobs:
+                self._prompt_logprobs(j, hidden[b, : n - 1])
+
+    def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
+        """Prompt token t's logprob given tokens < t (from hidden states of positions 0..n-2), chunked over tokens."""
+        job = self.jobs[j]
+        targets = torch.tensor(job.prompt[1:], dtype=torch.int64, device=hidden.device)
+        values: list[float] = []
+        tops: list[list[tuple[int, float]] | None] = []
+        for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
+            lp = torch.log_softmax(self._logits(hidden[start : start + LOSS_CHUNK_TOKENS]), dim=-1)
+            if job.prompt_logprobs:
+                values += lp.gather(1, targets[start : start + LOSS_CHUNK_TOKENS, None]).view(-1).cpu().tolist()
+            if job.topk_prompt_logprobs:
+                tops += top_logprobs(lp, [job.topk_prompt_logprobs] * lp.shape[0])
+        out = self.outputs[j]
+        if job.prompt_logprobs:
+            out.prompt_logprobs = [None, *values]
+        if job.topk_prompt_logprobs:
+            out.topk_prompt_logprobs = [None, *tops]
