@@ -67,6 +67,25 @@ class BaseModelLoader:
         return model
 
 
+def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> Any:
+    """The SAMPLE step over this engine (workers/sampling_step.py), or None (no sampler: its requests fail saying so):
+    settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now), or a model it does
+    not support (logged)."""
+    if settings.sampler != "native" or group is not None:
+        return None
+    from loraplex.errors import LoraplexError
+    from loraplex.models import load_tokenizer
+    from loraplex.workers.sampler import Sampler
+    from loraplex.workers.sampling_step import SampleStep
+
+    try:
+        tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
+        return SampleStep(Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows), store)
+    except (LoraplexError, OSError) as exc:
+        log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
+        return None
+
+
 def model_loader(settings: Settings) -> BaseModelLoader:
     return BaseModelLoader(settings.base_model, str(settings.resolved_model_cache), settings.resolved_dtype)
 
@@ -202,7 +221,7 @@ def _lead(
     beating.start()
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
-    executor = PlanExecutor(engine, store)
+    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group))
     leader = LeaderExecutor(executor, group) if group is not None else None
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
     recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes, lease=lease)

@@ -1,7 +1,7 @@
 """Base-model registry: local Hugging Face folders and random-init presets (offline only)."""
 
 from loraplex.models.presets import PRESETS, SHAPE_PRESETS, TINY_SHAPES, build_preset_model
-from loraplex.models.registry import TORCH_DTYPES, load_base_model, resolve, torch_dtype, weights_digest
+from loraplex.models.registry import TORCH_DTYPES, load_base_model, load_tokenizer, resolve, torch_dtype, weights_digest
 
 __all__ = [
     "PRESETS",
@@ -10,6 +10,7 @@ __all__ = [
     "TINY_SHAPES",
     "build_preset_model",
     "load_base_model",
+    "load_tokenizer",
     "resolve",
     "torch_dtype",
     "weights_digest",

@@ -118,6 +118,13 @@ def load_base_model(
     return model, tokenizer
 
 
+def load_tokenizer(name_or_path: str, cache_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The base model's tokenizer (the tiny preset's for a real-shape preset, which has no folder)."""
+    if name_or_path in SHAPE_PRESETS and not Path(name_or_path).is_dir():
+        name_or_path = "tiny"
+    return AutoTokenizer.from_pretrained(resolve(name_or_path, cache_dir), local_files_only=True)
+
+
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 over every tensor of the state dict (names sorted): equal digests mean identical weights."""
     digest = hashlib.sha256()

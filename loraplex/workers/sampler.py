@@ -55,6 +55,7 @@ class SampleParams:
     seed: int | None = None  # same seed + same job = same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # needs the Sampler's tokenizer; matched on the decoded text of the sample
+    stop_at_eos: bool = True  # False: EOS is a token like any other (Tinker's `stop=[]`)
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,8 @@ class _Run:
             row.logprobs.append(float(lp))
             if row.topk is not None and top is not None:
                 row.topk.append(top)
-            if tok in p.stop_token_ids or tok in self.sampler.eos_token_ids or self._hit_stop_string(row, p):
+            eos = p.stop_at_eos and tok in self.sampler.eos_token_ids
+            if tok in p.stop_token_ids or eos or self._hit_stop_string(row, p):
                 row.stop_reason = STOP
             elif len(row.tokens) >= p.max_tokens:
                 row.stop_reason = LENGTH
