@@ -42,6 +42,12 @@ def get_sampler(sampler_id: str, tenant: TenantDep, services: ServicesDep) -> di
 def asample(body: AsampleBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
     if body.sampling_session_id is None or body.seq_id is None:
         raise InvalidRequestError("asample needs a sampling_session_id and its seq_id (create_sampling_session first)")
+    unsupported = [name for name, value in (("target_prompt_logprobs", body.target_prompt_logprobs),
+                                            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+                                            ("prompt_logprobs_last_n", body.prompt_logprobs_last_n),
+                                            ("record_stability_info", body.record_stability_info)) if value]  # fmt: skip
+    if unsupported:
+        raise NotSupportedError(f"{', '.join(unsupported)}: not offered by this server's sampler")
     tokens: list[int] = []
     for i, chunk in enumerate(body.prompt.chunks):
         if chunk.type != "encoded_text" or chunk.tokens is None:

@@ -152,3 +152,8 @@ class AsampleBody(Body):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(0, ge=0, le=20)
     topk_sample_logprobs: int = Field(0, ge=0, le=20)
+    # Options the native sampler does not offer yet: refused with a message, never ignored.
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
