@@ -91,6 +91,5 @@ def test_our_client_samples_too_and_another_tenant_cannot(stack, keys) -> None:
         logprobs = sampler.compute_logprobs(PROMPT).result()["prompt_logprobs"]
         assert logprobs[0] is None and len(logprobs) == len(PROMPT)
         path = sampler.model_path
-    with ServiceClient(stack.base_url, keys["smp-bob"]) as bob:
-        with pytest.raises(NotFoundError):
-            bob.create_sampling_client(model_path=path)
+    with ServiceClient(stack.base_url, keys["smp-bob"]) as bob, pytest.raises(NotFoundError):
+        bob.create_sampling_client(model_path=path)
