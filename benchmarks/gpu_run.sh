@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_run.sh service [bench_service args...]  the whole service (needs .whl/ carried: gpu_wheels.sh)
 #   bash benchmarks/gpu_run.sh tests                            the gpu-marked tests only
 #   bash benchmarks/gpu_run.sh flood [bench_flood args...]      the gpu-marked tests, then bench_flood.py on the stack
+#   bash benchmarks/gpu_run.sh sampler [bench_sampler args...]  the native sampler vs HF + PEFT generate
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -40,5 +41,7 @@ case $mode in
   flood)
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
     python3 benchmarks/bench_flood.py "$@" 2>&1 | tee "$OUT/bench_flood.txt" ;;
-  *) echo "unknown mode $mode (engine | service | tests | flood)"; exit 2 ;;
+  sampler)
+    python3 benchmarks/bench_sampler.py --out "$OUT/bench_sampler.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_sampler.txt" ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood | sampler)"; exit 2 ;;
 esac

@@ -1,0 +1,187 @@
+"""Native sampler benchmark (issue 11, item 6): decode throughput of workers/sampler.py on a random-init Qwen3-shaped
+model, and HF `generate` with PEFT on the same work, in one process:
+
+    python3 benchmarks/bench_sampler.py --model qwen3-4b-shape --rank 32 --prompts 32 --prompt-len 128 --new 128
+
+Variants (each: `--prompts` prompts of `--prompt-len` random tokens, `--new` new tokens each, sampled at temperature 1
+with a seed and no EOS stop, so every row runs to full length): base model only; one adapter; 4 adapters mixed in one
+batch (prompts split evenly); the same 4 adapters one after another; HF + PEFT `generate` (one adapter, greedy with
+no EOS, batched). Also: the time to take a sampler snapshot of a rank-`--rank` adapter on the training path
+(AdapterStore.freeze_copy: slot rows to host memory), and a greedy agreement check of our sampler with HF + PEFT on
+the same adapter (first 4 prompts, 16 tokens). Needs only torch, transformers, peft and loraplex (the GPU image)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
+from loraplex.workers.engine import Engine  # noqa: E402
+from loraplex.workers.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    dtype = getattr(torch, args.dtype)
+    if args.model.endswith("-shape"):
+        return build_preset_model(args.model, dtype=dtype, device=args.device)
+    model, _ = load_base_model(args.model, Path(args.cache), dtype=dtype, device=args.device)
+    return model
+
+
+def give_b_weights(engine: Engine, model_id: str, seed: int) -> None:
+    """A trained-looking adapter: B random (a fresh one is zero, which would make every adapter the base model)."""
+    record = engine.adapter(model_id)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for bank in engine.banks.values():
+            b = bank.lora_B[record.slot, : record.rank]
+            b.copy_((torch.randn(b.shape, generator=gen) * 0.02).to(b.device, b.dtype))
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    cuda = torch.cuda.is_available()
+    p.add_argument("--model", default="qwen3-4b-shape" if cuda else "tiny")
+    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "loraplex-models"))
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    p.add_argument("--rank", type=int, default=32 if cuda else 8)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+
+    model = build_model(args)
+    vocab = model.config.vocab_size
+    engine = Engine(model, num_slots=8, max_rank=args.rank, target_modules=TARGETS, device=args.device)
+    ids = [f"a{i}" for i in range(4)]
+    for i, model_id in enumerate(ids):
+        engine.create_adapter(model_id, rank=args.rank, alpha=2 * args.rank, seed=i)
+        give_b_weights(engine, model_id, seed=100 + i)
+    sampler = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [tuple(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()) for _ in range(args.prompts)]
+    params = SampleParams(max_tokens=args.new, temperature=1.0, seed=7)
+    new_tokens = args.prompts * args.new
+
+    def run(assignments: list[str | None]) -> None:
+        outs = sampler.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
+        assert len(outs) == len(assignments) and all(len(o.sequences[0].tokens) == args.new for o in outs)
+
+    results: dict[str, Any] = {"args": vars(args), "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
+    per = args.prompts // 4
+    variants = {
+        "base_only": lambda: run([None] * args.prompts),
+        "one_adapter": lambda: run(["a0"] * args.prompts),
+        "four_mixed": lambda: run([ids[i // per] for i in range(args.prompts)]),
+        "four_one_after_another": lambda: [
+            sampler.generate([SampleJob(pr, ids[k], params) for pr in prompts[k * per : (k + 1) * per]])
+            for k in range(4)
+        ],
+    }
+    run(["a0"] * min(4, args.prompts))  # warm-up (kernels, allocator)
+    for name, fn in variants.items():
+        seconds = timed(fn, args.repeats)
+        results[name] = {"s": seconds, "tok_s": new_tokens / seconds, "decode_steps": sampler.stats.decode_steps}
+        print(name, results[name], flush=True)
+    base = results["base_only"]["tok_s"]
+    results["mixed_over_base"] = results["four_mixed"]["tok_s"] / base
+    results["mixed_over_sequential"] = results["four_mixed"]["tok_s"] / results["four_one_after_another"]["tok_s"]
+
+    # A sampler snapshot on the training path: the adapter's slot rows to (pinned) host memory.
+    store = AdapterStore(engine, 1 << 40, Path(tempfile.mkdtemp(prefix="bench-sampler-spill-")))
+    snap_times = []
+    for k in range(10):
+        sync()
+        t0 = time.perf_counter()
+        store.freeze_copy("a1", f"tinker://a1/sampler_weights/s{k}")
+        sync()
+        snap_times.append(time.perf_counter() - t0)
+        store.delete(f"tinker://a1/sampler_weights/s{k}")
+    results["snapshot_ms"] = {"median": 1e3 * statistics.median(snap_times[2:]), "max": 1e3 * max(snap_times[2:])}
+    print("snapshot", results["snapshot_ms"], flush=True)
+
+    if not args.skip_hf:
+        results.update(hf_peft(args, engine, prompts, new_tokens))
+        if "hf_peft" in results:
+            results["ours_over_hf_peft"] = results["one_adapter"]["tok_s"] / results["hf_peft"]["tok_s"]
+    print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def hf_peft(args: argparse.Namespace, engine: Engine, prompts: list[tuple[int, ...]], new_tokens: int) -> dict[str, Any]:
+    """HF generate with PEFT holding a0's weights; and greedy agreement with our sampler on 4 prompts."""
+    from peft import LoraConfig, get_peft_model
+
+    hf = build_model(args)
+    peft_model = get_peft_model(hf, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(TARGETS)))
+    weights = engine.adapter_weights("a0")
+    with torch.no_grad():
+        for name, module in peft_model.named_modules():
+            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                key = next((k for k in weights if name.endswith(k)), None)
+                if key is None:
+                    continue
+                a, b = weights[key]
+                module.lora_A["default"].weight.copy_(a.t().to(module.lora_A["default"].weight))
+                module.lora_B["default"].weight.copy_(b.t().to(module.lora_B["default"].weight))
+    peft_model.eval()
+    # No EOS at all (as our runs): min_new_tokens would instead mask EOS out of the greedy choice, a different rule.
+    peft_model.generation_config.eos_token_id = None
+    batch = torch.tensor(prompts, device=args.device)
+
+    def generate() -> None:
+        with torch.inference_mode():
+            out = peft_model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.new,
+                                      do_sample=False, pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == batch.shape[1] + args.new
+
+    seconds = timed(generate, 1)
+    agree_prompts = batch[:4]
+    with torch.inference_mode():
+        theirs = peft_model.generate(input_ids=agree_prompts, attention_mask=torch.ones_like(agree_prompts),
+                                     max_new_tokens=16, do_sample=False, pad_token_id=0)  # fmt: skip
+    sampler = Sampler(engine, tokenizer=None, max_rows=4, eos_token_ids=())
+    ours = sampler.generate([SampleJob(prompts[i], "a0", SampleParams(max_tokens=16, temperature=0.0)) for i in range(4)])
+    agree = [
+        sum(int(x == y) for x, y in zip(o.sequences[0].tokens, theirs[i, batch.shape[1] :].tolist(), strict=True)) / 16
+        for i, o in enumerate(ours)
+    ]
+    return {"hf_peft": {"s": seconds, "tok_s": new_tokens / seconds}, "greedy_agreement_with_peft": agree}
+
+
+if __name__ == "__main__":
+    main()
