@@ -89,6 +89,13 @@ class ServiceUnavailableError(LoraplexError, ConnectionError):
     category = "server"
 
 
+class WaitTimeoutError(LoraplexError, TimeoutError):
+    """The gateway stopped waiting for a request it answers in one call (the OpenAI-compatible endpoint, api/openai/):
+    the request stays queued and its result is still readable at GET /v1/futures/{id} (HTTP 408)."""
+
+    category = "server"
+
+
 class EngineError(LoraplexError, RuntimeError):
     """A training step failed inside a worker (non-finite gradients, a crash); reported for that request only."""
 
@@ -156,6 +163,7 @@ HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
     ConflictError: 409,
     GoneError: 410,
     InvalidRequestError: 400,
+    WaitTimeoutError: 408,
     CapacityError: 429,
     RequestTooLargeError: 413,
     ServiceUnavailableError: 503,

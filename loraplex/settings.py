@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     # Longest a Tinker `retrieve_future` waits before answering try_again (the SDK's poll times out at 45 s and
     # re-polls at once, so the wait is what keeps it from spinning).
     tinker_long_poll_seconds: float = Field(default=30.0, ge=0, le=40)
+    # Longest `/v1/completions` and `/v1/chat/completions` (api/openai/) wait for their samples before answering
+    # 408 (the request stays queued; its result is at GET /v1/futures/{id}). Each waiting call holds a worker thread.
+    openai_wait_seconds: float = Field(default=120.0, gt=0, le=3600)
     # Worker threads per gateway process for its sync routes; each waiting long-poll holds one (and a Redis connection).
     gateway_threads: int = Field(default=512, ge=8)
     # Ask Tinker SDK clients (client/config's proto_compress_fwdbwd) to zstd-compress forward_backward bodies.

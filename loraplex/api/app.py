@@ -20,6 +20,7 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
+from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.rate_limit import TenantRateLimit
 from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, samplers, tenant_checkpoints
 from loraplex.api.service import reap_idle_sessions
@@ -96,4 +97,5 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(runs.router)
     app.include_router(tenant_checkpoints.router)
     app.include_router(samplers.router)
+    app.include_router(openai_router)
     return app

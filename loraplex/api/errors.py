@@ -2,7 +2,11 @@
 
 A part the gateway needs being down (Redis: connection refused or timed out; the database: OperationalError) is a
 503 with `Retry-After` and a JSON error of type ServiceUnavailableError, logged at most once a second (one line, no
-traceback); redis-py and SQLAlchemy reconnect by themselves, so the next request after the part is back succeeds."""
+traceback); redis-py and SQLAlchemy reconnect by themselves, so the next request after the part is back succeeds.
+
+The OpenAI-compatible paths (api/openai/: /v1/completions, /v1/chat/completions, /v1/models) answer every error,
+a failed validation included (400 there, as OpenAI does, not 422), in OpenAI's shape (api/openai/errors.py) with the
+same status codes and headers."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.admission import BodyTooLarge, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
+from loraplex.api.openai.errors import is_openai_path, openai_error
 from loraplex.api.routes.chain import seq_step_kind
 from loraplex.api.service.rejections import fill_rejected
 from loraplex.errors import (
@@ -68,6 +73,9 @@ def install_error_handlers(app: FastAPI) -> None:
         """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail. A chain step's
         seq_id is queued as rejected first (api/service/rejections.py), so the caller's next step does not wait."""
         errors = list(exc.errors())
+        if is_openai_path(request.url.path):
+            loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+            return openai_error(400, _utf8_safe(validation_summary(errors)), param=loc[0] if loc else None)
         body = exc.body if isinstance(exc.body, dict) else {}
         await _fill_rejected_step(
             request, body.get("seq_id"), "InvalidRequestError", validation_summary(errors), body.get("model_id")
@@ -77,6 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         """413 before the body was parsed: the seq_id, if any, comes from the X-Seq-Id header."""
+        if is_openai_path(request.url.path):
+            return openai_error(413, exc.detail, {"Connection": "close"})
         await _fill_rejected_step(request, seq_id_header(request.headers), RequestTooLargeError.__name__, exc.detail)
         content = {"detail": exc.detail, "type": RequestTooLargeError.__name__, "category": "user"}
         # Connection: close, so the server stops reading the rest of the body rather than draining it for keep-alive.
@@ -89,7 +99,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         outage_log.warning("%s unavailable (%s: %s); answering 503 (%s %s)", part, type(exc).__name__, first_line,
                            request.method, request.url.path)  # fmt: skip
-        return _typed_response(ServiceUnavailableError(f"{part} is unavailable; retry in {RETRY_AFTER_S} s"))
+        error = ServiceUnavailableError(f"{part} is unavailable; retry in {RETRY_AFTER_S} s")
+        return _typed_response(error, openai=is_openai_path(request.url.path))
 
     for outage in (redis.ConnectionError, redis.TimeoutError, OperationalError):
         app.add_exception_handler(outage, _unavailable)
@@ -100,14 +111,16 @@ def install_error_handlers(app: FastAPI) -> None:
         bigint) came from the request: a 400 naming the database's reason. The transaction rolled back."""
         reason = (str(exc.orig).strip().splitlines() or ["invalid value"])[0][:200]
         error = InvalidRequestError(f"the request holds a value the database cannot store: {reason}")
-        return _typed_response(error, tinker=request.url.path.startswith(TINKER_PREFIX))
+        path = request.url.path
+        return _typed_response(error, tinker=path.startswith(TINKER_PREFIX), openai=is_openai_path(path))
 
     @app.exception_handler(LoraplexError)
     async def _typed(request: Request, exc: LoraplexError) -> JSONResponse:
-        return _typed_response(exc, tinker=request.url.path.startswith(TINKER_PREFIX))
+        path = request.url.path
+        return _typed_response(exc, tinker=path.startswith(TINKER_PREFIX), openai=is_openai_path(path))
 
 
-def _typed_response(exc: LoraplexError, tinker: bool = False) -> JSONResponse:
+def _typed_response(exc: LoraplexError, tinker: bool = False, openai: bool = False) -> JSONResponse:
     status = http_status_for(exc)
     if tinker and status == 409:
         status = 400  # the Tinker SDK retries a 409 for minutes; a clash does not go away by itself
@@ -116,6 +129,8 @@ def _typed_response(exc: LoraplexError, tinker: bool = False) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     elif isinstance(exc, CapacityError) and exc.retry_after_s is not None:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    if openai:
+        return openai_error(status, _utf8_safe(exc.message), headers, exc=exc)
     return JSONResponse(
         status_code=status,
         content={"detail": _utf8_safe(exc.message), "type": type(exc).__name__, "category": exc.category},

@@ -15,6 +15,9 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
     loraplex:pool:{pool}:leader          string "<token> <holder>" with a TTL: the pool's leader lease (queue/lease.py)
     loraplex:pool:{pool}:leader_token    integer: the pool's fencing-token counter (INCR per acquisition, never expires)
+    loraplex:openai:sampler:{tenant}:{model_path}   hash: the OpenAI endpoint's sampler over that checkpoint (or "" for
+                                         the base model): `sampler_id`, and `seq` its seq_id counter (api/openai/models.py)
+    loraplex:openai:idem:{tenant}:{digest}          string: "<sampler_id> <first seq_id>" an Idempotency-Key took
 """
 
 from __future__ import annotations
@@ -94,3 +97,13 @@ def request_owner(request_id: str) -> str:
 def session_reaper_lock() -> str:
     """Held (SET NX EX) by the one gateway that expires idle sessions this round (api/service/sessions.py)."""
     return f"{PREFIX}session_reaper"
+
+
+def openai_sampler(tenant_id: str, model_path: str) -> str:
+    """The OpenAI endpoint's cached sampler over `model_path` ("" for the base model) and its seq_id counter."""
+    return f"{PREFIX}openai:sampler:{tenant_id}:{model_path}"
+
+
+def openai_idempotency(tenant_id: str, digest: str) -> str:
+    """The seq_ids an OpenAI request's Idempotency-Key header took (digest: of the model and the key)."""
+    return f"{PREFIX}openai:idem:{tenant_id}:{digest}"

@@ -29,6 +29,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from loraplex.api.app import create_app
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
+from loraplex.models.tokenizer import train_tiny_tokenizer
 from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
 from tests.helpers.checkpoint_rows import saved_checkpoint
@@ -92,7 +93,8 @@ def _tenant(gateway, name: str) -> tuple[str, str, str, str, str]:
 @pytest.fixture()
 def world(tmp_path, redis_url) -> Iterator[World]:
     settings_ = Settings(home=tmp_path, redis_url=redis_url, pool=f"fuzz-{tmp_path.name}", max_rank=16,
-                         tinker_long_poll_seconds=0, long_poll_seconds=0)  # fmt: skip
+                         tinker_long_poll_seconds=0, long_poll_seconds=0, openai_wait_seconds=0.01)  # fmt: skip
+    train_tiny_tokenizer().save_pretrained(settings_.resolved_model_cache / "tiny")  # the OpenAI routes tokenize
     with gateway_app(settings_) as gateway:
         model_id, tinker_model_id, session_id, request_id, future_id = _tenant(gateway, "alice")
         bob_model, _, bob_session, _, _ = _tenant(gateway, "bob")
@@ -118,11 +120,15 @@ def read_back(world: World) -> None:
 
 
 def assert_answered(response, what: str) -> None:
-    """A 4xx with a message, or a 2xx with a well-formed body; never a 5xx."""
+    """A 4xx with a message (OpenAI's error shape on the OpenAI-compatible routes), or a 2xx with a well-formed body;
+    never a 5xx."""
     status = response.status_code
     assert status < 500, f"{what}: {status} {response.text[:2000]}"
     if status >= 400:
         body = response.json()
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):  # api/openai/errors.py
+            assert isinstance(body["error"].get("message"), str) and body["error"]["message"], response.text[:2000]
+            return
         detail = body.get("detail") if isinstance(body, dict) else None
         assert detail, f"{what}: {status} without a message: {response.text[:2000]}"
         assert isinstance(detail, str) or (isinstance(detail, list) and all("msg" in d for d in detail)), response.text

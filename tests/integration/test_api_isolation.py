@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 
 from loraplex.api.app import create_app
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
+from loraplex.models.tokenizer import train_tiny_tokenizer
 from loraplex.protocol import RequestKind
 from loraplex.queue import keys
 from loraplex.settings import Settings
@@ -41,6 +42,7 @@ ID_PATH_PARAMS = ("{model_id}", "{training_run_id}", "{session_id}", "{request_i
 ID_BODY_FIELDS = frozenset({
     "model_id", "training_run_id", "session_id", "request_id", "from_checkpoint",
     "path", "paths", "tinker_path", "tinker_paths", "model_path", "sampling_session_id",
+    "model",  # the OpenAI routes: a sampler checkpoint's tinker path or an adapter id
 })  # fmt: skip
 # Routes whose body carries an id but has no JSON schema to find it in (the protobuf forward_backward).
 BODY_ID_ROUTES_WITHOUT_SCHEMA = frozenset({("POST", "/api/v1/forward_backward")})
@@ -282,6 +284,18 @@ CALLS: dict[tuple[str, str], list[Variant]] = {
     ("POST", "/v1/samplers"): [
         V("their_checkpoint", lambda o, x: Call("POST", "/v1/samplers", json={"model_path": x.sampler_path}), (201,)),
     ],
+    # The OpenAI routes (api/openai/): no pool here, so alice's own call waits its (short) openai_wait_seconds: 408.
+    ("POST", "/v1/completions"): [
+        V("sampler_path", lambda o, x: Call("POST", "/v1/completions",
+                                            json={"model": x.sampler_path, "prompt": [1, 2], "max_tokens": 2}), (408,)),
+        V("adapter_id", lambda o, x: Call("POST", "/v1/completions",
+                                          json={"model": x.model_id, "prompt": "hi", "max_tokens": 2}), (408,)),
+    ],
+    ("POST", "/v1/chat/completions"): [
+        V("sampler_path", lambda o, x: Call("POST", "/v1/chat/completions",
+                                            json={"model": x.sampler_path, "messages": [{"role": "user", "content": "hi"}],
+                                                  "stream": True}), (408,)),
+    ],
     ("GET", "/v1/samplers/{sampler_id}"): [
         V("get", lambda o, x: Call("GET", f"/v1/samplers/{x.sampler_id}")),
     ],
@@ -397,7 +411,8 @@ def _phantom() -> Owned:
 @pytest.fixture()
 def world(tmp_path, redis_url) -> Iterator[World]:
     settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"iso-{tmp_path.name}", max_rank=16,
-                        tinker_long_poll_seconds=0, long_poll_seconds=0)  # fmt: skip
+                        tinker_long_poll_seconds=0, long_poll_seconds=0, openai_wait_seconds=0.01)  # fmt: skip
+    train_tiny_tokenizer().save_pretrained(settings.resolved_model_cache / "tiny")  # the OpenAI routes tokenize
     with gateway_app(settings) as gateway:
         headers = {name: {"X-API-Key": key} for name, key in gateway.keys.items()}
         yield World(gateway, _resources(gateway, "alice"), _resources(gateway, "bob"), _phantom(), headers)
@@ -418,6 +433,8 @@ def _normalised(response, owned: Owned) -> tuple[int, str]:
 
 def _message(response) -> str:
     body = response.json()
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # OpenAI's error shape (api/openai/errors.py)
+        body = {"detail": body["error"].get("message")}
     detail = body.get("detail") if isinstance(body, dict) else None
     assert isinstance(detail, str) and detail.strip(), f"{response.status_code} without a message: {response.text}"
     return detail

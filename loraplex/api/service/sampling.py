@@ -77,6 +77,8 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         raise InvalidRequestError(f"max_tokens {request.max_tokens}; at most {settings.max_sample_tokens}")
     if any(t < 0 for t in request.prompt):
         raise InvalidRequestError("the prompt holds a negative token id")
+    if any(t >= 2**31 for t in request.prompt):  # no vocabulary is this big; past 2**64 the envelope's JSON fails
+        raise InvalidRequestError("the prompt holds a token id of 2**31 or more")
     with services.sessions() as db:
         sampler = SamplerRepository(db, tenant.id).get(sampler_id)
         directory = None

@@ -1,0 +1,173 @@
+"""OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, authenticated like
+every route (`Authorization: Bearer <key>`, which OpenAI clients send, or X-API-Key).
+
+A call answers in one response: it tokenizes on the gateway (tokenizer.py), queues one SAMPLE request per prompt
+through service.sample (`n` samples each) under the model's sampler and fresh seq_ids (models.py), waits for their
+results (`services.results.wait`, at most `openai_wait_seconds`, 120 s), then decodes them (responses.py). A wait that
+ends first is a 408 naming the request ids: they stay queued, and their results are readable at GET /v1/futures/{id}
+(the official client retries a 408 twice, each retry queueing new samples, unless the call sends an Idempotency-Key).
+A sample the pool failed is that error (a bad token id 400, a checkpoint gone 404; a failure of the pool itself 500).
+`stream: true` answers Server-Sent Events once the samples are done (the first byte comes late: see responses.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from loraplex.api import service
+from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.errors import validation_summary
+from loraplex.api.openai import responses
+from loraplex.api.openai.models import list_models, resolve_model, take_seq_ids
+from loraplex.api.openai.schemas import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
+from loraplex.api.schemas import SampleRequest
+from loraplex.api.service.context import Services, TenantRef
+from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError, error_from_name
+
+router = APIRouter(tags=["openai"])
+
+IdempotencyKey = Annotated[str | None, Header(max_length=256, description="Same key (and body): the first call's samples")]
+
+
+def _refuse(names: list[str]) -> None:
+    if names:
+        raise NotSupportedError(f"not supported by this server's sampler: {', '.join(names)}")
+
+
+def _stops(body: SamplingFields) -> list[str]:
+    stops = body.stops()
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"stop: {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}")
+    if any(not s for s in stops):
+        raise InvalidRequestError("stop: an empty string")
+    return stops
+
+
+def _sample_all(
+    services: Services, tenant: TenantRef, body: SamplingFields, prompts: list[list[int]],
+    request_for: Callable[[list[int]], dict[str, Any]], idempotency_key: str | None,
+) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
+    """Queue one sample request per prompt, wait for all; (the first request id, the results in prompt order)."""
+    settings = services.settings
+    if len(prompts) * body.n > settings.max_samples_per_request:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompts x n={body.n} samples; at most {settings.max_samples_per_request} in one request"
+        )
+    model_path = resolve_model(services, tenant, body.model)
+    requests = []
+    for prompt in prompts:
+        try:
+            requests.append(SampleRequest.model_validate(request_for(prompt)))
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_summary(exc.errors())) from None
+    sampler_id, first = take_seq_ids(services, tenant, body.model, model_path, len(prompts), idempotency_key)
+    refs = [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}))
+            for i, r in enumerate(requests)]  # fmt: skip
+    deadline = time.monotonic() + settings.openai_wait_seconds
+    results = []
+    for ref in refs:
+        outcome = services.results.wait(ref.request_id, max(deadline - time.monotonic(), 0.0))
+        if outcome is None:
+            pending = ", ".join(r.request_id for r in refs)
+            raise WaitTimeoutError(
+                f"the samples were not done within {settings.openai_wait_seconds:g} s; they stay queued (requests "
+                f"{pending}: their results are at GET /v1/futures/<id>)"
+            )
+        if not outcome.ok:
+            raise error_from_name(outcome.error_type or "LoraplexError", outcome.error or "sampling failed")
+        results.append(outcome.result or {})
+    return refs[0].request_id, results
+
+
+def _decoded(
+    tok: GatewayTokenizer, results: list[dict[str, Any]], stops: list[str], pieces: bool
+) -> list[responses.Decoded]:
+    """Every sequence in OpenAI's choice order: prompt by prompt, its n samples each."""
+    return [responses.decode_sequence(tok, seq, stops, pieces) for r in results for seq in r.get("sequences", [])]
+
+
+def _answer(body: SamplingFields, whole: dict[str, Any], chunks: Iterator[dict[str, Any]]) -> Response:
+    if body.stream:
+        return StreamingResponse(responses.sse(chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return JSONResponse(whole)
+
+
+def _sampling(body: SamplingFields, prompt: list[int], max_tokens: int, stops: list[str], topk: int) -> dict[str, Any]:
+    return {"seq_id": 0, "prompt": prompt, "num_samples": body.n, "max_tokens": max_tokens,
+            "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "seed": body.seed,
+            "stop": stops or None, "topk_sample_logprobs": topk}  # fmt: skip
+
+
+@router.post("/v1/completions", response_model=None)
+def completions(body: CompletionRequest, tenant: TenantDep, services: ServicesDep,
+                idempotency_key: IdempotencyKey = None) -> Response:  # fmt: skip
+    """OpenAI's completions: `prompt` a string, a list of token ids, or a list of either (each answered; choice
+    index = prompt index * n + sample)."""
+    _refuse(body.unsupported())
+    stops = _stops(body)
+    tok = gateway_tokenizer(services.settings)
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    topk = body.logprobs or 0
+    rid, results = _sample_all(services, tenant, body, prompts,
+                               lambda p: _sampling(body, p, max_tokens, stops, topk), idempotency_key)  # fmt: skip
+    with_lp = body.logprobs is not None
+    choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
+    created, cid = int(time.time()), f"cmpl-{rid}"
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = responses.usage(prompt_tokens, sum(len(d.tokens) for d in choices))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    whole = responses.completion_body(tok, cid, created, body.model, choices, with_lp, prompt_tokens)
+    chunks = responses.completion_chunks(tok, cid, created, body.model, choices, with_lp,
+                                         usage if include_usage else None)  # fmt: skip
+    return _answer(body, whole, chunks)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: ServicesDep,
+                     idempotency_key: IdempotencyKey = None) -> Response:  # fmt: skip
+    """OpenAI's chat completions: the messages rendered with the model's chat template (or `role: content` lines
+    ending in `assistant:` where it has none: tokenizer.py), text content only."""
+    _refuse(body.unsupported())
+    stops = _stops(body)
+    tok = gateway_tokenizer(services.settings)
+    messages = []
+    for i, m in enumerate(body.messages):
+        try:
+            content = m.text()
+        except ValidationError:
+            raise NotSupportedError(f"messages[{i}].content: only text parts are supported") from None
+        messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+    text, templated = tok.render_chat(messages)
+    prompt = tok.encode(text, add_special_tokens=not templated)
+    with_lp = body.logprobs
+    topk = (body.top_logprobs or 0) if with_lp else 0
+    rid, results = _sample_all(services, tenant, body, [prompt],
+                               lambda p: _sampling(body, p, body.new_tokens(), stops, topk), idempotency_key)  # fmt: skip
+    choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
+    created, cid = int(time.time()), f"chatcmpl-{rid}"
+    usage = responses.usage(len(prompt), sum(len(d.tokens) for d in choices))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    whole = responses.chat_body(tok, cid, created, body.model, choices, with_lp, len(prompt))
+    chunks = responses.chat_chunks(tok, cid, created, body.model, choices, with_lp, usage if include_usage else None)
+    return _answer(body, whole, chunks)
+
+
+@router.get("/v1/models")
+def models(tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """The base model, then the tenant's sampler checkpoints by tinker path (an adapter id works as `model` too)."""
+    return {"object": "list", "data": list_models(services, tenant)}
