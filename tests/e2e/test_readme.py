@@ -1,6 +1,7 @@
 """The README's quick tour, run as written: the tour's first shell block (the embedded stack in the background, a tenant),
 then its first Python block against that stack (the default port 8700), then the same with the Tinker SDK (its second
-Python block, with TINKER_BASE_URL and TINKER_API_KEY as the README says), then the stack stopped. The harness only
+Python block, with TINKER_BASE_URL and TINKER_API_KEY as the README says), then the OpenAI client's block against
+the sampler checkpoint the first block saved, then the stack stopped. The harness only
 waits for the gateway between the two blocks, as a reader would."""
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def test_the_quick_tour_runs_as_written(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert sdk.returncode == 0, sdk.stdout + sdk.stderr + log.read_text()[-3000:]
         assert "tinker://" in sdk.stdout  # the SDK's checkpoint listing
+        oai = subprocess.run([sys.executable, "-c", python_blocks[2]], cwd=tmp_path, env=env | {"KEY": found["TOUR_KEY"]},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert oai.returncode == 0, oai.stdout + oai.stderr + log.read_text()[-3000:]
     finally:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
