@@ -25,25 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
 from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 from loraplex.workers.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    dtype = getattr(torch, args.dtype)
-    if args.model.endswith("-shape"):
-        return build_preset_model(args.model, dtype=dtype, device=args.device)
-    model, _ = load_base_model(args.model, Path(args.cache), dtype=dtype, device=args.device)
-    return model
 
 
 def give_b_weights(engine: Engine, model_id: str, seed: int) -> None:
