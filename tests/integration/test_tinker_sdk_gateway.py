@@ -40,10 +40,12 @@ def test_refusals_reach_the_sdk_user_as_errors_with_the_servers_message(server) 
             ).result(timeout=30)
         with pytest.raises(tinker.BadRequestError, match="maximum rank 16"):
             client.create_lora_training_client(base_model="tiny", rank=32).result(timeout=30)
-        with pytest.raises(tinker.BadRequestError, match="sampling is not available"):
-            client.create_sampling_client(base_model="tiny").result().sample(
-                types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)
-            ).result(timeout=30)
+        sampler = client.create_sampling_client(base_model="tiny")  # a sampling session: no pool needed
+        with pytest.raises(tinker.BadRequestError, match="not offered"):
+            sampler.sample(
+                types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2),
+                include_prompt_logprobs=True, prompt_logprobs_last_n=1,
+            ).result(timeout=30)  # fmt: skip
     finally:
         client.close("success").result()
 
