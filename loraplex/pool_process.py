@@ -71,6 +71,8 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
     """The SAMPLE step over this engine (workers/sampling_step.py), or None (no sampler: its requests fail saying so):
     settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now), or a model it does
     not support (logged)."""
+    if settings.sampler == "vllm" and group is None:
+        return vllm_sampling(settings)
     if settings.sampler != "native" or group is not None:
         return None
     from loraplex.errors import LoraplexError
@@ -84,6 +86,36 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
     except (LoraplexError, OSError) as exc:
         log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
         return None
+
+
+def vllm_sampling(settings: Settings) -> Any:
+    """The SAMPLE step on a vLLM server this process starts (and supervises: a dead server is restarted with its
+    adapters); the server stops when this process exits. Sampler checkpoints reach it as PEFT folders."""
+    import atexit
+
+    from loraplex.models import resolve
+    from loraplex.samplers.vllm import VllmSampler
+    from loraplex.samplers.vllm_server import VllmServer
+    from loraplex.samplers.vllm_step import VllmSampleStep
+    from loraplex.workers.checkpoint import read_checkpoint
+    from loraplex.workers.export import export_peft
+
+    folder = resolve(settings.base_model, settings.resolved_model_cache)
+    logs = settings.home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # The server computes in the pool's dtype, so its logprobs are the trainer's (RL losses compare the two).
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[settings.resolved_dtype]
+    server = VllmServer(folder, max_loras=settings.vllm_max_loras, max_lora_rank=settings.max_rank,
+                        log_path=logs / f"vllm-{settings.pool}.log", extra_args=("--dtype", dtype)).start()  # fmt: skip
+    atexit.register(server.close)
+    server.supervise()
+
+    def export(checkpoint_dir: Path, out_dir: Path) -> Path:
+        return export_peft(read_checkpoint(checkpoint_dir), out_dir, base_model_path=str(folder))
+
+    log.info("pool %s: sampling on a vLLM server at %s (logs/vllm-%s.log)", settings.pool, server.base_url,
+             settings.pool)  # fmt: skip
+    return VllmSampleStep(VllmSampler(server), export, settings.home / "vllm-adapters" / settings.pool)
 
 
 def model_loader(settings: Settings) -> BaseModelLoader:

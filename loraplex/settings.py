@@ -98,10 +98,12 @@ class Settings(BaseSettings):
     # Sampling limits per request (api/service/sampling.py): samples, new tokens each.
     max_samples_per_request: int = Field(default=64, ge=1)
     max_sample_tokens: int = Field(default=4096, ge=1)
-    # The pool's sampler: "native" (workers/sampler.py over the training engine; single-process pools) or "none"
-    # (sampling requests fail with a message saying so). Rows decoded at once by the native sampler.
-    sampler: Literal["native", "none"] = "native"
-    sampler_max_rows: int = Field(default=32, ge=1)
+    # The pool's sampler: "native" (workers/sampler.py over the training engine; single-process pools), "vllm" (a
+    # vLLM server the pool process starts and supervises, samplers/; needs the .[vllm] extra and a base model vLLM can
+    # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
+    sampler: Literal["native", "vllm", "none"] = "native"
+    sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
+    vllm_max_loras: int = Field(default=8, ge=2)  # adapters the vLLM server holds at once (one is the zero adapter)
     # How long the checkpoint of an unnamed save_weights_for_sampler (save_weights_and_get_sampling_client) is kept.
     unnamed_sampler_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     max_tokens_per_datum: int = 32768
