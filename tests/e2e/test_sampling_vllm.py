@@ -66,3 +66,14 @@ def test_the_sdk_samples_through_the_vllm_backend(vllm_stack) -> None:
             sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy, topk_sample_logprobs=2).result()
     finally:
         sdk.close("success").result()
+
+
+def test_the_cookbook_rl_loop_runs_to_its_end_with_the_vllm_backend(vllm_stack, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("tinker_cookbook")
+    from tests.helpers.cookbook_rl import BATCHES, run_rl_loop
+
+    monkeypatch.setenv("TINKER_API_KEY", create_tenants(vllm_stack, "vllm-rl")["vllm-rl"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rows = [r for r in run_rl_loop(vllm_stack, tmp_path / "rl") if "optim/kl_sample_train_v1" in r]
+    assert [r["step"] for r in rows] == list(range(BATCHES))
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in rows), rows  # vLLM's logprobs are the trainer's
