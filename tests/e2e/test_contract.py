@@ -131,8 +131,9 @@ def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) ->
 
 def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered_first(stack) -> None:
     """Issue: one tenant's 2.56 M-token request held the pool 93 s while another's 3-token step waited 92 s. Now a
-    request over LORAPLEX_PLAN_TOKENS (16,384 here) runs one part per plan: 6 x 3,000 tokens go as [0, 5) and [5, 6),
-    the other tenant's small step, sent just after, is answered with the first plan, and the big one answers once, with
+    request over LORAPLEX_PLAN_TOKENS (16,384 here) runs one part per plan: 15 x 3,000 tokens go as [0, 5), [5, 10) and
+    [10, 15); the other tenant's small step, sent just after, joins the first or the second plan (whether the pool read
+    it before planning the first), so it is answered at least a whole plan before the big one, which answers once, with
     every datum's logprobs, after its last part."""
     import threading
 
@@ -142,7 +143,7 @@ def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered
     warm = [Datum.for_next_token([10, 11, 12, 13])]
     big.forward_backward(warm).result(timeout=60)
     small.forward_backward(warm).result(timeout=60)
-    data = [Datum.for_next_token([(7 * i + k) % 190 + 1 for k in range(3001)]) for i in range(6)]
+    data = [Datum.for_next_token([(7 * i + k) % 190 + 1 for k in range(3001)]) for i in range(15)]
     pool_stats = redis.Redis.from_url(stack.settings.redis_url)
     time.sleep(0.5)  # the warm-up plans' statistics are in
     before = stats.read(pool_stats, stack.settings.pool)
@@ -162,8 +163,8 @@ def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered
     assert done["small"] < done["big"]
     time.sleep(0.5)
     ran = stats.read(pool_stats, stack.settings.pool).minus(before)
-    assert (ran.plans, ran.fb_steps, ran.fb_tokens) == (2, 2, 18003)  # [0, 5) + the small step, then [5, 6)
-    assert [len(o["logprobs"]) for o in results["big"]["loss_fn_outputs"]] == [3000] * 6
+    assert (ran.plans, ran.fb_steps, ran.fb_tokens) == (3, 3, 45003)  # three parts; the small step rides in one of them
+    assert [len(o["logprobs"]) for o in results["big"]["loss_fn_outputs"]] == [3000] * 15
     assert math.isfinite(results["big"]["metrics"]["loss:sum"]) and results["big"]["metrics"]["loss:sum"] > 0
     assert big.info()["applied_seq_id"] == 2  # applied once, as one step
     assert big.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=60) is not None
