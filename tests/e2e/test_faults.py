@@ -49,6 +49,9 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, l
     watcher.start()
     try:
         stack.start()
+        deadline = time.monotonic() + 10  # the watcher's own first 200 (its poll in flight may predate readiness)
+        while not any(answer.status_code == 200 for answer, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
         done.set()
         watcher.join(5)
         assert all(ready for answer, ready in seen if answer.status_code == 200)
