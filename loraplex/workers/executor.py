@@ -52,6 +52,39 @@ def error_outcome(request: PlannedRequest, exc: BaseException) -> Outcome:
     return Outcome(request.request_id, error_type=type(exc).__name__, error=str(exc))
 
 
+def restore_checkpoint(
+    engine: Engine,
+    store: AdapterStore | None,
+    model_id: str,
+    directory: Path,
+    with_optimizer: bool | None,
+    modules_given: bool = False,
+    modules: tuple[str, ...] | None = None,
+) -> None:
+    """A new adapter `model_id` restored from a checkpoint folder (checked in full before a slot is claimed; through
+    the store when there is one), training the checkpoint's target modules; target modules given with it must be
+    those. Also how a pool adopts a sampler snapshot it does not hold (workers/sampling_step.py)."""
+    from loraplex.workers.checkpoint import read_checkpoint
+    from loraplex.workers.checkpoint_state import check_signature, load_into_engine
+
+    state = read_checkpoint(directory)
+    with_optimizer = True if with_optimizer is None else bool(with_optimizer)
+    check_signature(engine, state)
+    saved = engine.resolve_target_modules(state.target_modules)
+    if modules_given and modules != saved:
+        raise InvalidRequestError(
+            f"target_modules {list(modules or engine.target_modules)} differ from the checkpoint's "
+            f"{list(saved or engine.target_modules)}"
+        )
+    if with_optimizer and state.optimizer is None:
+        raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
+    if store is None:
+        load_into_engine(engine, state, model_id, with_optimizer=with_optimizer, existing=False)
+    else:  # the store makes room and tracks it; the zeroed slot is then filled in place
+        store.claim_slot(model_id, state.rank, state.alpha, state.seed, state.target_modules)
+        load_into_engine(engine, state, model_id, with_optimizer=with_optimizer, existing=True)
+
+
 @dataclass
 class _Parts:
     """A request running in parts: the whole validated item, and the outputs and loss of the parts so far."""
@@ -140,7 +173,7 @@ class PlanExecutor:
             alpha = p.alpha if p.alpha is not None else DEFAULT_ALPHA_PER_RANK * p.rank
             source = p.from_checkpoint  # a new adapter from a checkpoint folder
             if source is not None:
-                self._create_from_checkpoint(
+                restore_checkpoint(self.engine, self.store,
                     request.model_id, Path(source.directory), source.with_optimizer, p.target_modules is not None,
                     modules,
                 )  # fmt: skip
@@ -239,36 +272,6 @@ class PlanExecutor:
             error_outcome(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, result=res)
             for r, res in zip(step.requests, results, strict=True)
         ]
-
-    def _create_from_checkpoint(
-        self,
-        model_id: str,
-        directory: Path,
-        with_optimizer: bool | None,
-        modules_given: bool = False,
-        modules: tuple[str, ...] | None = None,
-    ) -> None:
-        """A new adapter restored from a checkpoint folder (checked in full before a slot is claimed), training the
-        checkpoint's target modules; target modules given with it must be those."""
-        from loraplex.workers.checkpoint import read_checkpoint
-        from loraplex.workers.checkpoint_state import check_signature, load_into_engine
-
-        state = read_checkpoint(directory)
-        with_optimizer = True if with_optimizer is None else bool(with_optimizer)
-        check_signature(self.engine, state)
-        saved = self.engine.resolve_target_modules(state.target_modules)
-        if modules_given and modules != saved:
-            raise InvalidRequestError(
-                f"target_modules {list(modules or self.engine.target_modules)} differ from the checkpoint's "
-                f"{list(saved or self.engine.target_modules)}"
-            )
-        if with_optimizer and state.optimizer is None:
-            raise InvalidRequestError(f"checkpoint of kind {state.kind!r} has no optimizer state to load")
-        if self.store is None:
-            load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=False)
-        else:  # the store makes room and tracks it; the zeroed slot is then filled in place
-            self.store.claim_slot(model_id, state.rank, state.alpha, state.seed, state.target_modules)
-            load_into_engine(self.engine, state, model_id, with_optimizer=with_optimizer, existing=True)
 
     def _checkpoint(self, step: Step) -> list[Outcome]:
         """save_state / save_sampler / load_state, one by one (at most one per adapter in a step). The payload names

@@ -14,7 +14,7 @@ from typing import Any
 from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
 from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.executor import error_outcome
+from loraplex.workers.executor import error_outcome, restore_checkpoint
 from loraplex.workers.sampler import SampleJob, SampleOutput, SampleParams, Sampler
 
 
@@ -90,13 +90,7 @@ class SampleStep:
             return
         if not directory:
             raise NotFoundError(f"sampler weights {snapshot} are not on this pool and name no checkpoint folder")
-        from loraplex.workers.checkpoint import read_checkpoint
-        from loraplex.workers.checkpoint_state import check_signature, load_into_engine
-
-        state = read_checkpoint(Path(directory))  # hash-verified
-        check_signature(self.sampler.engine, state)
-        self.store.claim_slot(snapshot, state.rank, state.alpha, state.seed, state.target_modules)
-        load_into_engine(self.sampler.engine, state, snapshot, with_optimizer=False, existing=True)
+        restore_checkpoint(self.sampler.engine, self.store, snapshot, Path(directory), with_optimizer=False)
 
     def _groups(self, ready: list[tuple[PlannedRequest, SampleJob]]) -> list[list[tuple[PlannedRequest, SampleJob]]]:
         """Consecutive groups holding at most `slots` distinct snapshots each (the base model takes none)."""

@@ -6,7 +6,6 @@ are one set of rules. Submit routes answer an UntypedAPIFuture whose id `retriev
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,6 +26,7 @@ from loraplex.api.schemas import (
     SaveCheckpointRequest,
 )
 from loraplex.api.service.context import Services, TenantRef
+from loraplex.api.service.model_files import tokenizer_folder
 from loraplex.api.service.rejections import filling_rejections
 from loraplex.api.tinker.codec import decode_forward_backward, decompress
 from loraplex.api.tinker.futures import Tag, future_out
@@ -132,16 +132,6 @@ def get_info(body: ModelBody, tenant: TenantDep, services: ServicesDep) -> dict[
         "lora_rank": adapter.rank,
         "model_name": adapter.base_model,
     }
-
-
-def tokenizer_folder(settings: Settings, base_model: str) -> str | None:
-    """A local folder the SDK's `get_tokenizer()` loads offline: the base model's own folder, else the folder the
-    pool built the preset in (real-shape presets use the tiny preset's tokenizer)."""
-    for folder in (Path(base_model).expanduser(), settings.resolved_model_cache / base_model,
-                   settings.resolved_model_cache / "tiny"):  # fmt: skip
-        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-            return str(folder.resolve())
-    return None
 
 
 @router.post("/forward_backward")
