@@ -6,8 +6,10 @@ model, and HF `generate` with PEFT on the same work, in one process:
 Variants (each: `--prompts` prompts of `--prompt-len` random tokens, `--new` new tokens each, sampled at temperature 1
 with a seed and no EOS stop, so every row runs to full length): base model only; one adapter; 4 adapters mixed in one
 batch (prompts split evenly); the same 4 adapters one after another; HF + PEFT `generate` (one adapter, greedy with
-no EOS, batched). Also: the time to take a sampler snapshot of a rank-`--rank` adapter on the training path
-(AdapterStore.freeze_copy: slot rows to host memory), and a greedy agreement check of our sampler with HF + PEFT on
+no EOS, batched). Each variant runs once untimed first (a new decode shape captures its CUDA graph then), and the
+base and mixed variants also run with `cuda_graphs=False` (the same decoder, eager) for comparison. Also: the time to
+take a sampler snapshot of a rank-`--rank` adapter on the training path (AdapterStore.freeze_copy: into a free slot,
+device to device; and with every slot taken, to host memory), and a greedy agreement check of our sampler with HF + PEFT on
 the same adapter (first 4 prompts, 16 tokens). Needs only torch, transformers, peft and loraplex (the GPU image)."""
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="time the decode step's parts and profile its kernels")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -76,13 +79,14 @@ def main() -> None:
         engine.create_adapter(model_id, rank=args.rank, alpha=2 * args.rank, seed=i)
         give_b_weights(engine, model_id, seed=100 + i)
     sampler = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=())
+    eager = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), cuda_graphs=False)
     gen = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()) for _ in range(args.prompts)]
     params = SampleParams(max_tokens=args.new, temperature=1.0, seed=7)
     new_tokens = args.prompts * args.new
 
-    def run(assignments: list[str | None]) -> None:
-        outs = sampler.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
+    def run(assignments: list[str | None], by: Sampler = sampler) -> None:
+        outs = by.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
         assert len(outs) == len(assignments) and all(len(o.sequences[0].tokens) == args.new for o in outs)
 
     results: dict[str, Any] = {"args": vars(args), "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
@@ -95,15 +99,23 @@ def main() -> None:
             sampler.generate([SampleJob(pr, ids[k], params) for pr in prompts[k * per : (k + 1) * per]])
             for k in range(4)
         ],
+        "base_only_eager": lambda: run([None] * args.prompts, eager),
+        "four_mixed_eager": lambda: run([ids[i // per] for i in range(args.prompts)], eager),
     }
-    run(["a0"] * min(4, args.prompts))  # warm-up (kernels, allocator)
     for name, fn in variants.items():
+        warm = time.perf_counter()
+        fn()  # a new shape captures its graph here (and kernels, the allocator warm up)
+        first_s = time.perf_counter() - warm
         seconds = timed(fn, args.repeats)
-        results[name] = {"s": seconds, "tok_s": new_tokens / seconds, "decode_steps": sampler.stats.decode_steps}
+        results[name] = {"s": seconds, "tok_s": new_tokens / seconds, "first_call_s": first_s}
         print(name, results[name], flush=True)
     base = results["base_only"]["tok_s"]
     results["mixed_over_base"] = results["four_mixed"]["tok_s"] / base
     results["mixed_over_sequential"] = results["four_mixed"]["tok_s"] / results["four_one_after_another"]["tok_s"]
+    results["graph_over_eager"] = {
+        "base": base / results["base_only_eager"]["tok_s"],
+        "mixed": results["four_mixed"]["tok_s"] / results["four_mixed_eager"]["tok_s"],
+    }
 
     # A sampler snapshot on the training path: the adapter's slot rows to (pinned) host memory.
     store = AdapterStore(engine, 1 << 40, Path(tempfile.mkdtemp(prefix="bench-sampler-spill-")))
@@ -116,8 +128,24 @@ def main() -> None:
         snap_times.append(time.perf_counter() - t0)
         store.delete(f"tinker://a1/sampler_weights/s{k}")
     results["snapshot_ms"] = {"median": 1e3 * statistics.median(snap_times[2:]), "max": 1e3 * max(snap_times[2:])}
-    print("snapshot", results["snapshot_ms"], flush=True)
+    print("snapshot (free slot, device to device)", results["snapshot_ms"], flush=True)
+    for k in range(4, engine.num_slots):  # every slot taken: the snapshot goes to host memory
+        store.create(f"a{k}", rank=args.rank, alpha=2 * args.rank, seed=k)
+    host_times = []
+    for k in range(6):
+        sync()
+        t0 = time.perf_counter()
+        store.freeze_copy("a1", f"tinker://a1/sampler_weights/h{k}")
+        sync()
+        host_times.append(time.perf_counter() - t0)
+        store.delete(f"tinker://a1/sampler_weights/h{k}")
+    results["snapshot_host_ms"] = {"median": 1e3 * statistics.median(host_times[2:]), "max": 1e3 * max(host_times[2:])}
+    print("snapshot (no free slot, to host)", results["snapshot_host_ms"], flush=True)
+    for k in range(4, engine.num_slots):
+        store.delete(f"a{k}")
 
+    if args.breakdown:
+        results["breakdown"] = breakdown(engine, ids, prompts, params)
     if not args.skip_hf:
         results.update(hf_peft(args, engine, prompts, new_tokens))
         if "hf_peft" in results:
@@ -125,6 +153,52 @@ def main() -> None:
     print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def breakdown(engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams) -> dict[str, Any]:
+    """Where a decode step's time goes: a graph replay alone (base / 1 / 4 adapters), choosing the tokens from [B, V]
+    logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time)."""
+    from loraplex.workers.sampling_choice import choose_tokens
+    from loraplex.workers.static_decoder import StaticDecoder
+
+    rows, out = len(prompts), {}
+    width = 1 << (len(prompts[0]) + params.max_tokens - 1).bit_length()
+    tokens, positions = [1] * rows, [len(prompts[0])] * rows
+    with torch.inference_mode():
+        for groups in (0, 1, 4):
+            decoder = StaticDecoder(engine, rows, width, groups)
+            decoder.load([engine.adapter(m).slot for m in ids[:groups]])
+            for r in range(rows):
+                if groups:
+                    decoder.mask[r, (r % groups) * engine.max_rank : (r % groups + 1) * engine.max_rank] = 0.5
+            eager = timed(lambda d=decoder: d.step(tokens, positions), 20)
+            decoder.capture()
+            replay = timed(lambda d=decoder: d.step(tokens, positions), 50)
+            out[f"step_ms_{groups}_adapters"] = {"graph": 1e3 * replay, "eager": 1e3 * eager}
+            if groups in (0, 4):
+                decoder.graph = None
+                cuda = engine.device.type == "cuda"
+                kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+                with torch.profiler.profile(activities=[kind]) as prof:
+                    decoder.step(tokens, positions)
+                    sync()
+                table = prof.key_averages().table(
+                    sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=12
+                )
+                print(f"kernels of one eager step, {groups} adapters:\n{table}", flush=True)
+            del decoder
+        logits = torch.randn(rows, engine.vocab_size, device=engine.device)
+        uniforms = [0.5] * rows
+        out["choose_ms"] = 1e3 * timed(
+            lambda: choose_tokens(logits, [1.0] * rows, [-1] * rows, [1.0] * rows, uniforms)[0].cpu(), 20
+        )
+        sampler = Sampler(engine, tokenizer=None, max_rows=rows, eos_token_ids=())
+        one = SampleParams(max_tokens=1, temperature=1.0, seed=7)
+        out["prefill_and_first_token_ms"] = 1e3 * timed(
+            lambda: sampler.generate([SampleJob(pr, None, one) for pr in prompts]), 3
+        )
+    print("breakdown", out, flush=True)
+    return out
 
 
 def hf_peft(args: argparse.Namespace, engine: Engine, prompts: list[tuple[int, ...]], new_tokens: int) -> dict[str, Any]:

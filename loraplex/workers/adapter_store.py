@@ -201,15 +201,23 @@ class AdapterStore:
         self._note(TierChange(model_id, None))
 
     def freeze_copy(self, model_id: str, snapshot_id: str) -> None:
-        """A sampler snapshot: `snapshot_id` becomes an adapter of its own in the host tier holding `model_id`'s
-        weights as they are now (its gradients and Adam moments zero), while `model_id` trains on. A slot-row copy
-        (device to host), no file; a snapshot of that id already there is replaced. Swapped like any adapter (a
-        sample swaps it in); its tier moves are not recorded in SQL (it is no adapter row: `is_snapshot_id`)."""
+        """A sampler snapshot: `snapshot_id` becomes an adapter of its own holding `model_id`'s weights as they are now
+        (its gradients and Adam moments zero), while `model_id` trains on. With a free slot it is a weights-row copy
+        into that slot (device to device: on the training path it costs a fraction of a millisecond), else a host
+        copy in the CPU tier; no file either way. A snapshot of that id already there is replaced. Swapped like any
+        adapter afterwards; its tier moves are not recorded in SQL (it is no adapter row: `is_snapshot_id`)."""
         if model_id not in self:
             raise NotFoundError(f"adapter {model_id!r} not found on this pool")
         if snapshot_id in self._lru:
             self.delete(snapshot_id)
         self.ensure_resident([model_id])
+        source = self.engine.adapter(model_id)
+        if self.engine.free_slots:
+            record = self.engine.claim_slot(snapshot_id, source.rank, source.alpha, source.seed, source.target_modules)
+            self.engine.copy_weights(source.slot, record.slot)
+            self.engine.optimizer.steps[record.slot] = self.engine.optimizer.steps[source.slot]
+            self._placed(record)
+            return
         snapshot = take_snapshot(self.engine, model_id, out=self._buffer())
         snapshot.rows[1:].zero_()  # weights only: SLOT_ROWS = weights, grads, exp_avg, exp_avg_sq
         snapshot.model_id = snapshot_id

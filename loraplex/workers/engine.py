@@ -333,6 +333,12 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def copy_weights(self, source_slot: int, target_slot: int) -> None:
+        """Copy one slot's weights row into another (device to device; rank padding included, so it stays zero)."""
+        (weights,) = self._flat_rows(("weights",))
+        with torch.no_grad():
+            weights[target_slot].copy_(weights[source_slot])
+
     def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
         opt = self.optimizer
         opt.adopt_views()  # the banks are views of the flat buffers (cheap check)
@@ -518,7 +524,10 @@ class Engine:
             p.grad.index_copy_(0, idx, total)
 
     def _gather_outputs(
-        self, per_rank: Sequence[Sequence[Sequence[SeqRef]]], logprobs: list[list[list[float]]], losses: list[torch.Tensor]
+        self,
+        per_rank: Sequence[Sequence[Sequence[SeqRef]]],
+        logprobs: list[list[list[float]]],
+        losses: list[torch.Tensor],
     ) -> list[torch.Tensor]:
         """Every rank's datum logprobs and loss partial sums on every rank (one all-gather); returns the summed losses."""
         assert self.dist is not None

@@ -11,8 +11,10 @@ are gathered and cast ONCE per `generate` (`MicrobatchBanks`), which also freeze
 Continuous batching: at most `max_rows` rows decode at once. Samples wait in job order; whenever rows are free (at the
 start, and after a decode step in which rows finished) the next samples are admitted: their jobs are prefilled (one
 forward per chunk of jobs, right padded, at most `engine.microbatch_tokens` padded tokens; the samples of one job share
-its prefill), each new row draws its first token from the prefill's last logits and joins the live KV cache
-(decode_cache.py: left padded, spliced in and re-ordered per adapter) while the other rows keep their caches.
+its prefill), each new row draws its first token from the prefill's last logits, and its prompt KV is written into a
+free row of the static decode cache while the other rows keep theirs (static_decoder.py: rows never move, each row
+carries its own adapter, so a decode step needs no reordering; on CUDA the step is one captured graph, kept for the
+next call of the same shape).
 
 Per token the reported logprob is log_softmax of the model's raw logits (fp32), i.e. the policy's logprob of the token,
 before temperature / top-k / top-p (as vLLM's default logprobs and Tinker's sampling logprobs, which RL losses compare
@@ -36,14 +38,19 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from loraplex.errors import EngineError, InvalidRequestError
-from loraplex.workers.decode_cache import DecodeCache, LayerKV, cache_layers
 from loraplex.workers.engine import Engine
 from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
 from loraplex.workers.sampling_choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+from loraplex.workers.static_decoder import StaticDecoder, check_decodable
 
 STOP = "stop"
 LENGTH = "length"
+KEPT_DECODERS = 2  # static decoders (their caches and graphs) kept for later calls of the same shape
+MIN_WIDTH = 64  # the decode cache's positions are a power of two >= the call's longest prompt + max_tokens
+
+# One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class SamplerStats:
     rows_admitted: int = 0
     joined_live_batch: int = 0  # rows that joined while other rows were mid-decode (continuous batching)
     peak_rows: int = 0
+    graph_captures: int = 0  # decode graphs recorded by this call (0 on the CPU, and when a kept one fits)
 
 
 @dataclass
@@ -107,11 +115,7 @@ class _Row:
     topk: list[list[tuple[int, float]]] | None = None
     stop_reason: str | None = None
     text_checked: int = 0  # decoded characters already searched for stop strings
-    cache_row: int = -1  # the row's index in the decode cache (set when the cache is rebuilt)
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.group, self.job, self.sample)
+    cache_row: int = -1  # the row's index in the static decode cache
 
 
 @dataclass
@@ -134,9 +138,11 @@ class Sampler:
         tokenizer: Any = None,
         max_rows: int = 32,
         eos_token_ids: tuple[int, ...] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
-        with "stop" (default: the tokenizer's EOS, else the model config's; () = none)."""
+        with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
+        each decode step as a captured graph (False: run it eagerly, for comparison)."""
         if engine.dist is not None:
             raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
@@ -147,6 +153,7 @@ class Sampler:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_rows = max_rows
+        self.cuda_graphs = cuda_graphs
         if eos_token_ids is None:
             eos: Any = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             if eos is None:
@@ -154,7 +161,24 @@ class Sampler:
             eos_token_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_positions = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
+        check_decodable(engine)
         self.stats = SamplerStats()
+        self._decoders: dict[tuple[int, int, int], StaticDecoder] = {}  # insertion order = least recently used first
+
+    def decoder(self, rows: int, width: int, groups: int) -> StaticDecoder:
+        """A static decoder of this shape: a kept one, or a new one (the least recently used beyond KEPT_DECODERS is
+        dropped first, freeing its cache and graph)."""
+        key = (rows, width, groups)
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            while len(self._decoders) >= KEPT_DECODERS:
+                self._decoders.pop(next(iter(self._decoders)))
+            decoder = StaticDecoder(self.engine, rows, width, groups)
+            if self.cuda_graphs and self.engine.device.type == "cuda":
+                decoder.capture()
+                self.stats.graph_captures += 1
+        self._decoders[key] = decoder
+        return decoder
 
     # ---- validation --------------------------------------------------------------------------------------------------
     def check(self, job: SampleJob) -> None:
@@ -246,14 +270,23 @@ class _Run:
             )
         self.head_weight = cast(torch.Tensor, engine.head.weight)
         self.config: Any = engine.model.config
-        self.cache = DecodeCache(self.config, engine.device)
+        # The decoder's LoRA groups: the call's adapters (not the base model), in group order.
+        self.adapter_groups = [g for g, group in enumerate(self.groups) if group.scale != 0.0]
+        total = sum(job.num_samples for job in jobs)
+        rows = min(sampler.max_rows, 1 << (total - 1).bit_length())
+        need = max(len(job.prompt) + job.params.max_tokens for job in jobs)
+        width = max(MIN_WIDTH, 1 << (need - 1).bit_length())
+        if sampler.max_positions:
+            width = max(need, min(width, sampler.max_positions))
+        self.decoder = sampler.decoder(rows, width, len(self.adapter_groups))
+        self.decoder.load([self.groups[g].slot for g in self.adapter_groups])
+        self.free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
         self.live: list[_Row] = []
         self.prefilled: dict[int, _Prefilled] = {}
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
         self.unadmitted = [job.num_samples for job in jobs]
-        self.decode_lora: tuple[Routing | None, MicrobatchBanks | None] = (None, None)
         self.seeds = [
             job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**62, ()).item()) for job in jobs
         ]
@@ -289,9 +322,8 @@ class _Run:
     def run(self) -> None:
         stats = self.sampler.stats
         while self.waiting or self.live:
-            joiners = self._admit()
-            if joiners or self.cache.rows != len(self.live):  # membership changed: splice the cache once
-                self._rebuild(joiners)
+            for row, kv in self._admit():
+                self._join(row, kv)
             if not self.live:
                 continue
             stats.peak_rows = max(stats.peak_rows, len(self.live))
@@ -301,8 +333,8 @@ class _Run:
         """Admit waiting samples into free rows; returns those that join the decode batch (with their prompt KV)."""
         stats = self.sampler.stats
         joiners: list[tuple[_Row, list[LayerKV]]] = []
-        while self.waiting and len(self.live) + len(joiners) < self.sampler.max_rows:
-            free = self.sampler.max_rows - len(self.live) - len(joiners)
+        while self.waiting and len(self.live) + len(joiners) < self.decoder.rows:
+            free = self.decoder.rows - len(self.live) - len(joiners)
             take = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
             self._prefill(sorted({j for j, _ in take if j not in self.prefilled}))
             rows = [self._new_row(j, s) for j, s in take]
@@ -321,20 +353,13 @@ class _Run:
                     del self.prefilled[row.job]  # every sample has its copy of the prompt KV in the cache
         return joiners
 
-    def _rebuild(self, joiners: list[tuple[_Row, list[LayerKV]]]) -> None:
-        """Live rows (the unfinished ones, already in self.live) + joiners, ordered contiguous per group."""
-        kept = self.live
-        everyone = kept + [row for row, _ in joiners]
-        order = sorted(range(len(everyone)), key=lambda i: everyone[i].key)
-        self.live = [everyone[i] for i in order]
-        self.cache.rebuild(
-            [row.cache_row for row in kept], [kv for _, kv in joiners], order, [row.length for row in self.live]
-        )
-        counts = [0] * len(self.groups)
-        for i, row in enumerate(self.live):
-            row.cache_row = i
-            counts[row.group] += 1
-        self.decode_lora = self._lora(counts)
+    def _join(self, row: _Row, kv: list[LayerKV]) -> None:
+        """A new row takes a free row of the decode cache (with its prompt KV and its adapter's LoRA block)."""
+        row.cache_row = self.free_rows.pop()
+        group = self.groups[row.group]
+        lora_group = self.adapter_groups.index(row.group) if group.scale != 0.0 else None
+        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv)
+        self.live.append(row)
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
@@ -388,27 +413,21 @@ class _Run:
             out.sequences = [seq for seq in self.finished[row.job] if seq is not None]
 
     def _decode_step(self) -> None:
-        engine = self.engine
         self.sampler.stats.decode_steps += 1
-        inputs = torch.tensor([[row.tokens[-1]] for row in self.live], dtype=torch.int64).to(engine.device)
-        mask, positions = self.cache.step_inputs()
-        routing, banks = self.decode_lora
-        with engine.context.use(routing, banks):
-            hidden = engine.body(
-                input_ids=inputs,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=self.cache.cache,
-                use_cache=True,
-            ).last_hidden_state[:, -1]
-        self.cache.advance()
+        tokens, positions = [0] * self.decoder.rows, [0] * self.decoder.rows
+        for row in self.live:
+            tokens[row.cache_row], positions[row.cache_row] = row.tokens[-1], row.length
+        logits = self.decoder.step(tokens, positions)
+        index = torch.tensor([row.cache_row for row in self.live], dtype=torch.int64, device=logits.device)
+        live_logits = logits.index_select(0, index)
         for row in self.live:
             row.length += 1
-        self._choose(self.live, self._logits(hidden))
+        self._choose(self.live, live_logits)
         done = [row for row in self.live if row.stop_reason is not None]
         if done:
             for row in done:
                 self._finish(row)
+                self.free_rows.append(row.cache_row)
             self.live = [row for row in self.live if row.stop_reason is None]
 
     # ---- prefill -----------------------------------------------------------------------------------------------------
@@ -449,7 +468,7 @@ class _Run:
             ).last_hidden_state
         lengths = torch.tensor([len(p) for p in prompts], device=engine.device)
         last = self._logits(hidden[torch.arange(len(prompts), device=engine.device), lengths - 1])
-        layers = cache_layers(cache)
+        layers = [(layer.keys, layer.values) for layer in cast(Any, cache).layers]
         for b, j in enumerate(job_ids):
             n = len(prompts[b])
             kv = [(k[b, :, :n].clone(), v[b, :, :n].clone()) for k, v in layers]

@@ -121,6 +121,21 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
     assert len({tuple(out.sequences[0].tokens[:6]) for out in mixed[:6]}) == 6
 
 
+def test_a_kept_decoder_samples_from_the_adapters_of_each_call(setup: tuple[Engine, Any]) -> None:
+    """Two calls of the same shape share one static decoder (its cache and, on CUDA, its graph): the second call's
+    adapters are loaded into it, and each row still gets what it gets alone."""
+    engine, tokenizer = setup
+    sampler = Sampler(engine, tokenizer, max_rows=4)
+    first = [SampleJob(prompt(200 + i, 6), m, GREEDY) for i, m in enumerate(["r2", "r4", None, "r2"])]
+    second = [SampleJob(prompt(300 + i, 9), m, GREEDY) for i, m in enumerate(["r16", "attn", "attn", None])]
+    sampler.generate(first)
+    kept = dict(sampler._decoders)
+    outs = sampler.generate(second)
+    assert len(kept) == 1 and sampler._decoders == kept  # the same decoder object served both calls
+    for job, out in zip(second, outs, strict=True):
+        assert_same(out.sequences[0], alone(Sampler(engine, tokenizer), job).sequences[0])
+
+
 # ---- 3. sampling: seeds, temperature, top-k, top-p, stops -----------------------------------------------------------
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(setup: tuple[Engine, Any]) -> None:
     engine, tokenizer = setup

@@ -1,6 +1,7 @@
 """Sampler snapshots (workers/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
-the adapter's weights as an adapter of its own, which stays as it was while the adapter trains on, survives swaps
-through host memory and disk bit for bit, and never reaches the SQL residency records."""
+the adapter's weights as an adapter of its own (in a free slot: a device-to-device copy; else in host memory), which
+stays as it was while the adapter trains on, survives swaps through host memory and disk bit for bit, and never
+reaches the SQL residency records."""
 
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ def test_a_sampler_save_keeps_a_frozen_copy_while_the_adapter_trains_on(pool, tm
     save = _req("s", RequestKind.SAVE_SAMPLER, 3, name="s1", path=SNAP, directory=str(tmp_path / "ckpt"))
     (saved,) = executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),)))
     assert saved.ok, saved.error
-    assert store.tier_of(SNAP) == "cpu" and is_snapshot_id(SNAP)
-    frozen = store.peek(SNAP)
-    assert not frozen.rows[1:].any()  # weights only: no gradients or Adam moments
+    assert store.tier_of(SNAP) == "gpu" and is_snapshot_id(SNAP)  # a free slot: the copy stays on the device
+    engine = store.engine
+    frozen = engine.read_slot(engine.adapter(SNAP).slot)
+    assert not frozen[1:].any()  # weights only: no gradients or Adam moments
+    assert torch.equal(frozen[0], engine.read_slot(engine.adapter("a").slot, ("weights",))[0])
     _train(executor, 4)  # the adapter moves on
     store.ensure_resident([SNAP])
     assert _same(store.engine.adapter_weights(SNAP), weights_then)  # the snapshot is the weights at the save
@@ -64,8 +67,10 @@ def test_a_snapshot_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, 
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     store = AdapterStore(Engine(model, num_slots=2, max_rank=4), 0, tmp_path / "spill")  # no host budget: to disk
     store.create("a", 2, 4.0, seed=2)
+    store.create("b", 2, 4.0, seed=3)  # no free slot: the snapshot is a host copy (here spilled at once)
     store.freeze_copy("a", SNAP)
-    assert store.tier_of(SNAP) == "disk"
+    assert store.tier_of(SNAP) == "disk" and store.engine.is_resident("b")
+    assert not store.peek(SNAP).rows[1:].any()  # weights only
     first = store.engine.adapter_weights("a")
     store.ensure_resident([SNAP])
     assert _same(store.engine.adapter_weights(SNAP), first)

@@ -1,0 +1,253 @@
+"""The native sampler's decode step: one token per row through the engine's model, on a static KV cache, with every
+row's own adapter, replayed as one CUDA graph on the GPU (the same code runs eagerly on the CPU).
+
+Why not the model's own forward with a DynamicCache: a decode step is launch-bound (a 4B model at 32 rows moves ~8 GB
+of weights, ~2 ms on an H200, while the Python of one HF forward took ~80 ms). A graph needs static shapes and
+addresses, so this module runs the decoder layers' own submodules (norms, projections, rotary embedding, MLP
+activation) over buffers allocated once:
+
+  * KV cache per layer [B, kv_heads, T, D]. Row b's cached tokens sit in columns [0, positions[b]); a step writes the
+    new key/value at column positions[b] (scatter) and attends to columns <= positions[b] (a mask built in the graph
+    from `positions`). Rows never move: a finished row's index is handed to the next sample, whose prompt KV is
+    written over columns [0, L). Columns past a row's position are never read.
+  * LoRA per row without contiguous groups: for the G adapters of the call, every LoRA point (the inputs that several
+    projections share: q/k/v, gate/up; then o and down alone) holds A_cat [in, n * G * r] (each module's G A
+    matrices side by side) and per module B_cat [G * r, out]; a step computes h = x @ A_cat once, multiplies it by
+    the row mask [B, G * r] (row b: alpha_g / r_g on its adapter's block, 0 elsewhere; all 0 for a base row) and adds
+    each module's h_block @ B_cat into the base output (addmm). Row b's delta is exactly ((x_b @ A_g) * c_g) @ B_g:
+    the other blocks of h_b are zeros and contribute exact zeros (the slot banks' rank padding is zero as well).
+
+Semantics per step (plain torch, what `step` returns): fp32 logits [B, V] of the model with row b's adapter at
+position positions[b] given the row's cache, i.e. what the model's own forward with that adapter gives for the same
+token after the same prefix (tests compare it with transformers + PEFT generate). Supported: decoder layers shaped as
+Llama / Qwen2 / Qwen3 (input_layernorm, self_attn with q/k/v/o projections and optional q_norm / k_norm, rotary
+embedding, post_attention_layernorm, gated MLP), full attention.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.errors import EngineError
+from loraplex.workers.engine import Engine
+from loraplex.workers.lora.routing import _to_device
+from loraplex.workers.lora.slot_bank import SlotBankLinear
+
+ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj")
+MLP_INPUT = ("gate_proj", "up_proj")
+
+
+def check_decodable(engine: Engine) -> None:
+    """EngineError unless every decoder layer has the structure this decoder runs."""
+    body: Any = engine.body
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(body, name):
+            raise EngineError(f"the native sampler needs a Llama/Qwen-style decoder; this model has no {name!r}")
+    for layer in body.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [getattr(attn, n, None) for n in (*ATTENTION_INPUT, "o_proj")]
+        parts += [getattr(mlp, n, None) for n in (*MLP_INPUT, "down_proj")]
+        if any(p is None for p in parts) or not hasattr(layer, "post_attention_layernorm"):
+            raise EngineError("the native sampler needs decoder layers with q/k/v/o projections and a gated MLP")
+
+
+def _apply_rotary(attn: nn.Module) -> Any:
+    """The layer's own modeling module's apply_rotary_pos_emb (each model family keeps its own copy)."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+@dataclass
+class _LoraPoint:
+    """Projections that read one input: their base Linears, and (with adapters) A_cat and one B_cat per module."""
+
+    bases: list[nn.Module]
+    wrapped: list[SlotBankLinear | None]  # None: not a LoRA target, the base alone
+    a_cat: torch.Tensor | None = None  # [in, n_wrapped * G * r]
+    b_cats: list[torch.Tensor | None] | None = None  # per module [G * r, out] (None where not wrapped)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        outs = [base(x) for base in self.bases]
+        if self.a_cat is None or mask is None or self.b_cats is None:
+            return outs
+        width = mask.shape[1]
+        h = x @ self.a_cat
+        h.view(h.shape[0], -1, width).mul_(mask[:, None, :])  # fp32 scales, one rounding (as the training path)
+        block = 0
+        for i, b_cat in enumerate(self.b_cats):
+            if b_cat is not None:
+                outs[i] = torch.addmm(outs[i], h[:, block * width : (block + 1) * width], b_cat)
+                block += 1
+        return outs
+
+
+class StaticDecoder:
+    """Decode buffers for `rows` rows, `width` cached positions and `slots` (the call's adapters' bank slots, in
+    group order; empty: base model only). Reusable across `generate` calls with the same shape: `load` copies new
+    adapters' weights into the same buffers (a captured graph keeps reading them)."""
+
+    def __init__(self, engine: Engine, rows: int, width: int, groups: int) -> None:
+        check_decodable(engine)
+        self.engine = engine
+        self.rows, self.width, self.groups = rows, width, groups
+        body: Any = engine.body
+        self.body = body
+        config: Any = engine.model.config
+        device, dtype = engine.device, engine.compute_dtype
+        self.rank = engine.max_rank
+        attn0 = body.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.heads = int(config.num_attention_heads)
+        self.keys = [
+            torch.zeros(rows, self.kv_heads, width, self.head_dim, dtype=dtype, device=device) for _ in body.layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.columns = torch.arange(width, device=device)
+        self.mask = torch.zeros(rows, groups * self.rank, dtype=torch.float32, device=device) if groups else None
+        self.points: list[tuple[_LoraPoint, _LoraPoint, _LoraPoint, _LoraPoint]] = []
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.points.append(
+                (
+                    self._point([getattr(attn, n) for n in ATTENTION_INPUT]),
+                    self._point([attn.o_proj]),
+                    self._point([getattr(mlp, n) for n in MLP_INPUT]),
+                    self._point([mlp.down_proj]),
+                )
+            )
+        self.rotary = [_apply_rotary(layer.self_attn) for layer in body.layers]
+        self.head_weight = cast(torch.Tensor, engine.head.weight)
+        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.logits: torch.Tensor | None = None
+
+    def _point(self, modules: Sequence[nn.Module]) -> _LoraPoint:
+        wrapped = [m if isinstance(m, SlotBankLinear) else None for m in modules]
+        point = _LoraPoint([m.base if isinstance(m, SlotBankLinear) else m for m in modules], wrapped)
+        if self.groups and any(w is not None for w in wrapped):
+            engine, g, r = self.engine, self.groups, self.rank
+            n = sum(w is not None for w in wrapped)
+            first = next(w for w in wrapped if w is not None)
+            point.a_cat = torch.zeros(first.in_features, n * g * r, dtype=engine.compute_dtype, device=engine.device)
+            point.b_cats = [
+                None
+                if w is None
+                else torch.zeros(g * r, w.out_features, dtype=engine.compute_dtype, device=engine.device)
+                for w in wrapped
+            ]
+        return point
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.rows, self.width, self.groups)
+
+    # ---- per call ----------------------------------------------------------------------------------------------------
+    def load(self, slots: Sequence[int]) -> None:
+        """Copy the adapters in these bank slots (group order) into the LoRA buffers: the weights this call samples
+        from, frozen for the call whatever trains meanwhile."""
+        if len(slots) != self.groups:
+            raise ValueError(f"this decoder holds {self.groups} adapters, got {len(slots)} slots")
+        if not slots:
+            return
+        self.engine.optimizer.adopt_views()
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.engine.device)
+        g, r = self.groups, self.rank
+        for layer_points in self.points:
+            for point in layer_points:
+                if point.a_cat is None or point.b_cats is None:
+                    continue
+                blocks = []
+                for w, b_cat in zip(point.wrapped, point.b_cats, strict=True):
+                    if w is None or b_cat is None:
+                        continue
+                    a = w.lora_A.detach().index_select(0, index)  # [G, in, r]
+                    blocks.append(a.permute(1, 0, 2).reshape(w.in_features, g * r))
+                    b_cat.copy_(w.lora_B.detach().index_select(0, index).reshape(g * r, w.out_features))
+                point.a_cat.copy_(torch.cat(blocks, dim=1))
+        if self.mask is not None:
+            self.mask.zero_()
+
+    def set_row(
+        self, row: int, group: int | None, scale: float, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Row `row` now holds a new sample of group `group` (None: the base model) with this prompt KV (per layer
+        [kv_heads, L, D]); its next step feeds position L."""
+        length = int(kv[0][0].shape[-2])
+        if length >= self.width:
+            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][row, :, :length] = k
+            self.values[layer][row, :, :length] = v
+        if self.mask is not None:
+            self.mask[row].zero_()
+            if group is not None:
+                self.mask[row, group * self.rank : (group + 1) * self.rank] = scale
+
+    # ---- one step ----------------------------------------------------------------------------------------------------
+    def _forward(self) -> torch.Tensor:
+        body, rows = self.body, self.rows
+        mask = self.mask
+        hidden = body.embed_tokens(self.tokens)  # [B, H]
+        pos = self.positions.view(rows, 1)
+        cos, sin = body.rotary_emb(hidden[:, None], pos)
+        visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width)
+        write = pos.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)
+        for i, layer in enumerate(body.layers):
+            attn_in, o_point, mlp_in, down_point = self.points[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            x = layer.input_layernorm(hidden)
+            q, k, v = attn_in(x, mask)
+            q = q.view(rows, 1, self.heads, self.head_dim)
+            k = k.view(rows, 1, self.kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.rotary[i](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            v = v.view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            self.keys[i].scatter_(2, write, k)
+            self.values[i].scatter_(2, write, v)
+            out = F.scaled_dot_product_attention(
+                q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling, enable_gqa=True
+            )
+            (o,) = o_point(out.transpose(1, 2).reshape(rows, self.heads * self.head_dim), mask)
+            hidden = hidden + o
+            x = layer.post_attention_layernorm(hidden)
+            gate, up = mlp_in(x, mask)
+            (down,) = down_point(mlp.act_fn(gate) * up, mask)
+            hidden = hidden + down
+        return F.linear(body.norm(hidden), self.head_weight).float()
+
+    def capture(self) -> None:
+        """On CUDA: record the step as one graph (after two warm-up runs on a side stream, as torch's docs ask).
+        The warm-ups write the cache at the current positions; callers capture before any row holds a sample."""
+        if self.engine.device.type != "cuda" or self.graph is not None:
+            return
+        stream = torch.cuda.Stream(self.engine.device)
+        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward()
+        self.graph = graph
+
+    def step(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """fp32 logits [B, V] for one token per row (rows without a sample feed anything; ignore their logits). The
+        returned tensor is overwritten by the next step."""
+        device = self.engine.device
+        self.tokens.copy_(_to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
+        self.positions.copy_(_to_device(torch.tensor(list(positions), dtype=torch.int64), device))
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
