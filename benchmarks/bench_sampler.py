@@ -143,6 +143,8 @@ def main() -> None:
     print("snapshot (no free slot, to host)", results["snapshot_host_ms"], flush=True)
     for k in range(4, engine.num_slots):
         store.delete(f"a{k}")
+    results["save_for_sampler_ms"] = save_for_sampler(engine, store)
+    print("save_weights_for_sampler", results["save_for_sampler_ms"], flush=True)
 
     if args.breakdown:
         results["breakdown"] = breakdown(engine, ids, prompts, params)
@@ -153,6 +155,36 @@ def main() -> None:
     print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
+    """A whole save_weights_for_sampler plan as the pool runs it (PlanExecutor with background writes): the plan's
+    time (on the training path: the snapshot and the weights' copy), and the file write beside it."""
+    from loraplex.background_writes import BackgroundWrites
+    from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+    from loraplex.workers.executor import PlanExecutor
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-sampler-save-"))
+    writes = BackgroundWrites()
+    executor = PlanExecutor(engine, store, writes=writes)
+    plan_s, write_s = [], []
+    for k in range(6):
+        path = f"tinker://a1/sampler_weights/p{k}"
+        request = PlannedRequest(f"s{k}", "t", "a1", 1, RequestKind.SAVE_SAMPLER,
+                                 {"name": f"p{k}", "path": path, "directory": str(folder / f"p{k}")})  # fmt: skip
+        sync()
+        t0 = time.perf_counter()
+        (outcome,) = executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (request,)),)))
+        sync()
+        t1 = time.perf_counter()
+        assert outcome.ok, outcome.error
+        writes.take(f"s{k}")
+        plan_s.append(t1 - t0)
+        write_s.append(time.perf_counter() - t1)
+        store.delete(path)
+    writes.close()
+    return {"plan_median": 1e3 * statistics.median(plan_s[2:]), "plan_max": 1e3 * max(plan_s[2:]),
+            "file_write_after_median": 1e3 * statistics.median(write_s[2:])}  # fmt: skip
 
 
 def breakdown(engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams) -> dict[str, Any]:

@@ -218,6 +218,7 @@ def _lead(
     """lease: the pool's lease (leadership.acquire_leadership), fencing every write; None only outside a pool process."""
     import redis
 
+    from loraplex.background_writes import BackgroundWrites
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
@@ -253,7 +254,8 @@ def _lead(
     beating.start()
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
-    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group))
+    writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
+    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group), writes)
     leader = LeaderExecutor(executor, group) if group is not None else None
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
     recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes, lease=lease)
@@ -261,13 +263,22 @@ def _lead(
         with unit_of_work(sessions) as session:  # when it took the pool over, leadership.py)
             ResidencyRepository(session).clear(settings.pool)
 
+    recording = RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease,
+                                  writes=writes)  # fmt: skip
+
+    def finish(outcomes: list[Any], plan: Any) -> list[Any]:
+        """The finisher's SQL part: background-written saves first (their rows), then the plan's records."""
+        outcomes = recording.settle(outcomes, plan)
+        recorder(outcomes, plan)
+        return outcomes
+
     def build_dispatcher() -> Dispatcher:
         client = redis.Redis.from_url(settings.redis_url)
         return Dispatcher(
             client,
             settings.pool,
-            RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease),
-            on_outcomes=recorder,
+            recording,
+            on_outcomes=finish,
             results=ResultStore(client, lease=lease),
             settings=settings,
             applied_seq_lookup=applied_seq_lookup(sessions),
@@ -318,6 +329,7 @@ def _lead(
     try:
         dispatcher.run_forever(stop)
     finally:
+        writes.close()  # every background write done (the finisher waited for the plans' ones already)
         remove_ready_file(ready)
         state["now"] = PoolState.STOPPED
         stop.set()

@@ -63,7 +63,8 @@ from loraplex.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-OnOutcomes = Callable[[list[Outcome], BatchPlan], None]
+# It may return the outcomes to publish instead (e.g. a save completed by its background write), or None: as given.
+OnOutcomes = Callable[[list[Outcome], BatchPlan], list[Outcome] | None]
 AppliedSeqLookup = Callable[[str], int | None]
 
 
@@ -371,7 +372,7 @@ class Dispatcher:
         started = time.monotonic()
         if self.on_outcomes is not None:
             try:
-                self.on_outcomes(outcomes, plan)
+                outcomes = self.on_outcomes(outcomes, plan) or outcomes
             except Exception:  # recording them must not stall every tenant: the results still go out
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
         recorded = time.monotonic()

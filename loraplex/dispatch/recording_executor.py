@@ -3,17 +3,24 @@ OutcomeRecorder), with a `checkpoints` row added for each successful save BEFORE
 client that sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it
 runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails. With a lease, the rows'
 transaction is fenced like the OutcomeRecorder's (dispatch/records.check_leader): a deposed leader writes no row, and
-its plan fails with LeaseLostError."""
+its plan fails with LeaseLostError.
+
+A save whose files are still being written in the background (`BackgroundWrites`: a sampler save copies the weights
+in the plan and writes beside the next plans) gets its row in `settle`, which the finisher runs before it records
+and publishes the plan (the pool's `on_outcomes`): it waits for the write, adds its size and hash to the result, then
+writes the row; a failed write fails the save."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.background_writes import BackgroundWrites
 from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.dispatch.records import PlanNotes, TierChanges, check_leader
 from loraplex.errors import LoraplexError
@@ -44,9 +51,12 @@ class RecordingExecutor:
         *,
         pool: str = "",
         lease: PoolLease | None = None,
+        writes: BackgroundWrites | None = None,
     ) -> None:
         """store: the rank-0 adapter store, drained here right after each plan (the thread that moves adapters);
-        lease: fence the checkpoint rows with this lease's token (the pools row of `pool` must hold it)."""
+        lease: fence the checkpoint rows with this lease's token (the pools row of `pool` must hold it); writes: the
+        executor's background file writes (see the module doc)."""
+        self._writes = writes
         self._pool = pool
         self._lease = lease
         self._executor = executor
@@ -64,8 +74,38 @@ class RecordingExecutor:
         return self.record_checkpoints(outcomes, plan)
 
     def record_checkpoints(self, outcomes: list[Outcome], plan: BatchPlan) -> list[Outcome]:
-        """Add the `checkpoints` rows of the plan's successful saves (see the module doc); failed rows fail their save."""
-        saves = [r for r in plan.requests if r.kind in SAVE_KINDS]
+        """Add the `checkpoints` rows of the plan's successful saves (see the module doc); failed rows fail their save.
+        Saves still writing their files are left to `settle`."""
+        saves = [r for r in plan.requests if r.kind in SAVE_KINDS and not self._writing(r)]
+        return self._record(outcomes, saves)
+
+    def _writing(self, request: PlannedRequest) -> bool:
+        return self._writes is not None and self._writes.pending(request.request_id)
+
+    def settle(self, outcomes: list[Outcome], plan: BatchPlan) -> list[Outcome]:
+        """The finisher's part: wait for the plan's background writes, complete their results and record their rows."""
+        writing = [r for r in plan.requests if r.kind in SAVE_KINDS and self._writing(r)]
+        if not writing or self._writes is None:
+            return outcomes
+        settled: dict[str, Outcome] = {}
+        by_id = {o.request_id: o for o in outcomes}
+        for request in writing:
+            outcome = by_id.get(request.request_id)
+            try:
+                files = self._writes.take(request.request_id)
+            except Exception as exc:  # noqa: BLE001 - any failure to write is this save's error
+                log.exception("writing the checkpoint of %s (request %s) failed", request.model_id, request.request_id)
+                typed = type(exc).__name__ if isinstance(exc, LoraplexError) else "EngineError"
+                settled[request.request_id] = Outcome(
+                    request.request_id, error_type=typed, error=f"writing the checkpoint failed: {exc}"
+                )
+                continue
+            if outcome is not None and outcome.ok:
+                settled[request.request_id] = replace(outcome, result={**(outcome.result or {}), **files})
+        outcomes = [settled.get(o.request_id, o) for o in outcomes]
+        return self._record(outcomes, [r for r in writing if settled.get(r.request_id, Outcome(r.request_id)).ok])
+
+    def _record(self, outcomes: list[Outcome], saves: list[PlannedRequest]) -> list[Outcome]:
         if not saves:
             return outcomes
         by_id = {o.request_id: o for o in outcomes}

@@ -35,12 +35,32 @@ def state_from_engine(
     """Copy an adapter's weights (and Adam moments + step count when `with_optimizer`) out of its slot: fp32 CPU
     copies of the real-rank parts. `kind` defaults to "state" with the optimizer, "sampler" without."""
     record = engine.adapter(model_id)
+    rows = engine.read_slot(record.slot, OPTIMIZER_ROWS if with_optimizer else WEIGHT_ROWS)
+    step = int(engine.optimizer.steps[record.slot])
+    return state_from_rows(
+        engine, record, step, rows, base_model=base_model, with_optimizer=with_optimizer, kind=kind,
+        user_metadata=user_metadata,
+    )  # fmt: skip
+
+
+def state_from_rows(
+    engine: Engine,
+    record: AdapterRecord,
+    step: int,
+    rows: torch.Tensor,
+    *,
+    base_model: str,
+    with_optimizer: bool,
+    kind: str | None = None,
+    user_metadata: Mapping[str, Any] | None = None,
+) -> CheckpointState:
+    """As state_from_engine, from host copies of the adapter's slot rows (OPTIMIZER_ROWS, or WEIGHT_ROWS without the
+    optimizer) taken earlier: reads only the engine's layout, so it may run beside the engine (a background write)."""
     kind = kind or ("state" if with_optimizer else "sampler")
     if kind not in KINDS:
         raise InvalidRequestError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
     if kind == "sampler" and with_optimizer:
         raise InvalidRequestError("a sampler checkpoint holds weights only (with_optimizer=False)")
-    rows = engine.read_slot(record.slot, OPTIMIZER_ROWS if with_optimizer else WEIGHT_ROWS)
     r = record.rank
     weights: Weights = {}
     moments: Moments = {}
@@ -53,11 +73,11 @@ def state_from_engine(
             (m_a, m_b), (v_a, v_b) = _real_parts(a[1], b[1], r), _real_parts(a[2], b[2], r)
             moments[name] = (m_a, v_a, m_b, v_b)
     return CheckpointState(
-        model_id=model_id,
+        model_id=record.model_id,
         rank=record.rank,
         alpha=record.alpha,
         seed=record.seed,
-        step=int(engine.optimizer.steps[record.slot]),
+        step=step,
         base_model=str(base_model),
         target_modules=tuple(engine.adapter_target_modules(record)),
         modules=tuple(modules),

@@ -9,7 +9,7 @@ default when an explicit `lora_op` is given) runs the op per layer on the master
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,7 @@ class Engine:
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(num_slots))
+        self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
         self.trunk = Trunk(self.body, self.head)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
@@ -338,6 +339,33 @@ class Engine:
         (weights,) = self._flat_rows(("weights",))
         with torch.no_grad():
             weights[target_slot].copy_(weights[source_slot])
+
+    def weights_to_host_async(self, slot: int) -> Callable[[], torch.Tensor]:
+        """The slot's weights row as it is now, on its way to host memory: a device clone at once (the slot may
+        change right after), then on CUDA the device-to-host copy on a side stream, so the training kernels queued
+        next do not wait behind it. Returns a function that waits for the copy and gives the [1, P] fp32 host rows
+        (callable from another thread)."""
+        (weights,) = self._flat_rows(("weights",))
+        with torch.no_grad():
+            clone = weights[slot].clone()
+        if self.device.type != "cuda":
+            return lambda: clone.view(1, -1)
+        host = torch.empty((1, self.slot_width), pin_memory=True)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side = self._copy_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            host[0].copy_(clone, non_blocking=True)
+            done.record(side)
+        clone.record_stream(side)  # its memory is not reused before the side stream has read it
+
+        def wait() -> torch.Tensor:
+            done.synchronize()
+            return host
+
+        return wait
 
     def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
         opt = self.optimizer

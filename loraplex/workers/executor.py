@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from loraplex.background_writes import BackgroundWrites
 from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotSupportedError
 from loraplex.protocol import (
@@ -100,13 +101,17 @@ class PlanExecutor:
         engine: Engine,
         store: AdapterStore | None = None,
         sampling: Callable[[Step], list[Outcome]] | None = None,
+        writes: BackgroundWrites | None = None,
     ) -> None:
         """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only.
         sampling: runs a SAMPLE step (the native sampler over this engine); None: this pool does not sample, and each
-        sampling request fails with a NotSupportedError saying so."""
+        sampling request fails with a NotSupportedError saying so. writes: where a sampler save's files are written
+        off the training path (the plan copies the weights, the file write runs beside the next plans; whoever
+        publishes the result waits for it: dispatch/recording_executor.py); None: written in the plan."""
         self.engine = engine
         self.store = store
         self.sampling = sampling
+        self.writes = writes
         self._parts: dict[str, _Parts] = {}  # request_id -> a request running in parts (dispatch/policy.py)
         self._handlers: dict[StepKind, Callable[[Step], list[Outcome]]] = {
             StepKind.CREATE: self._create,
@@ -173,6 +178,7 @@ class PlanExecutor:
             alpha = p.alpha if p.alpha is not None else DEFAULT_ALPHA_PER_RANK * p.rank
             source = p.from_checkpoint  # a new adapter from a checkpoint folder
             if source is not None:
+                self._written(source.directory)
                 restore_checkpoint(self.engine, self.store,
                     request.model_id, Path(source.directory), source.with_optimizer, p.target_modules is not None,
                     modules,
@@ -273,6 +279,11 @@ class PlanExecutor:
             for r, res in zip(step.requests, results, strict=True)
         ]
 
+    def _written(self, folder: str) -> None:
+        """Before reading a checkpoint folder: wait for a background write into it still running."""
+        if self.writes is not None:
+            self.writes.wait_folder(folder)
+
     def _checkpoint(self, step: Step) -> list[Outcome]:
         """save_state / save_sampler / load_state, one by one (at most one per adapter in a step). The payload names
         the checkpoint's folder (the gateway chose it in the blob store); only the leader rank writes it (the banks are
@@ -281,7 +292,7 @@ class PlanExecutor:
 
     def _checkpoint_one(self, request: PlannedRequest) -> dict[str, Any]:
         from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
-        from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
+        from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine, state_from_rows
 
         p = request.payload
         if not isinstance(p, LoadStatePayload | SaveCheckpointPayload):
@@ -290,25 +301,35 @@ class PlanExecutor:
             raise InvalidRequestError(f"{request.kind} needs the checkpoint's directory")
         directory = Path(p.directory)
         if isinstance(p, LoadStatePayload):
+            self._written(p.directory)
             state = read_checkpoint(directory)
             with_optimizer = p.with_optimizer
             load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
             return {"model_id": request.model_id, "path": p.path, "with_optimizer": with_optimizer}
         saves = KINDS[request.kind].saves  # STATE (weights + optimizer) or SAMPLER (weights)
         with_optimizer = saves == CheckpointKind.STATE
-        state = state_from_engine(self.engine, request.model_id, base_model=p.base_model, with_optimizer=with_optimizer)
-        state_slot = self.engine.adapter(request.model_id).slot
-        result: dict[str, Any] = {
-            "path": p.path,
-            "kind": str(saves),
-            "name": p.name,
-            "step": state.step if with_optimizer else int(self.engine.optimizer.steps[state_slot]),
-        }
-        if self.engine.dist is None or self.engine.dist.is_leader:
+        record = self.engine.adapter(request.model_id)
+        step_count = int(self.engine.optimizer.steps[record.slot])
+        result: dict[str, Any] = {"path": p.path, "kind": str(saves), "name": p.name, "step": step_count}
+        writer = self.engine.dist is None or self.engine.dist.is_leader
+        if writer and saves == CheckpointKind.SAMPLER and self.writes is not None:
+            rows = self.engine.weights_to_host_async(record.slot)  # the plan's part: a device copy
+            engine, base_model = self.engine, p.base_model
+
+            def write() -> dict[str, Any]:  # beside the next plans
+                state = state_from_rows(engine, record, step_count, rows(), base_model=base_model, with_optimizer=False)
+                files = write_checkpoint(state, directory)
+                return {"size_bytes": int(files.total_size), "sha256": files.sha256}
+
+            self.writes.submit(request.request_id, p.directory, write)
+        elif writer:
+            state = state_from_engine(
+                self.engine, request.model_id, base_model=p.base_model, with_optimizer=with_optimizer
+            )
             files = write_checkpoint(state, directory)
             result.update(size_bytes=int(files.total_size), sha256=files.sha256)
         if saves == CheckpointKind.SAMPLER and self.store is not None and p.path:
-            # The frozen copy sampling reads (workers/adapter_store.py: freeze_copy): slot rows to host memory, no file
-            # read back; every rank keeps one (the banks are replicated).
+            # The frozen copy sampling reads (workers/adapter_store.py: freeze_copy): a slot-row copy, no file read
+            # back; every rank keeps one (the banks are replicated).
             self.store.freeze_copy(request.model_id, p.path)
         return result
