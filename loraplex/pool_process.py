@@ -141,7 +141,9 @@ def store_spec(settings: Settings) -> AdapterStoreSpec:
     """Each rank's tiered adapter store: host budget, and its spill folder (`resolved_spill_root`/rank<k>)."""
     from loraplex.workers.adapter_store import AdapterStoreSpec
 
-    return AdapterStoreSpec(settings.host_budget_bytes, str(settings.resolved_spill_root))
+    return AdapterStoreSpec(
+        settings.host_budget_bytes, str(settings.resolved_spill_root), settings.sampler_snapshots_per_adapter
+    )
 
 
 def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:

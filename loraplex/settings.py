@@ -103,6 +103,8 @@ class Settings(BaseSettings):
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"
     sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
+    # Sampler snapshots (save_weights_for_sampler copies) a pool keeps per adapter; older ones reload from their files.
+    sampler_snapshots_per_adapter: int = Field(default=4, ge=1)
     vllm_max_loras: int = Field(default=8, ge=2)  # adapters the vLLM server holds at once (one is the zero adapter)
     # How long the checkpoint of an unnamed save_weights_for_sampler (save_weights_and_get_sampling_client) is kept.
     unnamed_sampler_ttl_seconds: int = Field(default=24 * 3600, gt=0)

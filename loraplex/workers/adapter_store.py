@@ -83,20 +83,37 @@ class AdapterStoreSpec:
 
     host_budget_bytes: int
     spill_root: str
+    snapshots_per_adapter: int = 4
 
     def build(self, engine: Engine, rank: int = 0) -> AdapterStore:
-        return AdapterStore(engine, self.host_budget_bytes, Path(self.spill_root) / f"rank{rank}")
+        return AdapterStore(
+            engine, self.host_budget_bytes, Path(self.spill_root) / f"rank{rank}",
+            snapshots_per_adapter=self.snapshots_per_adapter,
+        )  # fmt: skip
 
 
 class AdapterStore:
     def __init__(
-        self, engine: Engine, host_budget_bytes: int, spill_dir: str | os.PathLike[str], *, recover: bool = False
+        self,
+        engine: Engine,
+        host_budget_bytes: int,
+        spill_dir: str | os.PathLike[str],
+        *,
+        recover: bool = False,
+        snapshots_per_adapter: int = 4,
     ) -> None:
         """recover: adopt the spill files a previous run left in `spill_dir` (as disk-tier adapters); by default they
         are removed. Only safe when their state is known to match the applied seq_ids (a file written during a plan
-        whose results were never stored would apply those requests twice when they are redelivered)."""
+        whose results were never stored would apply those requests twice when they are redelivered).
+        snapshots_per_adapter: sampler snapshots kept per adapter (freeze_copy): an RL loop saves one per iteration,
+        so the oldest beyond this are dropped (a sample naming one reloads it from its checkpoint folder)."""
         if host_budget_bytes < 0:
             raise ValueError("host_budget_bytes must be >= 0")
+        if snapshots_per_adapter < 1:
+            raise ValueError("snapshots_per_adapter must be >= 1")
+        self.snapshots_per_adapter = snapshots_per_adapter
+        self._snapshots: dict[str, list[str]] = {}  # adapter -> its sampler snapshots in the store, oldest first
+        self._source: dict[str, str] = {}  # snapshot -> its adapter
         self.engine = engine
         self.host_budget_bytes = int(host_budget_bytes)
         self.spill_dir = Path(spill_dir)
@@ -199,6 +216,15 @@ class AdapterStore:
             self._disk.pop(model_id).unlink(missing_ok=True)
         del self._lru[model_id]
         self._note(TierChange(model_id, None))
+        source = self._source.pop(model_id, None)
+        if source is not None:
+            self._snapshots[source].remove(model_id)
+            if not self._snapshots[source]:
+                del self._snapshots[source]
+        for snapshot in self._snapshots.pop(model_id, []):  # an adapter's snapshots go with it
+            self._source.pop(snapshot, None)
+            if snapshot in self._lru:
+                self.delete(snapshot)
 
     def freeze_copy(self, model_id: str, snapshot_id: str) -> None:
         """A sampler snapshot: `snapshot_id` becomes an adapter of its own holding `model_id`'s weights as they are now
@@ -211,6 +237,10 @@ class AdapterStore:
         if snapshot_id in self._lru:
             self.delete(snapshot_id)
         self.ensure_resident([model_id])
+        self._snapshots.setdefault(model_id, []).append(snapshot_id)
+        self._source[snapshot_id] = model_id
+        while len(self._snapshots[model_id]) > self.snapshots_per_adapter:
+            self.delete(self._snapshots[model_id][0])
         source = self.engine.adapter(model_id)
         if self.engine.free_slots:
             record = self.engine.claim_slot(snapshot_id, source.rank, source.alpha, source.seed, source.target_modules)

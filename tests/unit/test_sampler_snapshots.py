@@ -15,6 +15,8 @@ from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, Step
 from loraplex.workers.adapter_store import AdapterStore, is_snapshot_id
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.sampler import Sampler
+from loraplex.workers.sampling_step import SampleStep
 
 SNAP = "tinker://a/sampler_weights/s1"
 DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13]}}]
@@ -76,3 +78,27 @@ def test_a_snapshot_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, 
     assert _same(store.engine.adapter_weights(SNAP), first)
     store.freeze_copy("a", SNAP)  # the same name again (overwrite): one snapshot, the newest
     assert store.lru_order().count(SNAP) == 1
+
+
+def test_an_adapter_keeps_its_newest_snapshots_and_an_older_one_reloads_from_its_folder(pool, tmp_path) -> None:
+    """An RL loop saves a snapshot every iteration: the store keeps the newest `snapshots_per_adapter` (2 here), the
+    older ones are dropped from memory, and a sample naming one loads it from its checkpoint folder again; deleting
+    the adapter drops its snapshots."""
+    executor, store = pool
+    store.snapshots_per_adapter = 2
+    store.create("a", 4, 8.0, seed=1)
+    paths, saved_weights = [], []
+    for k in range(4):
+        _train(executor, 10 * k + 1)
+        path = f"tinker://a/sampler_weights/it{k}"
+        save = _req(f"s{k}", RequestKind.SAVE_SAMPLER, 10 * k + 3, name=f"it{k}", path=path,
+                    directory=str(tmp_path / f"it{k}"))  # fmt: skip
+        assert all(o.ok for o in executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),))))
+        paths.append(path)
+        saved_weights.append(store.engine.adapter_weights("a"))
+    assert [p for p in paths if p in store] == paths[2:]  # the two newest
+    step = SampleStep(Sampler(store.engine), store)
+    step._have(paths[0], str(tmp_path / "it0"))  # reloaded from its folder: the weights of that save
+    assert _same(store.engine.adapter_weights(paths[0]), saved_weights[0])
+    store.delete("a")
+    assert all(p not in store for p in paths[2:])
