@@ -159,7 +159,8 @@ def main() -> None:
 
 def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
     """A whole save_weights_for_sampler plan as the pool runs it (PlanExecutor with background writes): the plan's
-    time (on the training path: the snapshot and the weights' copy), and the file write beside it."""
+    time on the training path (host time and the compute stream: the snapshot and the weights' device copy; the
+    device-to-host copy runs on a side stream beside it), and the file write beside it."""
     from loraplex.background_writes import BackgroundWrites
     from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
     from loraplex.workers.executor import PlanExecutor
@@ -175,7 +176,8 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
         sync()
         t0 = time.perf_counter()
         (outcome,) = executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (request,)),)))
-        sync()
+        if engine.device.type == "cuda":
+            torch.cuda.current_stream(engine.device).synchronize()  # the compute stream only: training's
         t1 = time.perf_counter()
         assert outcome.ok, outcome.error
         writes.take(f"s{k}")
