@@ -23,19 +23,29 @@ The plan's steps, in order:
      ready, the plan holds fewer than `max_requests` requests and has run fewer than `max_rounds` rounds;
   3. one DELETE step with the deletes whose adapter has nothing else pending.
 
-Fair share. Within a round, candidates are taken in order of (requests this plan already took for their tenant, how long
-their adapter has waited: its oldest pending request's arrival index). When the token cap closes the FORWARD_BACKWARD step,
-candidates behind are not skipped over by later ones: they lead the next round (or the next plan, since leftovers keep
-their arrival order). The same holds when a step reaches `max_adapters_per_step` (the resident slots). So a tenant with
-many adapters or many requests cannot starve another.
+Fair share (dispatch/fair_share.py). Within a round, candidates are taken in order of (their tenant's virtual time: its
+weighted tokens served in earlier plans, `share`, plus what this plan already took for it, each request's tokens + 1
+divided by the tenant's weight; then how long their adapter has waited: its oldest pending request's arrival index).
+When the token cap closes the FORWARD_BACKWARD step, candidates behind are not skipped over by later ones: they lead the
+next round (or the next plan, since leftovers keep their arrival order). The same holds when a step reaches
+`max_adapters_per_step` (the resident slots). So a tenant with many adapters or many requests cannot starve another,
+and backlogged tenants' token shares follow their weights.
+
+Cost-model coalescing (dispatch/step_split.py). With a `cost` model, a round's forward_backward requests run as the
+split into engine steps predicted cheapest: one mixed step, each adapter alone, or the microbatch-filling adapters
+apart from the rest; never one predicted slower than running them adapter by adapter. Without one: one mixed step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from loraplex.dispatch.cost_model import StepCost
+from loraplex.dispatch.fair_share import charge_of, weight_of
+from loraplex.dispatch.step_split import split_step
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
@@ -87,10 +97,18 @@ def plan_batch(
     last_applied: Mapping[str, int | None],
     limits: PolicyLimits | None = None,
     progress: Mapping[str, int] | None = None,
+    *,
+    share: Mapping[str, float] | None = None,
+    weights: Mapping[str, float] | None = None,
+    cost: StepCost | None = None,
 ) -> PolicyResult:
     """Plan the next batch. `pending` is in arrival order; `last_applied` maps model_id -> last applied seq_id (None or
-    absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts)."""
+    absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts);
+    `share`: tenant -> virtual time from earlier plans (dispatch/fair_share.FairShareLedger.view; absent: 0);
+    `weights`: tenant -> weight (absent: 1); `cost`: the step cost model that splits forward_backward steps."""
     progress = progress or {}
+    share = share or {}
+    weights = weights or {}
     limits = limits or PolicyLimits()
     reqs = list(pending)  # requests are referred to by their index (= arrival order) below
     duplicates, creates, deletes, samples, chains = _sort_out(reqs, last_applied)
@@ -123,11 +141,13 @@ def plan_batch(
     pos = dict.fromkeys(chains, 0)
     # waited[m][k]: arrival index of the oldest request in chains[m][k:] (how long the adapter has waited from there).
     waited = {m: _suffix_min(chain) for m, chain in chains.items()}
-    served: Counter[str] = Counter()  # requests taken per tenant in this plan
+    served: defaultdict[str, float] = defaultdict(float)  # tenant -> virtual time: earlier plans' plus this plan's
+    for t in {r.tenant_id for r in reqs}:
+        served[t] = share.get(t, 0.0)
     parts: dict[int, PlannedRequest] = {}  # index -> the part of it this plan runs
     in_parts: set[str] = set()  # adapters whose request runs in parts: nothing more of theirs in this plan
 
-    def priority(i: int) -> tuple[int, int]:
+    def priority(i: int) -> tuple[float, int]:
         m = reqs[i].model_id
         return served[reqs[i].tenant_id], waited[m][pos[m]]
 
@@ -146,9 +166,16 @@ def plan_batch(
         ckpt: list[int] = []
         rejected: list[int] = []
         fb_tokens, fb_closed = 0, False
-        while heads and budget > 0:
-            heads.sort(key=priority)
-            i = heads.pop(0)
+        # A heap on (priority, index): taking a request only raises its own tenant's priority, so a popped entry whose
+        # priority went up meanwhile goes back in with its new one (no re-sort of every head per pick).
+        queue = [(*priority(i), i) for i in heads]
+        heapq.heapify(queue)
+        while queue and budget > 0:
+            *key, i = heapq.heappop(queue)
+            now = priority(i)
+            if tuple(key) != now:
+                heapq.heappush(queue, (*now, i))
+                continue
             r = reqs[i]
             step_kind = KINDS[r.kind].step
             if step_kind == StepKind.FORWARD_BACKWARD:
@@ -171,7 +198,7 @@ def plan_batch(
                 if opt and len(opt) >= limits.max_adapters_per_step:
                     continue  # the step holds as many adapters as there are slots: it leads the next round
                 opt.append(i)
-            served[r.tenant_id] += 1
+            served[r.tenant_id] += charge_of(parts.get(i, r)) / weight_of(weights, r.tenant_id)
             budget -= 1
         answered = [i for i in fb + opt + ckpt + rejected if not (i in parts and parts[i].unfinished)]
         for i in answered:
@@ -181,7 +208,9 @@ def plan_batch(
         taken.update(answered)
         in_parts.update(reqs[i].model_id for i in fb if i in parts and parts[i].unfinished)
         if fb:
-            steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(parts.get(i, reqs[i]) for i in fb)))
+            fb_requests = [parts.get(i, reqs[i]) for i in fb]
+            for group in split_step(fb_requests, cost):
+                steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(fb_requests[k] for k in group)))
         if opt:
             steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
         if ckpt:
