@@ -12,7 +12,6 @@ Huber weight, so one outlier moves the fit little.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple
 
 from loraplex.dispatch.cost_model import CostParams, StepShape, shape_of
 from loraplex.protocol import Outcome, Step, StepKind
@@ -26,17 +25,17 @@ class OnlineCostModel:
         prior: CostParams,
         microbatch_tokens: int = 4096,
         *,
-        prior_weight: float = 2.0,
+        prior_weight: float = 0.02,
         forgetting: float = 0.99,
         huber: float = 0.25,
         bounds: tuple[float, float] = (0.02, 50.0),
     ) -> None:
-        """prior: the device's defaults; prior_weight: how many observations' worth the pull towards them is;
-        forgetting: each new observation scales the older ones' weight by this; huber: relative residual past which an
+        """prior: the device's defaults; prior_weight: how many observations' worth the pull towards them is (small:
+        a direction the measurements inform follows them; one they never touch stays at the default); forgetting: each new observation scales the older ones' weight by this; huber: relative residual past which an
         observation is down-weighted; bounds: the multipliers' range (a cost never fits to zero or below)."""
         self.prior = prior
         self.microbatch_tokens = microbatch_tokens
-        self._prior = astuple(prior)
+        self._prior = prior.values()
         self._rho = prior_weight
         self._lambda = forgetting
         self._huber = huber
@@ -57,8 +56,9 @@ class OnlineCostModel:
             return
         z = [p * x / base for p, x in zip(self._prior, shape.features(), strict=True)]  # sums to 1
         r = seconds / base
-        residual = r - sum(zj * mj for zj, mj in zip(z, self._m, strict=True))
-        weight = 1.0 if abs(residual) <= self._huber * max(r, 1e-9) else self._huber * r / abs(residual)
+        fitted = max(sum(zj * mj for zj, mj in zip(z, self._m, strict=True)), 1e-9)
+        relative = abs(r - fitted) / fitted  # Huber on the relative residual: an outlier pulls at most `huber` x fit
+        weight = 1.0 if relative <= self._huber else self._huber / relative
         for i in range(N):
             self._b[i] = self._lambda * self._b[i] + weight * z[i] * r
             row = self._a[i]
