@@ -61,3 +61,22 @@ def test_the_cache_reads_once_per_ttl_and_keeps_what_it_knows_when_the_database_
     down[0] = False
     now[0] = 37.0
     assert weights.of({"a"}) == {"a": 3.0} and len(calls) == 3  # retried after retry_s: the new weight
+
+
+def test_the_cli_shows_and_sets_a_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from loraplex import cli
+    from loraplex.settings import get_settings
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        assert cli.main(["tenant", "create", "carol"]) == 0
+        assert cli.main(["tenant", "weight", "carol"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == "carol weight 1"
+        assert cli.main(["tenant", "weight", "carol", "3"]) == 0
+        assert cli.main(["tenant", "weight", "carol"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == "carol weight 3"
+        assert cli.main(["tenant", "weight", "carol", "0"]) != 0  # refused, with its message
+    finally:
+        get_settings.cache_clear()
