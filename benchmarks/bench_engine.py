@@ -2,6 +2,7 @@
 engine concurrent (one mixed forward/backward + one batched AdamW), on a random-init Qwen3-shaped model.
 
     python3 benchmarks/bench_engine.py --model qwen3-4b-shape --rank 32 --seq-len 512 --cap 4096 --out results.json
+    python3 benchmarks/bench_engine.py --mode cost      # issue 12: 4 saturated tenants, cost model vs one by one
 
 Workloads: "underfilled" (4 adapters x 1 sequence each) and "saturated" (4 adapters x 8 sequences each). Every variant
 is timed in the same process after warm-up; times are medians over --iters steps, with the GPU synchronised around
@@ -167,6 +168,103 @@ def bench_engine_workload(engine: Engine, ids: list[str], per_adapter: int, args
     }
 
 
+# ---- cost-model coalescing vs one by one (issue 12, item 3) ---------------------------------------------------------
+def bench_cost_model(engine: Engine, args) -> dict[str, Any]:
+    """Each round, every one of --adapters tenants runs one forward_backward (--saturated-seqs x --seq-len tokens: one
+    microbatch each at the defaults) and one optim_step. "cost model": the pool's path, i.e. the dispatch policy with
+    the online cost model, calibrated from this executor's own step times as the pool's is (OnlineCostModel fed by
+    PlanExecutor(on_step=)), choosing mixed or per-adapter steps, run by the PlanExecutor; "one by one": each tenant's
+    forward_backward then its optim_step as steps of their own (a single-resident server). Rounds alternate between
+    the two after warm-up (drift hits both alike); medians of --rounds rounds each, in this one call."""
+    from loraplex.dispatch.cost_calibration import OnlineCostModel
+    from loraplex.dispatch.cost_model import default_cost
+    from loraplex.dispatch.policy import PolicyLimits
+    from loraplex.workers.executor import PlanExecutor
+
+    cost = OnlineCostModel(default_cost(args.device), args.cap)
+    mixed_exec = PlanExecutor(engine, on_step=cost.observe_step)
+    alone_exec = PlanExecutor(engine)
+    limits = PolicyLimits(plan_tokens=args.plan_tokens, max_adapters_per_step=engine.num_slots)
+    out: dict[str, Any] = {}
+    for workload in args.cost_workloads.split(","):
+        out[workload] = cost_workload(engine, args, workload, cost, mixed_exec, alone_exec, limits)
+        print("cost", workload, {k: v for k, v in out[workload].items() if k != "round_s"}, flush=True)
+    return out
+
+
+def cost_workload(engine: Engine, args, workload: str, cost, mixed_exec, alone_exec, limits) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One workload of bench_cost_model (see there)."""
+    from loraplex.dispatch.policy import plan_batch
+    from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+
+    adam = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    per_adapter = {"saturated": args.saturated_seqs, "underfilled": 1}[workload]
+    ids = [f"{workload}{i}" for i in range(args.adapters)]
+    for i, m in enumerate(ids):
+        engine.create_adapter(m, rank=args.rank, alpha=2 * args.rank, seed=100 + i)
+    gen = torch.Generator().manual_seed(4)
+    data = {m: datums(engine.vocab_size, per_adapter, args.seq_len, gen) for m in ids}
+    applied: dict[str, int | None] = dict.fromkeys(ids, 0)
+    seq = {"n": 1}
+    shapes: list[list[int]] = []  # adapters per forward_backward step, per cost-model round
+
+    def requests(m: str) -> tuple[PlannedRequest, PlannedRequest]:
+        n = seq["n"]
+        fb = PlannedRequest(f"{m}-{n}", m, m, n, RequestKind.FORWARD_BACKWARD,
+                            {"data": data[m], "loss_fn": "cross_entropy"})  # fmt: skip
+        return fb, PlannedRequest(f"{m}-{n}o", m, m, n + 1, RequestKind.OPTIM_STEP, {"adam_params": adam})
+
+    def by_cost_model() -> None:
+        pending = [r for m in ids for r in requests(m)]
+        fb_steps: list[int] = []
+        while pending:
+            decision = plan_batch(pending, applied, limits, cost=cost)
+            outcomes = mixed_exec.execute(decision.plan)
+            assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+            fb_steps += [len(st.requests) for st in decision.plan.steps if st.kind == StepKind.FORWARD_BACKWARD]
+            applied.update(decision.applied_seq)
+            pending = list(decision.pending)
+        shapes.append(fb_steps)
+        seq["n"] += 2
+
+    def one_by_one() -> None:
+        for m in ids:
+            fb, opt = requests(m)
+            plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (fb,)), Step(StepKind.OPTIM_STEP, (opt,))))
+            outcomes = alone_exec.execute(plan)
+            assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+            applied[m] = seq["n"] + 1
+        seq["n"] += 2
+
+    times: dict[str, list[float]] = {"cost_model": [], "one_by_one": []}
+    variants = (("cost_model", by_cost_model), ("one_by_one", one_by_one))
+    for _ in range(args.warmup):
+        for _, run in variants:
+            run()
+    shapes.clear()
+    for k in range(args.rounds):
+        for name, run in variants if k % 2 == 0 else variants[::-1]:  # ABBA: neither always goes first
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    tokens = args.adapters * per_adapter * args.seq_len
+    med = {name: statistics.median(t) for name, t in times.items()}
+    result = {
+        "rounds": args.rounds,
+        "round_s": times,
+        "median_round_s": med,
+        "tok_s": {name: tokens / m for name, m in med.items()},
+        "cost_model_over_one_by_one": med["one_by_one"] / med["cost_model"],  # target >= 1.00 saturated
+        "adapters_per_fb_step": [statistics.mean(s) for s in shapes],
+        "fitted_cost": vars(cost.params) | {"observations": cost.observations},
+    }
+    for m in ids:
+        engine.delete_adapter(m)
+    return result
+
+
 def lora_ops() -> dict[str, Any]:
     from loraplex.workers import lora
 
@@ -193,6 +291,12 @@ def main() -> None:
     p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--mode", default="all", choices=("all", "cost"),
+                   help="all: PEFT, frozen base, single vs concurrent; cost: only the cost-model coalescing vs one by "
+                        "one comparison (issue 12)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=8, help="--mode cost: timed rounds per variant (median)")
+    p.add_argument("--cost-workloads", default="saturated", help="--mode cost: saturated,underfilled")
+    p.add_argument("--plan-tokens", type=int, default=16384, help="--mode cost: the policy's token cap per step")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -208,6 +312,15 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     results: dict[str, Any] = {"env": env}
+    if args.mode == "cost":
+        model = build_model(args)
+        engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+                        device=args.device, microbatch_tokens=args.cap)  # fmt: skip
+        results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2))
+        return
     saturated_tokens = args.saturated_seqs * args.seq_len
     if not args.skip_peft:
         results["peft_single"] = bench_peft(args, saturated_tokens)

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_tenant import run_tenant, tenant_datums  # noqa: E402
 from loraplex.client import ServiceClient  # noqa: E402
+from loraplex.dispatch.cost_calibration import OnlineCostModel  # noqa: E402
+from loraplex.dispatch.cost_model import default_cost  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
 from loraplex.embedded import Stack  # noqa: E402
 from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
@@ -76,11 +78,14 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     engine = Engine(model, num_slots=settings.slots, max_rank=settings.max_rank, target_modules=settings.target_modules,
                     device=settings.device, microbatch_tokens=settings.microbatch_tokens)  # fmt: skip
     print("engine:", engine.summary(), flush=True)
-    executor = PlanExecutor(engine)
+    # The pool's policy: with its cost model calibrated from this executor's step times (LORAPLEX_COST_MODEL).
+    cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None
+    executor = PlanExecutor(engine, on_step=cost.observe_step if cost is not None else None)
     limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_adapters_per_step=settings.slots)
     out: dict[str, Any] = {"create_ms": []}
     for workload, tenants, seqs in configs:
-        out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, seqs, args, vocab, out["create_ms"])
+        out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, seqs, args, vocab, out["create_ms"],
+                                                     cost)  # fmt: skip
         print("engine", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
     del engine, executor, model
     gc.collect()
@@ -91,7 +96,7 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
 
 def engine_config(
     executor: PlanExecutor, limits: PolicyLimits, tenants: int, seqs: int, args: argparse.Namespace, vocab: int,
-    create_ms: list[float],
+    create_ms: list[float], cost: OnlineCostModel | None = None,
 ) -> dict[str, float]:  # fmt: skip
     engine = executor.engine
     ids = [f"t{i}" for i in range(tenants)]
@@ -113,7 +118,7 @@ def engine_config(
             pending.append(PlannedRequest(f"{m}-{seq}", m, m, seq, RequestKind.FORWARD_BACKWARD, fb))
             pending.append(PlannedRequest(f"{m}-{seq}o", m, m, seq + 1, RequestKind.OPTIM_STEP, {"adam_params": ADAM}))
         while pending:
-            decision = plan_batch(pending, applied, limits)
+            decision = plan_batch(pending, applied, limits, cost=cost)
             outcomes = executor.execute(decision.plan)
             assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
             adapters.extend(len(s.requests) for s in decision.plan.steps if s.kind == "forward_backward")
@@ -256,6 +261,8 @@ def main() -> None:
     p.add_argument("--api-workers", type=int, default=0, help="gateway worker processes (0: the setting's auto)")
     p.add_argument("--home", help="the stack's LORAPLEX_HOME (default: a temp folder)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--no-cost-model", action="store_true",
+                   help="LORAPLEX_COST_MODEL=false in the pool and the engine-only run: one mixed step per round")  # fmt: skip
     args = p.parse_args()
 
     tenants = [int(t) for t in args.tenants.split(",")]
@@ -264,7 +271,7 @@ def main() -> None:
     home = Path(args.home or tempfile.mkdtemp(prefix="bench-service-"))
     settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype, slots=max(8, *tenants),
                         max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens,
-                        api_workers=args.api_workers)  # fmt: skip
+                        api_workers=args.api_workers, cost_model=not args.no_cost_model)  # fmt: skip
     vocab = SHAPE_PRESETS[args.model]["vocab_size"] if args.model in SHAPE_PRESETS else 512
     results: dict[str, Any] = {
         "env": {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -176,6 +176,20 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenant_weight(args: argparse.Namespace) -> int:
+    """Show or set a tenant's fair-share weight (dispatch/fair_share.py)."""
+    from loraplex.storage.repositories import TenantRepository, unit_of_work
+
+    with unit_of_work(_tenant_repo_session(_settings(args))) as session:
+        repo = TenantRepository(session)
+        tenant = repo.get_by_name(args.name)
+        if args.weight is not None:
+            repo.set_weight(tenant.id, args.weight)
+        print(f"{tenant.name} weight {tenant.weight:g}" + (
+            " (pools read it within LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS)" if args.weight is not None else ""))  # fmt: skip
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Operator-side PEFT export (it reads the database and the blob store directly): the adapter's latest sampler or
     state checkpoint, verified, written as adapter_model.safetensors + adapter_config.json + the base model's
@@ -294,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tenant_create)
     p = tenant.add_parser("list", help="list tenants")
     p.set_defaults(func=cmd_tenant_list)
+    p = tenant.add_parser("weight", help="show or set a tenant's fair-share weight (default 1; 2 = twice the "
+                          "training tokens of a weight-1 tenant when both are backlogged)")  # fmt: skip
+    p.add_argument("name")
+    p.add_argument("weight", type=float, nargs="?", help="the new weight (> 0); omitted: show it")
+    p.set_defaults(func=cmd_tenant_weight)
     p = tenant.add_parser("keys", help="a tenant's API keys (id, prefix, created, active or revoked)")
     p.add_argument("name")
     p.set_defaults(func=cmd_tenant_keys)

@@ -221,9 +221,12 @@ def _lead(
     import redis
 
     from loraplex.background_writes import BackgroundWrites
+    from loraplex.dispatch.cost_calibration import OnlineCostModel
+    from loraplex.dispatch.cost_model import default_cost
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
+    from loraplex.dispatch.tenant_weights import TenantWeights, sql_weights
     from loraplex.embedded import ready_file
     from loraplex.logutil import RateLimitedLog
     from loraplex.queue.results import ResultStore
@@ -257,7 +260,10 @@ def _lead(
     engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
     writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
-    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group), writes)
+    # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.
+    cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None
+    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group), writes,
+                            on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
     recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes, lease=lease)
@@ -285,6 +291,8 @@ def _lead(
             settings=settings,
             applied_seq_lookup=applied_seq_lookup(sessions),
             pipelined=True,
+            cost_model=cost,
+            tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
         )
 
     dispatcher = _dispatcher_when_redis_answers(

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     # How long (ms) an underfilled plan may wait for the tenants whose results it just handed out, so tenants training
     # in a closed loop keep sharing one step (dispatch/coalescing.py). 0: plan at the first arrival.
     coalesce_ms: float = Field(default=50.0, ge=0)
+    # Cost-model coalescing (dispatch/step_split.py): the dispatcher runs a round's forward_backward requests as the
+    # split into engine steps (one mixed step, per adapter, or full adapters apart) its step cost model predicts
+    # cheapest, calibrated online from the pool's measured step times. false: always one mixed step.
+    cost_model: bool = True
+    # How long the dispatcher trusts a tenant's fair-share weight (tenants.weight) before reading it again.
+    tenant_weight_cache_seconds: float = Field(default=30.0, ge=0)
     # Host memory (MiB) for adapters evicted from the slots (their whole training state, pinned on CUDA); past it the
     # least recently used ones are spilled to disk, under `spill_dir` (empty: home/spill), one folder per pool and rank.
     host_budget_mb: float = Field(default=2048, ge=0)

@@ -36,8 +36,11 @@ from dataclasses import dataclass
 import redis as redis_lib
 
 from loraplex.dispatch.coalescing import Coalescer
+from loraplex.dispatch.cost_model import StepCost
+from loraplex.dispatch.fair_share import FairShareLedger
 from loraplex.dispatch.pipeline import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+from loraplex.dispatch.tenant_weights import TenantWeights
 from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.protocol import (
     CONTROL_KINDS,
@@ -97,10 +100,14 @@ class Dispatcher:
         pipelined: bool = False,
         coalesce_s: float | None = None,
         results: ResultStore | None = None,
+        cost_model: StepCost | None = None,
+        tenant_weights: TenantWeights | None = None,
     ) -> None:
         """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
         coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
-        results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one."""
+        results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one.
+        cost_model: splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from
+        its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1)."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
@@ -125,6 +132,10 @@ class Dispatcher:
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
         self._progress: dict[str, int] = {}  # request_id -> datums run so far, of a request running in parts
         self._next_claim = 0.0
+        self.cost_model = cost_model
+        self.tenant_weights = tenant_weights
+        self.fair_share = FairShareLedger()  # weighted tokens served per tenant, across plans
+        self._share_context: tuple[set[str], dict[str, float]] = (set(), {})  # the last plan's tenants and weights
         self._more_ready = False  # the last plan was capped: read without blocking
         window = settings.coalesce_ms / 1000 if coalesce_s is None else coalesce_s
         self.coalescer = Coalescer(window)
@@ -159,6 +170,7 @@ class Dispatcher:
         answered = 0
         busy = 0.0
         if decision.plan.steps:
+            self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0])
             answered, busy = self._execute(decision.plan, by_obj)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
@@ -210,8 +222,13 @@ class Dispatcher:
         return self._prefetcher.take(wait_s)
 
     def _plan(self) -> PolicyResult:
-        view = {m: self._applied.get(m) for m in {h.request.model_id for h in self._buffer}}
-        return plan_batch([h.request for h in self._buffer], view, self.limits, self._progress)
+        requests = [h.request for h in self._buffer]
+        view = {m: self._applied.get(m) for m in {r.model_id for r in requests}}
+        tenants = {r.tenant_id for r in requests}
+        weights = self.tenant_weights.of(tenants) if self.tenant_weights is not None else {}
+        self._share_context = (tenants, weights)
+        return plan_batch(requests, view, self.limits, self._progress, share=self.fair_share.view(tenants),
+                          weights=weights, cost=self.cost_model)  # fmt: skip
 
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
         """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back."""

@@ -23,19 +23,29 @@ The plan's steps, in order:
      ready, the plan holds fewer than `max_requests` requests and has run fewer than `max_rounds` rounds;
   3. one DELETE step with the deletes whose adapter has nothing else pending.
 
-Fair share. Within a round, candidates are taken in order of (requests this plan already took for their tenant, how long
-their adapter has waited: its oldest pending request's arrival index). When the token cap closes the FORWARD_BACKWARD step,
-candidates behind are not skipped over by later ones: they lead the next round (or the next plan, since leftovers keep
-their arrival order). The same holds when a step reaches `max_adapters_per_step` (the resident slots). So a tenant with
-many adapters or many requests cannot starve another.
+Fair share (dispatch/fair_share.py). Within a round, candidates are taken in order of (their tenant's virtual time: its
+weighted tokens served in earlier plans, `share`, plus what this plan already took for it, each request's tokens + 1
+divided by the tenant's weight; then how long their adapter has waited: its oldest pending request's arrival index).
+When the token cap closes the FORWARD_BACKWARD step, candidates behind are not skipped over by later ones: they lead the
+next round (or the next plan, since leftovers keep their arrival order). The same holds when a step reaches
+`max_adapters_per_step` (the resident slots). So a tenant with many adapters or many requests cannot starve another,
+and backlogged tenants' token shares follow their weights.
+
+Cost-model coalescing (dispatch/step_split.py). With a `cost` model, a round's forward_backward requests run as the
+split into engine steps predicted cheapest: one mixed step, each adapter alone, or the microbatch-filling adapters
+apart from the rest; never one predicted slower than running them adapter by adapter. Without one: one mixed step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from loraplex.dispatch.cost_model import StepCost
+from loraplex.dispatch.fair_share import charge_of, weight_of
+from loraplex.dispatch.step_split import split_step
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
@@ -87,13 +97,21 @@ def plan_batch(
     last_applied: Mapping[str, int | None],
     limits: PolicyLimits | None = None,
     progress: Mapping[str, int] | None = None,
+    *,
+    share: Mapping[str, float] | None = None,
+    weights: Mapping[str, float] | None = None,
+    cost: StepCost | None = None,
 ) -> PolicyResult:
     """Plan the next batch. `pending` is in arrival order; `last_applied` maps model_id -> last applied seq_id (None or
-    absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts)."""
+    absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts);
+    `share`: tenant -> virtual time from earlier plans (dispatch/fair_share.FairShareLedger.view; absent: 0);
+    `weights`: tenant -> weight (absent: 1); `cost`: the step cost model that splits forward_backward steps."""
     progress = progress or {}
+    share = share or {}
+    weights = weights or {}
     limits = limits or PolicyLimits()
     reqs = list(pending)  # requests are referred to by their index (= arrival order) below
-    duplicates, creates, deletes, samples, chains = _sort_out(reqs, last_applied)
+    duplicates, creates, deletes, samples, chains, step_of = _sort_out(reqs, last_applied)
 
     budget = limits.max_requests
     taken: set[int] = set()
@@ -123,41 +141,61 @@ def plan_batch(
     pos = dict.fromkeys(chains, 0)
     # waited[m][k]: arrival index of the oldest request in chains[m][k:] (how long the adapter has waited from there).
     waited = {m: _suffix_min(chain) for m, chain in chains.items()}
-    served: Counter[str] = Counter()  # requests taken per tenant in this plan
+    served: defaultdict[str, float] = defaultdict(float, share)  # tenant -> virtual time: earlier plans' + this plan's
     parts: dict[int, PlannedRequest] = {}  # index -> the part of it this plan runs
-    in_parts: set[str] = set()  # adapters whose request runs in parts: nothing more of theirs in this plan
 
-    def priority(i: int) -> tuple[int, int]:
+    def priority(i: int) -> tuple[float, int]:
         m = reqs[i].model_id
         return served[reqs[i].tenant_id], waited[m][pos[m]]
 
+    # The candidates (each adapter's ready head) in two heaps on (priority, index), kept across rounds: forward_backward
+    # heads, and the rest. Taking a request only raises its own tenant's priority, so an entry is refreshed lazily
+    # when it reaches the top (no re-sort of every head per pick, no rebuild per round).
+    fb_heap: list[tuple[float, int, int]] = []
+    other_heap: list[tuple[float, int, int]] = []
+
+    def push(i: int) -> None:
+        heapq.heappush(fb_heap if step_of[i] == StepKind.FORWARD_BACKWARD else other_heap, (*priority(i), i))
+
+    def fresh_top(heap: list[tuple[float, int, int]]) -> tuple[float, int, int] | None:
+        while heap:
+            vt, age, i = heap[0]
+            now = priority(i)
+            if (vt, age) == now:
+                return heap[0]
+            heapq.heapreplace(heap, (*now, i))
+        return None
+
+    for m, chain in chains.items():
+        if m not in waiting_create and chain and _ready(reqs[chain[0]], last[m]):
+            push(chain[0])
+
     rounds = 0
-    while budget > 0 and rounds < limits.max_rounds:
+    while budget > 0 and rounds < limits.max_rounds and (fb_heap or other_heap):
         rounds += 1
-        heads = [
-            chain[pos[m]]
-            for m, chain in chains.items()
-            if m not in waiting_create and m not in in_parts and pos[m] < len(chain) and _ready(reqs[chain[pos[m]]], last[m])
-        ]
-        if not heads:
-            break
         fb: list[int] = []
         opt: list[int] = []
         ckpt: list[int] = []
         rejected: list[int] = []
-        fb_tokens, fb_closed = 0, False
-        while heads and budget > 0:
-            heads.sort(key=priority)
-            i = heads.pop(0)
+        deferred: list[tuple[float, int, int]] = []  # optim_steps past the slots: they lead the next round
+        fb_tokens, fb_open = 0, True
+        while budget > 0:
+            top_fb = fresh_top(fb_heap) if fb_open else None
+            top_other = fresh_top(other_heap)
+            if top_fb is None and top_other is None:
+                break
+            heap = fb_heap if top_other is None or (top_fb is not None and top_fb < top_other) else other_heap
+            entry = heapq.heappop(heap)
+            i = entry[2]
             r = reqs[i]
-            step_kind = KINDS[r.kind].step
+            step_kind = step_of[i]
             if step_kind == StepKind.FORWARD_BACKWARD:
-                if fb_closed:
-                    continue
                 full = len(fb) >= limits.max_adapters_per_step  # one request per adapter and round: len = adapters
                 piece = _part_of(r, progress.get(r.request_id, 0), limits.plan_tokens)
                 if fb and (full or fb_tokens + piece.num_tokens > limits.plan_tokens):
-                    fb_closed = True  # later candidates must not jump it: it leads the next round
+                    # later candidates must not jump it: it leads the next round; the other kinds' go on
+                    heapq.heappush(fb_heap, entry)
+                    fb_open = False
                     continue
                 fb.append(i)
                 fb_tokens += piece.num_tokens
@@ -169,19 +207,27 @@ def plan_batch(
                 rejected.append(i)
             else:
                 if opt and len(opt) >= limits.max_adapters_per_step:
-                    continue  # the step holds as many adapters as there are slots: it leads the next round
+                    deferred.append(entry)  # the step holds as many adapters as there are slots
+                    continue
                 opt.append(i)
-            served[r.tenant_id] += 1
+            served[r.tenant_id] += charge_of(parts.get(i, r)) / weight_of(weights, r.tenant_id)
             budget -= 1
+        for entry in deferred:
+            heapq.heappush(other_heap, entry)
         answered = [i for i in fb + opt + ckpt + rejected if not (i in parts and parts[i].unfinished)]
         for i in answered:
             m = reqs[i].model_id
             pos[m] += 1
             last[m] = reqs[i].seq_id
+            chain = chains[m]
+            if pos[m] < len(chain) and _ready(reqs[chain[pos[m]]], last[m]):
+                push(chain[pos[m]])  # the adapter's next request: a candidate from the next round on
         taken.update(answered)
-        in_parts.update(reqs[i].model_id for i in fb if i in parts and parts[i].unfinished)
+        # (an adapter whose request runs in parts is not pushed back: nothing more of it in this plan)
         if fb:
-            steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(parts.get(i, reqs[i]) for i in fb)))
+            fb_requests = [parts.get(i, reqs[i]) for i in fb]
+            for group in split_step(fb_requests, cost):
+                steps.append(Step(StepKind.FORWARD_BACKWARD, tuple(fb_requests[k] for k in group)))
         if opt:
             steps.append(Step(StepKind.OPTIM_STEP, tuple(reqs[i] for i in opt)))
         if ckpt:
@@ -211,39 +257,52 @@ def plan_batch(
 
 def _sort_out(
     reqs: list[PlannedRequest], last_applied: Mapping[str, int | None]
-) -> tuple[list[int], list[int], list[int], list[int], dict[str, list[int]]]:
+) -> tuple[list[int], list[int], list[int], list[int], dict[str, list[int]], list[StepKind]]:
     """Split request indices into duplicates, creates, deletes, samples (arrival order) and per-adapter chains sorted
-    by seq_id."""
+    by seq_id; and each request's step kind. (The policy's hottest loop: one pass, locals only.)"""
     duplicates: list[int] = []
     creates: list[int] = []
     deletes: list[int] = []
     samples: list[int] = []
     chains: dict[str, list[int]] = {}
+    step_of: list[StepKind] = []
     seen_ids: set[str] = set()
     seen_slots: set[tuple[str, str | int]] = set()
+    control_kinds, unordered_kinds, kinds = CONTROL_KINDS, UNORDERED_KINDS, KINDS
+    create, delete = StepKind.CREATE, StepKind.DELETE
     for i, r in enumerate(reqs):
-        control = r.kind in CONTROL_KINDS
-        slot = (r.model_id, str(r.kind) if control else r.seq_id)
-        last = last_applied.get(r.model_id)
-        unordered = r.kind in UNORDERED_KINDS
-        already = not control and not unordered and last is not None and r.seq_id <= last
-        if r.request_id in seen_ids or slot in seen_slots or already:
+        kind = r.kind
+        step_kind = kinds[kind].step
+        step_of.append(step_kind)
+        control = kind in control_kinds
+        slot = (r.model_id, str(kind) if control else r.seq_id)
+        unordered = kind in unordered_kinds
+        if r.request_id in seen_ids or slot in seen_slots:
             duplicates.append(i)
             continue
+        if not control and not unordered:
+            last = last_applied.get(r.model_id)
+            if last is not None and r.seq_id <= last:
+                duplicates.append(i)
+                continue
         seen_ids.add(r.request_id)
         seen_slots.add(slot)
-        step_kind = KINDS[r.kind].step
         if unordered:
             samples.append(i)
-        elif step_kind == StepKind.CREATE:
+        elif step_kind == create:
             creates.append(i)
-        elif step_kind == StepKind.DELETE:
+        elif step_kind == delete:
             deletes.append(i)
         else:
-            chains.setdefault(r.model_id, []).append(i)
+            chain = chains.get(r.model_id)
+            if chain is None:
+                chains[r.model_id] = [i]
+            else:
+                chain.append(i)
     for chain in chains.values():
-        chain.sort(key=lambda i: reqs[i].seq_id)
-    return duplicates, creates, deletes, samples, chains
+        if len(chain) > 1:
+            chain.sort(key=lambda i: reqs[i].seq_id)
+    return duplicates, creates, deletes, samples, chains, step_of
 
 
 def _part_of(r: PlannedRequest, done: int, plan_tokens: int) -> PlannedRequest:

@@ -68,6 +68,9 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Fair-share weight (migration 0006): a backlogged tenant of weight 2 gets twice the training tokens of one of
+    # weight 1 (dispatch/fair_share.py); the pool reads it through dispatch/tenant_weights.py.
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
 
 
 class ApiKey(Base):

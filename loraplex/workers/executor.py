@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -102,12 +103,16 @@ class PlanExecutor:
         store: AdapterStore | None = None,
         sampling: Callable[[Step], list[Outcome]] | None = None,
         writes: BackgroundWrites | None = None,
+        on_step: Callable[[Step, list[Outcome], float], None] | None = None,
     ) -> None:
         """store: the tiered adapter store (adapter_store.py) over `engine`; without one, adapters live in slots only.
         sampling: runs a SAMPLE step (the native sampler over this engine); None: this pool does not sample, and each
         sampling request fails with a NotSupportedError saying so. writes: where a sampler save's files are written
         off the training path (the plan copies the weights, the file write runs beside the next plans; whoever
-        publishes the result waits for it: dispatch/recording_executor.py); None: written in the plan."""
+        publishes the result waits for it: dispatch/recording_executor.py); None: written in the plan. on_step: told
+        (step, its outcomes, seconds) after each step ran (the pool's cost model calibrates from it,
+        dispatch/cost_calibration.py)."""
+        self.on_step = on_step
         self.engine = engine
         self.store = store
         self.sampling = sampling
@@ -130,7 +135,20 @@ class PlanExecutor:
             if self.store is not None and step.kind in RESIDENT_STEPS:
                 outcomes.extend(self._resident_then(step))
             else:
-                outcomes.extend(self._handlers[step.kind](step))
+                outcomes.extend(self._timed(step))
+        return outcomes
+
+    def _timed(self, step: Step) -> list[Outcome]:
+        """Run one step's handler; tell `on_step` how long it took (swaps before it excluded: they are not the step's
+        cost). A FORWARD_BACKWARD handler reads its outputs back to the host, so the time covers the device's work."""
+        if self.on_step is None:
+            return self._handlers[step.kind](step)
+        started = time.perf_counter()
+        outcomes = self._handlers[step.kind](step)
+        try:
+            self.on_step(step, outcomes, time.perf_counter() - started)
+        except Exception:  # noqa: BLE001 - statistics only: the step's outcomes stand
+            log.exception("on_step failed for a %s step", step.kind)
         return outcomes
 
     def _resident_then(self, step: Step) -> list[Outcome]:
@@ -155,7 +173,7 @@ class PlanExecutor:
             except Exception as exc:  # noqa: BLE001 - a failed swap (disk full...) fails this part's requests only
                 outcomes.extend(error_outcome(r, exc) for r in part)
                 continue
-            outcomes.extend(self._handlers[step.kind](Step(step.kind, tuple(part))))
+            outcomes.extend(self._timed(Step(step.kind, tuple(part))))
         return outcomes
 
     def _one_by_one(self, step: Step, call: Callable[[PlannedRequest], dict[str, Any]]) -> list[Outcome]:

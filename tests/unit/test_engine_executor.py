@@ -174,3 +174,18 @@ def test_a_pool_without_a_sampler_fails_its_sampling_requests_alone(executor: Pl
     created, sampled = executor.execute(plan)
     assert created.ok and not sampled.ok
     assert sampled.error_type == "NotSupportedError" and "no sampler" in (sampled.error or "")
+
+
+def test_on_step_is_told_each_steps_outcomes_and_seconds(tiny_dir: Path) -> None:
+    """The pool's cost model calibrates from these (dispatch/cost_calibration.OnlineCostModel.observe_step)."""
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    seen: list[tuple[StepKind, list[str], float]] = []
+    executor = PlanExecutor(Engine(model, num_slots=2, max_rank=8),
+                            on_step=lambda step, outcomes, s: seen.append((step.kind, [o.request_id for o in outcomes], s)))  # fmt: skip
+    plan = BatchPlan((
+        Step(StepKind.CREATE, (req("c", "a", RequestKind.CREATE_ADAPTER, rank=4, seed=1),)),
+        Step(StepKind.FORWARD_BACKWARD, (req("f", "a", RequestKind.FORWARD_BACKWARD, data=DATA),)),
+    ))  # fmt: skip
+    assert all(o.ok for o in executor.execute(plan))
+    assert [(k, ids) for k, ids, _ in seen] == [(StepKind.CREATE, ["c"]), (StepKind.FORWARD_BACKWARD, ["f"])]
+    assert all(s > 0 for _, _, s in seen)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Collection
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -110,6 +111,19 @@ class TenantRepository:
         if tenant is None:
             raise NotFoundError(f"adapter {model_id!r} not found")
         return tenant
+
+    def set_weight(self, tenant_id: str, weight: float) -> None:
+        """The tenant's fair-share weight (operators only): finite and > 0."""
+        if not (0 < weight < float("inf")):
+            raise InvalidRequestError(f"tenant weight must be a positive finite number, got {weight!r}")
+        self.get(tenant_id).weight = float(weight)
+
+    def weights(self, tenant_ids: Collection[str]) -> dict[str, float]:
+        """tenant id -> fair-share weight, for the pool's dispatcher (ids it does not know are left out)."""
+        if not tenant_ids:
+            return {}
+        rows = self.session.execute(select(Tenant.id, Tenant.weight).where(Tenant.id.in_(list(tenant_ids))))
+        return {tid: float(w) for tid, w in rows}
 
     def list(self) -> list[Tenant]:
         return list(self.session.scalars(select(Tenant).order_by(Tenant.name)))

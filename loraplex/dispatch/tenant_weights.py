@@ -1,0 +1,60 @@
+"""The tenants' fair-share weights as the dispatcher reads them: the `tenants.weight` column through a cache, so a plan
+costs no SQL (one SELECT for the tenants whose entry is older than `ttl_s`, at most once per `ttl_s` each). A weight
+change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A failed read (the database away)
+keeps the weights known so far (1 for a tenant never read) and is retried on the next plan after `retry_s`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.logutil import RateLimitedLog
+from loraplex.storage.repositories import TenantRepository
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[Collection[str]], Mapping[str, float]]
+
+
+class TenantWeights:
+    def __init__(
+        self, fetch: Fetch, ttl_s: float = 30.0, retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._fetch = fetch
+        self._ttl = ttl_s
+        self._retry = retry_s
+        self._clock = clock
+        self._weights: dict[str, float] = {}
+        self._read_at: dict[str, float] = {}  # tenant -> when its weight was read (or last tried)
+        self._warn = RateLimitedLog(log, every_s=30.0)
+
+    def of(self, tenants: Iterable[str]) -> dict[str, float]:
+        """tenant -> weight for `tenants` (1.0 for one the database does not know)."""
+        wanted = set(tenants)
+        now = self._clock()
+        stale = [t for t in wanted if now - self._read_at.get(t, -float("inf")) >= self._ttl]
+        if stale:
+            try:
+                fresh = self._fetch(stale)
+            except Exception as exc:  # noqa: BLE001 - the pool keeps planning with what it knows
+                self._warn.warning("reading tenant weights failed (%s: %s); retrying", type(exc).__name__, exc)
+                for t in stale:  # try again after retry_s, not on every plan
+                    self._read_at[t] = now - self._ttl + self._retry
+            else:
+                for t in stale:
+                    self._weights[t] = float(fresh.get(t, 1.0))
+                    self._read_at[t] = now
+        return {t: self._weights.get(t, 1.0) for t in wanted}
+
+
+def sql_weights(sessions: sessionmaker[Session]) -> Fetch:
+    """Fetch weights from the `tenants` table."""
+
+    def fetch(tenant_ids: Collection[str]) -> Mapping[str, float]:
+        with sessions() as session:
+            return TenantRepository(session).weights(tenant_ids)
+
+    return fetch
