@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loraplex"
 BOTTOM = ("loraplex.protocol", "loraplex.errors", "loraplex.fsutil", "loraplex.checkpoint_paths",
-          "loraplex.protocol_defaults", "loraplex.netutil", "loraplex.logutil")  # fmt: skip
+          "loraplex.protocol_defaults", "loraplex.netutil", "loraplex.logutil", "loraplex.background_writes")  # fmt: skip
 
 # package -> prefixes of modules it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
