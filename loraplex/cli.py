@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import signal
 import sys
@@ -226,7 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.embedded:
         import uvicorn
 
-        uvicorn.run("loraplex.api.main:app", host=settings.api_host, port=settings.api_port,
+        uvicorn.run("loraplex.gateway:app", host=settings.api_host, port=settings.api_port,
                     workers=settings.resolved_api_workers)
         return 0
     stop = threading.Event()
@@ -260,10 +261,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace, home: Path, console) -> int:
+    from loraplex.admin.passwords import hash_password
     from loraplex.demo import TASKS, load_tokenizer, print_table, run_demo, write_report
     from loraplex.embedded import Stack
     from loraplex.netutil import free_port
-    from loraplex.storage.repositories import TenantRepository, unit_of_work
+    from loraplex.storage.repositories import AdminRepository, TenantRepository, unit_of_work
 
     settings = get_settings().model_copy(
         update={"home": home, "database_url": "", "redis_url": "", "base_model": args.base_model or "tiny"}
@@ -273,9 +275,12 @@ def _demo(args: argparse.Namespace, home: Path, console) -> int:
         console.print(f"stack up in {time.monotonic() - started:.1f} s at {stack.base_url} (state in {home})")
         sessions = _tenant_repo_session(stack.settings)
         keys = {}
+        password = secrets.token_urlsafe(12)  # the demo's stack is thrown away at the end; so is this account
         with unit_of_work(sessions) as session:
             for name in TASKS:
                 keys[name] = TenantRepository(session).create_tenant(name)[1]
+            AdminRepository(session).create("demo", hash_password(password))
+        console.print(f"watch it live: {stack.base_url}/admin/dashboard (user demo, password {password})")
         tokenizer = load_tokenizer(stack.settings.resolved_model_cache, stack.settings.base_model)
         reports = run_demo(stack.base_url, keys, tokenizer, steps=args.steps, lr=args.lr, rank=args.rank, console=console)
     print_table(reports, console)
@@ -346,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run one worker pool process (dispatcher + rank 0)")
     p.set_defaults(func=cmd_worker)
+
+    from loraplex.admin.cli import register as register_admin
+
+    register_admin(sub)
 
     p = sub.add_parser("demo", help="4 tenants train 4 tasks concurrently on the embedded stack")
     p.add_argument("--report", help="write a JSON report here")

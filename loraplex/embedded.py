@@ -69,7 +69,7 @@ class Stack:
             if self.api_in_child:
                 self._spawn(
                     "api",
-                    ["-m", "uvicorn", "loraplex.api.main:app", "--host", self.settings.api_host,
+                    ["-m", "uvicorn", "loraplex.gateway:app", "--host", self.settings.api_host,
                      "--port", str(self.api_port), "--log-level", "warning",
                      "--workers", str(self.settings.resolved_api_workers)],
                 )  # fmt: skip

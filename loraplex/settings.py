@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     vllm_max_loras: int = Field(default=8, ge=2)  # adapters the vLLM server holds at once (one is the zero adapter)
     # How long the checkpoint of an unnamed save_weights_for_sampler (save_weights_and_get_sampling_client) is kept.
     unnamed_sampler_ttl_seconds: int = Field(default=24 * 3600, gt=0)
+    # The web admin (/admin, loraplex/admin/). Its session cookies are signed with `admin_secret`; empty: a random
+    # secret kept in home/admin-secret (made once, mode 0600), which gateways sharing that home share.
+    admin_secret: str = ""
+    admin_session_seconds: int = Field(default=8 * 3600, gt=0)
+    admin_max_failed_logins: int = Field(default=5, ge=1)  # in a row; the next one locks the account ...
+    admin_lockout_seconds: int = Field(default=15 * 60, gt=0)  # ... for this long
+    admin_cookie_secure: bool = False  # True behind HTTPS: the browser then sends the session cookie over HTTPS only
     max_tokens_per_datum: int = 32768
     # Admission control (api/admission.py, queue/producer.py). A body over `max_body_bytes` is a 413 as soon as that
     # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the

@@ -204,3 +204,20 @@ class Usage(Base):
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class AdminAccount(Base):
+    """An operator of the web admin (loraplex/admin/), created from the CLI; never a tenant. The password is kept as a
+    salted scrypt hash (loraplex/admin/passwords.py); repeated failures lock the account for a while."""
+
+    __tablename__ = "admin_accounts"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    username: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(255))
+    failed_logins: Mapped[int] = mapped_column(Integer, default=0)
+    locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Bumped on password change or unlock: a session cookie carries the version it was issued under.
+    session_version: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_login_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

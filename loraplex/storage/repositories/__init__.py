@@ -4,6 +4,7 @@ Write methods flush but never commit; wrap them in `unit_of_work` (re-exported h
 
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository
+from loraplex.storage.repositories.admins import AdminRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
@@ -15,6 +16,7 @@ from loraplex.storage.repositories.usage import KindTotals, UsageRepository, Usa
 __all__ = [
     "API_KEY_PREFIX",
     "AdapterRepository",
+    "AdminRepository",
     "CheckpointRepository",
     "KindTotals",
     "PoolRepository",

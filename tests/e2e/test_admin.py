@@ -1,0 +1,201 @@
+"""The web admin on the embedded stack, in a real headless Chromium (Playwright driving Debian's `chromium`):
+an admin account made with the CLI logs in; every view opens (search, filter, sort); each action does what it says
+in the database (issue a key shown once that then authenticates, revoke a key that then gets 401, set a
+checkpoint's TTL, expire a checkpoint with its files, delete an adapter through the queue until the pool frees it);
+the dashboard shows live data (a screenshot is written for a person to look at). A tenant's API key never opens
+/admin, a wrong password gets no session, repeated wrong passwords lock the account (the CLI unlocks it), and a
+cross-site POST is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loraplex.client import AdamParams, Datum
+from loraplex.storage.blobs import BlobStore
+from loraplex.storage.db import make_db_engine, session_factory
+from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Residency, Tenant
+from loraplex.storage.types import utcnow
+from tests.helpers.stack import create_tenants
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium")
+PASSWORD = "correct horse battery staple"
+# Where the dashboard screenshot goes (to look at after a run); a temp folder otherwise.
+SHOTS = os.environ.get("LORAPLEX_TEST_SCREENSHOTS")
+
+
+def _cli(stack, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **stack.child_env()}
+    return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def world(stack) -> dict[str, Any]:
+    """Two tenants, a trained adapter with checkpoints, and two admin accounts made through the CLI."""
+    from loraplex.client import ServiceClient
+
+    keys = create_tenants(stack, "adm-one", "adm-two")
+    one = ServiceClient(stack.base_url, keys["adm-one"])
+    training = one.create_lora_training_client(rank=4, seed=3)
+    data = [Datum.for_next_token([(5 + 3 * i + j) % 150 + 10 for j in range(12)]) for i in range(2)]
+    for _ in range(3):
+        training.forward_backward(data)
+        training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    training.save_state("keep").result()
+    training.save_state("drop").result()
+    doomed = one.create_lora_training_client(rank=4, seed=4)
+    doomed.forward_backward(data).result()
+    for name in ("ops", "locky"):
+        done = _cli(stack, "admin", "create", name, "--password-stdin", stdin=PASSWORD + "\n")
+        assert done.returncode == 0, done.stderr
+    return {"keys": keys, "adapter": training.model_id, "doomed": doomed.model_id,
+            "sessions": session_factory(make_db_engine(stack.settings.resolved_database_url))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium (apt-get install chromium; scripts/ensure-services.sh does)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def _login(browser, stack, username: str = "ops", password: str = PASSWORD) -> Any:
+    page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+    page.goto(f"{stack.base_url}/admin/login")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_load_state()
+    return page
+
+
+def _logged_in(page, stack) -> bool:
+    page.goto(f"{stack.base_url}/admin/adapter/list")
+    return "/admin/login" not in page.url
+
+
+def test_a_tenant_key_and_a_wrong_password_open_nothing(stack, world, browser) -> None:
+    key = world["keys"]["adm-one"]
+    for headers in ({"X-API-Key": key}, {"Authorization": f"Bearer {key}"}):
+        r = httpx.get(f"{stack.base_url}/admin/adapter/list", headers=headers, follow_redirects=False)
+        assert r.status_code in (302, 303, 307) and "/admin/login" in r.headers["location"]
+    page = _login(browser, stack, password="not the password at all")
+    assert "/admin/login" in page.url
+    assert not _logged_in(page, stack)
+    assert not any(c["name"] == "loraplex_admin" and "admin" in c["value"] for c in page.context.cookies())
+    r = httpx.post(f"{stack.base_url}/admin/login", data={"username": "ops", "password": PASSWORD},
+                   headers={"Origin": "http://evil.example"})  # fmt: skip
+    assert r.status_code == 403  # a cross-site form post never reaches the login
+
+
+def test_repeated_wrong_passwords_lock_the_account_until_unlocked(stack, world, browser) -> None:
+    for _ in range(stack.settings.admin_max_failed_logins):
+        assert not _logged_in(_login(browser, stack, "locky", "wrong password, again"), stack)
+    assert not _logged_in(_login(browser, stack, "locky"), stack)  # the right password, but locked
+    assert _cli(stack, "admin", "unlock", "locky").returncode == 0
+    assert _logged_in(_login(browser, stack, "locky"), stack)
+
+
+def test_every_view_opens_with_search_filter_and_sort(stack, world, browser) -> None:
+    page = _login(browser, stack)
+    adapter = world["adapter"]
+    for identity, expect in (("tenant", "adm-one"), ("api-key", "tml-"), ("adapter", adapter), ("checkpoint", "keep"),
+                             ("residency", adapter), ("pool", stack.settings.pool), ("usage", "forward_backward")):  # fmt: skip
+        page.goto(f"{stack.base_url}/admin/{identity}/list")
+        assert page.locator("table").count() >= 1, identity
+        assert expect in page.content(), identity
+    page.goto(f"{stack.base_url}/admin/adapter/list?search={adapter}")
+    assert adapter in page.content() and world["doomed"] not in page.content()
+    page.goto(f"{stack.base_url}/admin/checkpoint/list?sortBy=created_at&sort=asc")
+    body = page.content()
+    assert body.index(">keep<") < body.index(">drop<")  # oldest first
+    page.goto(f"{stack.base_url}/admin/usage/list?kind=optim_step")
+    assert "optim_step" in page.content() and ">forward_backward<" not in page.content()
+    page.goto(f"{stack.base_url}/admin/adapter/details/{adapter}")
+    assert adapter in page.content()
+
+
+def _row(world, model, **where) -> Any:
+    with world["sessions"]() as db:
+        return db.query(model).filter_by(**where).one_or_none()
+
+
+def test_actions_change_the_database_through_the_service(stack, world, browser) -> None:
+    page = _login(browser, stack)
+    sessions = world["sessions"]
+    with sessions() as db:
+        tenant_id = db.query(Tenant).filter_by(name="adm-two").one().id
+        keep = db.query(Checkpoint).filter_by(model_id=world["adapter"], name="keep").one().id
+        drop = db.query(Checkpoint).filter_by(model_id=world["adapter"], name="drop").one()
+    # Issue a key: shown once, and it authenticates.
+    page.goto(f"{stack.base_url}/admin/tenant/action/issue-key?pks={tenant_id}")
+    new_key = page.inner_text("#new-api-key").strip()
+    assert new_key.startswith("tml-")
+    assert httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": new_key}).status_code == 200
+    # Revoke it through the list page's action menu (select the row, pick the action, confirm).
+    with sessions() as db:
+        key_id = db.query(ApiKey).filter_by(tenant_id=tenant_id, prefix=new_key[:8]).one().id
+    page.goto(f"{stack.base_url}/admin/api-key/list?search={new_key[:8]}")
+    page.locator(f"tr:has(input[type=hidden][value='{key_id}']) input.select-box").check()
+    page.click("#dropdownMenuButton")
+    page.click("#action-customconfirm-revoke")
+    page.click("#action-custom-modal-revoke")
+    page.wait_for_load_state()
+    assert _row(world, ApiKey, id=key_id).revoked_at is not None
+    deadline = time.monotonic() + 10  # the gateway trusts a checked key for auth_cache_seconds
+    while httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": new_key}).status_code != 401:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    # A checkpoint's TTL through the form.
+    page.goto(f"{stack.base_url}/admin/checkpoint/action/set-ttl?pks={keep}")
+    page.fill("#ttl_seconds", "3600")
+    page.click("#apply-ttl")
+    page.wait_for_load_state()
+    expires = _row(world, Checkpoint, id=keep).expires_at
+    assert expires is not None and abs((expires - utcnow()) - timedelta(seconds=3600)) < timedelta(seconds=60)
+    # Expire another now: row and files gone.
+    blobs = BlobStore(stack.settings.resolved_blob_root)
+    folder = blobs.path(blobs.key_for_uri(drop.blob_uri))
+    assert folder.exists()
+    page.goto(f"{stack.base_url}/admin/checkpoint/action/expire?pks={drop.id}")
+    assert _row(world, Checkpoint, id=drop.id) is None
+    assert not folder.exists()
+    # Delete an adapter: through the queue, until its pool has freed it.
+    page.goto(f"{stack.base_url}/admin/adapter/action/delete-adapter?pks={world['doomed']}")
+    deadline = time.monotonic() + 30
+    while _row(world, Adapter, model_id=world["doomed"]).status != "deleted" or _row(
+        world, Residency, model_id=world["doomed"], pool=stack.settings.pool, rank=0
+    ):
+        assert time.monotonic() < deadline, _row(world, Adapter, model_id=world["doomed"]).status
+        time.sleep(0.3)
+
+
+def test_the_dashboard_draws_live_data(stack, world, browser, tmp_path) -> None:
+    page = _login(browser, stack)
+    page.goto(f"{stack.base_url}/admin/dashboard")
+    for panel in ("queue", "tokens", "slots", "tiers", "plans"):
+        assert page.locator(f"#panel-{panel} svg").count() == 1, panel
+    assert page.locator("#panel-tokens polyline.series").count() >= 1  # adm-one trained within the window
+    assert page.locator("#panel-slots rect.bar").count() >= 1
+    assert "adm-one" in page.inner_text("#panel-tokens")
+    shot = Path(SHOTS or tmp_path) / "admin-dashboard.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
