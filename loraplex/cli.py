@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -212,8 +213,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.embedded:
         import uvicorn
 
-        uvicorn.run("loraplex.api.main:app", host=settings.api_host, port=settings.api_port,
-                    workers=settings.resolved_api_workers)
+        from loraplex.embedded import gateway_metrics_env
+
+        workers = settings.resolved_api_workers
+        os.environ.update(gateway_metrics_env(settings, settings.api_port, workers))  # before the workers start
+        uvicorn.run("loraplex.api.main:app", host=settings.api_host, port=settings.api_port, workers=workers)
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
