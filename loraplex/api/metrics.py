@@ -99,5 +99,3 @@ def multiprocess_env(folder: Path, workers: int) -> dict[str, str]:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     return {MULTIPROC_ENV: str(folder)}
-
-

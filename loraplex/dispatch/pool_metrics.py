@@ -11,6 +11,7 @@ The registry is served on the pool's own port (loraplex/metrics_server.py) and p
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -20,9 +21,10 @@ from loraplex.protocol import KINDS, BatchPlan, Outcome, RequestKind, StepKind
 
 log = logging.getLogger(__name__)
 
-# Phases of the time split (loraplex_pool_seconds_total{phase}); together they are the pool's wall time when busy:
-# the loop's (read, plan, coalesce, loop_other), the executor's (swap, then one per step kind, execute_other:
-# the rest of executing a plan, e.g. its broadcast to the other ranks) and the finisher's (record, publish).
+# Phases of the time split (loraplex_pool_seconds_total{phase}). The loop's (read: waiting for requests included,
+# plan, coalesce, loop_other) and the executor's (swap, one per step kind, execute_other: the rest of executing a
+# plan, e.g. its broadcast to the other ranks) add up to the loop thread's time in rounds that ran a plan; the
+# finisher's (record, publish) run beside the next plan, on a thread of their own.
 LOOP_PHASES = ("read", "plan", "coalesce", "loop_other")
 FINISH_PHASES = ("record", "publish")
 EXECUTE_PHASES = ("swap", *(k.value for k in StepKind), "execute_other")
@@ -70,6 +72,7 @@ class PoolMetrics:
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
         self._swaps_seen: dict[str, tuple[int, float]] = {}
         self._tenants_seen: set[str] = set()
+        self._depths_lock = threading.Lock()  # the publisher thread and scrapes both refresh the depths
         r, p = self.registry, ("pool",)
 
         self.plans = Counter("loraplex_pool_plans", "Plans the pool executed.", p, registry=r)
@@ -148,12 +151,12 @@ class PoolMetrics:
     def queue_depths(self, depths: Mapping[str, tuple[int, int]]) -> None:
         """tenant -> (queued requests, queued tokens) as Redis holds them now (queue/metrics_snapshot.py); a tenant
         seen before and absent now reads zero."""
-        for tenant in self._tenants_seen - set(depths):
-            depths = {**depths, tenant: (0, 0)}
-        for tenant, (requests, tokens) in depths.items():
-            self.queued_requests.labels(self.pool, tenant).set(requests)
-            self.queued_tokens.labels(self.pool, tenant).set(tokens)
-        self._tenants_seen |= set(depths)
+        with self._depths_lock:
+            depths = {**dict.fromkeys(self._tenants_seen, (0, 0)), **depths}
+            for tenant, (requests, tokens) in depths.items():
+                self.queued_requests.labels(self.pool, tenant).set(requests)
+                self.queued_tokens.labels(self.pool, tenant).set(tokens)
+            self._tenants_seen |= set(depths)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus's text format."""

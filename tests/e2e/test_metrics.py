@@ -115,13 +115,14 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
 
     # The pool's own /metrics: per-tenant tokens equal what each tenant sent; requests, steps and sampled tokens.
     def pool_expected(s: Samples) -> dict[str, float]:
+        fb, ok = {"kind": "forward_backward"}, {"result": "ok"}
         return {
-            "tokens_a": _value(s, "loraplex_pool_tokens_total", pool="default", tenant=tenant_a, kind="forward_backward"),
-            "tokens_b": _value(s, "loraplex_pool_tokens_total", pool="default", tenant=tenant_b, kind="forward_backward"),
-            "fb_ok_a": _value(s, "loraplex_pool_requests_total", pool="default", tenant=tenant_a,
-                              kind="forward_backward", result="ok"),  # fmt: skip
-            "opt_ok_b": _value(s, "loraplex_pool_requests_total", pool="default", tenant=tenant_b, kind="optim_step",
-                               result="ok"),  # fmt: skip
+            "tokens_a": _value(s, "loraplex_pool_tokens_total", pool="default", tenant=tenant_a, **fb),
+            "tokens_b": _value(s, "loraplex_pool_tokens_total", pool="default", tenant=tenant_b, **fb),
+            "fb_ok_a": _value(s, "loraplex_pool_requests_total", pool="default", tenant=tenant_a, **fb, **ok),
+            "opt_ok_b": _value(
+                s, "loraplex_pool_requests_total", pool="default", tenant=tenant_b, kind="optim_step", **ok
+            ),
             "sampled_b": _value(s, "loraplex_pool_sampled_tokens_total", pool="default", tenant=tenant_b),
         }
 
@@ -133,14 +134,18 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
     )
     layouts = _total(own, "loraplex_pool_fb_steps_total") - _total(before_pool, "loraplex_pool_fb_steps_total")
     assert 3 <= fb_steps <= 5 and layouts == fb_steps  # 5 requests, in at least 3 steps (tenant a's are in order)
-    tokens_per_step = _total(own, "loraplex_pool_fb_step_tokens_sum") - _total(before_pool, "loraplex_pool_fb_step_tokens_sum")
+    tokens_per_step = _total(own, "loraplex_pool_fb_step_tokens_sum") - _total(
+        before_pool, "loraplex_pool_fb_step_tokens_sum"
+    )
     assert tokens_per_step == sent[1] + sent[2]
     for phase in ("read", "plan", "forward_backward", "optim_step", "record", "publish"):
         assert _value(own, "loraplex_pool_seconds_total", pool="default", phase=phase) > 0, phase
     assert _value(own, "loraplex_pool_slots", pool="default") == 4
     assert _value(own, "loraplex_pool_adapters", pool="default", tier="gpu") >= 2
-    drained = _eventually(lambda: _scrape(pool),  # entries leave their stream when acked, just after the result
-                          lambda s: _value(s, "loraplex_pool_queued_requests", pool="default", tenant=tenant_a) == 0)
+    drained = _eventually(
+        lambda: _scrape(pool),  # entries leave their stream when acked, just after the result
+        lambda s: _value(s, "loraplex_pool_queued_requests", pool="default", tenant=tenant_a) == 0,
+    )
     assert _value(drained, "loraplex_pool_queued_requests", pool="default", tenant=tenant_a) == 0
 
     # The same numbers through Redis, at the gateway's /metrics/pools (published every 0.5 s here).

@@ -13,7 +13,6 @@ from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
 from loraplex.queue import metrics_snapshot
 from loraplex.settings import Settings
 from tests.helpers.policy import FB, req
-
 from tests.integration.conftest import gateway_app
 
 FB_ROUTE = "/v1/adapters/{model_id}/forward_backward"

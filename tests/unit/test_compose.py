@@ -72,7 +72,7 @@ def test_every_loraplex_command_exists_in_the_cli(spec) -> None:
     assert _parse_cli(commands["api"][1:]).command == "serve" and not _parse_cli(commands["api"][1:]).embedded
     for name in ("pool", "pool-cpu"):
         assert _parse_cli(commands[name][1:]).command == "worker"
-    for name, command in commands.items():
+    for command in commands.values():
         if command[0] == "loraplex":
             _parse_cli(command[1:])
     # Healthchecks that call our CLI are real commands too.
