@@ -10,7 +10,6 @@ The registry is served on the pool's own port (loraplex/metrics_server.py) and p
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -18,8 +17,6 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loraplex.protocol import KINDS, BatchPlan, Outcome, RequestKind, StepKind
-
-log = logging.getLogger(__name__)
 
 # Phases of the time split (loraplex_pool_seconds_total{phase}). The loop's (read: waiting for requests included,
 # plan, coalesce, loop_other) and the executor's (swap, one per step kind, execute_other: the rest of executing a
@@ -119,9 +116,13 @@ class PoolMetrics:
         self.queued_tokens = Gauge("loraplex_pool_queued_tokens", "Tokens of the queued requests, per tenant.",
                                    (*p, "tenant"), registry=r)  # fmt: skip
         self.slots.labels(pool).set(slots)
-        for move in MOVES:  # present from the start, so rate() sees the first swap
+        for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
+        for phase in (*LOOP_PHASES, *EXECUTE_PHASES, *FINISH_PHASES):
+            self.seconds.labels(pool, phase)
+        for tier in TIERS:
+            self.adapters.labels(pool, tier)
 
     # -- reports from the dispatcher -----------------------------------------------------------------------------
     def executed(self, plan: BatchPlan, outcomes: Sequence[Outcome], busy_s: float) -> None:
@@ -201,11 +202,3 @@ class PoolMetrics:
 def _rows(payload: Any, part: tuple[int, int] | None) -> int:
     data = getattr(payload, "data", ())
     return len(data) if part is None else part[1] - part[0]
-
-
-def safely(call: Callable[..., None], *args: Any) -> None:
-    """Run a metrics update; a failure is logged, never raised (metrics must not stop the pool)."""
-    try:
-        call(*args)
-    except Exception:  # noqa: BLE001
-        log.exception("updating the pool's metrics failed")
