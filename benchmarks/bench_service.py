@@ -238,7 +238,7 @@ def service_config(
         "pool_busy_fraction": after.busy_s / wall,
         "connections_per_gateway_worker": per_worker,
     } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
-         for name in ("busy", "read", "coalesce", "overhead", "record", "publish")}  # fmt: skip
+         for name in ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")}  # fmt: skip
 
 
 def main() -> None:
@@ -306,7 +306,7 @@ def main() -> None:
               + ("  engine before/after: {:,.0f} / {:,.0f}".format(*e["tok_s_before_after"])
                  if e and "tok_s_before_after" in e else ""))  # fmt: skip
     print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
-    parts = ("busy", "read", "coalesce", "overhead", "record", "publish")
+    parts = ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")
     print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))
     for workload, n, _ in configs:
         s = results["service"][f"{workload}/{n}"]

@@ -12,7 +12,8 @@ mkdir -p "$dest"
 py=${PY:-.venv/bin/python}
 names=(pydantic pydantic_core pydantic-settings python-dotenv typing-inspection annotated-types fastapi starlette
        uvicorn httptools sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore
-       tinker protobuf zstandard)  # the Tinker routes: the SDK's protobuf messages (the package is not imported), zstd
+       tinker protobuf zstandard  # the Tinker routes: the SDK's protobuf messages (the package is not imported), zstd
+       prometheus_client)  # the pool's and the gateway's metrics (dispatch/pool_metrics.py, api/metrics.py)
 specs=()
 for n in "${names[@]}"; do
   v=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$n" 2>/dev/null) || continue

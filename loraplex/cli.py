@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shutil
 import signal
@@ -227,8 +228,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.embedded:
         import uvicorn
 
-        uvicorn.run("loraplex.gateway:app", host=settings.api_host, port=settings.api_port,
-                    workers=settings.resolved_api_workers)
+        from loraplex.embedded import gateway_metrics_env
+
+        workers = settings.resolved_api_workers
+        os.environ.update(gateway_metrics_env(settings, settings.api_port, workers))  # before the workers start
+        uvicorn.run("loraplex.gateway:app", host=settings.api_host, port=settings.api_port, workers=workers)
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

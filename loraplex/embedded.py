@@ -51,10 +51,11 @@ class Stack:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        proc = subprocess.Popen([sys.executable, *args], env=self.child_env(), stdout=log, stderr=subprocess.STDOUT)
+        env = self.child_env() | (extra_env or {})
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
         self.children.append(proc)
         return proc
 
@@ -67,11 +68,12 @@ class Stack:
             migrate(self.settings.resolved_database_url)
             pool = self._spawn("pool", ["-m", "loraplex.pool_process"])
             if self.api_in_child:
+                workers = self.settings.resolved_api_workers
                 self._spawn(
                     "api",
                     ["-m", "uvicorn", "loraplex.gateway:app", "--host", self.settings.api_host,
-                     "--port", str(self.api_port), "--log-level", "warning",
-                     "--workers", str(self.settings.resolved_api_workers)],
+                     "--port", str(self.api_port), "--log-level", "warning", "--workers", str(workers)],
+                    gateway_metrics_env(self.settings, self.api_port, workers),
                 )  # fmt: skip
                 self._wait_http(timeout_s)
             self._wait_pool_ready(pool, timeout_s)
@@ -129,6 +131,13 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def gateway_metrics_env(settings: Settings, port: int, workers: int) -> dict[str, str]:
+    """With several gateway workers, a folder where they share their metrics (api/metrics.py), emptied now."""
+    from loraplex.api.metrics import multiprocess_env
+
+    return multiprocess_env(settings.home / "metrics" / f"gateway-{port}", workers)
 
 
 def ready_file(settings: Settings) -> Path:

@@ -273,6 +273,7 @@ def _lead(
 
     recording = RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease,
                                   writes=writes)  # fmt: skip
+    metrics = pool_metrics(settings, executor, store)
 
     def finish(outcomes: list[Any], plan: Any) -> list[Any]:
         """The finisher's SQL part: background-written saves first (their rows), then the plan's records."""
@@ -293,6 +294,7 @@ def _lead(
             pipelined=True,
             cost_model=cost,
             tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
+            observer=metrics,
         )
 
     dispatcher = _dispatcher_when_redis_answers(
@@ -331,6 +333,7 @@ def _lead(
         if leader is not None:
             leader.close()
         return
+    publisher, metrics_http = serve_metrics(settings, dispatcher.redis, metrics)
     write_ready_file(ready)  # first, so a gateway's healthz 200 implies this file too
     state["now"] = PoolState.READY
     _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
@@ -339,6 +342,9 @@ def _lead(
     try:
         dispatcher.run_forever(stop)
     finally:
+        publisher.close()  # after the dispatcher's last plan: its numbers are published once more
+        if metrics_http is not None:
+            metrics_http.close()
         writes.close()  # every background write done (the finisher waited for the plans' ones already)
         remove_ready_file(ready)
         state["now"] = PoolState.STOPPED
@@ -348,6 +354,40 @@ def _lead(
         if leader is not None:
             stop.set()  # the rank watcher stands down: the followers leave on purpose now
             leader.close()
+
+
+def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
+    """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
+    per-step seconds, cumulative swaps (workers/adapter_store.SwapStats) and adapters per tier."""
+    from loraplex.dispatch.pool_metrics import PoolMetrics
+
+    def swaps() -> dict[str, tuple[int, float]]:
+        s = store.stats
+        return {"gpu_to_cpu": (s.out_host, s.out_host_s), "cpu_to_gpu": (s.in_host, s.in_host_s),
+                "cpu_to_disk": (s.spills, s.spill_s), "disk_to_gpu": (s.in_disk, s.in_disk_s)}  # fmt: skip
+
+    return PoolMetrics(settings.pool, slots=settings.slots, step_times=executor.drain_step_times, swaps=swaps,
+                       tiers=store.tier_counts)  # fmt: skip
+
+
+def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[Any, Any]:
+    """Publish the metrics to Redis every `pool_metrics_publish_seconds` (the gateways' /metrics/pools), and serve
+    them on `pool_metrics_port` unless it is 0 (a port in use is logged: the pool serves on without it)."""
+    from loraplex.dispatch.metrics_publisher import MetricsPublisher
+    from loraplex.metrics_server import MetricsServer
+
+    publisher = MetricsPublisher(redis_client, metrics, settings.pool_metrics_publish_seconds).start()
+    server = None
+    if settings.pool_metrics_port:
+        try:
+            server = MetricsServer(settings.pool_metrics_host, settings.pool_metrics_port, publisher.render,
+                                   settings.metrics_token).start()  # fmt: skip
+            log.info("pool %s: metrics at http://%s:%d/metrics", settings.pool, settings.pool_metrics_host,
+                     server.port)  # fmt: skip
+        except OSError as exc:
+            log.error("pool %s: cannot serve metrics on %s:%d (%s)", settings.pool, settings.pool_metrics_host,
+                      settings.pool_metrics_port, exc)  # fmt: skip
+    return publisher, server
 
 
 def _beat_now(sessions: Any, settings: Settings, state: Any) -> None:

@@ -70,6 +70,16 @@ class Settings(BaseSettings):
     # lease lapses), False exits at once with a message naming the holder.
     leader_wait: bool = True
 
+    # Prometheus metrics (ARCHITECTURE.md, "Metrics"). The pool process serves its own at
+    # http://<pool_metrics_host>:<pool_metrics_port>/metrics (port 0: no server) and writes them to Redis every
+    # `pool_metrics_publish_seconds`, so every gateway serves them too, at GET /metrics/pools (its own request metrics
+    # are at GET /metrics). With `metrics_token` set, each of these answers only `Authorization: Bearer <token>` (else
+    # 401); empty: open, as Prometheus scrapes usually are (the series hold counts and tenant ids, no tenant data).
+    pool_metrics_port: int = Field(default=0, ge=0, le=65535)
+    pool_metrics_host: str = "127.0.0.1"
+    pool_metrics_publish_seconds: float = Field(default=2.0, gt=0)
+    metrics_token: str = ""
+
     api_host: str = "127.0.0.1"
     api_port: int = 8700
     # Gateway processes under `serve --embedded` (uvicorn --workers; the gateway is stateless). 0: one per 4 CPU cores,

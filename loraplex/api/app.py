@@ -20,9 +20,20 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
+from loraplex.api.metrics import RequestMetrics
 from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.rate_limit import TenantRateLimit
-from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, samplers, tenant_checkpoints
+from loraplex.api.routes import (
+    adapters,
+    checkpoints,
+    export,
+    futures,
+    health,
+    metrics,
+    runs,
+    samplers,
+    tenant_checkpoints,
+)
 from loraplex.api.service import reap_idle_sessions
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
@@ -88,6 +99,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics)  # added last: outermost, so the body limit's 413s are counted too
     app.include_router(health.router)
     app.include_router(adapters.router)
     app.include_router(checkpoints.router)
@@ -98,4 +110,5 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(tenant_checkpoints.router)
     app.include_router(samplers.router)
     app.include_router(openai_router)
+    app.include_router(metrics.router)
     return app

@@ -29,9 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis as redis_lib
 
@@ -71,6 +72,14 @@ OnOutcomes = Callable[[list[Outcome], BatchPlan], list[Outcome] | None]
 AppliedSeqLookup = Callable[[str], int | None]
 
 
+class PlanObserver(Protocol):
+    """Told about each executed plan and where the seconds went (dispatch/pool_metrics.PoolMetrics). Its failures are
+    logged and never reach the loop."""
+
+    def executed(self, plan: BatchPlan, outcomes: Sequence[Outcome], busy_s: float) -> None: ...
+
+    def timed(self, seconds: Mapping[str, float]) -> None: ...
+
 
 @dataclass
 class _Held:
@@ -102,18 +111,21 @@ class Dispatcher:
         results: ResultStore | None = None,
         cost_model: StepCost | None = None,
         tenant_weights: TenantWeights | None = None,
+        observer: PlanObserver | None = None,
     ) -> None:
         """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
         coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
         results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one.
         cost_model: splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from
-        its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1)."""
+        its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1).
+        observer: told about each executed plan and the seconds of each phase (the pool's metrics)."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
         self.applied_seq_lookup = applied_seq_lookup
         self.pool = pool
         self.results = results or ResultStore(redis)
+        self.observer = observer
         # read_count: the most of one tenant's requests the dispatcher holds unanswered (the consumer stops reading a
         # tenant's stream there), so one tenant's backlog never crowds another out of the policy's view
         self.consumer = Consumer(redis, pool, consumer_name, self.results, window=read_count)
@@ -164,6 +176,7 @@ class Dispatcher:
             return 0
         decision = self._plan()
         t_coalesce = time.monotonic()
+        planning = t_coalesce - t_read
         decision = self._coalesce(decision)
         coalesce = time.monotonic() - t_coalesce
         by_obj = {id(h.request): h for h in self._buffer}
@@ -176,9 +189,12 @@ class Dispatcher:
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
         if decision.plan.steps:
-            overhead = time.monotonic() - t_read - busy - coalesce
-            timing = {"busy_s": busy, "read_s": t_read - t_start, "coalesce_s": coalesce, "overhead_s": overhead}
+            overhead = time.monotonic() - t_read - busy - coalesce - planning
+            timing = {"busy_s": busy, "read_s": t_read - t_start, "plan_s": planning, "coalesce_s": coalesce,
+                      "overhead_s": overhead}  # fmt: skip
             self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
+            self._observe("timed", {"read": t_read - t_start, "plan": planning, "coalesce": coalesce,
+                                    "loop_other": overhead})  # fmt: skip
         return answered
 
     def run_forever(self, stop_event: threading.Event) -> None:
@@ -285,6 +301,7 @@ class Dispatcher:
             outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
         busy = time.monotonic() - started
         outcomes = _one_per_request(outcomes, requests)
+        self._observe("executed", plan, outcomes, busy)  # before any result is visible: a client reads it counted
         if any(r.part is not None for r in requests):
             plan, outcomes = self._settle_parts(plan, outcomes)
             requests = plan.requests
@@ -397,8 +414,17 @@ class Dispatcher:
         retry_redis(lambda: self.results.put_many(outcomes), "finishing a plan", self._finisher.warn)
         retry_redis(lambda: self.consumer.ack(stream_ids), "finishing a plan", self._finisher.warn)
         timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
+        self._observe("timed", {"record": timing.record_s, "publish": timing.publish_s})
         with suppress(redis_lib.RedisError):  # statistics only
             stats.add(self.redis, self.pool, timing)
+
+    def _observe(self, method: str, *args: object) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception:  # metrics must never stop the pool
+            log.exception("the plan observer failed (%s)", method)
 
     def _advance(self, requests: Iterable[PlannedRequest]) -> None:
         for r in requests:

@@ -13,6 +13,9 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
     loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
+    loraplex:pool:{pool}:metrics         string: the pool's Prometheus metrics (text format), with a TTL, for the
+                                         gateways' /metrics/pools (queue/metrics_snapshot.py)
+    loraplex:metrics:pools               set: the pools that publish metrics there
     loraplex:pool:{pool}:leader          string "<token> <holder>" with a TTL: the pool's leader lease (queue/lease.py)
     loraplex:pool:{pool}:leader_token    integer: the pool's fencing-token counter (INCR per acquisition, never expires)
     loraplex:openai:sampler:{tenant}:{model_path}   hash: the OpenAI endpoint's sampler over that checkpoint (or "" for
@@ -58,6 +61,14 @@ def queued_tokens(pool: str) -> str:
 
 def pool_stats(pool: str) -> str:
     return f"{PREFIX}pool:{pool}:stats"
+
+
+def pool_metrics(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:metrics"
+
+
+def metrics_pools() -> str:
+    return f"{PREFIX}metrics:pools"
 
 
 def pool_leader(pool: str) -> str:

@@ -1,6 +1,6 @@
 """Running totals of a pool's plans in one Redis hash (keys.pool_stats): how many plans, forward_backward steps,
-adapters and tokens per step, optimizer steps, and where the dispatcher's seconds went (executing, reading, coalescing,
-the rest of the loop, and the finisher's SQL records and result writes). Operators and
+adapters and tokens per step, optimizer steps, and where the dispatcher's seconds went (executing, reading, planning,
+coalescing, the rest of the loop, and the finisher's SQL records and result writes). Operators and
 benchmarks/bench_service.py read them; two readings apart give the mean adapters per step over that stretch."""
 
 from __future__ import annotations
@@ -26,14 +26,21 @@ class PlanStats:
     optim_steps: int = 0
     busy_s: float = 0.0  # executing plans
     read_s: float = 0.0  # reading the stream before a plan (waits for entries included)
+    plan_s: float = 0.0  # the policy choosing the plan (dispatch/policy.py), before any coalescing wait
     coalesce_s: float = 0.0  # holding underfilled plans back for the tenants just answered (dispatch/coalescing.py)
-    overhead_s: float = 0.0  # the rest of the loop around each plan: decoding, planning (plus finishing, not pipelined)
+    overhead_s: float = 0.0  # the rest of the loop around each plan: decoding, admitting (plus finishing, not pipelined)
     record_s: float = 0.0  # finishing: the SQL records of each plan (on_outcomes)
     publish_s: float = 0.0  # finishing: storing the results and acking the entries
 
     @classmethod
     def of(
-        cls, plan: BatchPlan, busy_s: float = 0.0, read_s: float = 0.0, coalesce_s: float = 0.0, overhead_s: float = 0.0
+        cls,
+        plan: BatchPlan,
+        busy_s: float = 0.0,
+        read_s: float = 0.0,
+        coalesce_s: float = 0.0,
+        overhead_s: float = 0.0,
+        plan_s: float = 0.0,
     ) -> PlanStats:
         fb = [s for s in plan.steps if s.kind == StepKind.FORWARD_BACKWARD]
         return cls(
@@ -45,6 +52,7 @@ class PlanStats:
             optim_steps=sum(s.kind == StepKind.OPTIM_STEP for s in plan.steps),
             busy_s=busy_s,
             read_s=read_s,
+            plan_s=plan_s,
             coalesce_s=coalesce_s,
             overhead_s=overhead_s,
         )

@@ -156,6 +156,11 @@ class AdapterStore:
             return DISK
         raise NotFoundError(f"adapter {model_id!r} not found on this pool")
 
+    def tier_counts(self) -> dict[str, int]:
+        """How many adapters (sampler snapshots included) each tier holds now: gpu, cpu, disk."""
+        self._sync()
+        return {GPU: len(self.engine.adapters), CPU: len(self._host), DISK: len(self._disk)}
+
     def spill_path(self, model_id: str) -> Path:
         """The adapter's file when on disk: a readable, filesystem-safe name made unique by a hash of the id."""
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)[:80]

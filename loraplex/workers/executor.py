@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 # Steps whose adapters must be in slots first (with a store: swapped in, LRU adapters out).
 RESIDENT_STEPS = frozenset({StepKind.FORWARD_BACKWARD, StepKind.OPTIM_STEP, StepKind.CHECKPOINT})
+
+# Step timings kept for drain_step_times (a plan has a few dozen steps at most).
+STEP_TIMES_KEPT = 1024
 
 # What a create payload may leave out (the gateway normally fills it): alpha = 2 x rank, as the API's default.
 DEFAULT_ALPHA_PER_RANK = 2.0
@@ -87,6 +91,16 @@ def restore_checkpoint(
         load_into_engine(engine, state, model_id, with_optimizer=with_optimizer, existing=True)
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """Host seconds one step of a plan took on this rank: swapping its adapters in (and others out), then running it.
+    (On CUDA a step's time includes the device work it waits for: its results are copied to the host.)"""
+
+    kind: StepKind
+    swap_s: float
+    run_s: float
+
+
 @dataclass
 class _Parts:
     """A request running in parts: the whole validated item, and the outputs and loss of the parts so far."""
@@ -118,6 +132,9 @@ class PlanExecutor:
         self.sampling = sampling
         self.writes = writes
         self._parts: dict[str, _Parts] = {}  # request_id -> a request running in parts (dispatch/policy.py)
+        # Since the last drain (rank 0's metrics read them per plan); bounded, as a follower rank never drains them.
+        self._step_times: deque[StepTime] = deque(maxlen=STEP_TIMES_KEPT)
+        self._swap_s = 0.0  # the current step's swap seconds
         self._handlers: dict[StepKind, Callable[[Step], list[Outcome]]] = {
             StepKind.CREATE: self._create,
             StepKind.DELETE: self._delete,
@@ -132,10 +149,13 @@ class PlanExecutor:
         """Run the steps in order; outcomes in the order of `plan.requests`."""
         outcomes: list[Outcome] = []
         for step in plan.steps:
+            started, self._swap_s = time.perf_counter(), 0.0
             if self.store is not None and step.kind in RESIDENT_STEPS:
                 outcomes.extend(self._resident_then(step))
             else:
                 outcomes.extend(self._timed(step))
+            total = time.perf_counter() - started
+            self._step_times.append(StepTime(step.kind, self._swap_s, total - self._swap_s))
         return outcomes
 
     def _timed(self, step: Step) -> list[Outcome]:
@@ -150,6 +170,12 @@ class PlanExecutor:
         except Exception:  # noqa: BLE001 - statistics only: the step's outcomes stand
             log.exception("on_step failed for a %s step", step.kind)
         return outcomes
+
+    def drain_step_times(self) -> list[StepTime]:
+        """The steps run since the last drain, in order, with their swap and run seconds."""
+        out = list(self._step_times)
+        self._step_times.clear()
+        return out
 
     def _resident_then(self, step: Step) -> list[Outcome]:
         """Swap the step's adapters in, then run it. The policy keeps a step within the slots; a longer one (a plan
@@ -168,11 +194,14 @@ class PlanExecutor:
                 seen.add(request.model_id)
         outcomes: list[Outcome] = []
         for part in parts:
+            swap_started = time.perf_counter()
             try:
                 self.store.ensure_resident(r.model_id for r in part if r.model_id in self.store)
             except Exception as exc:  # noqa: BLE001 - a failed swap (disk full...) fails this part's requests only
                 outcomes.extend(error_outcome(r, exc) for r in part)
                 continue
+            finally:
+                self._swap_s += time.perf_counter() - swap_started
             outcomes.extend(self._timed(Step(step.kind, tuple(part))))
         return outcomes
 

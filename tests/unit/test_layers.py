@@ -61,3 +61,16 @@ def test_workers_import_torch_side_packages_and_the_bottom_layers_only() -> None
         if _under(name, "loraplex") and not _under(name, "loraplex.workers") and not any(_under(name, b) for b in BOTTOM)
     ]
     assert bad == []
+
+
+@pytest.mark.parametrize("package", ["workers", "protocol", "queue", "storage", "client", "samplers"])
+def test_metrics_are_defined_above_the_engine_and_the_stores(package: str) -> None:
+    """prometheus-client belongs to the processes' sides (dispatch/pool_metrics.py, api/metrics.py): the workers
+    report plain numbers, and the queue carries the pool's metrics as bytes."""
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line, name in _imports(path)
+        if _under(name, "prometheus_client")
+    ]
+    assert bad == []

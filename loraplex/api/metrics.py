@@ -1,0 +1,101 @@
+"""The gateway's Prometheus metrics, every one defined here: requests per route template (never the raw path, so
+ids do not multiply the series), method and status code, and their latencies. `RequestMetrics` is the ASGI
+middleware that counts them (outermost, so a 413 from the body limit counts too); the routes are
+api/routes/metrics.py. Names: ARCHITECTURE.md, "Metrics".
+
+Several gateway processes of one `serve` (uvicorn --workers) share their counts through prometheus-client's
+multiprocess mode: the composition root sets PROMETHEUS_MULTIPROC_DIR before the workers start
+(`multiprocess_env`), and a scrape of any of them then answers the sum over all of them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+UNMATCHED = "unmatched"  # the route label of a path no route has (its 404), so made-up paths add no series
+# Long-polls (GET /v1/futures, Tinker's retrieve_future) wait up to 20-30 s: the buckets reach past that.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+REGISTRY = CollectorRegistry()
+REQUESTS = Counter(
+    "loraplex_gateway_requests",
+    "HTTP requests answered, per route template, method and status code.",
+    ("route", "method", "status"),
+    registry=REGISTRY,
+)
+LATENCY = Histogram(
+    "loraplex_gateway_request_seconds",
+    "Seconds from a request's arrival to the end of its response, per route template and method.",
+    ("route", "method"),
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+def route_template(scope: Scope) -> str:
+    """The path template of the route that answered (`/v1/adapters/{model_id}/forward_backward`), else the one the
+    path matches (a response sent before routing, e.g. a 413 from the body limit), else UNMATCHED."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(path, str):
+        return path
+    app = scope.get("app")
+    for candidate in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = candidate.matches(scope)
+        if match != Match.NONE:
+            return str(getattr(candidate, "path", UNMATCHED))
+    return UNMATCHED
+
+
+class RequestMetrics:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the server answers when the app raises before it starts a response
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            method = scope.get("method", "")
+            method = method if method in METHODS else "other"
+            route = route_template(scope)
+            REQUESTS.labels(route, method, str(status)).inc()
+            LATENCY.labels(route, method).observe(time.perf_counter() - started)
+
+
+def exposition() -> bytes:
+    """This gateway's metrics in text format: this process's, or every worker's of this `serve` (multiprocess)."""
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(REGISTRY)
+
+
+def multiprocess_env(folder: Path, workers: int) -> dict[str, str]:
+    """The environment for `workers` gateway processes of one server: with more than one, a fresh (emptied) folder
+    for their shared counts; with one, nothing (each process counts for itself)."""
+    if workers <= 1:
+        return {}
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return {MULTIPROC_ENV: str(folder)}

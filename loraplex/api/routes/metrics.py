@@ -1,0 +1,35 @@
+"""GET /metrics: this gateway's request metrics (api/metrics.py). GET /metrics/pools: every pool's metrics as it last
+published them to Redis (api/pool_metrics.py). A separate path, so scraping N gateway replicas does not count each
+pool N times: scrape /metrics on every replica and /metrics/pools on one (or each pool's own port). Open unless
+LORAPLEX_METRICS_TOKEN is set, then `Authorization: Bearer <token>` only (401 otherwise). Not in the OpenAPI schema:
+it is Prometheus's text format, for scrapers, not a tenant's API."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.api.metrics import exposition
+from loraplex.api.pool_metrics import pool_exposition
+from loraplex.errors import AuthenticationError
+from loraplex.metrics_server import CONTENT_TYPE, token_ok
+
+router = APIRouter(include_in_schema=False)
+
+
+def _check_token(request: Request) -> None:
+    if not token_ok(request.headers.get("authorization"), request.app.state.services.settings.metrics_token):
+        raise AuthenticationError("the metrics need the metrics token: Authorization: Bearer <LORAPLEX_METRICS_TOKEN>")
+
+
+@router.get("/metrics")
+async def gateway_metrics(request: Request) -> Response:
+    _check_token(request)
+    return Response(await run_in_threadpool(exposition), media_type=CONTENT_TYPE)
+
+
+@router.get("/metrics/pools")
+async def pools_metrics(request: Request) -> Response:
+    _check_token(request)
+    body = await run_in_threadpool(pool_exposition, request.app.state.services.redis)
+    return Response(body, media_type=CONTENT_TYPE)

@@ -1,0 +1,204 @@
+"""The pool's Prometheus metrics, every one defined here, in a registry of the pool process's own. The dispatcher loop
+reports each executed plan (`executed`) and where its seconds went (`timed`); what the workers measure reaches this
+module through plain callables the composition root (pool_process.py) passes in: the rank-0 executor's per-step
+seconds, the adapter store's cumulative swap counts and its tier sizes (workers/ import no prometheus). The names and
+labels are documented in ARCHITECTURE.md ("Metrics"). Every series carries the pool's name; per-tenant series carry the
+tenant id and nothing else of the tenant's.
+
+The registry is served on the pool's own port (loraplex/metrics_server.py) and published to Redis for the gateways
+(dispatch/metrics_publisher.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from loraplex.protocol import KINDS, BatchPlan, Outcome, RequestKind, StepKind
+
+# Phases of the time split (loraplex_pool_seconds_total{phase}). The loop's (read: waiting for requests included,
+# plan, coalesce, loop_other) and the executor's (swap, one per step kind, execute_other: the rest of executing a
+# plan, e.g. its broadcast to the other ranks) add up to the loop thread's time in rounds that ran a plan; the
+# finisher's (record, publish) run beside the next plan, on a thread of their own.
+LOOP_PHASES = ("read", "plan", "coalesce", "loop_other")
+FINISH_PHASES = ("record", "publish")
+EXECUTE_PHASES = ("swap", *(k.value for k in StepKind), "execute_other")
+# Adapter moves between the store's tiers (loraplex_pool_swaps_total{move}).
+MOVES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_gpu")
+TIERS = ("gpu", "cpu", "disk")
+TRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.step == StepKind.FORWARD_BACKWARD)
+
+_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144)
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class StepTiming(Protocol):
+    """One step's host seconds as the executor reports them (workers/executor.StepTime)."""
+
+    @property
+    def kind(self) -> StepKind: ...
+    @property
+    def swap_s(self) -> float: ...
+    @property
+    def run_s(self) -> float: ...
+
+
+# move -> (count, seconds), cumulative since the store was built (workers/adapter_store.SwapStats, converted)
+SwapTotals = Mapping[str, tuple[int, float]]
+
+
+class PoolMetrics:
+    def __init__(
+        self,
+        pool: str,
+        *,
+        slots: int = 0,
+        step_times: Callable[[], Iterable[StepTiming]] | None = None,
+        swaps: Callable[[], SwapTotals] | None = None,
+        tiers: Callable[[], Mapping[str, int]] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """step_times: drains the executor's step timings since the last call; swaps: the store's cumulative swap
+        totals; tiers: adapters per tier now. All three are called on the loop thread, right after each plan."""
+        self.pool = pool
+        self.registry = registry or CollectorRegistry()
+        self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
+        self._swaps_seen: dict[str, tuple[int, float]] = {}
+        self._tenants_seen: set[str] = set()
+        self._depths_lock = threading.Lock()  # the publisher thread and scrapes both refresh the depths
+        r, p = self.registry, ("pool",)
+
+        self.plans = Counter("loraplex_pool_plans", "Plans the pool executed.", p, registry=r)
+        self.steps = Counter("loraplex_pool_steps", "Steps the pool executed, per step kind.", (*p, "kind"), registry=r)
+        self.fb_steps = Counter(
+            "loraplex_pool_fb_steps",
+            "forward_backward steps by layout: mixed (several adapters in one batch) or single (one adapter).",
+            (*p, "layout"), registry=r,
+        )  # fmt: skip
+        self.fb_adapters = Histogram("loraplex_pool_fb_step_adapters", "Adapters per forward_backward step.", p,
+                                     buckets=_COUNT_BUCKETS, registry=r)  # fmt: skip
+        self.fb_rows = Histogram("loraplex_pool_fb_step_rows", "Rows (datums) per forward_backward step.", p,
+                                 buckets=_ROW_BUCKETS, registry=r)  # fmt: skip
+        self.fb_tokens = Histogram("loraplex_pool_fb_step_tokens", "Input tokens per forward_backward step.", p,
+                                   buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.seconds = Counter(
+            "loraplex_pool_seconds",
+            "Seconds the pool spent, per phase: read, plan, coalesce, loop_other (dispatcher loop); swap, one per "
+            "step kind, execute_other (executing plans); record, publish (finishing them).",
+            (*p, "phase"), registry=r,
+        )  # fmt: skip
+        self.step_seconds = Histogram("loraplex_pool_step_seconds", "Seconds each step ran (its swaps not included).",
+                                      (*p, "kind"), buckets=_SECONDS_BUCKETS, registry=r)  # fmt: skip
+        self.requests = Counter("loraplex_pool_requests", "Requests the pool executed, per tenant, kind and result.",
+                                (*p, "tenant", "kind", "result"), registry=r)  # fmt: skip
+        self.tokens = Counter(
+            "loraplex_pool_tokens",
+            "Input tokens of forward_backward and forward requests that ran without error, per tenant (rate(): "
+            "tokens/s).",
+            (*p, "tenant", "kind"), registry=r,
+        )  # fmt: skip
+        self.sampled_tokens = Counter("loraplex_pool_sampled_tokens", "Tokens the sampler generated, per tenant.",
+                                      (*p, "tenant"), registry=r)  # fmt: skip
+        self.swaps = Counter("loraplex_pool_swaps", "Adapter moves between the store's tiers.", (*p, "move"),
+                             registry=r)  # fmt: skip
+        self.swap_seconds = Counter("loraplex_pool_swap_seconds", "Seconds spent moving adapters between tiers.",
+                                    (*p, "move"), registry=r)  # fmt: skip
+        self.adapters = Gauge("loraplex_pool_adapters", "Adapters (sampler snapshots included) per tier of rank 0.",
+                              (*p, "tier"), registry=r)  # fmt: skip
+        self.slots = Gauge("loraplex_pool_slots", "Adapter slots per rank.", p, registry=r)
+        self.queued_requests = Gauge("loraplex_pool_queued_requests",
+                                     "Requests accepted and not yet answered, per tenant (its stream's length).",
+                                     (*p, "tenant"), registry=r)  # fmt: skip
+        self.queued_tokens = Gauge("loraplex_pool_queued_tokens", "Tokens of the queued requests, per tenant.",
+                                   (*p, "tenant"), registry=r)  # fmt: skip
+        self.slots.labels(pool).set(slots)
+        for move in MOVES:  # every series present from the start, so rate() sees the first increase
+            self.swaps.labels(pool, move)
+            self.swap_seconds.labels(pool, move)
+        for phase in (*LOOP_PHASES, *EXECUTE_PHASES, *FINISH_PHASES):
+            self.seconds.labels(pool, phase)
+        for tier in TIERS:
+            self.adapters.labels(pool, tier)
+
+    # -- reports from the dispatcher -----------------------------------------------------------------------------
+    def executed(self, plan: BatchPlan, outcomes: Sequence[Outcome], busy_s: float) -> None:
+        """One executed plan (loop thread): its outcomes in plan order (a request running in parts: this part's);
+        busy_s: the seconds the executor took."""
+        pool = self.pool
+        self.plans.labels(pool).inc()
+        for step in plan.steps:
+            self.steps.labels(pool, step.kind.value).inc()
+            if step.kind == StepKind.FORWARD_BACKWARD:
+                adapters = len({r.model_id for r in step.requests})
+                self.fb_steps.labels(pool, "mixed" if adapters > 1 else "single").inc()
+                self.fb_adapters.labels(pool).observe(adapters)
+                self.fb_rows.labels(pool).observe(sum(_rows(r.payload, r.part) for r in step.requests))
+                self.fb_tokens.labels(pool).observe(sum(r.num_tokens for r in step.requests))
+        for request, outcome in zip(plan.requests, outcomes, strict=True):
+            self._request(request, outcome)
+        self._executor_time(busy_s)
+        self._store_state()
+
+    def timed(self, seconds: Mapping[str, float]) -> None:
+        """Seconds per phase of the loop or the finisher (any thread)."""
+        for phase, value in seconds.items():
+            if value > 0:
+                self.seconds.labels(self.pool, phase).inc(value)
+
+    def queue_depths(self, depths: Mapping[str, tuple[int, int]]) -> None:
+        """tenant -> (queued requests, queued tokens) as Redis holds them now (queue/metrics_snapshot.py); a tenant
+        seen before and absent now reads zero."""
+        with self._depths_lock:
+            depths = {**dict.fromkeys(self._tenants_seen, (0, 0)), **depths}
+            for tenant, (requests, tokens) in depths.items():
+                self.queued_requests.labels(self.pool, tenant).set(requests)
+                self.queued_tokens.labels(self.pool, tenant).set(tokens)
+            self._tenants_seen |= set(depths)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus's text format."""
+        return generate_latest(self.registry)
+
+    # -- parts ------------------------------------------------------------------------------------------------------
+    def _request(self, request: Any, outcome: Outcome) -> None:
+        kind, tenant = request.kind.value, request.tenant_id
+        if outcome.ok and request.kind in TRAINING_KINDS:
+            self.tokens.labels(self.pool, tenant, kind).inc(request.num_tokens)
+        if outcome.ok and request.kind == RequestKind.SAMPLE:
+            sequences = (outcome.result or {}).get("sequences") or []
+            self.sampled_tokens.labels(self.pool, tenant).inc(sum(len(s.get("tokens") or ()) for s in sequences))
+        if request.unfinished and outcome.ok:  # a part that leaves datums for later plans: not answered yet
+            return
+        self.requests.labels(self.pool, tenant, kind, "ok" if outcome.ok else "error").inc()
+
+    def _executor_time(self, busy_s: float) -> None:
+        timings = list(self._step_times()) if self._step_times is not None else []
+        split: dict[str, float] = {}
+        for t in timings:
+            split["swap"] = split.get("swap", 0.0) + t.swap_s
+            split[t.kind.value] = split.get(t.kind.value, 0.0) + t.run_s
+            self.step_seconds.labels(self.pool, t.kind.value).observe(t.run_s)
+        split["execute_other"] = max(0.0, busy_s - sum(split.values()))
+        self.timed(split)
+
+    def _store_state(self) -> None:
+        if self._swaps is not None:
+            for move, (count, seconds) in self._swaps().items():
+                seen_count, seen_s = self._swaps_seen.get(move, (0, 0.0))
+                if count > seen_count:
+                    self.swaps.labels(self.pool, move).inc(count - seen_count)
+                if seconds > seen_s:
+                    self.swap_seconds.labels(self.pool, move).inc(seconds - seen_s)
+                self._swaps_seen[move] = (count, seconds)
+        if self._tiers is not None:
+            for tier, n in self._tiers().items():
+                self.adapters.labels(self.pool, tier).set(n)
+
+
+def _rows(payload: Any, part: tuple[int, int] | None) -> int:
+    data = getattr(payload, "data", ())
+    return len(data) if part is None else part[1] - part[0]
