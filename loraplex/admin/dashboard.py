@@ -36,6 +36,10 @@ class Dashboard(BaseView):
              "note": "swaps move adapters between these tiers"},
             {"key": "plans", "title": "Plans of this gateway's pool (since its Redis started)",
              "svg": charts.bars(data.plans), "note": "adapters per step > 1: tenants' steps share batches"},
+            {"key": "layouts", "title": "Plan choices: forward_backward steps by layout", "svg": charts.bars(data.layouts),
+             "note": "mixed: several adapters in one batch (the cost model's choice); since each pool started"},
+            {"key": "swaps", "title": "Swaps between tiers", "svg": charts.bars(data.swaps),
+             "note": "adapter moves since each pool started"},
         ]  # fmt: skip
         return await self.templates.TemplateResponse(
             request,

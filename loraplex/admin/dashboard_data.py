@@ -1,6 +1,8 @@
 """What the dashboard shows, read at page load: queue depth per tenant (Redis), GPU slots in use per pool and adapters
 per tier (the residency rows), training tokens per second per tenant over the last minutes (the usage rows, in
-buckets), and the pool's plan totals (queue/stats.py: forward_backward steps and adapters per step)."""
+buckets), the pool's plan totals (queue/stats.py: forward_backward steps and adapters per step), and from the pools'
+published metrics (api/pool_metrics.py) the swaps per tier move and the forward_backward steps per layout (mixed or
+single adapter: the plan's choice)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 
 from loraplex.api.deps import Services
+from loraplex.api.pool_metrics import pool_metric_families
 from loraplex.queue import stats
 from loraplex.queue.depth import queue_depths
 from loraplex.storage.enums import ResidencyTier
@@ -30,6 +33,8 @@ class DashboardData:
     tiers: list[tuple[str, float]] = field(default_factory=list)  # (tier, adapters)
     tokens_per_s: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # tenant -> (t - now, tok/s)
     plans: list[tuple[str, float]] = field(default_factory=list)  # plan totals of the gateway's pool
+    swaps: list[tuple[str, float]] = field(default_factory=list)  # (move, count) summed over pools
+    layouts: list[tuple[str, float]] = field(default_factory=list)  # (mixed | single, forward_backward steps)
 
 
 def read_dashboard(services: Services) -> DashboardData:
@@ -69,4 +74,17 @@ def read_dashboard(services: Services) -> DashboardData:
         ("adapters per step", round(totals.adapters_per_fb_step, 2)),
         ("optimizer steps", float(totals.optim_steps)),
     ]
+    data.swaps = _summed(services, "loraplex_pool_swaps", "move")
+    data.layouts = _summed(services, "loraplex_pool_fb_steps", "layout")
     return data
+
+
+def _summed(services: Services, family: str, label: str) -> list[tuple[str, float]]:
+    """A counter family of the pools' published metrics, summed over pools by one label."""
+    totals: dict[str, float] = defaultdict(float)
+    for metric in pool_metric_families(services.redis):
+        if metric.name == family:
+            for sample in metric.samples:
+                if sample.name == family + "_total":
+                    totals[sample.labels.get(label, "")] += sample.value
+    return sorted(totals.items())
