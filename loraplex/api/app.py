@@ -22,7 +22,17 @@ from loraplex.api.deps import Services
 from loraplex.api.errors import install_error_handlers
 from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.rate_limit import TenantRateLimit
-from loraplex.api.routes import adapters, checkpoints, export, futures, health, runs, samplers, tenant_checkpoints
+from loraplex.api.routes import (
+    adapters,
+    checkpoints,
+    export,
+    futures,
+    health,
+    pipelines,
+    runs,
+    samplers,
+    tenant_checkpoints,
+)
 from loraplex.api.service import reap_idle_sessions
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
@@ -97,5 +107,6 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(runs.router)
     app.include_router(tenant_checkpoints.router)
     app.include_router(samplers.router)
+    app.include_router(pipelines.router)
     app.include_router(openai_router)
     return app

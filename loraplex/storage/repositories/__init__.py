@@ -5,6 +5,7 @@ Write methods flush but never commit; wrap them in `unit_of_work` (re-exported h
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
+from loraplex.storage.repositories.pipelines import PipelineRepository, pipeline_tenant, pipelines_missing_export
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
 from loraplex.storage.repositories.samplers import SamplerRepository
@@ -17,6 +18,7 @@ __all__ = [
     "AdapterRepository",
     "CheckpointRepository",
     "KindTotals",
+    "PipelineRepository",
     "PoolRepository",
     "SessionRepository",
     "ResidencyRepository",
@@ -27,5 +29,7 @@ __all__ = [
     "hash_api_key",
     "idle_sessions",
     "new_api_key",
+    "pipeline_tenant",
+    "pipelines_missing_export",
     "unit_of_work",
 ]
