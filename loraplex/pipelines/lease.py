@@ -6,7 +6,9 @@ its lease (it stalled past the TTL and another run took over) stops before its n
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import socket
 import threading
 
 import redis
@@ -21,7 +23,8 @@ class RunnerLease:
     def __init__(self, client: redis.Redis, pipeline_id: str, ttl_s: float) -> None:
         self._redis = client
         self._key = keys.pipeline_runner(pipeline_id)
-        self._token = secrets.token_hex(8)
+        # Who holds it, for operators (and tests) reading the key: host:pid:random.
+        self._token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -109,7 +109,7 @@ def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipeli
 
 
 def _jsonl(records: list[dict]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    return "".join(json.dumps(r) + "\n" for r in records).encode()  # ASCII: a lone surrogate cannot break it
 
 
 def get_pipeline(services: Services, tenant: TenantRef, pipeline_id: str) -> PipelineOut:
