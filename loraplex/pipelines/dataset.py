@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraplex.api.service.pipeline_config import PipelineConfig, record_format, split_indices
 from loraplex.errors import InvalidRequestError
+
+# transformers' lazy module import is not thread-safe: a threads-pool worker imports it (tokenizers here, the export's
+# model registry in runner.export_final) under this lock.
+TRANSFORMERS_IMPORT = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ def load_tokenizer(folder: str) -> Any:
     path = Path(folder).expanduser()
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
         raise InvalidRequestError(f"tokenizer: {folder!r} is not a tokenizer folder (no tokenizer.json) on this worker")
-    from transformers import AutoTokenizer
+    with TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

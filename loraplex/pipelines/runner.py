@@ -24,7 +24,7 @@ from loraplex.api.service.pipeline_config import PipelineConfig, total_steps
 from loraplex.api.service.pipelines import export_dir
 from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
-from loraplex.pipelines.dataset import Example, batch_indices, load_tokenizer, prepare
+from loraplex.pipelines.dataset import TRANSFORMERS_IMPORT, Example, batch_indices, load_tokenizer, prepare
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.schedule import learning_rate
 from loraplex.pipelines.trainer import ServiceTrainer
@@ -186,7 +186,8 @@ def export_final(services: Services, tenant: TenantRef, pipeline_id: str, final_
     """The final sampler weights as a PEFT folder under the pipeline folder (the service's export); its path."""
     model_id, _, _ = split_tinker_path(final_checkpoint)
     out = export_dir(services, tenant.id, pipeline_id)
-    return str(export_peft(services, tenant, model_id, final_checkpoint, out).folder)
+    with TRANSFORMERS_IMPORT:  # the export imports the model registry (transformers) on its first call
+        return str(export_peft(services, tenant, model_id, final_checkpoint, out).folder)
 
 
 def _scored(examples: list[Example]) -> float:

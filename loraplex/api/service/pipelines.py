@@ -84,10 +84,11 @@ def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipeli
         plans.append((point, config, total_steps(config, _check(services, config, request))))
     dataset_id = uuid.uuid4().hex
     key = dataset_key(tenant.id, dataset_id)
-    store = blob_store(services)
-    write_bytes_atomic(store.path(f"{key}/{TRAIN_FILE}"), _jsonl(request.train))
+    folder = blob_store(services).path(key)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(folder / TRAIN_FILE, _jsonl(request.train))
     if request.eval is not None:
-        write_bytes_atomic(store.path(f"{key}/{EVAL_FILE}"), _jsonl(request.eval))
+        write_bytes_atomic(folder / EVAL_FILE, _jsonl(request.eval))
     sweep_id = uuid.uuid4().hex[:32] if request.config.sweep is not None else None
     with write_session(services) as db:
         repo = PipelineRepository(db, tenant.id)
