@@ -48,8 +48,13 @@ def detail(pipeline: dict[str, Any]):
     from rich.text import Text
 
     lines = [status_table([pipeline])]
-    for label, key in (("adapter", "model_id"), ("last checkpoint", "last_checkpoint"),
-                       ("final checkpoint", "final_checkpoint"), ("export", "export_path"), ("sweep", "sweep_id")):
+    for label, key in (
+        ("adapter", "model_id"),
+        ("last checkpoint", "last_checkpoint"),
+        ("final checkpoint", "final_checkpoint"),
+        ("export", "export_path"),
+        ("sweep", "sweep_id"),
+    ):
         if pipeline.get(key):
             lines.append(Text(f"{label}: {pipeline[key]}"))  # fmt: skip
     if pipeline.get("error"):

@@ -31,10 +31,16 @@ def make_celery_app() -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         beat_schedule={
-            "delete-expired-checkpoints": {"task": RETENTION_TASK, "schedule": settings.retention_interval_seconds,
-                                           "options": {"queue": settings.celery_queue}},
-            "export-finished-pipelines": {"task": EXPORT_SWEEP_TASK, "schedule": settings.export_interval_seconds,
-                                          "options": {"queue": settings.celery_queue}},
+            "delete-expired-checkpoints": {
+                "task": RETENTION_TASK,
+                "schedule": settings.retention_interval_seconds,
+                "options": {"queue": settings.celery_queue},
+            },
+            "export-finished-pipelines": {
+                "task": EXPORT_SWEEP_TASK,
+                "schedule": settings.export_interval_seconds,
+                "options": {"queue": settings.celery_queue},
+            },
         },  # fmt: skip
     )
     return app

@@ -84,7 +84,7 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], where: str) -> tup
     if not full_text.startswith(prompt_text):
         raise InvalidRequestError(f"{where}: the chat template renders the conversation without its prompt as a prefix")
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-    full = prompt_ids + tokenizer.encode(full_text[len(prompt_text):], add_special_tokens=False)
+    full = prompt_ids + tokenizer.encode(full_text[len(prompt_text) :], add_special_tokens=False)
     return prompt_ids, full
 
 

@@ -51,7 +51,10 @@ def markdown(keys: list[str], rows: list[dict[str, Any]], title: str) -> str:
     done = [r for r in rows if r["final_eval_loss"] is not None]
     if done:
         best = min(done, key=lambda r: r["final_eval_loss"])
-        lines += ["", f"Best final eval loss: {best['final_eval_loss']:.6g} at {point_label({k: best[k] for k in keys})}."]
+        lines += [
+            "",
+            f"Best final eval loss: {best['final_eval_loss']:.6g} at {point_label({k: best[k] for k in keys})}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

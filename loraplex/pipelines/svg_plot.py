@@ -39,7 +39,9 @@ def line_plot(series: dict[str, list[tuple[float, float]]], title: str, x_label:
         f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#333"/>',
     ]
     for x in _ticks(x_lo, x_hi):
-        out.append(f'<line x1="{sx(x):.1f}" y1="{TOP + plot_h}" x2="{sx(x):.1f}" y2="{TOP + plot_h + 5}" stroke="#333"/>')
+        out.append(
+            f'<line x1="{sx(x):.1f}" y1="{TOP + plot_h}" x2="{sx(x):.1f}" y2="{TOP + plot_h + 5}" stroke="#333"/>'
+        )
         out.append(f'<text x="{sx(x):.1f}" y="{TOP + plot_h + 18}" text-anchor="middle">{x:g}</text>')
     for y in _ticks(y_lo, y_hi):
         out.append(f'<line x1="{LEFT - 5}" y1="{sy(y):.1f}" x2="{LEFT + plot_w}" y2="{sy(y):.1f}" stroke="#ddd"/>')

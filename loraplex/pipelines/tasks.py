@@ -94,7 +94,9 @@ def export_finished_pipelines_task() -> int:
     export, or the export failed) get it now. Returns how many were exported."""
     services = shared_services()
     with services.sessions() as db:
-        missing = [(p.id, p.tenant_id, p.final_checkpoint) for p in pipelines_missing_export(db) if p.config.get("export")]
+        missing = [
+            (p.id, p.tenant_id, p.final_checkpoint) for p in pipelines_missing_export(db) if p.config.get("export")
+        ]
     done = 0
     for pipeline_id, tenant_id, final in missing:
         with services.sessions() as db:

@@ -47,7 +47,9 @@ def upgrade() -> None:
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_pipelines"),
-        sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], name="fk_pipelines_tenant_id_tenants", ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["tenant_id"], ["tenants.id"], name="fk_pipelines_tenant_id_tenants", ondelete="CASCADE"
+        ),
     )
     op.create_index("ix_pipelines_sweep_id", "pipelines", ["sweep_id"])
     op.create_index("ix_pipelines_tenant_id_created_at", "pipelines", ["tenant_id", "created_at"])

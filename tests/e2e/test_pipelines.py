@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,9 +21,13 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
+from loraplex.client import ServiceClient
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.queue import keys
-from tests.helpers.celery_workers import CeleryWorker
+from loraplex.storage.db import make_db_engine, session_factory
+from loraplex.storage.models import Pipeline
+from loraplex.storage.repositories import unit_of_work
+from tests.helpers.celery_workers import CeleryBeat, CeleryWorker
 from tests.helpers.stack import create_tenants, tenant_clients
 
 pytestmark = pytest.mark.e2e
@@ -113,6 +118,10 @@ def cli_env(stack, key: str) -> dict[str, str]:
     return {**os.environ, "LORAPLEX_BASE_URL": stack.base_url, "LORAPLEX_API_KEY": key, "COLUMNS": "160"}
 
 
+def tenant_clients_for(stack, key: str) -> ServiceClient:
+    return ServiceClient(stack.base_url, key)
+
+
 def exported_weights(pipeline: dict) -> dict:
     return load_file(str(Path(pipeline["export_path"]) / "adapter_model.safetensors"))
 
@@ -125,12 +134,18 @@ def test_three_tenants_pipelines_run_to_their_end(stack, workers, tmp_path, toke
     clients = {name: tenant_clients_for(stack, key) for name, key in keys_.items()}
     a = config(write_jsonl(tmp_path / "a.jsonl", prompt_completion(12)), name="ana")
     b = config(write_jsonl(tmp_path / "b.jsonl", chat(12)), name="ben", tokenizer=tokenizer_with_chat_template)
-    c = config(write_jsonl(tmp_path / "c.jsonl", prompt_completion(8)), name="cy", eval_every=3,
-               optimizer={"schedule": "linear", "warmup_steps": 0},
-               dataset={"eval": write_jsonl(tmp_path / "c-eval.jsonl", prompt_completion(4)), "eval_fraction": 0.0})
+    c = config(
+        write_jsonl(tmp_path / "c.jsonl", prompt_completion(8)),
+        name="cy",
+        eval_every=3,
+        optimizer={"schedule": "linear", "warmup_steps": 0},
+        dataset={"eval": write_jsonl(tmp_path / "c-eval.jsonl", prompt_completion(4)), "eval_fraction": 0.0},
+    )
     (tmp_path / "cy.yaml").write_text(json.dumps(c))  # JSON is YAML
-    ids = {"pl-ana": clients["pl-ana"].submit_pipeline(a)["pipelines"][0]["id"],
-           "pl-ben": clients["pl-ben"].submit_pipeline(b)["pipelines"][0]["id"]}
+    ids = {
+        "pl-ana": clients["pl-ana"].submit_pipeline(a)["pipelines"][0]["id"],
+        "pl-ben": clients["pl-ben"].submit_pipeline(b)["pipelines"][0]["id"],
+    }
     out = cli(cli_env(stack, keys_["pl-cy"]), "finetune", str(tmp_path / "cy.yaml"))
     assert out.returncode == 0, out.stderr
     ids["pl-cy"] = out.stdout.split("pipeline ", 1)[1].split()[0]
@@ -153,12 +168,6 @@ def test_three_tenants_pipelines_run_to_their_end(stack, workers, tmp_path, toke
         clients["pl-ben"].pipelines.get(ids["pl-ana"])  # another tenant's pipeline: a 404 like a made-up id
 
 
-def tenant_clients_for(stack, key):
-    from loraplex.client import ServiceClient
-
-    return ServiceClient(stack.base_url, key)
-
-
 def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, workers, worker_env, tmp_path):
     """One run of a config to its end; then the same config again, and the Celery worker running it is SIGKILLed
     after its checkpoint at step 3 and a later step. Another worker takes the task over (unacked, handed out again
@@ -166,8 +175,9 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, work
     weights equal the uninterrupted run's bit for bit. (The two run one after the other: run at once, their steps
     would share plans, and a different packing changes fp32 sums in the last bits on CPU.)"""
     client = tenant_clients(stack, "pl-dee")["pl-dee"]
-    cfg = config(write_jsonl(tmp_path / "d.jsonl", prompt_completion(11)), batch_size=2, checkpoint_every=3,
-                 eval_every=3)  # 8 train records / 2 = 4 steps an epoch, 8 in all
+    cfg = config(
+        write_jsonl(tmp_path / "d.jsonl", prompt_completion(11)), batch_size=2, checkpoint_every=3, eval_every=3
+    )  # 8 train records / 2 = 4 steps an epoch, 8 in all
     reference = client.submit_pipeline({**cfg, "name": "reference"})["pipelines"][0]["id"]
     ref = client.pipelines.wait(reference, timeout=120)
     victim = client.submit_pipeline({**cfg, "name": "victim"})["pipelines"][0]["id"]
@@ -182,7 +192,9 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, work
     resumed = client.pipelines.wait(victim, timeout=120)
     assert ref["state"] == resumed["state"] == "succeeded", (ref["error"], resumed["error"])
     assert ref["attempt"] == 1 and resumed["attempt"] == 2 and progressed["step"] < 8
-    assert resumed["model_id"].endswith("-2") and resumed["final_checkpoint"].startswith(f"tinker://{resumed['model_id']}")
+    assert resumed["model_id"].endswith("-2") and resumed["final_checkpoint"].startswith(
+        f"tinker://{resumed['model_id']}"
+    )
     assert [t[0] for t in resumed["train_losses"]] == list(range(1, 9))
     assert resumed["eval_losses"] == ref["eval_losses"] and [e[0] for e in ref["eval_losses"]] == [3, 6, 8]
     assert resumed["train_losses"] == ref["train_losses"]
@@ -196,8 +208,12 @@ def test_sweep_2x2_runs_concurrently_and_writes_its_report(stack, workers, tmp_p
     a markdown and a CSV table with a row per point, and an SVG plot with one eval-loss line per point."""
     key = create_tenants(stack, "pl-eve")["pl-eve"]
     client = tenant_clients_for(stack, key)
-    cfg = config(write_jsonl(tmp_path / "e.jsonl", prompt_completion(12)), name="grid", checkpoint_every=0,
-                 sweep={"grid": {"lora.rank": [4, 8], "optimizer.learning_rate": [1e-3, 1e-2]}})
+    cfg = config(
+        write_jsonl(tmp_path / "e.jsonl", prompt_completion(12)),
+        name="grid",
+        checkpoint_every=0,
+        sweep={"grid": {"lora.rank": [4, 8], "optimizer.learning_rate": [1e-3, 1e-2]}},
+    )
     submitted = client.submit_pipeline(cfg)
     sweep_id = submitted["sweep_id"]
     assert len(submitted["pipelines"]) == 4
@@ -212,8 +228,12 @@ def test_sweep_2x2_runs_concurrently_and_writes_its_report(stack, workers, tmp_p
              30, "the sweep's report")  # fmt: skip
     rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
     assert len(rows) == 4 and all(float(r["final_eval_loss"]) > 0 for r in rows)
-    assert {(r["lora.rank"], r["optimizer.learning_rate"]) for r in rows} == {("4", "0.001"), ("4", "0.01"),
-                                                                            ("8", "0.001"), ("8", "0.01")}
+    assert {(r["lora.rank"], r["optimizer.learning_rate"]) for r in rows} == {
+        ("4", "0.001"),
+        ("4", "0.01"),
+        ("8", "0.001"),
+        ("8", "0.01"),
+    }
     md = (out / "report.md").read_text()
     assert md.count("\n| ") == 5 and "Best final eval loss" in md
     svg = ET.fromstring((out / "eval_loss.svg").read_text())
@@ -270,3 +290,26 @@ def test_bad_configs_are_clear_errors(stack, workers, tmp_path):
     failed = client.pipelines.wait(pid, timeout=60)
     assert failed["state"] == "failed" and "is not a tokenizer folder" in failed["error"]
     assert "Traceback" not in failed["error"]
+
+
+def test_beat_deletes_expired_checkpoints_and_writes_missed_exports(stack, workers, worker_env, tmp_path):
+    """`celery beat` with one-second intervals: a pipeline's intermediate checkpoints (checkpoint_ttl_seconds=1) are
+    deleted by the retention task, its final sampler weights stay; an export that went missing (row cleared, folder
+    gone) is written again by the export task."""
+    beat = CeleryBeat("beat", {**worker_env, "LORAPLEX_RETENTION_INTERVAL_SECONDS": "1",
+                               "LORAPLEX_EXPORT_INTERVAL_SECONDS": "1"}, stack.log_dir).start()  # fmt: skip
+    try:
+        client = tenant_clients(stack, "pl-hal")["pl-hal"]
+        cfg = config(write_jsonl(tmp_path / "h.jsonl", prompt_completion(8)), checkpoint_every=1,
+                     checkpoint_ttl_seconds=1)  # fmt: skip
+        done = client.pipelines.wait(client.submit_pipeline(cfg)["pipelines"][0]["id"], timeout=60)
+        assert done["state"] == "succeeded" and done["last_checkpoint_step"] == 3
+        names = lambda: {c["checkpoint_id"] for c in client.list_checkpoints(done["model_id"])}  # noqa: E731
+        wait_for(lambda: names() == {"sampler_weights/final"}, 30, "the expired checkpoints deleted")
+        shutil.rmtree(done["export_path"])
+        with unit_of_work(session_factory(make_db_engine(stack.settings.resolved_database_url))) as db:
+            db.get(Pipeline, done["id"]).export_path = None
+        again = wait_for(lambda: (p := client.pipelines.get(done["id"]))["export_path"] and p, 30, "the export again")
+        assert Path(again["export_path"], "adapter_model.safetensors").is_file()
+    finally:
+        beat.stop()

@@ -63,3 +63,26 @@ class CeleryWorker:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+class CeleryBeat(CeleryWorker):
+    """`celery -A loraplex.pipelines.app:celery_app beat` (the schedule: retention, missed exports), its schedule
+    file in the log folder."""
+
+    def start(self, timeout_s: float = 60.0) -> CeleryBeat:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child's for its lifetime
+        schedule = self.log_path.with_suffix(".schedule")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", CELERY_APP, "beat", "--schedule", str(schedule), "--loglevel=INFO"],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"celery beat exited {self.proc.returncode}: {self.log_tail()}")
+            if b"beat: Starting" in self.log_path.read_bytes():
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"celery beat not started after {timeout_s} s: {self.log_tail()}")

@@ -64,7 +64,9 @@ def test_records_are_checked_and_named():
                        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}],
                       "train", "auto")  # fmt: skip
     with pytest.raises(InvalidRequestError, match=r"eval\[0\]\.messages: the last message"):
-        check_records([{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}], "eval", "auto")
+        check_records(
+            [{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}], "eval", "auto"
+        )
 
 
 class _Tok:

@@ -58,7 +58,9 @@ def _check(services: Services, config: PipelineConfig, request: SubmitPipelineRe
     limit = settings.pipeline_max_records
     for split, records in (("train", request.train), ("eval", request.eval or [])):
         if len(records) > limit:
-            raise InvalidRequestError(f"{split} has {len(records)} records; at most {limit} (LORAPLEX_PIPELINE_MAX_RECORDS)")
+            raise InvalidRequestError(
+                f"{split} has {len(records)} records; at most {limit} (LORAPLEX_PIPELINE_MAX_RECORDS)"
+            )
         if records:
             check_records(records, split, config.dataset.format)
     n_train = train_count(config, len(request.train), request.eval is not None)
@@ -80,7 +82,9 @@ def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipeli
     plans = []
     for point, config in points:
         if config.lora.rank > settings.max_rank:
-            raise InvalidRequestError(f"lora.rank {config.lora.rank} exceeds this pool's maximum rank {settings.max_rank}")
+            raise InvalidRequestError(
+                f"lora.rank {config.lora.rank} exceeds this pool's maximum rank {settings.max_rank}"
+            )
         plans.append((point, config, total_steps(config, _check(services, config, request))))
     dataset_id = uuid.uuid4().hex
     key = dataset_key(tenant.id, dataset_id)
@@ -93,8 +97,14 @@ def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipeli
     with write_session(services) as db:
         repo = PipelineRepository(db, tenant.id)
         rows = [
-            repo.create(name=config.name if not point else f"{config.name}-{i}", config=config.model_dump(mode="json"),
-                        dataset_key=key, total_steps=steps, sweep_id=sweep_id, sweep_point=point)  # fmt: skip
+            repo.create(
+                name=config.name if not point else f"{config.name}-{i}",
+                config=config.model_dump(mode="json"),
+                dataset_key=key,
+                total_steps=steps,
+                sweep_id=sweep_id,
+                sweep_point=point,
+            )  # fmt: skip
             for i, (point, config, steps) in enumerate(plans)
         ]
     for row in rows:

@@ -51,7 +51,9 @@ class PipelineRepository:
         return row
 
     def get(self, pipeline_id: str) -> Pipeline:
-        row = self.session.scalar(select(Pipeline).where(Pipeline.id == pipeline_id, Pipeline.tenant_id == self.tenant_id))
+        row = self.session.scalar(
+            select(Pipeline).where(Pipeline.id == pipeline_id, Pipeline.tenant_id == self.tenant_id)
+        )
         if row is None:
             raise NotFoundError(f"pipeline {pipeline_id!r} not found")
         return row
