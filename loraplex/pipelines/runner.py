@@ -48,6 +48,13 @@ def tenant_of(services: Services, pipeline_id: str) -> TenantRef:
         return TenantRef(tenant.id, tenant.name)
 
 
+def fail_pipeline(services: Services, pipeline_id: str, message: str) -> PipelineState:
+    """End the pipeline FAILED with `message` (one cancelled or finished meanwhile keeps its state)."""
+    tenant = tenant_of(services, pipeline_id)
+    with write_session(services) as db:
+        return PipelineRepository(db, tenant.id).finish(pipeline_id, PipelineState.FAILED, message)
+
+
 def run_pipeline(services: Services, pipeline_id: str, lease: RunnerLease) -> PipelineState | None:
     """Run (or resume) the pipeline to its end; returns the state it ended in, None when it had ended before.
     Transient errors and LeaseLostError propagate (the task retries); any other error fails the pipeline with its

@@ -21,7 +21,14 @@ from loraplex.api.service.pipeline_launch import (
 from loraplex.pipelines.app import celery_app
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.report import sweep_finished, write_sweep_report
-from loraplex.pipelines.runner import TRANSIENT_ERRORS, LeaseLostError, export_final, run_pipeline, tenant_of
+from loraplex.pipelines.runner import (
+    TRANSIENT_ERRORS,
+    LeaseLostError,
+    export_final,
+    fail_pipeline,
+    run_pipeline,
+    tenant_of,
+)
 from loraplex.settings import get_settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipelines_missing_export
@@ -29,7 +36,7 @@ from loraplex.storage.retention import delete_expired
 
 log = logging.getLogger("loraplex.pipelines")
 TRANSIENT_RETRY_S = 5.0
-TRANSIENT_RETRIES = 60
+TRANSIENT_RETRIES = 60  # 5 minutes of Redis or the database away, then the pipeline fails
 
 _services: Services | None = None
 _services_lock = threading.Lock()
@@ -45,17 +52,22 @@ def shared_services() -> Services:
 
 
 @celery_app.task(name=RUN_PIPELINE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
-def run_pipeline_task(self: Task, pipeline_id: str) -> str:
+def run_pipeline_task(self: Task, pipeline_id: str, transient_retries: int = 0) -> str:
     services = shared_services()
     lease = RunnerLease(services.redis, pipeline_id, services.settings.pipeline_lease_seconds)
     if not lease.acquire():
         # Handed out again while another run of it lives: look again once that run's lease could have lapsed.
-        raise self.retry(countdown=services.settings.pipeline_lease_seconds)
+        raise self.retry(countdown=services.settings.pipeline_lease_seconds,
+                         kwargs={"transient_retries": transient_retries})  # fmt: skip
     try:
         state = run_pipeline(services, pipeline_id, lease)
     except TRANSIENT_ERRORS as exc:
-        log.warning("pipeline %s: %s: %s; retrying in %g s", pipeline_id, type(exc).__name__, exc, TRANSIENT_RETRY_S)
-        raise self.retry(countdown=TRANSIENT_RETRY_S, max_retries=TRANSIENT_RETRIES, exc=exc) from None
+        message = f"{type(exc).__name__}: {exc}"
+        if transient_retries >= TRANSIENT_RETRIES:
+            state = fail_pipeline(services, pipeline_id, f"gave up after {transient_retries} retries: {message}")
+        else:
+            log.warning("pipeline %s: %s; retrying in %g s", pipeline_id, message, TRANSIENT_RETRY_S)
+            raise self.retry(countdown=TRANSIENT_RETRY_S, kwargs={"transient_retries": transient_retries + 1}) from None
     except LeaseLostError as exc:
         log.warning("%s; another run continues it", exc)
         return "lease lost"
