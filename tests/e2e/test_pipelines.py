@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -181,6 +182,7 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, work
     reference = client.submit_pipeline({**cfg, "name": "reference"})["pipelines"][0]["id"]
     ref = client.pipelines.wait(reference, timeout=120)
     victim = client.submit_pipeline({**cfg, "name": "victim"})["pipelines"][0]["id"]
+
     def past_a_checkpoint() -> dict | None:
         p = client.pipelines.get(victim)
         return p if p["last_checkpoint_step"] and p["last_checkpoint_step"] < p["step"] <= 9 else None
@@ -316,3 +318,32 @@ def test_beat_deletes_expired_checkpoints_and_writes_missed_exports(stack, worke
         assert Path(again["export_path"], "adapter_model.safetensors").is_file()
     finally:
         beat.stop()
+
+
+def test_a_killed_prefork_child_is_handed_out_again_at_once(stack, workers, worker_env, tmp_path):
+    """The default pool: a prefork worker (one child) whose child is SIGKILLed mid-pipeline. reject_on_worker_lost
+    puts the task back at once (the visibility timeout here is 10 minutes, so nothing else could); the worker's new
+    child finds the dead child's lease, waits it out, and resumes from the checkpoint. Runs last: it stops the
+    module's thread-pool workers so the prefork one gets the task."""
+    for worker in workers:
+        worker.stop()
+    env = {**worker_env, "LORAPLEX_CELERY_VISIBILITY_TIMEOUT_SECONDS": "600"}
+    prefork = CeleryWorker("prefork", env, stack.log_dir, concurrency=1, pool="prefork").start()
+    workers.append(prefork)
+    client = tenant_clients(stack, "pl-ivy")["pl-ivy"]
+    cfg = config(write_jsonl(tmp_path / "i.jsonl", prompt_completion(16)), batch_size=2, checkpoint_every=3)
+    pid = client.submit_pipeline(cfg)["pipelines"][0]["id"]
+
+    def past_a_checkpoint() -> dict | None:
+        p = client.pipelines.get(pid)
+        return p if p["last_checkpoint_step"] and p["last_checkpoint_step"] < p["step"] <= 9 else None
+
+    wait_for(past_a_checkpoint, 90, "the pipeline past a checkpoint", poll=0.05)
+    holder = redis.Redis.from_url(stack.settings.redis_url).get(keys.pipeline_runner(pid))
+    child = int(holder.decode().split(":")[1])
+    assert child != prefork.pid  # the task runs in the pool's child
+    os.kill(child, signal.SIGKILL)
+    done = client.pipelines.wait(pid, timeout=90)
+    assert done["state"] == "succeeded" and done["attempt"] == 2, done["error"]
+    assert [t[0] for t in done["train_losses"]] == list(range(1, 13))
+    assert prefork.proc is not None and prefork.proc.poll() is None  # the same worker, a new child

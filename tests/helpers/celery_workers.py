@@ -15,8 +15,11 @@ CELERY_APP = "loraplex.pipelines.app:celery_app"
 
 
 class CeleryWorker:
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path, concurrency: int = 6) -> None:
+    def __init__(
+        self, name: str, env: dict[str, str], log_dir: Path, concurrency: int = 6, pool: str = "threads"
+    ) -> None:
         self.name = name
+        self.pool = pool
         self.env = env
         self.log_path = log_dir / f"celery-{name}.log"
         self.concurrency = concurrency
@@ -26,7 +29,7 @@ class CeleryWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child's for its lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", CELERY_APP, "worker", "--pool=threads",
+            [sys.executable, "-m", "celery", "-A", CELERY_APP, "worker", f"--pool={self.pool}",
              f"--concurrency={self.concurrency}", "-n", f"{self.name}@%h", "--without-gossip", "--without-mingle",
              "--without-heartbeat", "--loglevel=INFO"],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
