@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -110,6 +111,32 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def kill_past_a_checkpoint(stack, pipeline_id: str, total: int, kill) -> tuple[int, int]:
+    """Call `kill(pid)` with the pid of the process running the pipeline (its lease names it) as soon as the pipeline
+    is past one of its checkpoints and not past half of its steps; returns (step, last checkpoint step) seen then.
+    The row is read straight from SQLite every millisecond: an unloaded CPU runs a tiny-model step in ~10 ms, too
+    fast for HTTP polling to catch a window of a few steps."""
+    lease = redis.Redis.from_url(stack.settings.redis_url)
+    holder = wait_for(lambda: lease.get(keys.pipeline_runner(pipeline_id)), 60, "the pipeline's lease", poll=0.001)
+    pid = int(holder.decode().split(":")[1])
+    db = sqlite3.connect(f"file:{stack.settings.home / 'loraplex.db'}?mode=ro", uri=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            step, checkpoint = db.execute(
+                "SELECT step, last_checkpoint_step FROM pipelines WHERE id = ?", (pipeline_id,)
+            ).fetchone()
+            if checkpoint and checkpoint < step <= total // 2:
+                kill(pid)
+                return step, checkpoint
+            if step > total // 2:
+                raise AssertionError(f"the pipeline ran past step {total // 2} unseen (step {step})")
+            time.sleep(0.001)
+    finally:
+        db.close()
+    raise AssertionError("the pipeline never got past a checkpoint")
+
+
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
@@ -171,37 +198,29 @@ def test_three_tenants_pipelines_run_to_their_end(stack, workers, tmp_path, toke
 
 def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, workers, worker_env, tmp_path):
     """One run of a config to its end; then the same config again, and the Celery worker running it is SIGKILLed
-    past one of its checkpoints (every 3 steps) and before its last step. Another worker takes the task over (unacked, handed out again
-    once the lease lapsed), creates an adapter from the checkpoint and finishes: its eval losses and exported
-    weights equal the uninterrupted run's bit for bit. (The two run one after the other: run at once, their steps
+    past one of its checkpoints (every 3 steps) and before half of its 24 steps. A restarted worker takes the task
+    over (unacked, handed out again past the visibility timeout, once the lease lapsed), creates an adapter from the
+    checkpoint and finishes: its train and eval losses and exported weights equal the uninterrupted run's bit for bit. (The two run one after the other: run at once, their steps
     would share plans, and a different packing changes fp32 sums in the last bits on CPU.)"""
     client = tenant_clients(stack, "pl-dee")["pl-dee"]
     cfg = config(
-        write_jsonl(tmp_path / "d.jsonl", prompt_completion(16)), batch_size=2, checkpoint_every=3, eval_every=3
-    )  # 12 train records / 2 = 6 steps an epoch, 12 in all
+        write_jsonl(tmp_path / "d.jsonl", prompt_completion(32)), batch_size=2, checkpoint_every=3, eval_every=3
+    )  # 24 train records / 2 = 12 steps an epoch, 24 in all
     reference = client.submit_pipeline({**cfg, "name": "reference"})["pipelines"][0]["id"]
     ref = client.pipelines.wait(reference, timeout=120)
     victim = client.submit_pipeline({**cfg, "name": "victim"})["pipelines"][0]["id"]
-
-    def past_a_checkpoint() -> dict | None:
-        p = client.pipelines.get(victim)
-        return p if p["last_checkpoint_step"] and p["last_checkpoint_step"] < p["step"] <= 9 else None
-
-    progressed = wait_for(past_a_checkpoint, 90, "the victim past a checkpoint", poll=0.05)
-    holder = redis.Redis.from_url(stack.settings.redis_url).get(keys.pipeline_runner(victim))
-    assert holder is not None, progressed
-    pid = int(holder.decode().split(":")[1])
-    killed = next(w for w in workers if w.pid == pid)
-    killed.kill()
-    workers.append(CeleryWorker(f"{killed.name}r", worker_env, stack.log_dir).start())  # a restarted worker
+    by_pid = {w.pid: w for w in workers}
+    killed: list[CeleryWorker] = []
+    kill_past_a_checkpoint(stack, victim, 24, lambda pid: (killed.append(by_pid[pid]), by_pid[pid].kill()))
+    workers.append(CeleryWorker(f"{killed[0].name}r", worker_env, stack.log_dir).start())  # a restarted worker
     resumed = client.pipelines.wait(victim, timeout=120)
     assert ref["state"] == resumed["state"] == "succeeded", (ref["error"], resumed["error"])
     assert ref["attempt"] == 1 and resumed["attempt"] == 2
     assert resumed["model_id"].endswith("-2") and resumed["final_checkpoint"].startswith(
         f"tinker://{resumed['model_id']}"
     )
-    assert [t[0] for t in resumed["train_losses"]] == list(range(1, 13))
-    assert resumed["eval_losses"] == ref["eval_losses"] and [e[0] for e in ref["eval_losses"]] == [3, 6, 9, 12]
+    assert [t[0] for t in resumed["train_losses"]] == list(range(1, 25))
+    assert resumed["eval_losses"] == ref["eval_losses"] and [e[0] for e in ref["eval_losses"]] == list(range(3, 25, 3))
     assert resumed["train_losses"] == ref["train_losses"]
     a, b = exported_weights(ref), exported_weights(resumed)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
@@ -331,19 +350,12 @@ def test_a_killed_prefork_child_is_handed_out_again_at_once(stack, workers, work
     prefork = CeleryWorker("prefork", env, stack.log_dir, concurrency=1, pool="prefork").start()
     workers.append(prefork)
     client = tenant_clients(stack, "pl-ivy")["pl-ivy"]
-    cfg = config(write_jsonl(tmp_path / "i.jsonl", prompt_completion(16)), batch_size=2, checkpoint_every=3)
+    cfg = config(write_jsonl(tmp_path / "i.jsonl", prompt_completion(32)), batch_size=2, checkpoint_every=3)
     pid = client.submit_pipeline(cfg)["pipelines"][0]["id"]
-
-    def past_a_checkpoint() -> dict | None:
-        p = client.pipelines.get(pid)
-        return p if p["last_checkpoint_step"] and p["last_checkpoint_step"] < p["step"] <= 9 else None
-
-    wait_for(past_a_checkpoint, 90, "the pipeline past a checkpoint", poll=0.05)
-    holder = redis.Redis.from_url(stack.settings.redis_url).get(keys.pipeline_runner(pid))
-    child = int(holder.decode().split(":")[1])
-    assert child != prefork.pid  # the task runs in the pool's child
-    os.kill(child, signal.SIGKILL)
+    children: list[int] = []
+    kill_past_a_checkpoint(stack, pid, 24, lambda child: (children.append(child), os.kill(child, signal.SIGKILL)))
+    assert children[0] != prefork.pid  # the task ran in the pool's child
     done = client.pipelines.wait(pid, timeout=90)
     assert done["state"] == "succeeded" and done["attempt"] == 2, done["error"]
-    assert [t[0] for t in done["train_losses"]] == list(range(1, 13))
+    assert [t[0] for t in done["train_losses"]] == list(range(1, 25))
     assert prefork.proc is not None and prefork.proc.poll() is None  # the same worker, a new child
