@@ -353,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", help="the adapter's tenant name (default: whichever tenant owns it)")
     p.set_defaults(func=cmd_export)
 
+    from loraplex.cli_pipelines import add_parsers as add_pipeline_parsers
+
+    add_pipeline_parsers(sub)
+
     p = sub.add_parser("worker", help="run one worker pool process (dispatcher + rank 0)")
     p.set_defaults(func=cmd_worker)
 

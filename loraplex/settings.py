@@ -145,6 +145,29 @@ class Settings(BaseSettings):
     tenant_requests_per_second: float = Field(default=200.0, ge=0)
     tenant_request_burst: int = Field(default=400, ge=1)
 
+    # Offline fine-tuning pipelines (loraplex/pipelines/, Celery). The broker: empty means `redis_url`.
+    celery_broker_url: str = ""
+    # The Celery queue the pipeline, report and export tasks go to (workers consume it: `-Q`, default this).
+    celery_queue: str = "loraplex-pipelines"
+    # Seconds the Redis broker waits for a task's ack before it hands the task to another worker (acks_late: a worker
+    # killed mid-pipeline leaves its task unacked). A running pipeline holds a lease (below), so a task handed out
+    # again while its first run lives waits for the lease instead of training twice.
+    celery_visibility_timeout_seconds: float = Field(default=3600.0, gt=0)
+    # How often a Celery worker looks for unacked tasks past the visibility timeout (kombu's restore sweep).
+    celery_restore_interval_seconds: float = Field(default=10.0, gt=0)
+    # A running pipeline's lease in Redis, renewed every third of it: a pipeline whose worker died is taken over by
+    # another worker this long after the last renewal.
+    pipeline_lease_seconds: float = Field(default=30.0, gt=0)
+    # Longest a pipeline waits for one training step's result before it fails (the pool down that long).
+    pipeline_step_timeout_seconds: float = Field(default=900.0, gt=0)
+    # Records per dataset split a pipeline accepts (the client uploads them with the config).
+    pipeline_max_records: int = Field(default=200_000, ge=1)
+    # Where pipelines write their PEFT exports and sweep reports; empty means `home/pipelines`.
+    pipeline_dir: Path | None = None
+    # Celery beat: expired checkpoints deleted (storage/retention.py), finished pipelines' missing exports written.
+    retention_interval_seconds: float = Field(default=300.0, gt=0)
+    export_interval_seconds: float = Field(default=300.0, gt=0)
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _split_modules(cls, value: object) -> object:
@@ -183,6 +206,14 @@ class Settings(BaseSettings):
     @property
     def resolved_model_cache(self) -> Path:
         return self.model_cache or self.home / "models"
+
+    @property
+    def resolved_celery_broker_url(self) -> str:
+        return self.celery_broker_url or self.redis_url
+
+    @property
+    def resolved_pipeline_dir(self) -> Path:
+        return self.pipeline_dir or self.home / "pipelines"
 
     @property
     def resolved_spill_root(self) -> Path:

@@ -30,6 +30,7 @@ from loraplex.api.routes import (
     futures,
     health,
     metrics,
+    pipelines,
     runs,
     samplers,
     tenant_checkpoints,
@@ -109,6 +110,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(runs.router)
     app.include_router(tenant_checkpoints.router)
     app.include_router(samplers.router)
+    app.include_router(pipelines.router)
     app.include_router(openai_router)
     app.include_router(metrics.router)
     return app

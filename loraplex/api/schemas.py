@@ -241,3 +241,38 @@ class SampleRequest(Strict):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=20)
     topk_sample_logprobs: int = Field(0, ge=0, le=20)
+
+
+class PipelineOut(BaseModel):
+    """An offline fine-tuning pipeline and its progress (loraplex/pipelines/)."""
+
+    id: str
+    name: str
+    sweep_id: str | None
+    sweep_point: dict[str, Any]
+    state: str  # queued, running, succeeded, failed, cancelled
+    step: int
+    total_steps: int
+    attempt: int  # runs of its task so far (more than 1: resumed after a worker died)
+    model_id: str | None  # the adapter the current run trains
+    last_checkpoint: str | None
+    last_checkpoint_step: int | None
+    eval_losses: list[list[float]]  # [[step, mean loss per completion token], ...]
+    train_losses: list[list[float]]
+    final_checkpoint: str | None  # tinker path of the final sampler weights
+    export_path: str | None  # the PEFT folder, on the workers' filesystem
+    error: str | None
+    config: dict[str, Any]
+    created_at: Any
+    started_at: Any | None = None
+    finished_at: Any | None = None
+
+
+class SubmittedPipelines(BaseModel):
+    pipelines: list[PipelineOut]
+    sweep_id: str | None = None
+
+
+class PipelineList(BaseModel):
+    pipelines: list[PipelineOut]
+    total_count: int

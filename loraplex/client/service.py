@@ -8,6 +8,7 @@ from typing import Any
 
 from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import DEFAULT_RESULT_TIMEOUT_S, APIFuture
+from loraplex.client.pipelines import PipelineCalls
 from loraplex.client.sampling import SamplingClient
 from loraplex.client.training import TrainingClient
 from loraplex.client.transport import Transport, raise_for_status
@@ -36,6 +37,8 @@ class ServiceClient:
         if not api_key:
             raise AuthenticationError("no API key: pass api_key= or set LORAPLEX_API_KEY")
         self._transport = Transport(base_url, api_key, timeout, result_timeout)
+        # Offline fine-tuning pipelines: submit(config or YAML path), get, list, cancel, wait, download_sweep_report.
+        self.pipelines = PipelineCalls(self._transport)
 
     def create_lora_training_client(
         self,
@@ -53,6 +56,12 @@ class ServiceClient:
         ref = self._transport.request("POST", "/v1/adapters", json=body)
         APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
         return TrainingClient(self._transport, ref["model_id"], next_seq_id=1)
+
+    def submit_pipeline(self, config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+        """Submit an offline fine-tuning pipeline (a dict, or a YAML config's path; its dataset files are read and
+        uploaded): {"pipelines": [...], "sweep_id": ...} (a sweep config gives one pipeline per grid point). Follow
+        them with `self.pipelines.get/wait`, stop one with `self.pipelines.cancel`."""
+        return self.pipelines.submit(config)
 
     def create_training_client_from_state(self, path: str, with_optimizer: bool = True) -> TrainingClient:
         """A NEW adapter restored from a checkpoint of this tenant (`tinker://<model_id>/weights/<name>`, as returned

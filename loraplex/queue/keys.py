@@ -118,3 +118,9 @@ def openai_sampler(tenant_id: str, model_path: str) -> str:
 def openai_idempotency(tenant_id: str, digest: str) -> str:
     """The seq_ids an OpenAI request's Idempotency-Key header took (digest: of the model and the key)."""
     return f"{PREFIX}openai:idem:{tenant_id}:{digest}"
+
+
+def pipeline_runner(pipeline_id: str) -> str:
+    """The lease of the Celery task running a pipeline ("<token>"; loraplex/pipelines/lease.py): a task handed out
+    again while another run of it lives finds it held and waits."""
+    return f"{PREFIX}pipeline:{pipeline_id}:runner"

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from loraplex.checkpoint_paths import CheckpointKind  # the one vocabulary of checkpoint kinds, stored by value here
 
-__all__ = ["AdapterStatus", "CheckpointKind", "PoolState", "ResidencyTier"]
+__all__ = ["AdapterStatus", "CheckpointKind", "PipelineState", "PoolState", "ResidencyTier"]
 
 
 class AdapterStatus(StrEnum):
@@ -30,3 +30,19 @@ class PoolState(StrEnum):
     LOADING = "loading"
     READY = "ready"
     STOPPED = "stopped"
+
+
+class PipelineState(StrEnum):
+    """An offline fine-tuning pipeline (`pipelines.state`): QUEUED until a Celery worker takes it, RUNNING while it
+    trains (also while a resumed run continues from its last checkpoint), then one of the three ends. CANCELLED is
+    also the flag a running pipeline checks between steps."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (PipelineState.SUCCEEDED, PipelineState.FAILED, PipelineState.CANCELLED)

@@ -16,11 +16,12 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState, ResidencyTier
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, PipelineState, PoolState, ResidencyTier
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
 # The enums are re-exported: callers reading a model's fields import them from here.
@@ -31,6 +32,8 @@ __all__ = [
     "Base",
     "Checkpoint",
     "CheckpointKind",
+    "Pipeline",
+    "PipelineState",
     "Pool",
     "PoolState",
     "Residency",
@@ -221,3 +224,38 @@ class AdminAccount(Base):
     session_version: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_login_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Pipeline(Base):
+    """An offline fine-tuning pipeline (loraplex/pipelines/): its config, where its dataset lies, and its progress,
+    written by the Celery task that drives it through the service layer. A sweep's points share a `sweep_id`."""
+
+    __tablename__ = "pipelines"
+    __table_args__ = (Index("ix_pipelines_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    sweep_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), index=True)
+    # The grid values of this sweep point, e.g. {"lora.rank": 8, "optimizer.learning_rate": 0.001}; {} outside sweeps.
+    sweep_point: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Blob key of the folder holding train.jsonl (and eval.jsonl) as the tenant uploaded them.
+    dataset_key: Mapped[str] = mapped_column(String(1024))
+    state: Mapped[PipelineState] = mapped_column(str_enum(PipelineState), default=PipelineState.QUEUED)
+    step: Mapped[int] = mapped_column(BigInteger, default=0)  # optimizer steps done
+    total_steps: Mapped[int] = mapped_column(BigInteger)
+    # Runs of the Celery task that took it (1 = never interrupted); each run trains its own adapter, `model_id`.
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    model_id: Mapped[str | None] = mapped_column(String(MODEL_ID_LENGTH))
+    last_checkpoint: Mapped[str | None] = mapped_column(String(1024))  # tinker path of the latest save_state
+    last_checkpoint_step: Mapped[int | None] = mapped_column(BigInteger)
+    eval_losses: Mapped[list[list[float]]] = mapped_column(JSON, default=list)  # [[step, loss], ...]
+    train_losses: Mapped[list[list[float]]] = mapped_column(JSON, default=list)  # [[step, loss], ...]
+    final_checkpoint: Mapped[str | None] = mapped_column(String(1024))  # tinker path of the final sampler weights
+    export_path: Mapped[str | None] = mapped_column(String(1024))  # the PEFT folder written at the end
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

@@ -11,11 +11,11 @@ from sqlalchemy import select
 from loraplex.protocol import RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope, decode
-from loraplex.storage.models import Adapter, AdapterStatus, Checkpoint, TrainingSession
+from loraplex.storage.models import Adapter, AdapterStatus, Checkpoint, Pipeline, TrainingSession
 
 
 def db_state(services) -> dict[str, Any]:
-    """Every adapter, checkpoint and session row (all tenants), as plain tuples: equal snapshots = nothing written."""
+    """Every adapter, checkpoint, session and pipeline row (all tenants), as plain tuples: equal snapshots = nothing written."""
     with services.sessions() as db:
         adapters = sorted(
             (a.model_id, a.tenant_id, str(a.status), a.applied_seq_id, a.session_id, repr(a.user_metadata))
@@ -29,7 +29,8 @@ def db_state(services) -> dict[str, Any]:
             (s.id, s.tenant_id, str(s.last_heartbeat_at), str(s.finished_at), s.finish_reason)
             for s in db.scalars(select(TrainingSession))
         )
-    return {"adapters": adapters, "checkpoints": checkpoints, "sessions": sessions}
+        pipelines = sorted((p.id, p.tenant_id, str(p.state), p.step) for p in db.scalars(select(Pipeline)))
+    return {"adapters": adapters, "checkpoints": checkpoints, "sessions": sessions, "pipelines": pipelines}
 
 
 def stream_of(services, tenant_id: str) -> list[Envelope]:

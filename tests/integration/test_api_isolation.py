@@ -23,6 +23,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from loraplex.api.app import create_app
+from loraplex.api.service.pipelines import sweep_dir
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.models.tokenizer import train_tiny_tokenizer
 from loraplex.protocol import RequestKind
@@ -37,7 +38,8 @@ from tests.integration.conftest import gateway_app
 pytestmark = pytest.mark.integration
 
 PREFIXES = ("/v1/", "/api/v1/")
-ID_PATH_PARAMS = ("{model_id}", "{training_run_id}", "{session_id}", "{request_id}", "{sampler_id}")
+ID_PATH_PARAMS = ("{model_id}", "{training_run_id}", "{session_id}", "{request_id}", "{sampler_id}", "{pipeline_id}",
+                  "{sweep_id}")  # fmt: skip
 # Body fields that name another resource: adapters/runs, sessions, futures, checkpoints (tinker paths).
 ID_BODY_FIELDS = frozenset({
     "model_id", "training_run_id", "session_id", "request_id", "from_checkpoint",
@@ -62,6 +64,8 @@ class Owned:
     sampler_id: str  # a sampler over the sampler checkpoint
     state_name: str = "s1"
     sampler_name: str = "w1"
+    pipeline_id: str = ""  # a pipeline (queued: no Celery worker here), a point of the sweep `sweep_id`
+    sweep_id: str = ""
 
     @property
     def state_path(self) -> str:
@@ -73,7 +77,8 @@ class Owned:
 
     def ids(self) -> dict[str, str]:
         return {"model_id": self.model_id, "tinker_model_id": self.tinker_model_id, "session_id": self.session_id,
-                "request_id": self.request_id, "future_id": self.future_id, "sampler_id": self.sampler_id}  # fmt: skip
+                "request_id": self.request_id, "future_id": self.future_id, "sampler_id": self.sampler_id,
+                "pipeline_id": self.pipeline_id, "sweep_id": self.sweep_id}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -299,6 +304,13 @@ CALLS: dict[tuple[str, str], list[Variant]] = {
     ("GET", "/v1/samplers/{sampler_id}"): [
         V("get", lambda o, x: Call("GET", f"/v1/samplers/{x.sampler_id}")),
     ],
+    ("GET", "/v1/pipelines/{pipeline_id}"): [V("get", lambda o, x: Call("GET", f"/v1/pipelines/{x.pipeline_id}"))],
+    ("POST", "/v1/pipelines/{pipeline_id}/cancel"): [
+        V("cancel", lambda o, x: Call("POST", f"/v1/pipelines/{x.pipeline_id}/cancel")),
+    ],
+    ("GET", "/v1/sweeps/{sweep_id}/report/{name}"): [
+        V("report", lambda o, x: Call("GET", f"/v1/sweeps/{x.sweep_id}/report/report.md")),
+    ],
     ("POST", "/v1/samplers/{sampler_id}/sample"): [
         V("sample", lambda o, x: Call("POST", f"/v1/samplers/{x.sampler_id}/sample",
                                       json={"seq_id": 1, "prompt": [1, 2], "max_tokens": 2}), (202,)),
@@ -399,13 +411,20 @@ def _resources(gateway, name: str) -> Owned:
     _ok(client.post("/api/v1/optim_step", json={"model_id": tinker_model_id, "seq_id": 1}, headers=headers))
     sampler_path = f"tinker://{model_id}/sampler_weights/w1"
     sampler_id = _ok(client.post("/v1/samplers", json={"model_path": sampler_path}, headers=headers), 201)["sampler_id"]
-    return Owned(model_id, tinker_model_id, session_id, request_id, created["request_id"], sampler_id)
+    pipeline_config = {"name": "iso", "lora": {"rank": 4}, "sweep": {"grid": {"lora.rank": [4]}}}
+    submitted = _ok(client.post("/v1/pipelines", json={"config": pipeline_config, "train": [
+        {"prompt": SECRET if meta else "p", "completion": "c"}]}, headers=headers))  # fmt: skip
+    report = sweep_dir(services, tenant_id, submitted["sweep_id"]) / "report.md"
+    report.parent.mkdir(parents=True)
+    report.write_text("# a finished sweep's report\n")
+    return Owned(model_id, tinker_model_id, session_id, request_id, created["request_id"], sampler_id,
+                 pipeline_id=submitted["pipelines"][0]["id"], sweep_id=submitted["sweep_id"])  # fmt: skip
 
 
 def _phantom() -> Owned:
     session_id = str(uuid.uuid4())
     return Owned(uuid.uuid4().hex, f"{session_id}:train:0", session_id, str(uuid.uuid4()), f"create.{uuid.uuid4()}",
-                 str(uuid.uuid4()))  # fmt: skip
+                 str(uuid.uuid4()), pipeline_id=str(uuid.uuid4()), sweep_id=uuid.uuid4().hex)  # fmt: skip
 
 
 @pytest.fixture()

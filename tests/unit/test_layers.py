@@ -21,6 +21,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "api": ("loraplex.workers", "loraplex.dispatch", "torch"),
     "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
     "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
+    # Pipelines train through the service layer like a tenant: never the pool's internals.
+    "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool_process", "loraplex.embedded", "torch"),
     # The vLLM backend drives a server process over HTTP: no torch, no vllm import (the gateway may load it).
     "samplers": ("loraplex.workers", "loraplex.api", "loraplex.dispatch", "loraplex.queue", "loraplex.storage",
                  "torch", "transformers", "vllm"),

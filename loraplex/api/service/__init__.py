@@ -11,6 +11,7 @@ routes, the admin and the pipelines, only translate their wire format to these c
     submit       enqueue -> the future's reference; who owns a request
     sessions     client sessions: create, heartbeat, finish (frees the session's adapters), expiry
     sampling     samplers (a sampler checkpoint or the base model) and sampling requests
+    pipelines    offline fine-tuning pipelines and sweeps: submit, get, list, cancel, a sweep's report files
 """
 
 from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
@@ -28,6 +29,7 @@ from loraplex.api.service.checkpoints import (
 )
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.export import PeftExport, export_peft
+from loraplex.api.service.pipelines import cancel_pipeline, get_pipeline, list_pipelines, submit_pipeline
 from loraplex.api.service.runs import get_run, list_runs
 from loraplex.api.service.sampling import create_sampler, get_sampler, sample
 from loraplex.api.service.sessions import (
@@ -66,6 +68,11 @@ __all__ = [
     "set_checkpoint_ttl",
     "weights_info",
     "write_session",
+    # pipelines
+    "cancel_pipeline",
+    "get_pipeline",
+    "list_pipelines",
+    "submit_pipeline",
     # sampling
     "create_sampler",
     "get_sampler",

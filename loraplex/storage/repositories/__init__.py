@@ -6,6 +6,7 @@ from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.admins import AdminRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
+from loraplex.storage.repositories.pipelines import PipelineRepository, pipeline_tenant, pipelines_missing_export
 from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
 from loraplex.storage.repositories.samplers import SamplerRepository
@@ -19,6 +20,7 @@ __all__ = [
     "AdminRepository",
     "CheckpointRepository",
     "KindTotals",
+    "PipelineRepository",
     "PoolRepository",
     "SessionRepository",
     "ResidencyRepository",
@@ -29,5 +31,7 @@ __all__ = [
     "hash_api_key",
     "idle_sessions",
     "new_api_key",
+    "pipeline_tenant",
+    "pipelines_missing_export",
     "unit_of_work",
 ]

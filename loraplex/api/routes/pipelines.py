@@ -1,0 +1,48 @@
+"""Offline fine-tuning pipelines: submit (a config and its dataset records; a sweep makes one pipeline per grid
+point), list, read, cancel, and a finished sweep's report files. HTTP to service calls only: api/service/pipelines.py."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+
+from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.schemas import PipelineList, PipelineOut, SubmittedPipelines
+from loraplex.api.service import pipelines as service
+from loraplex.api.service.pipeline_config import SubmitPipelineRequest
+
+router = APIRouter(tags=["pipelines"])
+
+MEDIA_TYPES = {"report.md": "text/markdown", "report.csv": "text/csv", "eval_loss.svg": "image/svg+xml"}
+
+
+@router.post("/v1/pipelines")
+def submit_pipeline(request: SubmitPipelineRequest, tenant: TenantDep, services: ServicesDep) -> SubmittedPipelines:
+    return service.submit_pipeline(services, tenant, request)
+
+
+@router.get("/v1/pipelines")
+def list_pipelines(
+    tenant: TenantDep,
+    services: ServicesDep,
+    sweep_id: str | None = None,
+    limit: int = Query(100, description="1 to 1000"),
+    offset: int = Query(0, description=">= 0"),
+) -> PipelineList:
+    return service.list_pipelines(services, tenant, sweep_id, limit, offset)
+
+
+@router.get("/v1/pipelines/{pipeline_id}")
+def get_pipeline(pipeline_id: str, tenant: TenantDep, services: ServicesDep) -> PipelineOut:
+    return service.get_pipeline(services, tenant, pipeline_id)
+
+
+@router.post("/v1/pipelines/{pipeline_id}/cancel")
+def cancel_pipeline(pipeline_id: str, tenant: TenantDep, services: ServicesDep) -> PipelineOut:
+    return service.cancel_pipeline(services, tenant, pipeline_id)
+
+
+@router.get("/v1/sweeps/{sweep_id}/report/{name}", response_class=FileResponse)
+def sweep_report(sweep_id: str, name: str, tenant: TenantDep, services: ServicesDep) -> FileResponse:
+    path = service.sweep_report_file(services, tenant, sweep_id, name)
+    return FileResponse(path, media_type=MEDIA_TYPES[name], filename=name)
