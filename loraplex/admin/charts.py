@@ -34,14 +34,14 @@ def bars(items: Sequence[tuple[str, float]], *, of: Sequence[float] | None = Non
     """One bar per (label, value); `of`: a maximum per bar (e.g. a pool's slots), drawn as the bar's frame."""
     if not items:
         return _empty(40)
-    row, label_w, right = 24, 150, 80
+    row, label_w, right = 24, 200, 80
     height = row * len(items) + 8
     top = max([v for _, v in items] + list(of or []) + [1e-9])
     span = WIDTH - label_w - right
     parts = [_svg(height)]
     for i, (label, value) in enumerate(items):
         y = 4 + i * row
-        parts.append(f'<text x="0" y="{y + 15}" font-size="12">{escape(label[:22])}</text>')
+        parts.append(f'<text x="0" y="{y + 15}" font-size="12">{escape(label[:30])}</text>')
         if of is not None:
             parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{span * of[i] / top:.1f}" height="{row - 8}" '
                          f'fill="none" stroke="#bbb"/>')  # fmt: skip

@@ -40,6 +40,9 @@ class Dashboard(BaseView):
              "note": "mixed: several adapters in one batch (the cost model's choice); since each pool started"},
             {"key": "swaps", "title": "Swaps between tiers", "svg": charts.bars(data.swaps),
              "note": "adapter moves since each pool started"},
+            {"key": "pipelines", "title": "Pipelines: steps done of total",
+             "svg": charts.bars([(n, s) for n, s, _ in data.pipelines], of=[t for _, _, t in data.pipelines]),
+             "note": "queued and running ones, and those that ended in the last 15 minutes"},
         ]  # fmt: skip
         return await self.templates.TemplateResponse(
             request,

@@ -16,13 +16,14 @@ from loraplex.api.deps import Services
 from loraplex.api.pool_metrics import pool_metric_families
 from loraplex.queue import stats
 from loraplex.queue.depth import queue_depths
-from loraplex.storage.enums import ResidencyTier
-from loraplex.storage.models import Pool, Residency, Tenant, Usage
+from loraplex.storage.enums import PipelineState, ResidencyTier
+from loraplex.storage.models import Pipeline, Pool, Residency, Tenant, Usage
 from loraplex.storage.types import utcnow
 
 WINDOW_S = 15 * 60  # the tokens/s chart's span
 BUCKET_S = 30
 TRAINING_KINDS = ("forward_backward", "forward")
+ACTIVE = (PipelineState.QUEUED, PipelineState.RUNNING)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class DashboardData:
     plans: list[tuple[str, float]] = field(default_factory=list)  # plan totals of the gateway's pool
     swaps: list[tuple[str, float]] = field(default_factory=list)  # (move, count) summed over pools
     layouts: list[tuple[str, float]] = field(default_factory=list)  # (mixed | single, forward_backward steps)
+    pipelines: list[tuple[str, float, float]] = field(default_factory=list)  # (tenant/name [state], step, total)
 
 
 def read_dashboard(services: Services) -> DashboardData:
@@ -51,6 +53,16 @@ def read_dashboard(services: Services) -> DashboardData:
         data.slots = [(name, float(gpu.get(name, 0)), float(slots)) for name, slots in sorted(pools)]
         tiers = db.execute(select(Residency.tier, func.count()).group_by(Residency.tier)).tuples().all()
         data.tiers = sorted((str(t), float(n)) for t, n in tiers)
+        recent = db.execute(
+            select(Pipeline.tenant_id, Pipeline.name, Pipeline.state, Pipeline.step, Pipeline.total_steps)
+            .where(Pipeline.state.in_(ACTIVE) | (Pipeline.finished_at >= now - timedelta(seconds=WINDOW_S)))
+            .order_by(Pipeline.created_at.desc())
+            .limit(12)
+        ).tuples()
+        data.pipelines = [
+            (f"{names.get(t, t)}/{name} [{state}]", float(step), float(max(total, 1)))
+            for t, name, state, step, total in recent
+        ]
         since = now - timedelta(seconds=WINDOW_S)
         rows = db.execute(
             select(Usage.tenant_id, Usage.created_at, Usage.tokens).where(

@@ -20,9 +20,10 @@ from starlette.responses import RedirectResponse, Response
 from loraplex.api.deps import Services
 from loraplex.api.service import adapters as adapter_service
 from loraplex.api.service import checkpoints as checkpoint_service
+from loraplex.api.service import pipelines as pipeline_service
 from loraplex.api.service.context import TenantRef
 from loraplex.errors import LoraplexError
-from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pool, Residency, Tenant, Usage
+from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pipeline, Pool, Residency, Tenant, Usage
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 
 GetServices = Callable[[], Services]
@@ -256,6 +257,29 @@ class UsageAdmin(_ReadOnly, model=Usage):
     column_filters = [AllUniqueStringValuesFilter(Usage.kind)]
 
 
+class PipelineAdmin(_ReadOnly, model=Pipeline):
+    icon = "fa-solid fa-diagram-project"
+    column_list = [Pipeline.name, Pipeline.tenant_id, Pipeline.state, Pipeline.step, Pipeline.total_steps,
+                   Pipeline.attempt, Pipeline.sweep_id, Pipeline.created_at, Pipeline.finished_at, Pipeline.id]  # fmt: skip
+    column_searchable_list = [Pipeline.name, Pipeline.tenant_id, Pipeline.sweep_id, Pipeline.id]
+    column_sortable_list = [Pipeline.created_at, Pipeline.finished_at, Pipeline.step, Pipeline.name]
+    column_default_sort = [(Pipeline.created_at, True)]
+    column_filters = [AllUniqueStringValuesFilter(Pipeline.state)]
+
+    @action("cancel_pipeline", "Cancel", "Cancel the selected pipelines? They stop after their current step.")
+    async def cancel_pipeline(self, request: Request) -> Response:
+        def cancel(pipeline_id: str) -> None:
+            services = self.services()
+            with services.sessions() as db:
+                row = db.get(Pipeline, pipeline_id)
+                if row is None:
+                    raise LoraplexError(f"pipeline {pipeline_id!r} not found")
+                tenant_id = row.tenant_id
+            pipeline_service.cancel_pipeline(services, self._tenant(tenant_id), pipeline_id)
+
+        return await self._each(request, "cancel", cancel)
+
+
 MODEL_VIEWS: tuple[type[_ReadOnly], ...] = (
-    TenantAdmin, ApiKeyAdmin, AdapterAdmin, CheckpointAdmin, ResidencyAdmin, PoolAdmin, UsageAdmin,
+    TenantAdmin, ApiKeyAdmin, AdapterAdmin, CheckpointAdmin, ResidencyAdmin, PoolAdmin, UsageAdmin, PipelineAdmin,
 )  # fmt: skip

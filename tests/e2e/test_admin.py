@@ -8,6 +8,7 @@ cross-site POST is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 from loraplex.client import AdamParams, Datum
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_db_engine, session_factory
-from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Residency, Tenant
+from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pipeline, Residency, Tenant
 from loraplex.storage.types import utcnow
 from tests.helpers.stack import create_tenants
 
@@ -42,8 +43,9 @@ def _cli(stack, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def world(stack) -> dict[str, Any]:
-    """Two tenants, a trained adapter with checkpoints, and two admin accounts made through the CLI."""
+def world(stack, tmp_path_factory) -> dict[str, Any]:
+    """Two tenants, a trained adapter with checkpoints, a queued pipeline (no Celery worker here: it waits), and two
+    admin accounts made through the CLI."""
     from loraplex.client import ServiceClient
 
     keys = create_tenants(stack, "adm-one", "adm-two")
@@ -57,10 +59,15 @@ def world(stack) -> dict[str, Any]:
     training.save_state("drop").result()
     doomed = one.create_lora_training_client(rank=4, seed=4)
     doomed.forward_backward(data).result()
+    train = tmp_path_factory.mktemp("admin-pipeline") / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"say {w}:", "completion": f" {w}"}) + "\n"
+                             for w in ("one", "two", "three", "four")))  # fmt: skip
+    pipeline = one.submit_pipeline({"name": "waiting", "dataset": {"train": str(train)}, "epochs": 1,
+                                    "batch_size": 2, "lora": {"rank": 4}})["pipelines"][0]["id"]  # fmt: skip
     for name in ("ops", "locky"):
         done = _cli(stack, "admin", "create", name, "--password-stdin", stdin=PASSWORD + "\n")
         assert done.returncode == 0, done.stderr
-    return {"keys": keys, "adapter": training.model_id, "doomed": doomed.model_id,
+    return {"keys": keys, "adapter": training.model_id, "doomed": doomed.model_id, "pipeline": pipeline,
             "sessions": session_factory(make_db_engine(stack.settings.resolved_database_url))}  # fmt: skip
 
 
@@ -117,7 +124,8 @@ def test_every_view_opens_with_search_filter_and_sort(stack, world, browser) -> 
     page = _login(browser, stack)
     adapter = world["adapter"]
     for identity, expect in (("tenant", "adm-one"), ("api-key", "tml-"), ("adapter", adapter), ("checkpoint", "keep"),
-                             ("residency", adapter), ("pool", stack.settings.pool), ("usage", "forward_backward")):  # fmt: skip
+                             ("residency", adapter), ("pool", stack.settings.pool), ("usage", "forward_backward"),
+                             ("pipeline", "waiting")):  # fmt: skip
         page.goto(f"{stack.base_url}/admin/{identity}/list")
         assert page.locator("table").count() >= 1, identity
         assert expect in page.content(), identity
@@ -177,6 +185,9 @@ def test_actions_change_the_database_through_the_service(stack, world, browser) 
     page.goto(f"{stack.base_url}/admin/checkpoint/action/expire?pks={drop.id}")
     assert _row(world, Checkpoint, id=drop.id) is None
     assert not folder.exists()
+    # Cancel a pipeline through the service: its state says so.
+    page.goto(f"{stack.base_url}/admin/pipeline/action/cancel-pipeline?pks={world['pipeline']}")
+    assert _row(world, Pipeline, id=world["pipeline"]).state == "cancelled"
     # Delete an adapter: through the queue, until its pool has freed it.
     page.goto(f"{stack.base_url}/admin/adapter/action/delete-adapter?pks={world['doomed']}")
     deadline = time.monotonic() + 30
@@ -190,12 +201,13 @@ def test_actions_change_the_database_through_the_service(stack, world, browser) 
 def test_the_dashboard_draws_live_data(stack, world, browser, tmp_path) -> None:
     page = _login(browser, stack)
     page.goto(f"{stack.base_url}/admin/dashboard")
-    for panel in ("queue", "tokens", "slots", "tiers", "plans", "layouts", "swaps"):
+    for panel in ("queue", "tokens", "slots", "tiers", "plans", "layouts", "swaps", "pipelines"):
         assert page.locator(f"#panel-{panel} svg").count() == 1, panel
     assert page.locator("#panel-tokens polyline.series").count() >= 1  # adm-one trained within the window
     assert page.locator("#panel-slots rect.bar").count() >= 1
     assert "adm-one" in page.inner_text("#panel-tokens")
     assert page.locator("#panel-layouts rect.bar").count() >= 1  # from the pool's published metrics
+    assert "waiting" in page.inner_text("#panel-pipelines")
     shot = Path(SHOTS or tmp_path) / "admin-dashboard.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(shot), full_page=True)
