@@ -286,6 +286,8 @@ class Dispatcher:
                     stale.append(sid)
                     continue
                 silent = True  # ...unless the rebuilt state lacks it: run it again, without sending its result
+                log.info("adapter %s: %s seq_id %d was answered but not acked before a restart; running it again "
+                         "for its state only", req.model_id, req.kind, req.seq_id)  # fmt: skip
             self._buffer.append(_Held(sid, req, now, silent))
             self._held_ids.add(sid)
         self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())

@@ -21,6 +21,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "api": ("loraplex.workers", "loraplex.dispatch", "torch"),
     "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
     "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
+    # Durable state joins workers/, storage/ and queue/ in the pool process (a composition-root helper): never the API.
+    "durable": ("loraplex.api", "loraplex.client"),
     # The vLLM backend drives a server process over HTTP: no torch, no vllm import (the gateway may load it).
     "samplers": ("loraplex.workers", "loraplex.api", "loraplex.dispatch", "loraplex.queue", "loraplex.storage",
                  "torch", "transformers", "vllm"),
