@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from loraplex.netutil import free_port
+from loraplex.supervisor import die_with_parent
 
 INSTALL_HINT = "redis-server is not installed: run `apt-get install -y redis-server` (make demo/test do it as root)"
 
@@ -57,7 +58,7 @@ class RedisChild:
         self._proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
              "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"), "--dir", str(self.workdir)],
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self._proc.poll() is None:

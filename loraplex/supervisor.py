@@ -3,7 +3,8 @@ under `loraplex worker` (cli.py).
 
 Each child runs in its own process group, so whatever it started (a multi-rank pool's ranks, uvicorn's workers, a vLLM
 server) is killed with it: when a child is found dead its group is SIGKILLed before the new one starts (nothing
-orphaned keeps a port or a GPU), and `stop` sends SIGTERM to the group, then SIGKILL after a grace period. A child
+orphaned keeps a port or a GPU), a child gets SIGTERM when its parent dies (`die_with_parent`: the stack's process
+SIGKILLed leaves nothing running), and `stop` sends SIGTERM to the group, then SIGKILL after a grace period. A child
 that dies again within `STABLE_S` of its start waits twice as long before the next start (from `backoff_s`, at most
 MAX_BACKOFF_S), so a child that cannot start does not spin.
 """
@@ -25,6 +26,19 @@ log = logging.getLogger("loraplex.supervisor")
 
 STABLE_S = 60.0
 MAX_BACKOFF_S = 30.0
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a forked child before exec (Popen's preexec_fn): SIGTERM it when the thread that started it dies, e.g. the
+    embedded stack SIGKILLed (Linux only; elsewhere a no-op). SIGTERM, not SIGKILL: a pool still finishes its plan
+    and writes its snapshots, redis-server flushes its append-only file."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class Child:
@@ -48,7 +62,7 @@ class Child:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         out = self._log_file if self._log_file is not None else None
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
         self.started_at = time.monotonic()
         return self.proc
 

@@ -211,3 +211,45 @@ def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before_it(stack: Stack
     text = (stack.log_dir / "pool.log").read_text()
     assert f"snapshot v{corrupt.version} skipped for the one before it" in text  # type: ignore[attr-defined]
     assert "fails its hash check" in text
+
+
+STACK_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from loraplex.embedded import Stack
+from loraplex.netutil import free_port
+from loraplex.settings import Settings
+stack = Stack(Settings(home=Path(sys.argv[1]), slots=1, max_rank=16), api_port=free_port()).start()
+print(json.dumps([p.pid for p in stack.children] + [stack.redis._proc.pid]), flush=True)
+time.sleep(3600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe late)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_the_embedded_stack_sigkilled_leaves_nothing_running(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", STACK_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONPATH": os.getcwd()})  # fmt: skip
+    try:
+        pids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert len(pids) == 3 and all(_running(p) for p in pids)  # pool, gateway, redis-server
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)]  # each got SIGTERM when the stack died, and stopped
+    finally:
+        proc.kill()
+        proc.wait()
