@@ -318,8 +318,8 @@ def _lead(
              settings.slots, world)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
-        if snapshotter is not None:  # a clean stop: every changed adapter's state to disk before the lease goes
-            snapshotter.flush(dispatcher)
+        if snapshotter is not None and not (lease is not None and lease.lost):
+            snapshotter.flush(dispatcher)  # a clean stop: every changed adapter's state to disk before the lease goes
     finally:
         remove_ready_file(ready)
         state["now"] = PoolState.STOPPED

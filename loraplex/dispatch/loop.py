@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -154,9 +154,10 @@ class Dispatcher:
     def last_applied(self, model_id: str) -> int | None:
         return self._applied.get(model_id)
 
-    def seed_applied(self, applied: dict[str, int]) -> None:
+    def seed_applied(self, applied: Mapping[str, int | None]) -> None:
         """Adapters a restarted pool rebuilt from their snapshot and request log: their state holds exactly the
-        requests up to these seq_ids, so a redelivered request above it runs (silently if its result was stored)."""
+        requests up to these seq_ids (None: no step yet), so a redelivered request above it runs (silently if its
+        result was stored)."""
         self._applied.update(applied)
         self._recovered.update(applied)
 
@@ -189,7 +190,10 @@ class Dispatcher:
         if decision.plan.steps:
             answered, busy = self._execute(decision.plan, by_obj)
             if self.after_plan is not None:
-                self.after_plan(decision.plan, self)
+                try:
+                    self.after_plan(decision.plan, self)
+                except Exception:  # noqa: BLE001 - snapshots are retried later; serving must go on
+                    log.exception("after_plan failed")
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
@@ -280,7 +284,7 @@ class Dispatcher:
             silent = False
             if answered:  # stored before a crash, never acked: never apply twice...
                 last = self._applied.get(req.model_id)
-                if not (req.model_id in self._recovered and last is not None and req.seq_id > last
+                if not (req.model_id in self._recovered and (last is None or req.seq_id > last)
                         and req.kind not in UNCHAINED_KINDS):  # fmt: skip
                     self._advance([req])
                     stale.append(sid)

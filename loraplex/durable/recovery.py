@@ -59,8 +59,9 @@ class Recovery:
     lost: list[str] = field(default_factory=list)  # adapters that could not be rebuilt
 
     @property
-    def seeds(self) -> dict[str, int]:
-        return {a.model_id: a.applied_seq_id for a in self.adopted if a.applied_seq_id is not None}
+    def seeds(self) -> dict[str, int | None]:
+        """Where the dispatcher continues for each adopted adapter (None: before its first step)."""
+        return {a.model_id: a.applied_seq_id for a in self.adopted}
 
 
 def recover_pool(

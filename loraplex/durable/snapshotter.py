@@ -161,7 +161,12 @@ class Snapshotter:
                 continue
             seq = dispatcher.last_applied(m) if dispatcher is not None else None
             c = self._cadence[m]
-            jobs.append(_Job(m, c.tenant_id, CREATION_ONLY if seq is None else seq, self.store.peek(m)))
+            try:
+                copy = self.store.peek(m)
+            except Exception as exc:  # noqa: BLE001 - this adapter is skipped now and tried again later
+                self._warn.error("pool %s: cannot copy %s for a snapshot (%s)", self.pool, m, exc)
+                continue
+            jobs.append(_Job(m, c.tenant_id, CREATION_ONLY if seq is None else seq, copy))
             c.steps, c.dirty, c.last_at = 0, False, self.clock()
             with self._lock:
                 self._in_flight.add(m)

@@ -114,3 +114,13 @@ def wait_restarted(stack: Stack, old_pid: int, timeout_s: float = 120.0) -> int:
             return proc.pid
         time.sleep(0.05)
     raise TimeoutError(f"no new pool process within {timeout_s} s")
+
+
+def assert_close_state(got: CheckpointState, want: CheckpointState, rtol: float = 1e-3, atol: float = 1e-4) -> None:
+    """Equal up to fp32 rounding (plans that mixed adapters: the CPU matmuls are not batch-invariant, and Adam's
+    m / sqrt(v) magnifies a 1e-7 gradient difference to ~3e-6 on small weights), step exact. A request applied twice or
+    lost moves weights by a whole Adam step (~the learning rate, 2e-2 here), far outside this."""
+    assert got.step == want.step
+    for module, (a, b) in want.weights.items():
+        torch.testing.assert_close(got.weights[module][0], a, rtol=rtol, atol=atol)
+        torch.testing.assert_close(got.weights[module][1], b, rtol=rtol, atol=atol)
