@@ -292,3 +292,43 @@ def test_a_pool_mixing_adapters_killed_three_times_ends_where_an_uninterrupted_r
             assert_close_state(saved_state(mixed, o.model_id, "final"), want_states[p.tenant])
             with sessions() as session:
                 assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+
+
+def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from loraplex.embedded import ready_file
+
+    settings = Settings(home=tmp_path, slots=1, max_rank=16, pool="worker-test", leader_lease_seconds=2.0)
+    with RedisChild(workdir=tmp_path / "redis") as server:
+        env = os.environ | {"PYTHONPATH": os.getcwd(), "LORAPLEX_HOME": str(tmp_path), "LORAPLEX_POOL": "worker-test",
+                            "LORAPLEX_REDIS_URL": server.url, "LORAPLEX_SLOTS": "1",
+                            "LORAPLEX_LEADER_LEASE_SECONDS": "2"}  # fmt: skip
+        worker = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "worker"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        ready = ready_file(settings)
+
+        def pool_pid(not_this: int | None, timeout_s: float = 120.0) -> int:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    pid = int(ready.read_text().strip())
+                    if pid != not_this and _running(pid):
+                        return pid
+                except (FileNotFoundError, ValueError):
+                    pass
+                time.sleep(0.1)
+            raise TimeoutError("no ready pool")
+
+        try:
+            first = pool_pid(None)
+            os.kill(first, signal.SIGKILL)
+            second = pool_pid(first)  # restarted by `loraplex worker`, which kept running
+            assert worker.poll() is None
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(60) == 0
+            assert not _running(first) and not _running(second)
+        finally:
+            worker.kill()
+            worker.wait()
