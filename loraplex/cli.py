@@ -230,14 +230,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(_: argparse.Namespace) -> int:
     """The pool process; with `supervise` (the default) as a child of this one, restarted whenever it dies (a crash,
-    a SIGKILL, a lost lease: it then waits as a standby), until this process gets SIGTERM / SIGINT."""
+    a SIGKILL, a lost lease: it then waits as a standby), until this process gets SIGTERM / SIGINT. The preflight
+    (Redis URL set, database migrated) runs here first, so a missing setting exits at once instead of restarting."""
     settings = get_settings()
-    if not settings.supervise or os.environ.get("RANK") is not None:  # under torchrun: torchrun supervises
+    # Unsupervised: asked for; under torchrun (torchrun supervises); or a standby that must exit instead of waiting.
+    if not settings.supervise or os.environ.get("RANK") is not None or not settings.leader_wait:
         from loraplex.pool_process import main
 
         main()
         return 0
+    from loraplex.pool_process import preflight
     from loraplex.supervisor import Child, Supervisor
+
+    preflight(settings)  # what no restart can fix (no Redis URL) exits here, naming it
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()

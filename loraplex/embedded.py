@@ -6,7 +6,6 @@ dies, while the rest keeps running: a restarted pool adopts its adapters from th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -142,8 +141,7 @@ class Stack:
             self.supervisor = None
         for child in reversed(self._children):  # SIGTERM to all first: the gateway and the pool stop side by side
             if child.proc is not None and child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGTERM)
+                child.proc.send_signal(signal.SIGTERM)
         for child in reversed(self._children):
             child.stop()
         self._children.clear()

@@ -4,7 +4,7 @@ under `loraplex worker` (cli.py).
 Each child runs in its own process group, so whatever it started (a multi-rank pool's ranks, uvicorn's workers, a vLLM
 server) is killed with it: when a child is found dead its group is SIGKILLed before the new one starts (nothing
 orphaned keeps a port or a GPU), a child gets SIGTERM when its parent dies (`die_with_parent`: the stack's process
-SIGKILLed leaves nothing running), and `stop` sends SIGTERM to the group, then SIGKILL after a grace period. A child
+SIGKILLed leaves nothing running), and `stop` sends SIGTERM to the child, then SIGKILL to its group. A child
 that dies again within `STABLE_S` of its start waits twice as long before the next start (from `backoff_s`, at most
 MAX_BACKOFF_S), so a child that cannot start does not spin.
 """
@@ -78,14 +78,12 @@ class Child:
         self.proc.wait()
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the group, SIGKILL after `grace_s`; reaped."""
+        """SIGTERM to the child (it stops what it started: a pool its ranks, uvicorn its workers), then SIGKILL to
+        whatever is left of its group once it exited or after `grace_s`; reaped."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                self.proc.terminate()
+            self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace_s)
         self.kill_group()

@@ -300,7 +300,8 @@ class Dispatcher:
     def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """Run the plan and finish its requests; returns (requests answered, seconds the executor took)."""
         requests = plan.requests
-        running = [r.request_id for r in requests if not getattr(by_obj.get(id(r)), "silent", False)]  # a silent rerun's result stays shown
+        # A silent rerun's stored result stays as it was shown (no RUNNING over it).
+        running = [r.request_id for r in requests if not getattr(by_obj.get(id(r)), "silent", False)]
         self._finisher.submit(self.results.set_states, running, JobState.RUNNING)
         started = time.monotonic()
         try:
