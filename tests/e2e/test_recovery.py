@@ -332,3 +332,34 @@ def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_p
         finally:
             worker.kill()
             worker.wait()
+
+
+def test_the_pool_sigkilled_in_the_middle_of_a_forward_backward_runs_it_again_once(stack: Stack) -> None:
+    """Steps large enough to take a while (48 datums of 120 tokens, ~100x an optim_step's time): the pool is killed
+    twice while a request is RUNNING with no result yet, i.e. in the middle of its plan; after each restart that
+    request runs again from the adopted state, once."""
+    plans = [Plan(0, rank=8, seed=61, steps=4, datums=48, length=120)]
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    hits: list[bytes] = []
+
+    def kill_mid_step(out: list[Trained]) -> None:
+        for _ in range(2):
+            deadline = time.monotonic() + 120
+            running: list[bytes] = []
+            while not running and time.monotonic() < deadline:
+                running = [k for k in client.scan_iter(match="loraplex:state:*") if client.get(k) == b"running"
+                           and not client.exists(k.replace(b":state:", b":result:"))]  # fmt: skip
+                time.sleep(0.005)
+            assert running, "no request seen running"
+            pid = stack.child("pool").pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            hits.extend(running)
+            wait_restarted(stack, pid)
+
+    try:
+        out = _run_with_faults(stack, ["mid-fb"], plans, kill_mid_step)
+    finally:
+        client.close()
+    assert len(hits) >= 2
+    _check(stack, plans, out)

@@ -30,6 +30,8 @@ class Plan:
     rank: int
     seed: int
     steps: int
+    datums: int = 2  # per forward_backward
+    length: int = 0  # tokens per datum (0: 10 + tenant)
 
     @property
     def alpha(self) -> float:
@@ -37,8 +39,9 @@ class Plan:
 
     def batch(self, k: int) -> list[dict]:
         out = []
-        for i in range(2):
-            toks = [(k * 31 + i * 7 + j * 3 + self.tenant * 101) % 500 + 1 for j in range(10 + self.tenant)]
+        for i in range(self.datums):
+            n = self.length or 10 + self.tenant
+            toks = [(k * 31 + i * 7 + j * 3 + self.tenant * 101) % 500 + 1 for j in range(n)]
             out.append({"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)}})
         return out
 
