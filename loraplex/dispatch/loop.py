@@ -70,6 +70,7 @@ AppliedSeqLookup = Callable[[str], int | None]
 # others only advance its seq_id there). Saves rewrite files, forwards compute outputs: no state.
 STATE_KINDS = frozenset({RequestKind.CREATE_ADAPTER, RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP,
                          RequestKind.LOAD_STATE})  # fmt: skip
+IDLE_TICK_S = 1.0  # how often an idle loop calls after_plan (with an empty plan)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Dispatcher:
         results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one.
         request_log: move each answered request into its adapter's durable request log when it is acked
         (queue/replay_log.py), for a restarted pool to replay after the adapter's snapshot.
-        after_plan: called on the loop thread after each executed plan (the pool's snapshot cadence, durable/)."""
+        after_plan: called on the loop thread after each executed plan (the pool's snapshot cadence, durable/), and
+        with an empty plan once a second while there is nothing to do."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
@@ -145,6 +147,7 @@ class Dispatcher:
         self.request_log = request_log
         self.after_plan = after_plan
         self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
+        self._last_after_plan = float("-inf")
 
     # -- public ---------------------------------------------------------------------------------------------------
     @property
@@ -179,6 +182,7 @@ class Dispatcher:
         t_read = time.monotonic()
         if not self._buffer:
             self._more_ready = False
+            self._idle_tick(now)
             return 0
         decision = self._plan()
         t_coalesce = time.monotonic()
@@ -189,11 +193,7 @@ class Dispatcher:
         busy = 0.0
         if decision.plan.steps:
             answered, busy = self._execute(decision.plan, by_obj)
-            if self.after_plan is not None:
-                try:
-                    self.after_plan(decision.plan, self)
-                except Exception:  # noqa: BLE001 - snapshots are retried later; serving must go on
-                    log.exception("after_plan failed")
+            self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
@@ -202,6 +202,20 @@ class Dispatcher:
             timing = {"busy_s": busy, "read_s": t_read - t_start, "coalesce_s": coalesce, "overhead_s": overhead}
             self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
         return answered
+
+    def _call_after_plan(self, plan: BatchPlan) -> None:
+        if self.after_plan is None:
+            return
+        self._last_after_plan = self.clock()
+        try:
+            self.after_plan(plan, self)
+        except Exception:  # noqa: BLE001 - snapshots are retried later; serving must go on
+            log.exception("after_plan failed")
+
+    def _idle_tick(self, now: float) -> None:
+        """No work: once a second, `after_plan` with an empty plan (time-based snapshots of idle adapters)."""
+        if self.after_plan is not None and now - self._last_after_plan >= IDLE_TICK_S:
+            self._call_after_plan(BatchPlan(()))
 
     def run_forever(self, stop_event: threading.Event) -> None:
         """Run until `stop_event`. Redis going away is ridden out: retried with backoff (at most one log line per

@@ -1,7 +1,7 @@
 """The pool's durable snapshots: when each adapter's state is written, and the writer thread that writes it.
 
-After every plan (the dispatcher's `after_plan`, on the loop thread, the one thread that moves adapters) an adapter is
-due when it changed since its last snapshot and either had `every_steps` optimizer steps since, or `every_s` seconds
+After every plan (the dispatcher's `after_plan`, on the loop thread, the one thread that moves adapters; with an empty
+plan once a second while the pool is idle) an adapter is due when it changed since its last snapshot and either had `every_steps` optimizer steps since, or `every_s` seconds
 passed. Its state is copied to host memory there (AdapterStore.peek: weights, unconsumed gradients, Adam moments, step,
 hyperparameters) together with the seq_id it covers (the dispatcher's applied seq_id: every answered request up to it
 is in that state), and the writer thread does the rest while training goes on:

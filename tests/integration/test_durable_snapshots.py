@@ -206,3 +206,33 @@ def test_a_corrupt_snapshot_is_refused_and_recovery_takes_the_one_before(world: 
     assert [(a.snapshot_version, a.applied_seq_id) for a in got.adopted] == [(1, 2)]
     assert torch.equal(fresh.peek("a").rows, states[0])
 
+
+
+def test_an_idle_changed_adapter_is_snapshotted_after_the_time_trigger(world: dict[str, Any]) -> None:
+    """every_s: the dispatcher's idle tick (after_plan with an empty plan) writes an adapter that changed and then
+    went quiet, once the time has passed; not before."""
+    w = world
+    engine = w["engine"]()
+    store = AdapterStore(engine, 1 << 30, w["spill"])
+    store.create("a", 4, 8.0, 3)
+    now = [0.0]
+    snaps = Snapshotter(store, w["sessions"], w["redis"], pool=w["pool"], blob_root=w["blobs"], every_steps=0,
+                        every_s=30.0, clock=lambda: now[0])  # fmt: skip
+    fin = Finisher()
+    try:
+        _step(engine, 0)
+        fin.applied["a"] = 2
+        snaps.after_plan(_plan(w["tenant"], 2), fin)  # type: ignore[arg-type]
+        now[0] = 29.0
+        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        assert fin.held == []  # not due yet
+        now[0] = 31.0
+        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        fin.finish()
+        _wait(lambda: snaps.written == 1)
+        assert [(r.version, r.applied_seq_id) for r in _rows(w)] == [(1, 2)]
+        now[0] = 100.0
+        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        assert fin.held == []  # unchanged since: nothing to write
+    finally:
+        snaps.close()
