@@ -67,8 +67,8 @@ class Settings(BaseSettings):
     # Durable adapter state (loraplex/durable/): each adapter's whole training state (weights, unconsumed gradients,
     # Adam moments, step count, hyperparameters, the applied seq_id) is written as a versioned snapshot under the blob
     # store (<blob_root>/<tenant>/<model>/snapshots/) by a writer thread from a host copy, every
-    # `snapshot_every_steps` optimizer steps or after `snapshot_every_seconds` (checked after each plan; 0 turns that
-    # trigger off), and on a clean stop; the newest `snapshot_keep` are kept. The requests answered since stay in the
+    # `snapshot_every_steps` optimizer steps or after `snapshot_every_seconds` (checked after each plan, and once a
+    # second while idle; 0 turns that trigger off), and on a clean stop; the newest `snapshot_keep` are kept. The requests answered since stay in the
     # adapter's request log in Redis (queue/replay_log.py). A restarted pool adopts the newest valid snapshot and
     # replays the log. False: no snapshots and no log (a restarted pool loses its adapters' state).
     durable_snapshots: bool = True
