@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import shutil
@@ -246,9 +247,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(_: argparse.Namespace) -> int:
-    from loraplex.pool_process import main
+    """The pool process; with `supervise` (the default) as a child of this one, restarted whenever it dies (a crash,
+    a SIGKILL, a lost lease: it then waits as a standby), until this process gets SIGTERM / SIGINT. The preflight
+    (Redis URL set, database migrated) runs here first, so a missing setting exits at once instead of restarting."""
+    settings = get_settings()
+    # Unsupervised: asked for; under torchrun (torchrun supervises); or a standby that must exit instead of waiting.
+    if not settings.supervise or os.environ.get("RANK") is not None or not settings.leader_wait:
+        from loraplex.pool_process import main
 
-    main()
+        main()
+        return 0
+    from loraplex.pool_process import preflight
+    from loraplex.supervisor import Child, Supervisor
+
+    preflight(settings)  # what no restart can fix (no Redis URL) exits here, naming it
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    env = dict(os.environ) | {"LORAPLEX_SUPERVISE": "false", "PYTHONUNBUFFERED": "1"}
+    pool = Child("pool", [sys.executable, "-m", "loraplex.pool_process"], env)
+    pool.start()
+    supervisor = Supervisor([pool], backoff_s=settings.restart_backoff_seconds).start()
+    try:
+        stop.wait()
+    finally:
+        supervisor.stop()
+        pool.stop(grace_s=60.0)  # SIGTERM: the pool finishes its plan and writes its snapshots
     return 0
 
 

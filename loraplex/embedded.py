@@ -1,5 +1,8 @@
-"""The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set), the database migrated,
-one worker pool process (dispatcher + rank 0), and the gateway under uvicorn. Every child is stopped on exit."""
+"""The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set; with an append-only
+file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0), and the gateway under
+uvicorn. Once up, a supervisor thread (supervisor.py; setting `supervise`) restarts the pool or the gateway when it
+dies, while the rest keeps running: a restarted pool adopts its adapters from their durable snapshots and request logs
+(durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import httpx
 from loraplex.redis_child import RedisChild
 from loraplex.settings import Settings
 from loraplex.storage.db import migrate
+from loraplex.supervisor import Child, Supervisor
 
 
 class Stack:
@@ -23,9 +27,18 @@ class Stack:
         self.api_port = api_port or settings.api_port
         self.api_in_child = api_in_child
         self.redis: RedisChild | None = None
-        self.children: list[subprocess.Popen] = []
+        self._children: list[Child] = []
+        self.supervisor: Supervisor | None = None
         self.log_dir = settings.home / "logs"
 
+    @property
+    def children(self) -> list[subprocess.Popen]:
+        """The running processes, pool first (a restarted child's new process takes its place)."""
+        return [c.proc for c in self._children if c.proc is not None]
+
+    def child(self, name: str) -> Child:
+        """"pool" or "api": the supervised child (its `proc`, `pid`, `restarts`)."""
+        return next(c for c in self._children if c.name == name)
     @property
     def base_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.api_port}"
@@ -52,18 +65,17 @@ class Stack:
         return env
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = self.child_env() | (extra_env or {})
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.children.append(proc)
-        return proc
+        child = Child(name, [sys.executable, *args], env, self.log_dir / f"{name}.log")
+        self._children.append(child)
+        return child.start()
 
     def start(self, timeout_s: float = 180.0) -> Stack:
         self.settings.home.mkdir(parents=True, exist_ok=True)
         try:
             if not self.settings.redis_url:
-                self.redis = RedisChild(workdir=self.settings.home / "redis").start()
+                self.redis = RedisChild(workdir=self.settings.home / "redis",
+                                        appendfsync=self.settings.redis_appendfsync).start()  # fmt: skip
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             migrate(self.settings.resolved_database_url)
             pool = self._spawn("pool", ["-m", "loraplex.pool_process"])
@@ -77,10 +89,16 @@ class Stack:
                 )  # fmt: skip
                 self._wait_http(timeout_s)
             self._wait_pool_ready(pool, timeout_s)
+            if self.settings.supervise:
+                self.supervisor = Supervisor(self._children, backoff_s=self.settings.restart_backoff_seconds).start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def wait_pool_ready(self, timeout_s: float = 180.0) -> None:
+        """Wait until the current pool process (a restarted one too) has written its ready file."""
+        self._wait_pool_ready(self.child("pool").proc, timeout_s)
 
     def _wait_http(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -94,17 +112,25 @@ class Stack:
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not answer on {self.base_url}; see {self.log_dir / 'api.log'}")
 
-    def _wait_pool_ready(self, pool: subprocess.Popen, timeout_s: float) -> None:
+    def _wait_pool_ready(self, pool: subprocess.Popen | None, timeout_s: float) -> None:
         ready = ready_file(self.settings)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_children()
-            if ready.exists() and ready.read_text().strip() == str(pool.pid):
-                return
+            if self.supervisor is not None:  # the child restarts: follow its current process
+                pool = self.child("pool").proc
+            try:
+                if pool is not None and ready.read_text().strip() == str(pool.pid):
+                    return
+            except FileNotFoundError:
+                pass
             time.sleep(0.1)
         raise TimeoutError(f"worker pool not ready after {timeout_s} s; see {self.log_dir / 'pool.log'}")
 
     def check_children(self) -> None:
+        """Raise when a child has exited (while starting, or when nothing restarts it)."""
+        if self.supervisor is not None:
+            return
         for proc in self.children:
             if proc.poll() is not None:
                 args = proc.args  # the list _spawn passed: [python, "-m", module, ...]
@@ -112,16 +138,15 @@ class Stack:
                 raise RuntimeError(f"child {which!r} exited with {proc.returncode}; logs in {self.log_dir}")
 
     def stop(self) -> None:
-        for proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.children):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.children.clear()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        for child in reversed(self._children):  # SIGTERM to all first: the gateway and the pool stop side by side
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in reversed(self._children):
+            child.stop()
+        self._children.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

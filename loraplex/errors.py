@@ -107,6 +107,13 @@ class LeaseLostError(LoraplexError, RuntimeError):
     token), so a write under its token was refused. Not user-facing: the deposed pool stops."""
 
 
+class CorruptSnapshotError(LoraplexError, ValueError):
+    """Pool side: a durable adapter snapshot whose file does not match its recorded content hash (or cannot be read
+    as one). Never loaded: a restarting pool falls back to the adapter's previous snapshot."""
+
+    category = "server"
+
+
 class RequestFailedError(LoraplexError, RuntimeError):
     """Client side: a future resolved to an error. `error_type` names the server-side class."""
 

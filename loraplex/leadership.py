@@ -2,7 +2,9 @@
 
 `acquire_leadership` takes the pool's lease in Redis (queue/lease.py). While another pool process holds a live lease it
 waits, logging one line at most every few seconds, and takes over when that lease lapses (its holder was killed) or
-is released (its holder stopped); with `LORAPLEX_LEADER_WAIT=false` it exits at once with that line instead. Having
+is released (its holder stopped), or at once when the holder is a process of this host that no longer exists (a
+SIGKILLed pool the supervisor is replacing: `holder_is_dead`); with `LORAPLEX_LEADER_WAIT=false` it exits at once with
+that line instead. Having
 the lease, it writes its fencing token to the pool's SQL row (`PoolRepository.take_leadership`, which also clears the
 residency rows of the earlier run), then renews the lease every ttl/3 in a thread.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -32,6 +35,22 @@ WAITING_LOG_EVERY_S = 5.0
 
 def waiting_message(pool: str, holder: str, token: int) -> str:
     return f"pool {pool}: another pool process (holder {holder}, token {token}) leads it; waiting for its lease to lapse"
+
+
+def holder_is_dead(holder: str) -> bool:
+    """The holder ("host:pid:random", queue/lease.default_holder) is a process of this host that no longer exists. A
+    zombie (dead, not yet reaped) still counts as alive: its parent may not know yet."""
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def acquire_leadership(settings: Settings, stop: threading.Event) -> PoolLease | None:
@@ -66,6 +85,10 @@ def acquire_leadership(settings: Settings, stop: threading.Event) -> PoolLease |
                     last_log = time.monotonic()
                     log.warning("pool %s: redis unavailable (%s) while taking the lease; retrying", settings.pool, exc)
                 stop.wait(poll_s)
+                continue
+            if holder is not None and holder_is_dead(holder.holder) and lease.break_dead(holder):
+                log.warning("pool %s: the lease holder %s (token %d) is a dead process of this host; taking over now",
+                            settings.pool, holder.holder, holder.token)  # fmt: skip
                 continue
             if holder is not None:
                 message = waiting_message(settings.pool, holder.holder, holder.token)

@@ -303,6 +303,7 @@ def _lead(
     )
     if dispatcher is None:  # stopped while Redis was away
         return
+    snapshotter = _durability(settings, dispatcher, store, executor, sessions, lease, group)
     ready = ready_file(settings)
 
     def deposed(reason: str) -> None:
@@ -341,6 +342,8 @@ def _lead(
              settings.slots, world)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
+        if snapshotter is not None and not (lease is not None and lease.lost):
+            snapshotter.flush(dispatcher)  # a clean stop: every changed adapter's state to disk before the lease goes
     finally:
         publisher.close()  # after the dispatcher's last plan: its numbers are published once more
         if metrics_http is not None:
@@ -388,6 +391,29 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
             log.error("pool %s: cannot serve metrics on %s:%d (%s)", settings.pool, settings.pool_metrics_host,
                       settings.pool_metrics_port, exc)  # fmt: skip
     return publisher, server
+
+
+def _durability(
+    settings: Settings, dispatcher: Any, store: Any, executor: Any, sessions: Any, lease: Any, group: Any
+) -> Any:
+    """Adopt this pool's adapters from their durable snapshots and request logs (durable/recovery.py), start the
+    snapshot cadence (durable/snapshotter.py) and the request log; None when durable snapshots are off."""
+    if not settings.durable_snapshots:
+        return None
+    if group is not None:
+        log.warning("pool %s: durable snapshots and recovery are not built for multi-rank pools yet; off", settings.pool)
+        return None
+    from loraplex.durable.recovery import adopt_into, recover_pool
+    from loraplex.durable.snapshotter import build_snapshotter
+
+    recovery = recover_pool(pool=settings.pool, store=store, executor=executor, sessions=sessions,
+                            redis=dispatcher.redis)  # fmt: skip
+    dispatcher.seed_applied(recovery.seeds)
+    snapshotter = build_snapshotter(settings, store, sessions, dispatcher.redis, lease)
+    adopt_into(snapshotter, recovery)
+    dispatcher.request_log = True
+    dispatcher.after_plan = snapshotter.after_plan
+    return snapshotter
 
 
 def _beat_now(sessions: Any, settings: Settings, state: Any) -> None:

@@ -1,5 +1,11 @@
-"""A private `redis-server` child process (for `serve --embedded`, the demo and the tests): loopback only, no
-persistence, stopped with SHUTDOWN NOSAVE and reaped."""
+"""A private `redis-server` child process (for `serve --embedded`, the demo and the tests): loopback only, stopped with
+SHUTDOWN NOSAVE and reaped.
+
+Persistence: an append-only file in its folder (`appendonly yes`, no RDB snapshots), so a redis-server killed and
+started again on the same folder has every queued request, result, idempotency key and request log back
+(DESIGN, Durability). `appendfsync everysec` by default: redis writes each change to the file before it answers
+the command, so a killed redis-server loses nothing it answered; only a machine crash can lose the last second, which
+`always` (an fsync per write, slower) closes. `persist=False`: no persistence at all (a cache-like test server)."""
 
 from __future__ import annotations
 
@@ -11,13 +17,18 @@ import time
 from pathlib import Path
 
 from loraplex.netutil import free_port
+from loraplex.supervisor import die_with_parent
 
 INSTALL_HINT = "redis-server is not installed: run `apt-get install -y redis-server` (make demo/test do it as root)"
 
 
 class RedisChild:
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, workdir: Path | None = None, *, persist: bool = True, appendfsync: str = "everysec"
+    ) -> None:
         self._fixed_port = port is not None
+        self.persist = persist
+        self.appendfsync = appendfsync
         self.port = port or free_port()
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="loraplex-redis-"))
@@ -43,10 +54,11 @@ class RedisChild:
     def _launch(self, binary: str, timeout_s: float) -> bool:
         # A direct child (not daemonized) so that we reap it: nothing is left behind, not even a zombie. Its own
         # session keeps a terminal's Ctrl-C from killing it before the processes that use it have stopped.
+        persistence = ["--appendonly", "yes", "--appendfsync", self.appendfsync] if self.persist else ["--appendonly", "no"]
         self._proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
              "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"), "--dir", str(self.workdir)],
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self._proc.poll() is None:

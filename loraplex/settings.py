@@ -79,6 +79,26 @@ class Settings(BaseSettings):
     pool_metrics_host: str = "127.0.0.1"
     pool_metrics_publish_seconds: float = Field(default=2.0, gt=0)
     metrics_token: str = ""
+    # Durable adapter state (loraplex/durable/): each adapter's whole training state (weights, unconsumed gradients,
+    # Adam moments, step count, hyperparameters, the applied seq_id) is written as a versioned snapshot under the blob
+    # store (<blob_root>/<tenant>/<model>/snapshots/) by a writer thread from a host copy, every
+    # `snapshot_every_steps` optimizer steps or after `snapshot_every_seconds` (checked after each plan, and once a
+    # second while idle; 0 turns that trigger off), and on a clean stop; the newest `snapshot_keep` are kept. The requests answered since stay in the
+    # adapter's request log in Redis (queue/replay_log.py). A restarted pool adopts the newest valid snapshot and
+    # replays the log. False: no snapshots and no log (a restarted pool loses its adapters' state).
+    durable_snapshots: bool = True
+    snapshot_every_steps: int = Field(default=20, ge=0)
+    snapshot_every_seconds: float = Field(default=60.0, ge=0)
+    snapshot_keep: int = Field(default=2, ge=2)
+    # The embedded redis-server's append-only file fsync policy (redis_child.py): "everysec" (the default: a killed
+    # redis-server loses nothing it answered, since every write reaches the file before the reply; a machine crash
+    # may lose the last second), or "always" (fsync before each reply: nothing lost even then, slower writes).
+    redis_appendfsync: Literal["everysec", "always"] = "everysec"
+    # The embedded stack and `loraplex worker` restart a pool process (and the stack its gateway) that dies, after
+    # `restart_backoff_seconds` (doubling while it keeps dying within a minute, up to 30 s). False: a dead child ends
+    # the stack, and `loraplex worker` runs the pool in its own process.
+    supervise: bool = True
+    restart_backoff_seconds: float = Field(default=0.5, ge=0)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8700

@@ -11,6 +11,12 @@ import httpx
 
 from loraplex.errors import error_class_for_status
 
+# A gateway that went away mid-call (killed, restarting): the call is sent again after a short wait, up to the
+# transport's `retry_wait_s`. Safe because every call is idempotent: submissions by (model_id, seq_id), reads anyway.
+# (A create_adapter whose answer was lost creates a second adapter on its retry; the first one stays the caller's.)
+GATEWAY_GONE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
+GONE_RETRY_S = 0.25
+
 # How long a future's `result()` waits by default (client/futures.py): a cold pool's first steps and a long queue fit;
 # a dead pool does not hang the caller forever.
 DEFAULT_RESULT_TIMEOUT_S = 900.0
@@ -47,7 +53,8 @@ class Transport:
 
     A 429 or 503 with Retry-After (a queue quota, or Redis or the database briefly away: the same request goes through
     once that passes) is sent again after that wait, for up to `retry_wait_s` in all; the request is idempotent (its
-    seq_id), so nothing is applied twice, and its seq_id is never left unsent."""
+    seq_id), so nothing is applied twice, and its seq_id is never left unsent. So is a call whose gateway went away
+    (connection refused or dropped: GATEWAY_GONE), e.g. while the embedded stack restarts it."""
 
     def __init__(
         self,
@@ -68,10 +75,29 @@ class Transport:
         self._closing: asyncio.Task[None] | None = None  # a close that `close()` scheduled (loops hold tasks weakly)
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
 
+    def _send(self, method: str, path: str, deadline: float, **kwargs: Any) -> httpx.Response:
+        while True:
+            try:
+                return self._sync.request(method, path, **kwargs)
+            except GATEWAY_GONE:
+                if time.monotonic() + GONE_RETRY_S > deadline:
+                    raise
+                time.sleep(GONE_RETRY_S)
+
+    async def _send_async(self, client: httpx.AsyncClient, method: str, path: str, deadline: float,
+                          **kwargs: Any) -> httpx.Response:  # fmt: skip
+        while True:
+            try:
+                return await client.request(method, path, **kwargs)
+            except GATEWAY_GONE:
+                if time.monotonic() + GONE_RETRY_S > deadline:
+                    raise
+                await asyncio.sleep(GONE_RETRY_S)
+
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         deadline = time.monotonic() + self.retry_wait_s
         while True:
-            response = self._sync.request(method, path, **kwargs)
+            response = self._send(method, path, deadline, **kwargs)
             wait = retry_after(response)
             if wait is None or time.monotonic() + wait > deadline:
                 return raise_for_status(response)
@@ -79,7 +105,7 @@ class Transport:
 
     def get_response(self, path: str, **kwargs: Any) -> httpx.Response:
         """GET `path` and hand back the response whatever its status (for routes whose error bodies carry data)."""
-        return self._sync.get(path, **kwargs)
+        return self._send("GET", path, time.monotonic() + self.retry_wait_s, **kwargs)
 
     def download(self, path: str, sink: IO[bytes], **kwargs: Any) -> httpx.Headers:
         """GET `path` and stream the body into `sink` (a binary file); an error status raises like `request`."""
@@ -97,7 +123,7 @@ class Transport:
             self._async_loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.retry_wait_s
         while True:
-            response = await self._async.request(method, path, **kwargs)
+            response = await self._send_async(self._async, method, path, deadline, **kwargs)
             wait = retry_after(response)
             if wait is None or time.monotonic() + wait > deadline:
                 return raise_for_status(response)

@@ -71,6 +71,11 @@ log = logging.getLogger(__name__)
 OnOutcomes = Callable[[list[Outcome], BatchPlan], list[Outcome] | None]
 AppliedSeqLookup = Callable[[str], int | None]
 
+# Requests whose success changes an adapter's training state: replayed from the request log after a restart (the
+# others only advance its seq_id there). Saves rewrite files, forwards compute outputs: no state.
+STATE_KINDS = frozenset({RequestKind.CREATE_ADAPTER, RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP,
+                         RequestKind.LOAD_STATE})  # fmt: skip
+IDLE_TICK_S = 1.0  # how often an idle loop calls after_plan (with an empty plan)
 
 class PlanObserver(Protocol):
     """Told about each executed plan and where the seconds went (dispatch/pool_metrics.PoolMetrics). Its failures are
@@ -86,6 +91,9 @@ class _Held:
     stream_id: EntryRef
     request: PlannedRequest
     first_seen: float
+    # Its result is already stored (delivered before a crash) but its effect is not in the adopted state: it runs
+    # again to rebuild that state, and its stored result is not sent again.
+    silent: bool = False
 
 
 class Dispatcher:
@@ -112,13 +120,20 @@ class Dispatcher:
         cost_model: StepCost | None = None,
         tenant_weights: TenantWeights | None = None,
         observer: PlanObserver | None = None,
+        request_log: bool = False,
+        after_plan: Callable[[BatchPlan, Dispatcher], None] | None = None,
     ) -> None:
         """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
         coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
         results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one.
         cost_model: splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from
         its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1).
-        observer: told about each executed plan and the seconds of each phase (the pool's metrics)."""
+        observer: told about each executed plan and the seconds of each phase (the pool's metrics).
+
+        request_log: move each answered request into its adapter's durable request log when it is acked
+        (queue/replay_log.py), for a restarted pool to replay after the adapter's snapshot.
+        after_plan: called on the loop thread after each executed plan (the pool's snapshot cadence, durable/), and
+        with an empty plan once a second while there is nothing to do."""
         settings = settings or get_settings()
         self.executor = executor
         self.on_outcomes = on_outcomes
@@ -154,6 +169,10 @@ class Dispatcher:
         self.pipelined = pipelined
         self._finisher = Finisher(background=pipelined)
         self._prefetcher: Prefetcher | None = None  # started by the first read
+        self.request_log = request_log
+        self.after_plan = after_plan
+        self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
+        self._last_after_plan = float("-inf")
 
     # -- public ---------------------------------------------------------------------------------------------------
     @property
@@ -162,6 +181,21 @@ class Dispatcher:
 
     def last_applied(self, model_id: str) -> int | None:
         return self._applied.get(model_id)
+
+    def seed_applied(self, applied: Mapping[str, int | None]) -> None:
+        """Adapters a restarted pool rebuilt from their snapshot and request log: their state holds exactly the
+        requests up to these seq_ids (None: no step yet), so a redelivered request above it runs (silently if its
+        result was stored)."""
+        self._applied.update(applied)
+        self._recovered.update(applied)
+
+    def in_parts(self) -> set[str]:
+        """Adapters with a request running in parts right now (part of its gradient is in the adapter's state)."""
+        return {h.request.model_id for h in self._buffer if h.request.request_id in self._progress}
+
+    def after_finished(self, job: Callable[[], None]) -> None:
+        """Run `job` once every plan finished so far has its records, results and acks written (finisher order)."""
+        self._finisher.submit(job)
 
     def run_once(self) -> int:
         """One read + plan + execute round; returns how many requests it answered."""
@@ -173,6 +207,7 @@ class Dispatcher:
         t_read = time.monotonic()
         if not self._buffer:
             self._more_ready = False
+            self._idle_tick(now)
             return 0
         decision = self._plan()
         t_coalesce = time.monotonic()
@@ -185,6 +220,7 @@ class Dispatcher:
         if decision.plan.steps:
             self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0])
             answered, busy = self._execute(decision.plan, by_obj)
+            self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
         self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
@@ -196,6 +232,20 @@ class Dispatcher:
             self._observe("timed", {"read": t_read - t_start, "plan": planning, "coalesce": coalesce,
                                     "loop_other": overhead})  # fmt: skip
         return answered
+
+    def _call_after_plan(self, plan: BatchPlan) -> None:
+        if self.after_plan is None:
+            return
+        self._last_after_plan = self.clock()
+        try:
+            self.after_plan(plan, self)
+        except Exception:  # noqa: BLE001 - snapshots are retried later; serving must go on
+            log.exception("after_plan failed")
+
+    def _idle_tick(self, now: float) -> None:
+        """No work: once a second, `after_plan` with an empty plan (time-based snapshots of idle adapters)."""
+        if self.after_plan is not None and now - self._last_after_plan >= IDLE_TICK_S:
+            self._call_after_plan(BatchPlan(()))
 
     def run_forever(self, stop_event: threading.Event) -> None:
         """Run until `stop_event`. Redis going away is ridden out: retried with backoff (at most one log line per
@@ -280,11 +330,18 @@ class Dispatcher:
             if req.model_id not in self._applied and req.kind not in UNORDERED_KINDS:  # a sampler is no adapter
                 lookup = self.applied_seq_lookup
                 self._applied[req.model_id] = lookup(req.model_id) if lookup else None
-            if answered:  # stored before a crash, never acked: never apply twice
-                self._advance([req])
-                stale.append(sid)
-                continue
-            self._buffer.append(_Held(sid, req, now))
+            silent = False
+            if answered:  # stored before a crash, never acked: never apply twice...
+                last = self._applied.get(req.model_id)
+                if not (req.model_id in self._recovered and (last is None or req.seq_id > last)
+                        and req.kind not in UNCHAINED_KINDS):  # fmt: skip
+                    self._advance([req])
+                    stale.append(sid)
+                    continue
+                silent = True  # ...unless the rebuilt state lacks it: run it again, without sending its result
+                log.info("adapter %s: %s seq_id %d was answered but not acked before a restart; running it again "
+                         "for its state only", req.model_id, req.kind, req.seq_id)  # fmt: skip
+            self._buffer.append(_Held(sid, req, now, silent))
             self._held_ids.add(sid)
         self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
@@ -292,7 +349,9 @@ class Dispatcher:
     def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """Run the plan and finish its requests; returns (requests answered, seconds the executor took)."""
         requests = plan.requests
-        self._finisher.submit(self.results.set_states, [r.request_id for r in requests], JobState.RUNNING)
+        # A silent rerun's stored result stays as it was shown (no RUNNING over it).
+        running = [r.request_id for r in requests if not getattr(by_obj.get(id(r)), "silent", False)]
+        self._finisher.submit(self.results.set_states, running, JobState.RUNNING)
         started = time.monotonic()
         try:
             outcomes = list(self.executor.execute(plan))
@@ -398,9 +457,36 @@ class Dispatcher:
         order, so a crash never loses an answer."""
         self._advance(plan.requests)
         self._forget(held)
-        self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held])
+        actions = self._log_actions(outcomes, plan, held) if self.request_log else {}
+        silent = {h.request.request_id for h in held if h.silent}
+        publish = [o for o in outcomes if o.request_id not in silent] if silent else outcomes
+        self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held], actions, publish)
 
-    def _store(self, outcomes: list[Outcome], plan: BatchPlan, stream_ids: list[EntryRef]) -> None:
+    @staticmethod
+    def _log_actions(
+        outcomes: list[Outcome], plan: BatchPlan, held: list[_Held]
+    ) -> dict[EntryRef, tuple[str, str, int]]:
+        """What the ack does with each answered entry in the request log (queue/replay_log.py)."""
+        out: dict[EntryRef, tuple[str, str, int]] = {}
+        for r, o, h in zip(plan.requests, outcomes, held, strict=True):
+            if r.kind == RequestKind.DELETE_ADAPTER:
+                if o.ok:
+                    out[h.stream_id] = ("x", r.model_id, r.seq_id)
+            elif r.kind == RequestKind.CREATE_ADAPTER:
+                if o.ok:
+                    out[h.stream_id] = ("a", r.model_id, r.seq_id)
+            elif r.kind not in UNCHAINED_KINDS:
+                out[h.stream_id] = ("a" if o.ok and r.kind in STATE_KINDS else "s", r.model_id, r.seq_id)
+        return out
+
+    def _store(
+        self,
+        outcomes: list[Outcome],
+        plan: BatchPlan,
+        stream_ids: list[EntryRef],
+        actions: dict[EntryRef, tuple[str, str, int]] | None = None,
+        publish: list[Outcome] | None = None,
+    ) -> None:
         """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
         client that sees it reads the adapter's new state and tiers), then the acks."""
         started = time.monotonic()
@@ -411,8 +497,11 @@ class Dispatcher:
                 log.exception("on_outcomes failed for %d outcomes", len(outcomes))
         recorded = time.monotonic()
         # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py).
-        retry_redis(lambda: self.results.put_many(outcomes), "finishing a plan", self._finisher.warn)
-        retry_redis(lambda: self.consumer.ack(stream_ids), "finishing a plan", self._finisher.warn)
+        # publish: the outcomes to store (a silent rerun's first result stays as it was delivered)
+        shown = outcomes if publish is None else publish
+        retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
+        ack = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))
+        retry_redis(ack, "finishing a plan", self._finisher.warn)
         timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
         self._observe("timed", {"record": timing.record_s, "publish": timing.publish_s})
         with suppress(redis_lib.RedisError):  # statistics only

@@ -7,7 +7,8 @@ until acked).
   tenant's deep backlog never stands between another tenant and the dispatcher. A blocked read also watches the pool's
   doorbell stream, so a tenant's first stream wakes it.
 - `ack` = XACK + XDEL, and the tenant's queued-token count gives back the entry's tokens (one script: exact even when
-  an entry is acked twice): an answered request leaves its stream entirely.
+  an entry is acked twice): an answered request leaves its stream entirely, and (when the dispatcher says so) moves
+  to its adapter's durable request log in the same script (queue/replay_log.py).
 - `claim_stale` takes over entries another consumer read and left idle longer than `min_idle_ms` (it died): XAUTOCLAIM.
 - An entry that fails to decode is acked at once, and its request (if a request_id can be read) gets a failed result,
   so one bad entry never blocks a stream.
@@ -43,27 +44,47 @@ class EntryRef(NamedTuple):
 Entry = tuple[EntryRef, Envelope]
 RawEntry = tuple[EntryRef, Mapping[Any, Any]]
 
-# KEYS: stream, queued-tokens hash. ARGV: group, tenant_id, then entry ids. Per entry: its tokens (read before it goes),
-# XACK, XDEL; the tokens go back only for entries this call deleted.
+# KEYS: stream, queued-tokens hash, the pool's replay-adapters set. ARGV: group, tenant_id, the replay-log key prefix,
+# then per entry 4 values: id, log action, model_id, seq_id. Per entry: its tokens and envelope (read before it goes),
+# XACK, XDEL; the tokens go back only for entries this call deleted. The log action (queue/replay_log.py), done in the
+# same script so an answered request is never out of both the stream and the log: "a" / "s" add the envelope to the
+# adapter's request log (to apply on replay / only to advance its seq_id), "x" drops the adapter's log (deleted).
 _ACK = """
 local back = 0
-for i = 3, #ARGV do
-  local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+for i = 4, #ARGV, 4 do
+  local id, action, model, seq = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local entry = redis.call('XRANGE', KEYS[1], id, id)
   local tokens = 0
+  local data = nil
   if entry[1] then
     local fields = entry[1][2]
     for j = 1, #fields, 2 do
       if fields[j] == '""" + TOKENS_FIELD + """' then tokens = tonumber(fields[j + 1]) or 0 end
+      if fields[j] == 'data' then data = fields[j + 1] end
     end
   end
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then back = back + tokens end
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  if redis.call('XDEL', KEYS[1], id) == 1 then
+    back = back + tokens
+    if (action == 'a' or action == 's') and data then
+      redis.call('ZADD', ARGV[3] .. model, tonumber(seq), action .. data)
+      redis.call('SADD', KEYS[3], model)
+    end
+  end
+  if action == 'x' then
+    redis.call('DEL', ARGV[3] .. model)
+    redis.call('SREM', KEYS[3], model)
+  end
 end
 if back > 0 then
   if redis.call('HINCRBY', KEYS[2], ARGV[2], -back) <= 0 then redis.call('HDEL', KEYS[2], ARGV[2]) end
 end
 return back
 """
+
+# What the ack script does with an entry's envelope (see _ACK): nothing, log it (apply on replay / only advance), or
+# drop its adapter's log.
+LogAction = tuple[str, str, int]  # (action "a" | "s" | "x", model_id, seq_id)
 
 
 class Consumer:
@@ -88,6 +109,8 @@ class Consumer:
         self._tenants_key = keys.pool_tenants(pool)
         self._doorbell = keys.pool_doorbell(pool)
         self._tokens_key = keys.queued_tokens(pool)
+        self._replay_prefix = keys.replay_log_prefix(pool)
+        self._replay_set = keys.replay_adapters(pool)
         # tenant -> where the scan of this consumer's pending backlog on its stream stands (None once drained)
         self._backlog: dict[str, str | None] = {}
         self._ack_script = redis.register_script(_ACK)
@@ -144,19 +167,26 @@ class Consumer:
                 return self.read(None, count)
         return self._decode(raw)
 
-    def ack(self, refs: Iterable[EntryRef]) -> None:
+    def ack(self, refs: Iterable[EntryRef], log: Mapping[EntryRef, LogAction] | None = None) -> None:
+        """Ack and delete entries; `log`: what to do with some of them in the request log (see _ACK)."""
+        log = log or {}
         by_stream: dict[str, list[str]] = defaultdict(list)
         for ref in refs:
-            by_stream[ref.stream].append(ref.id)
+            action, model_id, seq_id = log.get(ref, ("", "", 0))
+            by_stream[ref.stream] += [ref.id, action, model_id, str(seq_id)]
         if not by_stream:
             return
         pipe = self.redis.pipeline(transaction=False)  # one round trip for every tenant stream of a plan
-        for stream, ids in by_stream.items():
-            self._ack_script(keys=[stream, self._tokens_key], args=[self.group, self._tenant_of(stream), *ids], client=pipe)
+        for stream, args in by_stream.items():
+            self._ack_script(
+                keys=[stream, self._tokens_key, self._replay_set],
+                args=[self.group, self._tenant_of(stream), self._replay_prefix, *args],
+                client=pipe,
+            )
         pipe.execute()
         with self._lock:
-            for stream, ids in by_stream.items():
-                self._unacked[self._tenant_of(stream)].difference_update(ids)
+            for stream, args in by_stream.items():
+                self._unacked[self._tenant_of(stream)].difference_update(args[::4])
 
     def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over entries other consumers left pending longer than `min_idle_ms` (up to `count` per stream)."""

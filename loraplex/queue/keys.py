@@ -5,6 +5,9 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:pool:{pool}:tenants         set: the tenants that have a stream on this pool (the dispatcher reads them all)
     loraplex:pool:{pool}:doorbell        stream: one entry when a tenant's stream is new, so a blocked read wakes for it
     loraplex:pool:{pool}:queued_tokens   hash: tenant -> tokens of its queued requests (the quota's count)
+    loraplex:pool:{pool}:replay:{model_id}   sorted set: the adapter's answered requests since its durable snapshot
+                                         before last, scored by seq_id (queue/replay_log.py: the durable request log)
+    loraplex:pool:{pool}:replay_adapters     set: the adapters that have a request log on this pool
     loraplex:dispatchers                 consumer-group name on those streams (one leader per pool reads them)
     loraplex:result:{request_id}         string: the Outcome JSON (queue/results.py), with a TTL
     loraplex:notify:{request_id}         list: a token pushed when the result lands; waiters BLPOP it
@@ -57,6 +60,19 @@ def pool_doorbell(pool: str) -> str:
 
 def queued_tokens(pool: str) -> str:
     return f"{PREFIX}pool:{pool}:queued_tokens"
+
+
+def replay_log_prefix(pool: str) -> str:
+    """The request log keys of a pool's adapters are this prefix + model_id (the ack script builds them)."""
+    return f"{PREFIX}pool:{pool}:replay:"
+
+
+def replay_log(pool: str, model_id: str) -> str:
+    return replay_log_prefix(pool) + model_id
+
+
+def replay_adapters(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:replay_adapters"
 
 
 def pool_stats(pool: str) -> str:

@@ -152,6 +152,12 @@ class PoolLease:
             return False
         return bool(int(self._release(keys=[self.key], args=[self.value])))
 
+    def break_dead(self, dead: LeaseValue) -> bool:
+        """Delete another holder's lease, only if it still holds exactly `dead` (its holder is known to be dead, e.g.
+        a killed process of this host): the waiting process then takes over without waiting out the TTL. Safe even
+        if that were wrong: the old holder's writes are fenced by its token, which the next acquisition passes."""
+        return bool(int(self._release(keys=[self.key], args=[f"{dead.token} {dead.holder}"])))
+
     # -- fencing --------------------------------------------------------------------------------------------------
     def fence_keys(self) -> list[str]:
         """KEYS[1], KEYS[2] of a script that starts with HELD_LUA."""

@@ -27,6 +27,7 @@ from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 # The enums are re-exported: callers reading a model's fields import them from here.
 __all__ = [
     "Adapter",
+    "AdapterSnapshotRow",
     "AdapterStatus",
     "ApiKey",
     "Base",
@@ -126,6 +127,29 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class AdapterSnapshotRow(Base):
+    """One durable snapshot of an adapter's whole training state (weights, unconsumed gradients, Adam moments, step,
+    hyperparameters) written by a pool (loraplex/durable/), covering every request up to `applied_seq_id`. A pool
+    restarts from the newest one whose file matches `sha256` and replays the request log after it. Migration 0006."""
+
+    __tablename__ = "adapter_snapshots"
+    __table_args__ = (
+        UniqueConstraint("model_id", "version"),
+        Index("ix_adapter_snapshots_pool_model_id", "pool", "model_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("adapters.model_id", ondelete="CASCADE"))
+    pool: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(BigInteger)  # 1, 2, ... per adapter
+    applied_seq_id: Mapped[int] = mapped_column(BigInteger)  # -1: only the creation (no step yet)
+    step: Mapped[int] = mapped_column(BigInteger)  # the Adam step count inside
+    path: Mapped[str] = mapped_column(String(1024))
+    sha256: Mapped[str] = mapped_column(String(64))  # of the whole file
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Residency(Base):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.errors import CapacityError, ConflictError, NotFoundError
+from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
 from loraplex.workers.snapshots import ROWS, AdapterSnapshot, PoolSignature, restore_snapshot, take_snapshot
@@ -261,6 +261,23 @@ class AdapterStore:
         self._lru.move_to_end(snapshot_id)
         self._note(TierChange(snapshot_id, CPU))
         self._enforce_budget(prefer_keep=(snapshot_id,))
+
+    def adopt(self, snapshot: AdapterSnapshot) -> None:
+        """Take an adapter's whole state from a durable snapshot (a restarting pool, loraplex/durable/recovery.py)
+        into the host tier (spilled past the budget); the next step that needs it swaps it in bit for bit."""
+        self._check_new(snapshot.model_id)
+        if snapshot.signature != self.signature:
+            raise InvalidRequestError(f"snapshot of {snapshot.model_id!r} is laid out for another pool signature")
+        buf = self._buffer()
+        buf.copy_(snapshot.rows)
+        self._host[snapshot.model_id] = AdapterSnapshot(
+            snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed, snapshot.step, snapshot.signature, buf,
+            snapshot.target_modules,
+        )  # fmt: skip
+        self._lru[snapshot.model_id] = None
+        self._lru.move_to_end(snapshot.model_id)
+        self._note(TierChange(snapshot.model_id, CPU))
+        self._enforce_budget(prefer_keep=(snapshot.model_id,))
 
     def touch(self, model_id: str) -> None:
         """Mark as just used (most recently used)."""

@@ -9,7 +9,9 @@ Files are written atomically (`fsutil.atomic_write`) and read straight into a ca
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -24,9 +26,10 @@ SPILL_VERSION = "1"
 SPILL_SUFFIX = ".safetensors"
 
 
-def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
+def write_spill(path: Path, snapshot: AdapterSnapshot, extra: Mapping[str, str] | None = None) -> str:
     """Write atomically (a reader or a restart sees the old file or the whole new one). Streams the rows straight from
-    the (pinned) buffer: no extra copy in memory."""
+    the (pinned) buffer: no extra copy in memory. `extra`: more string metadata (durable snapshots add theirs).
+    Returns the sha256 (hex) of the whole file."""
     rows = snapshot.rows
     sig = snapshot.signature
     metadata = {
@@ -39,6 +42,7 @@ def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
         "step": str(snapshot.step),
         "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
         "target_modules": json.dumps(None if snapshot.target_modules is None else list(snapshot.target_modules)),
+        **(extra or {}),
     }
     nbytes = rows.numel() * rows.element_size()
     header = {
@@ -47,10 +51,19 @@ def write_spill(path: Path, snapshot: AdapterSnapshot) -> None:
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    digest = hashlib.sha256()
     with atomic_write(path) as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        f.write(memoryview(cast(Any, rows.contiguous().numpy())).cast("B"))
+        for chunk in (len(raw).to_bytes(8, "little"), raw, memoryview(cast(Any, rows.contiguous().numpy())).cast("B")):
+            f.write(chunk)
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_raw_metadata(path: Path) -> dict[str, str]:
+    """The file's string metadata as written (the spill fields and any `extra`)."""
+    with open(path, "rb") as f:
+        header, _ = _read_header(f)
+    return dict(header.get("__metadata__") or {})
 
 
 def read_spill_metadata(path: Path) -> dict:

@@ -2,7 +2,9 @@
 turns 200 only once the pool has loaded its model; redis-server killed -> every route 503 + Retry-After, a bounded
 log, and after redis-server restarts on the same port the gateway and the pool resume (a new step completes);
 the pool SIGKILLed -> healthz 503, pending futures say paused_capacity, and the client's result() times out with
-FutureTimeoutError naming it. The tests run in this order (the last one kills the pool)."""
+FutureTimeoutError naming it. The tests run in this order (the last one kills the pool). This stack does not restart
+its children (`supervise=False`): it shows what a dead pool looks like from outside; tests/e2e/test_recovery.py has
+the supervised stack, where a killed pool comes back with its adapters."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ DATA = [Datum.for_next_token([1, 2, 3, 4, 5])]
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[httpx.Response]]]:
     """The stack, and every healthz answer seen while it started (polled from another thread)."""
     home = tmp_path_factory.mktemp("faults")
-    stack = Stack(Settings(home=home, slots=4, max_rank=16, pool_heartbeat_seconds=0.5), api_port=free_port())
+    stack = Stack(Settings(home=home, slots=4, max_rank=16, pool_heartbeat_seconds=0.5, supervise=False),
+                  api_port=free_port())  # fmt: skip
     seen: list[tuple[httpx.Response, bool]] = []
     done = threading.Event()
 
@@ -110,7 +113,8 @@ def test_redis_killed_and_restarted_under_the_stack(watched) -> None:
         workers = stack.settings.resolved_api_workers
         assert _lines(api_log) - api_before <= (elapsed + 2) * workers  # one line a second at most, no tracebacks
 
-        stack.redis = RedisChild(port=old.port, workdir=old.workdir).start()  # same port, empty (no persistence)
+        # same port, empty: a Redis that lost everything (no persistence), the worst case (test_recovery.py: with AOF)
+        stack.redis = RedisChild(port=old.port, workdir=old.workdir, persist=False).start()
         assert httpx.get(f"{stack.base_url}/v1/healthz", timeout=10).status_code == 200
         again = client.training_client(tc.model_id)  # seq_ids from the adapter's applied one (SQL)
         out = again.forward_backward(DATA).result(timeout=60)  # the pool recreated its group and read it

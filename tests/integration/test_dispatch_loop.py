@@ -13,7 +13,7 @@ import redis
 
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
-from loraplex.queue import keys
+from loraplex.queue import keys, replay_log
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Producer
@@ -264,6 +264,56 @@ def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
     assert [s for _, s, _ in engine.applied] == [1, 2, 3]  # 1 and 2 not applied again
     assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1
     assert queue_length(redis_client, pool) == 0
+
+
+def test_answered_requests_move_to_the_request_log_and_a_recovered_adapter_reruns_an_unacked_one_silently(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """request_log: each answered entry leaves its stream for its adapter's log (queue/replay_log.py) in the ack. A
+    crash after the results were stored but before the ack; the restarted pool rebuilt the adapter up to before
+    those requests (seed_applied): they run again for their state, their stored results are not sent again (no new
+    notify token, state still complete), and they are logged once they are acked."""
+    pool, a = _uid(), f"a-{_uid()}"
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    ids = [producer.submit(_fb(a, 1, [1])), producer.submit(_opt(a, 2))]
+    first = Dispatcher(redis_client, pool, ArithmeticEngine({a: 1.0}), settings=settings, request_log=True)
+
+    class Crash(BaseException):
+        pass
+
+    def crash_before_acking(stream_ids: Any, log: Any = None) -> None:
+        if list(stream_ids):
+            raise Crash
+
+    first.consumer.ack = crash_before_acking  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        first.run_once()
+    first_results = [results.get(i) for i in ids]
+    assert replay_log.read_after(redis_client, pool, a, None) == []  # nothing acked: nothing logged yet
+
+    engine = ArithmeticEngine({a: 1.0})  # the adopted state: before seq 1
+    second = Dispatcher(redis_client, pool, engine, settings=settings, request_log=True)
+    second.seed_applied({a: None})
+    ids.append(producer.submit(_fb(a, 3, [1])))
+    _drain(second, results, ids)
+    assert [s for _, s, _ in engine.applied] == [1, 2, 3]  # rerun for the state, then the new one
+    assert [results.get(i) for i in ids[:2]] == first_results
+    assert [redis_client.llen(keys.notify_key(i)) for i in ids] == [1, 1, 1]  # delivered once each
+    assert all(redis_client.get(keys.state_key(i)) == b"complete" for i in ids)
+    assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1: seq 1 and 2 each once
+    logged = replay_log.read_after(redis_client, pool, a, None)
+    assert [(e.seq_id, e.apply, e.envelope.request_id) for e in logged] == [(1, True, ids[0]), (2, True, ids[1]),
+                                                                            (3, True, ids[2])]  # fmt: skip
+    assert queue_length(redis_client, pool) == 0
+    replay_log.trim(redis_client, pool, a, 2)
+    assert [e.seq_id for e in replay_log.read_after(redis_client, pool, a, None)] == [3]
+    assert a in replay_log.logged_adapters(redis_client, pool)
+    delete = producer.submit(Envelope.new(tenant_id=f"t-{a}", model_id=a, kind="delete_adapter"))
+    _drain(second, results, [delete])
+    second.run_once()
+    assert replay_log.read_after(redis_client, pool, a, None) == [] and a not in replay_log.logged_adapters(
+        redis_client, pool
+    )  # a delete drops the log
 
 
 def test_entries_of_a_dead_dispatcher_are_claimed(redis_client: redis.Redis, settings: Settings) -> None:

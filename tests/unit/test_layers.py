@@ -23,6 +23,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
     # Pipelines train through the service layer like a tenant: never the pool's internals.
     "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool_process", "loraplex.embedded", "torch"),
+    # Durable state joins workers/, storage/ and queue/ in the pool process (a composition-root helper): never the API.
+    "durable": ("loraplex.api", "loraplex.client"),
     # The vLLM backend drives a server process over HTTP: no torch, no vllm import (the gateway may load it).
     "samplers": ("loraplex.workers", "loraplex.api", "loraplex.dispatch", "loraplex.queue", "loraplex.storage",
                  "torch", "transformers", "vllm"),

@@ -11,6 +11,7 @@ from loraplex.storage.repositories.pools import PoolRepository
 from loraplex.storage.repositories.residency import ResidencyRepository
 from loraplex.storage.repositories.samplers import SamplerRepository
 from loraplex.storage.repositories.sessions import SessionRepository, idle_sessions
+from loraplex.storage.repositories.snapshots import SnapshotInfo, SnapshotRepository
 from loraplex.storage.repositories.tenants import API_KEY_PREFIX, TenantRepository, hash_api_key, new_api_key
 from loraplex.storage.repositories.usage import KindTotals, UsageRepository, UsageTotals
 
@@ -23,6 +24,8 @@ __all__ = [
     "PipelineRepository",
     "PoolRepository",
     "SessionRepository",
+    "SnapshotInfo",
+    "SnapshotRepository",
     "ResidencyRepository",
     "SamplerRepository",
     "TenantRepository",

@@ -1,0 +1,161 @@
+"""A (re)starting pool adopts its adapters (DESIGN, Durability), before its dispatcher reads anything:
+
+1. the adapters to adopt: those with a snapshot row of this pool or a request log on it, neither deleted nor failed
+   (a deleted adapter's log is dropped);
+2. for each, its newest snapshot whose file passes the hash check (a failing one is logged as an error and skipped for
+   the one before it; never loaded) goes into the adapter store's host tier, bit for bit;
+3. the logged requests after that snapshot's seq_id (queue/replay_log.py; the whole log, creation first, when there is
+   no snapshot) run again in seq_id order, one at a time, through the pool's executor; their results were delivered
+   already and are not sent again (nothing here writes a result); requests logged as failed or state-free only
+   advance the seq_id;
+4. the dispatcher starts from the seq_id reached (Dispatcher.seed_applied): requests still in the streams after it
+   (accepted, not yet answered, or answered but not acked) are applied exactly once, by the dispatcher.
+
+Replaying one request at a time is what the pool did when each plan held one adapter's step; where a plan mixed
+adapters, the replayed float sums may differ in the last bits from the original run (the CPU matmuls are not
+batch-invariant).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplex.errors import CorruptSnapshotError
+from loraplex.protocol import KINDS, UNCHAINED_KINDS, BatchPlan, Executor, RequestKind, Step
+from loraplex.queue import replay_log
+from loraplex.queue.envelope import to_planned
+from loraplex.storage.repositories import SnapshotRepository
+from loraplex.storage.repositories.snapshots import SnapshotInfo, live_status
+from loraplex.workers.durable_snapshot import read_durable_snapshot
+
+if TYPE_CHECKING:
+    import redis as redis_lib
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from loraplex.workers.adapter_store import AdapterStore
+    from loraplex.workers.snapshots import AdapterSnapshot
+
+log = logging.getLogger("loraplex.durable")
+
+
+@dataclass(frozen=True)
+class Adopted:
+    model_id: str
+    tenant_id: str
+    snapshot_version: int | None  # None: rebuilt from its creation
+    snapshot_seq_id: int | None
+    applied_seq_id: int | None  # where the dispatcher continues (None: no step yet)
+    replayed: int  # requests run again
+    replayed_steps: int  # of which optimizer steps
+
+
+@dataclass
+class Recovery:
+    adopted: list[Adopted] = field(default_factory=list)
+    skipped_snapshots: list[str] = field(default_factory=list)  # files that failed their check
+    lost: list[str] = field(default_factory=list)  # adapters that could not be rebuilt
+
+    @property
+    def seeds(self) -> dict[str, int | None]:
+        """Where the dispatcher continues for each adopted adapter (None: before its first step)."""
+        return {a.model_id: a.applied_seq_id for a in self.adopted}
+
+
+def recover_pool(
+    *,
+    pool: str,
+    store: AdapterStore,
+    executor: Executor,
+    sessions: sessionmaker[Session],
+    redis: redis_lib.Redis,
+) -> Recovery:
+    out = Recovery()
+    with sessions() as session:
+        candidates = set(SnapshotRepository(session).live_adapters(pool))
+    candidates |= set(replay_log.logged_adapters(redis, pool))
+    for model_id in sorted(candidates):
+        with sessions() as session:
+            live = live_status(session, model_id)
+            snapshots = [s for s in SnapshotRepository(session).newest_first(model_id)]
+        if not live:
+            replay_log.drop(redis, pool, model_id)
+            continue
+        adopted = _adopt_one(pool, model_id, snapshots, store, executor, redis, out)
+        if adopted is not None:
+            out.adopted.append(adopted)
+    if out.adopted or out.lost:
+        log.info("pool %s: adopted %d adapters (%d requests replayed)%s", pool, len(out.adopted),
+                 sum(a.replayed for a in out.adopted), f"; could not rebuild {out.lost}" if out.lost else "")  # fmt: skip
+    return out
+
+
+def _newest_valid(
+    snapshots: list[SnapshotInfo], width: int, out: Recovery
+) -> tuple[SnapshotInfo, AdapterSnapshot, int] | None:
+    for info in snapshots:
+        try:
+            snapshot, seq = read_durable_snapshot(Path(info.path), info.sha256, width)
+        except CorruptSnapshotError as exc:
+            log.error("adapter %s: snapshot v%d skipped for the one before it: %s", info.model_id, info.version, exc)
+            out.skipped_snapshots.append(info.path)
+            continue
+        return info, snapshot, seq
+    return None
+
+
+def _adopt_one(
+    pool: str,
+    model_id: str,
+    snapshots: list[SnapshotInfo],
+    store: AdapterStore,
+    executor: Executor,
+    redis: redis_lib.Redis,
+    out: Recovery,
+) -> Adopted | None:
+    found = _newest_valid(snapshots, store.signature.width, out)
+    after = found[2] if found is not None else None
+    entries = replay_log.read_after(redis, pool, model_id, after)
+    if found is None and not (entries and entries[0].envelope.kind == RequestKind.CREATE_ADAPTER):
+        log.error("adapter %s: no valid snapshot and no logged creation: its state cannot be rebuilt", model_id)
+        out.lost.append(model_id)
+        return None
+    tenant = entries[0].envelope.tenant_id if entries else None
+    last: int | None = None
+    if found is not None:
+        info, snapshot, seq = found
+        snapshot.model_id = model_id
+        store.adopt(snapshot)
+        last = seq if seq >= 0 else None
+        tenant = tenant or _tenant_of(info)
+        if entries and last is not None and entries[0].seq_id > last + 1:
+            log.warning("adapter %s: its log starts at seq_id %d, after the snapshot's %d", model_id,
+                        entries[0].seq_id, last)  # fmt: skip
+    replayed = steps = 0
+    for entry in entries:
+        request = to_planned(entry.envelope)
+        if entry.apply:
+            outcome = executor.execute(BatchPlan((Step(KINDS[request.kind].step, (request,)),)))
+            if outcome and not outcome[0].ok:
+                log.error("adapter %s: replaying %s seq_id %d failed now (%s: %s)", model_id, request.kind,
+                          request.seq_id, outcome[0].error_type, outcome[0].error)  # fmt: skip
+            replayed += 1
+            steps += request.kind == RequestKind.OPTIM_STEP
+        if request.kind not in UNCHAINED_KINDS:
+            last = request.seq_id if last is None else max(last, request.seq_id)
+    return Adopted(
+        model_id, tenant or "", found[0].version if found else None, found[2] if found else None, last, replayed, steps
+    )
+
+
+def _tenant_of(info: SnapshotInfo) -> str:
+    """The tenant from the snapshot's blob path (<blob_root>/<tenant>/<model>/snapshots/...)."""
+    return Path(info.path).parents[2].name
+
+
+def adopt_into(snapshotter: Any, recovery: Recovery) -> None:
+    """Tell the snapshot cadence about the adopted adapters (replayed ones are due for a snapshot by the usual rules)."""
+    for a in recovery.adopted:
+        snapshotter.adopted(a.model_id, a.tenant_id, a.replayed_steps, changed=a.replayed > 0 or a.snapshot_version is None)
