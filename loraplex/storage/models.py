@@ -132,7 +132,7 @@ class Checkpoint(Base):
 class AdapterSnapshotRow(Base):
     """One durable snapshot of an adapter's whole training state (weights, unconsumed gradients, Adam moments, step,
     hyperparameters) written by a pool (loraplex/durable/), covering every request up to `applied_seq_id`. A pool
-    restarts from the newest one whose file matches `sha256` and replays the request log after it. Migration 0006."""
+    restarts from the newest one whose file matches `sha256` and replays the request log after it. Migration 0009."""
 
     __tablename__ = "adapter_snapshots"
     __table_args__ = (
