@@ -70,20 +70,36 @@ class _ReadOnly(ModelView):
             tenant = TenantRepository(db).get(tenant_id)
             return TenantRef(tenant.id, tenant.name)
 
+    @classmethod
+    def _owner(cls, model: Any, pk: str, what: str) -> TenantRef:
+        """The tenant owning row `pk` of `model` (a model with a tenant_id), LoraplexError if there is no such row."""
+        with cls.services().sessions() as db:
+            row = db.get(model, pk)
+            if row is None:
+                raise LoraplexError(f"{what} {pk!r} not found")
+            tenant_id = row.tenant_id
+        return cls._tenant(tenant_id)
+
     async def _each(self, request: Request, what: str, act: Callable[[str], Any]) -> RedirectResponse:
-        """Run `act(pk)` for each selected row in a worker thread; one flash line per outcome."""
-        done, failed = 0, []
-        for pk in _pks(request):
-            try:
-                await run_in_threadpool(act, pk)
-                done += 1
-            except LoraplexError as exc:
-                failed.append(f"{pk}: {exc.message}")
-        if done:
-            Flash.flash(request, f"{what}: {done} done", FlashLevel.success)
-        for line in failed:
-            Flash.flash(request, line, FlashLevel.error, what)
-        return _back(request, self.identity)
+        return await _for_each(request, _pks(request), what, act, self.identity)
+
+
+async def _for_each(
+    request: Request, pks: list[str], what: str, act: Callable[[str], Any], back: str
+) -> RedirectResponse:
+    """Run `act(pk)` for each selected row in a worker thread; one flash line per outcome; back to the list."""
+    done, failed = 0, []
+    for pk in pks:
+        try:
+            await run_in_threadpool(act, pk)
+            done += 1
+        except LoraplexError as exc:
+            failed.append(f"{pk}: {exc.message}")
+    if done:
+        Flash.flash(request, f"{what}: {done} done", FlashLevel.success)
+    for line in failed:
+        Flash.flash(request, line, FlashLevel.error, what)
+    return _back(request, back)
 
 
 class TenantAdmin(_ReadOnly, model=Tenant):
@@ -150,13 +166,7 @@ class AdapterAdmin(_ReadOnly, model=Adapter):
     @action("delete_adapter", "Delete", "Delete the selected adapters? Their pool frees them (through the queue).")
     async def delete_adapter(self, request: Request) -> Response:
         def delete(model_id: str) -> None:
-            services = self.services()
-            with services.sessions() as db:
-                adapter = db.get(Adapter, model_id)
-                if adapter is None:
-                    raise LoraplexError(f"adapter {model_id!r} not found")
-                tenant_id = adapter.tenant_id
-            adapter_service.delete_adapter(services, self._tenant(tenant_id), model_id)
+            adapter_service.delete_adapter(self.services(), self._owner(Adapter, model_id, "adapter"), model_id)
 
         return await self._each(request, "delete", delete)
 
@@ -214,19 +224,12 @@ class CheckpointTtl(BaseView):
             Flash.flash(request, f"TTL must be a whole number of seconds, got {raw[:40]!r}", FlashLevel.error)
             return _back(request, "checkpoint")
         pks = [pk for pk in str(form.get("pks") or "").split(",") if pk]
-        done, failed = 0, []
-        for pk in pks:
-            try:
-                tenant, path = await run_in_threadpool(CheckpointAdmin._path, pk)
-                await run_in_threadpool(checkpoint_service.set_checkpoint_ttl, CheckpointAdmin.services(), tenant, path, ttl)
-                done += 1
-            except LoraplexError as exc:
-                failed.append(exc.message)
-        if done:
-            Flash.flash(request, f"TTL set on {done} checkpoint(s)", FlashLevel.success)
-        for line in failed:
-            Flash.flash(request, line, FlashLevel.error, "TTL")
-        return _back(request, "checkpoint")
+
+        def set_ttl(checkpoint_id: str) -> None:
+            tenant, path = CheckpointAdmin._path(checkpoint_id)
+            checkpoint_service.set_checkpoint_ttl(CheckpointAdmin.services(), tenant, path, ttl)
+
+        return await _for_each(request, pks, "TTL", set_ttl, "checkpoint")
 
 
 class ResidencyAdmin(_ReadOnly, model=Residency):
@@ -269,13 +272,8 @@ class PipelineAdmin(_ReadOnly, model=Pipeline):
     @action("cancel_pipeline", "Cancel", "Cancel the selected pipelines? They stop after their current step.")
     async def cancel_pipeline(self, request: Request) -> Response:
         def cancel(pipeline_id: str) -> None:
-            services = self.services()
-            with services.sessions() as db:
-                row = db.get(Pipeline, pipeline_id)
-                if row is None:
-                    raise LoraplexError(f"pipeline {pipeline_id!r} not found")
-                tenant_id = row.tenant_id
-            pipeline_service.cancel_pipeline(services, self._tenant(tenant_id), pipeline_id)
+            tenant = self._owner(Pipeline, pipeline_id, "pipeline")
+            pipeline_service.cancel_pipeline(self.services(), tenant, pipeline_id)
 
         return await self._each(request, "cancel", cancel)
 
