@@ -303,7 +303,15 @@ def _lead(
     )
     if dispatcher is None:  # stopped while Redis was away
         return
-    snapshotter = _durability(settings, dispatcher, store, executor, sessions, lease, group)
+    try:
+        snapshotter = _durability(settings, dispatcher, store, executor, sessions, lease, group)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Redis went away while this process adopted its adapters: nothing was answered or written yet, so the
+        # supervisor's next process starts the recovery over (found by benchmarks/soak.py: a pool restarted while
+        # redis-server was being restarted).
+        log.error("pool %s: redis went away during recovery (%s); exiting so the next start recovers again",
+                  settings.pool, exc)  # fmt: skip
+        raise SystemExit(1) from None
     ready = ready_file(settings)
 
     def deposed(reason: str) -> None:
