@@ -119,27 +119,11 @@ def main() -> None:
 
     # A sampler snapshot on the training path: the adapter's slot rows to (pinned) host memory.
     store = AdapterStore(engine, 1 << 40, Path(tempfile.mkdtemp(prefix="bench-sampler-spill-")))
-    snap_times = []
-    for k in range(10):
-        sync()
-        t0 = time.perf_counter()
-        store.freeze_copy("a1", f"tinker://a1/sampler_weights/s{k}")
-        sync()
-        snap_times.append(time.perf_counter() - t0)
-        store.delete(f"tinker://a1/sampler_weights/s{k}")
-    results["snapshot_ms"] = {"median": 1e3 * statistics.median(snap_times[2:]), "max": 1e3 * max(snap_times[2:])}
+    results["snapshot_ms"] = time_snapshots(store, "s", 10)
     print("snapshot (free slot, device to device)", results["snapshot_ms"], flush=True)
     for k in range(4, engine.num_slots):  # every slot taken: the snapshot goes to host memory
         store.create(f"a{k}", rank=args.rank, alpha=2 * args.rank, seed=k)
-    host_times = []
-    for k in range(6):
-        sync()
-        t0 = time.perf_counter()
-        store.freeze_copy("a1", f"tinker://a1/sampler_weights/h{k}")
-        sync()
-        host_times.append(time.perf_counter() - t0)
-        store.delete(f"tinker://a1/sampler_weights/h{k}")
-    results["snapshot_host_ms"] = {"median": 1e3 * statistics.median(host_times[2:]), "max": 1e3 * max(host_times[2:])}
+    results["snapshot_host_ms"] = time_snapshots(store, "h", 6)
     print("snapshot (no free slot, to host)", results["snapshot_host_ms"], flush=True)
     for k in range(4, engine.num_slots):
         store.delete(f"a{k}")
@@ -155,6 +139,19 @@ def main() -> None:
     print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def time_snapshots(store: AdapterStore, tag: str, repeats: int) -> dict[str, float]:
+    """freeze_copy of a1 `repeats` times (each deleted after): median and max ms, the first two left out (warm-up)."""
+    times = []
+    for k in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        store.freeze_copy("a1", f"tinker://a1/sampler_weights/{tag}{k}")
+        sync()
+        times.append(time.perf_counter() - t0)
+        store.delete(f"tinker://a1/sampler_weights/{tag}{k}")
+    return {"median": 1e3 * statistics.median(times[2:]), "max": 1e3 * max(times[2:])}
 
 
 def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from loraplex.errors import InvalidRequestError
@@ -37,26 +38,26 @@ def _password(args: argparse.Namespace) -> str:
     return password
 
 
-def cmd_create(args: argparse.Namespace) -> int:
+def _with_new_password(args: argparse.Namespace, change: Callable[[Any, str], object], done: str) -> int:
+    """Hash a new password (prompted or from stdin), apply `change(repository, hash)` in one transaction."""
     from loraplex.admin.passwords import hash_password
     from loraplex.storage.repositories import AdminRepository, unit_of_work
 
     hashed = hash_password(_password(args))
     with unit_of_work(_sessions()) as db:
-        AdminRepository(db).create(args.username, hashed)
-    print(f"admin {args.username} created; log in at /admin", file=sys.stderr)
+        change(AdminRepository(db), hashed)
+    print(done, file=sys.stderr)
     return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    return _with_new_password(args, lambda repo, hashed: repo.create(args.username, hashed),
+                              f"admin {args.username} created; log in at /admin")  # fmt: skip
 
 
 def cmd_passwd(args: argparse.Namespace) -> int:
-    from loraplex.admin.passwords import hash_password
-    from loraplex.storage.repositories import AdminRepository, unit_of_work
-
-    hashed = hash_password(_password(args))
-    with unit_of_work(_sessions()) as db:
-        AdminRepository(db).set_password(args.username, hashed)
-    print(f"password of {args.username} changed; its earlier sessions are over", file=sys.stderr)
-    return 0
+    return _with_new_password(args, lambda repo, hashed: repo.set_password(args.username, hashed),
+                              f"password of {args.username} changed; its earlier sessions are over")  # fmt: skip
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:

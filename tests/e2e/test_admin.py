@@ -131,7 +131,7 @@ def test_every_view_opens_with_search_filter_and_sort(stack, world, browser) -> 
         assert expect in page.content(), identity
     page.goto(f"{stack.base_url}/admin/adapter/list?search={adapter}")
     assert adapter in page.content() and world["doomed"] not in page.content()
-    page.goto(f"{stack.base_url}/admin/checkpoint/list?sortBy=created_at&sort=asc")
+    page.goto(f"{stack.base_url}/admin/checkpoint/list?search={adapter}&sortBy=created_at&sort=asc")
     body = page.content()
     assert body.index(">keep<") < body.index(">drop<")  # oldest first
     page.goto(f"{stack.base_url}/admin/usage/list?kind=optim_step")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 CELERY_APP = "loraplex.pipelines.app:celery_app"
@@ -35,14 +36,8 @@ class CeleryWorker:
             env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"celery worker {self.name} exited {self.proc.returncode}: {self.log_tail()}")
-            if b"ready." in self.log_path.read_bytes():
-                return self
-            time.sleep(0.2)
-        raise TimeoutError(f"celery worker {self.name} not ready after {timeout_s} s: {self.log_tail()}")
+        _wait_for_line(self.proc, self.log_path, b"ready.", f"celery worker {self.name}", timeout_s, self.log_tail)
+        return self
 
     @property
     def pid(self) -> int:
@@ -81,11 +76,18 @@ class CeleryBeat(CeleryWorker):
             env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"celery beat exited {self.proc.returncode}: {self.log_tail()}")
-            if b"beat: Starting" in self.log_path.read_bytes():
-                return self
-            time.sleep(0.2)
-        raise TimeoutError(f"celery beat not started after {timeout_s} s: {self.log_tail()}")
+        _wait_for_line(self.proc, self.log_path, b"beat: Starting", "celery beat", timeout_s, self.log_tail)
+        return self
+
+
+def _wait_for_line(proc: subprocess.Popen, log_path: Path, marker: bytes, what: str, timeout_s: float,
+                   tail: Callable[[], str]) -> None:  # fmt: skip
+    """Until `marker` shows in the child's log; RuntimeError if it exits first, TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {tail()}")
+        if marker in log_path.read_bytes():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready after {timeout_s} s: {tail()}")
