@@ -149,9 +149,13 @@ def store_spec(settings: Settings) -> AdapterStoreSpec:
 def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:
     """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
     rank 0, so it makes the same swaps."""
+    import signal
+
+    from loraplex.supervisor import die_with_parent
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import build_engine, follow
 
+    die_with_parent(signal.SIGKILL)  # a SIGKILLed leader leaves no follower behind (the restarted pool spawns anew)
     engine = build_engine(spec, group)
     executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
     log.info("rank %d stopped after %d plans", group.rank, executed)
@@ -304,7 +308,7 @@ def _lead(
     if dispatcher is None:  # stopped while Redis was away
         return
     try:
-        snapshotter = _durability(settings, dispatcher, store, executor, sessions, lease, group)
+        snapshotter = _durability(settings, dispatcher, store, leader or executor, sessions, lease)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis went away while this process adopted its adapters: nothing was answered or written yet, so the
         # supervisor's next process starts the recovery over (found by benchmarks/soak.py: a pool restarted while
@@ -401,21 +405,18 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
     return publisher, server
 
 
-def _durability(
-    settings: Settings, dispatcher: Any, store: Any, executor: Any, sessions: Any, lease: Any, group: Any
-) -> Any:
+def _durability(settings: Settings, dispatcher: Any, store: Any, executor: Any, sessions: Any, lease: Any) -> Any:
     """Adopt this pool's adapters from their durable snapshots and request logs (durable/recovery.py), start the
-    snapshot cadence (durable/snapshotter.py) and the request log; None when durable snapshots are off."""
+    snapshot cadence (durable/snapshotter.py) and the request log; None when durable snapshots are off. `executor`:
+    with several ranks the LeaderExecutor, so every rank adopts each snapshot and replays each logged request (the
+    LoRA state is replicated: rank 0's copy is the one the snapshots are written from)."""
     if not settings.durable_snapshots:
-        return None
-    if group is not None:
-        log.warning("pool %s: durable snapshots and recovery are not built for multi-rank pools yet; off", settings.pool)
         return None
     from loraplex.durable.recovery import adopt_into, recover_pool
     from loraplex.durable.snapshotter import build_snapshotter
 
     recovery = recover_pool(pool=settings.pool, store=store, executor=executor, sessions=sessions,
-                            redis=dispatcher.redis)  # fmt: skip
+                            redis=dispatcher.redis, adopt=getattr(executor, "adopt", store.adopt))  # fmt: skip
     dispatcher.seed_applied(recovery.seeds)
     snapshotter = build_snapshotter(settings, store, sessions, dispatcher.redis, lease)
     adopt_into(snapshotter, recovery)

@@ -29,14 +29,15 @@ MAX_BACKOFF_S = 30.0
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """In a forked child before exec (Popen's preexec_fn): SIGTERM it when the thread that started it dies, e.g. the
     embedded stack SIGKILLed (Linux only; elsewhere a no-op). SIGTERM, not SIGKILL: a pool still finishes its plan
-    and writes its snapshots, redis-server flushes its append-only file."""
+    and writes its snapshots, redis-server flushes its append-only file. (A pool's follower ranks ask for SIGKILL:
+    they hold nothing of their own and sit in a collective the dead leader will never join.)"""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         pass
 

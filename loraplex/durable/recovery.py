@@ -19,6 +19,7 @@ batch-invariant).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,8 +72,12 @@ def recover_pool(
     executor: Executor,
     sessions: sessionmaker[Session],
     redis: redis_lib.Redis,
+    adopt: Callable[[AdapterSnapshot], None] | None = None,
 ) -> Recovery:
+    """adopt: takes a snapshot's state into the pool (default `store.adopt`; a multi-rank pool's LeaderExecutor.adopt
+    gives it to every rank)."""
     out = Recovery()
+    adopt = adopt or store.adopt
     with sessions() as session:
         candidates = set(SnapshotRepository(session).live_adapters(pool))
     candidates |= set(replay_log.logged_adapters(redis, pool))
@@ -83,7 +88,7 @@ def recover_pool(
         if not live:
             replay_log.drop(redis, pool, model_id)
             continue
-        adopted = _adopt_one(pool, model_id, snapshots, store, executor, redis, out)
+        adopted = _adopt_one(pool, model_id, snapshots, store.signature.width, adopt, executor, redis, out)
         if adopted is not None:
             out.adopted.append(adopted)
     if out.adopted or out.lost:
@@ -110,12 +115,13 @@ def _adopt_one(
     pool: str,
     model_id: str,
     snapshots: list[SnapshotInfo],
-    store: AdapterStore,
+    width: int,
+    adopt: Callable[[AdapterSnapshot], None],
     executor: Executor,
     redis: redis_lib.Redis,
     out: Recovery,
 ) -> Adopted | None:
-    found = _newest_valid(snapshots, store.signature.width, out)
+    found = _newest_valid(snapshots, width, out)
     after = found[2] if found is not None else None
     entries = replay_log.read_after(redis, pool, model_id, after)
     if found is None and not (entries and entries[0].envelope.kind == RequestKind.CREATE_ADAPTER):
@@ -127,7 +133,7 @@ def _adopt_one(
     if found is not None:
         info, snapshot, seq = found
         snapshot.model_id = model_id
-        store.adopt(snapshot)
+        adopt(snapshot)
         last = seq if seq >= 0 else None
         tenant = tenant or _tenant_of(info)
         if entries and last is not None and entries[0].seq_id > last + 1:

@@ -35,11 +35,13 @@ from loraplex.workers.distributed import (
 )
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.snapshots import AdapterSnapshot
 
 log = logging.getLogger(__name__)
 
 STOP = "stop"
 PLAN = "plan"
+ADOPT = "adopt"  # a durable snapshot for every rank's adapter store (a restarting pool's recovery)
 
 # device -> base model on that device (a picklable callable: it crosses into spawned ranks).
 ModelLoader = Callable[[torch.device], nn.Module]
@@ -82,14 +84,49 @@ class LeaderExecutor:
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         if self.closed:
             raise RuntimeError("the pool's ranks were stopped")
-        broadcast_message(self.group, (PLAN, plan))
-        return self.executor.execute(plan)
+        try:
+            broadcast_message(self.group, (PLAN, plan))
+            return self.executor.execute(plan)
+        except Exception as exc:
+            if lost_a_rank(exc):
+                leave_without_answering(exc)
+            raise
+
+    def adopt(self, snapshot: AdapterSnapshot) -> None:
+        """Every rank's store takes this adapter's state (AdapterStore.adopt), so the ranks stay replicas."""
+        if self.closed:
+            raise RuntimeError("the pool's ranks were stopped")
+        broadcast_message(self.group, (ADOPT, snapshot))
+        self._store().adopt(snapshot)
+
+    def _store(self) -> Any:
+        if self.executor.store is None:
+            raise RuntimeError("this pool's executor has no adapter store")
+        return self.executor.store
 
     def close(self) -> None:
         """Tell the other ranks to leave `follow` (once)."""
         if not self.closed:
             self.closed = True
             broadcast_message(self.group, (STOP, None))
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone (gloo reports a closed connection; NCCL mostly hangs instead,
+    which the pool's rank watcher catches)."""
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or (
+        isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection closed by peer" in text)
+    )
+
+
+def leave_without_answering(exc: BaseException) -> None:
+    """End this process now: the plan's requests must not be answered with this error (they were accepted, and the
+    restarted pool replays them from its durable log), and the ranks are out of step for any further plan."""
+    log.error("a rank of this pool is gone (%s); exiting without answering the plan", str(exc).splitlines()[0][:300])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def follow(executor: PlanExecutor, group: RankGroup) -> int:
@@ -99,6 +136,13 @@ def follow(executor: PlanExecutor, group: RankGroup) -> int:
         kind, plan = cast(tuple[str, Any], broadcast_message(group))
         if kind == STOP:
             return executed
+        if kind == ADOPT:
+            try:
+                assert executor.store is not None
+                executor.store.adopt(plan)
+            except Exception:  # rank 0's store refuses it alike and its recovery reports it
+                log.exception("rank %d: could not adopt a snapshot", group.rank)
+            continue
         executor.execute(plan)  # outcomes are rank 0's to report; per-request errors are decided alike everywhere
         executed += 1
 

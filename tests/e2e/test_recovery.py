@@ -32,6 +32,7 @@ from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import SnapshotRepository
 from loraplex.storage.repositories.pools import PoolRepository
+from tests.helpers.processes import rank_processes
 from tests.helpers.recovery import (
     Plan,
     Trained,
@@ -363,3 +364,46 @@ def test_the_pool_sigkilled_in_the_middle_of_a_forward_backward_runs_it_again_on
         client.close()
     assert len(hits) >= 2
     _check(stack, plans, out)
+
+
+def test_a_two_rank_pool_loses_a_rank_or_its_leader_and_ends_where_an_uninterrupted_run_does(tmp_path, monkeypatch) -> None:
+    """World size 2 on CPU (gloo): rank 1 SIGKILLed twice, then rank 0 (the pool process) once, under two tenants'
+    load. A lost rank ends the pool (the other rank sits in a collective), the stack restarts it, and every rank adopts
+    the snapshots and replays the log. A dead leader takes its follower with it (no rank left behind). The rows are
+    split across ranks, so the runs equal the one-process reference to fp32 rounding (losses and states), with Adam
+    steps and seq_ids exact."""
+    monkeypatch.setenv("LORAPLEX_WORLD_SIZE", "2")  # the stack's children read it
+    settings = Settings(home=tmp_path, slots=1, world_size=2, max_rank=16, pool_heartbeat_seconds=0.5,
+                        leader_lease_seconds=2.0, snapshot_every_steps=2, snapshot_every_seconds=0,
+                        restart_backoff_seconds=0.2)  # fmt: skip
+    plans = [Plan(t, rank=(4, 8)[t], seed=61 + t, steps=8) for t in range(2)]
+    rng = random.Random(11)
+    killed_ranks: list[int] = []
+    with Stack(settings, api_port=free_port()) as two:
+        def kill(out: list[Trained]) -> None:
+            for mark, which in ((6, "rank"), (14, "rank"), (22, "leader")):
+                while _progress(out) < mark:
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 0.1))
+                pool = two.child("pool").pid
+                assert pool is not None
+                ranks = rank_processes(pool)
+                assert len(ranks) == 1, ranks
+                killed_ranks.extend(ranks)
+                os.kill(ranks[0] if which == "rank" else pool, signal.SIGKILL)
+                wait_restarted(two, pool)
+
+        out = _run_with_faults(two, ["two-a", "two-b"], plans, kill)
+        for o in out:
+            assert o.errors == [], o.errors
+        want_states, want_losses = reference(two, plans)
+        sessions = session_factory(make_db_engine(two.settings.resolved_database_url))
+        for p, o in zip(plans, out, strict=True):
+            assert o.losses == pytest.approx(want_losses[p.tenant], rel=1e-4)
+            assert_close_state(saved_state(two, o.model_id, "final"), want_states[p.tenant])
+            with sessions() as session:
+                assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in killed_ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in killed_ranks if _running(p)]  # the last leader's follower died with it

@@ -15,21 +15,9 @@ from loraplex.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import PoolRepository, TenantRepository, unit_of_work
+from tests.helpers.processes import rank_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-def _rank_processes(parent: int) -> list[int]:
-    """Live (non-zombie) children of `parent` started by multiprocessing (the spawned ranks)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_bytes().split(b") ")[1].split()
-            if int(stat[1]) == parent and stat[0] != b"Z" and b"spawn_main" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -50,7 +38,7 @@ def test_pool_with_two_ranks_trains_and_stops_cleanly(tmp_path, monkeypatch: pyt
     stack = Stack(settings, api_port=free_port()).start()
     try:
         pool = next(p for p in stack.children if "loraplex.pool_process" in p.args)
-        ranks = _rank_processes(pool.pid)
+        ranks = rank_processes(pool.pid)
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the pool process itself
         with unit_of_work(session_factory(make_db_engine(settings.resolved_database_url))) as session:
             key = TenantRepository(session).create_tenant("t")[1]

@@ -1,0 +1,18 @@
+"""Finding a pool's processes from /proc (Linux)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def rank_processes(parent: int) -> list[int]:
+    """Live (non-zombie) children of `parent` started by multiprocessing (the spawned ranks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_bytes().split(b") ")[1].split()
+            if int(stat[1]) == parent and stat[0] != b"Z" and b"spawn_main" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
