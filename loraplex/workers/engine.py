@@ -64,6 +64,16 @@ class AdapterRecord:
         return self.alpha / self.rank
 
 
+def _fill_logprobs(logprobs: list[list[list[float]]], outputs: Sequence[tuple[Sequence[SeqRef], torch.Tensor]]) -> None:
+    """Every microbatch's target logprobs into the per-datum lists, in one device-to-host copy (one sync per step)."""
+    if not outputs:
+        return
+    seqs = [s for mb, _ in outputs for s in mb]
+    values = torch.cat([lp for _, lp in outputs]).cpu().split([s.length for s in seqs])
+    for seq, v in zip(seqs, values, strict=True):
+        logprobs[seq.item][seq.datum] = v.tolist()
+
+
 class Engine:
     def __init__(
         self,
@@ -398,13 +408,15 @@ class Engine:
         per_rank = [split_microbatches(part, self.microbatch_tokens) for part in split_rows(layout(prepared), world)]
         trained = sorted({self.adapter(it.model_id).slot for it in prepared if not it.forward_only})
         earlier = self._take_grads(trained) if self.dist is not None and trained else None
+        outputs: list[tuple[Sequence[SeqRef], torch.Tensor]] = []  # each microbatch's target logprobs, on the device
         for k in range(max(len(mbs) for mbs in per_rank)):
             # Backward in microbatch k on every rank iff some rank trains in it: the FSDP collectives line up.
             trainable = any(not prepared[s.item].forward_only for mbs in per_rank if k < len(mbs) for s in mbs[k])
             if k < len(per_rank[rank]):
-                self._run_microbatch(prepared, per_rank[rank][k], logprobs, losses, trainable)
+                outputs.append((per_rank[rank][k], self._run_microbatch(prepared, per_rank[rank][k], losses, trainable)))
             else:
                 self._run_dummy_microbatch(trainable)
+        _fill_logprobs(logprobs, outputs)
         if self.dist is not None:
             if earlier is not None:
                 self._reduce_grads(trained, earlier)
@@ -447,12 +459,12 @@ class Engine:
         self,
         items: Sequence[PreparedItem],
         mb: Sequence[SeqRef],
-        logprobs: list[list[list[float]]],
         losses: list[torch.Tensor],
         trainable: bool | None = None,
-    ) -> None:
-        """Forward (and backward when `trainable`: by default, when a row of `mb` trains) one microbatch; fills in its
-        datums' logprobs and adds to its items' losses."""
+    ) -> torch.Tensor:
+        """Forward (and backward when `trainable`: by default, when a row of `mb` trains) one microbatch; adds to its
+        items' losses and returns its datums' target logprobs (fp32 [tokens], on the device: read back once per step,
+        so the host queues the next microbatch while the device still runs this one)."""
         batch, seq_len = len(mb), max(s.length for s in mb)
         datums = [items[s.item].datums[s.datum] for s in mb]
         # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs are
@@ -492,8 +504,7 @@ class Engine:
                 (lp.sum() * 0.0).backward()
         self._fold_grads(routing, banks)
         self._after_forward(trainable)
-        for seq, values in zip(mb, lp.detach().cpu().split([s.length for s in mb]), strict=True):
-            logprobs[seq.item][seq.datum] = values.tolist()
+        return lp.detach()
 
     # ---- several ranks (workers/distributed.py) ------------------------------------------------------------------------
     def _run_dummy_microbatch(self, trainable: bool) -> None:

@@ -1,0 +1,97 @@
+"""What the GPU image's torch offers for packed (varlen) attention with Qwen3's grouped-query heads, checked against
+per-sequence causal SDPA, with forward+backward timings for 8 x 512 and ragged lengths (one H100/H200 call).
+
+    python3 benchmarks/probe_attention.py"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def reference(q, k, v, lens):  # type: ignore[no-untyped-def]
+    out, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def timed(fn, reps=20):  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    print("torch", torch.__version__)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        print("no varlen_attn:", exc)
+        varlen_attn = None
+    if varlen_attn is not None:
+        print("varlen_attn", inspect.signature(varlen_attn))
+    hq, hkv, d = 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, lens in (("uniform 8x512", [512] * 8), ("ragged", [37, 900, 128, 2048, 64, 511, 300, 108])):
+        n = sum(lens)
+        q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for h in (hq, hkv, hkv))  # fmt: skip
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        want = reference(q, k, v, lens)
+        grad = torch.randn_like(want)
+        want_g = torch.autograd.grad(want, (q, k, v), grad)
+        print(name, "reference fwd+bwd ms", round(timed(lambda: torch.autograd.grad(reference(q, k, v, lens), (q, k, v), grad)), 3))
+        if varlen_attn is None:
+            continue
+        params = inspect.signature(varlen_attn).parameters
+        kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        for gqa in (True, False):
+            if gqa and "enable_gqa" not in params:
+                print("  enable_gqa: not offered")
+                continue
+            def call():  # type: ignore[no-untyped-def]
+                kk, vv = (k, v) if gqa else (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1))
+                extra = {"enable_gqa": True} if gqa else {}
+                return varlen_attn(q, kk, vv, cu, cu, max(lens), max(lens), **kw, **extra)
+            try:
+                got = call()
+                got_g = torch.autograd.grad(got, (q, k, v), grad)
+                err = (got - want).abs().max().item()
+                gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
+                ms = timed(lambda: torch.autograd.grad(call(), (q, k, v), grad))
+                print(f"  varlen gqa={gqa}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
+            except Exception as exc:  # noqa: BLE001 - a probe reports what fails
+                print(f"  varlen gqa={gqa}: {type(exc).__name__}: {str(exc)[:300]}")
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            seq_id = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+            def mask(b, h, qi, ki):  # type: ignore[no-untyped-def]
+                return (seq_id[qi] == seq_id[ki]) & (qi >= ki)
+            bm = create_block_mask(mask, 1, 1, n, n, device="cuda")
+            flex = torch.compile(flex_attention)
+            def fcall():  # type: ignore[no-untyped-def]
+                out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=bm, enable_gqa=True)
+                return out[0].transpose(0, 1)
+            got = fcall()
+            err = (got - want).abs().max().item()
+            ms = timed(lambda: torch.autograd.grad(fcall(), (q, k, v), grad))
+            print(f"  flex (compiled) gqa: max err {err:.3g}, fwd+bwd {ms:.3f} ms")
+        except Exception as exc:  # noqa: BLE001
+            print(f"  flex: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+if __name__ == "__main__":
+    main()
