@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +25,6 @@ from loraplex.workers.distributed import (
     shard_base_model,
     split_rows,
 )
-from loraplex.workers.fused_elementwise import active as fused_elementwise_active
-from loraplex.workers.fused_elementwise import install as install_fused_elementwise
 from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
@@ -91,14 +88,11 @@ class Engine:
         lora_op: LoraOp | None = None,
         fused_lora: bool | None = None,
         dist: RankGroup | None = None,
-        fused_elementwise: bool | None = None,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
-        else through the reference loop. The flag may be flipped between calls. fused_elementwise: RMSNorm and the
-        MLP's activation compiled into fused kernels in training microbatches (workers/fused_elementwise.py; default:
-        on CUDA). The flag may be flipped between calls too."""
+        else through the reference loop. The flag may be flipped between calls."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -134,8 +128,6 @@ class Engine:
         self._free = list(range(num_slots))
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
-        self.fused_elementwise = self.device.type == "cuda" if fused_elementwise is None else bool(fused_elementwise)
-        self.fused_modules = install_fused_elementwise(model) if self.device.type == "cuda" else 0
         self.trunk = Trunk(self.body, self.head)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
         if self.dist is not None:
@@ -488,8 +480,7 @@ class Engine:
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
         banks = self._gather_banks(routing, trainable)
-        fused = fused_elementwise_active() if self.fused_elementwise and self.fused_modules else nullcontext()
-        with self.context.use(routing, banks), torch.set_grad_enabled(trainable), fused:
+        with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
             lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens)
             total: torch.Tensor | None = None
             start = 0
