@@ -6,6 +6,8 @@
 
 Both ride out a Redis outage: the reader retries with backoff and recreates a consumer group that a Redis restart
 lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
+The plan's SQL writes (dispatch/records.py, dispatch/recording_executor.py) ride out a database outage the same way
+(`retry_database`, up to DATABASE_OUTAGE_S), so a result is still stored only after its SQL record.
 """
 
 from __future__ import annotations
@@ -17,18 +19,23 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import redis as redis_lib
 
 from loraplex.errors import LeaseLostError
 from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.queue.consumer import Consumer, Entry
+from loraplex.storage.db import database_unavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long a finisher write waits for Redis to come back before giving up (the entries stay in the stream unacked).
 REDIS_OUTAGE_S = 600.0
+# How long a plan's SQL write waits for the database to come back before giving up (then the caller's own error
+# handling: records logged as lost, a save failed with "not recorded").
+DATABASE_OUTAGE_S = 600.0
 
 
 def lost_group(exc: redis_lib.ResponseError) -> bool:
@@ -49,6 +56,32 @@ def retry_redis(call: Callable[[], object], what: str, warn: RateLimitedLog, out
                 raise
             warn.warning("redis unavailable while %s (%s); retrying", what, exc)
             time.sleep(backoff.next())
+
+
+def retry_database(
+    call: Callable[[], T], what: str, warn: RateLimitedLog, outage_s: float = DATABASE_OUTAGE_S,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> T:  # fmt: skip
+    """`call()` (one whole transaction: it is run again from its start), retried with backoff while the database is
+    unreachable (storage/db.database_unavailable: a server stopped, crashed or restarting), for up to `outage_s`
+    seconds; then that error is raised. Any other error is raised at once."""
+    deadline = clock() + outage_s
+    backoff = Backoff(cap_s=1.0)
+    failed_at: float | None = None
+    while True:
+        try:
+            value = call()
+        except Exception as exc:
+            if not database_unavailable(exc) or clock() >= deadline:
+                raise
+            failed_at = clock() if failed_at is None else failed_at
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            warn.warning("database unavailable while %s (%s: %s); retrying", what, type(exc).__name__, first_line)
+            sleep(backoff.next())
+            continue
+        if failed_at is not None:
+            log.info("database available again: %s done after %.1f s", what, clock() - failed_at)
+        return value
 
 
 class Prefetcher:

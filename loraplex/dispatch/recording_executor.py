@@ -1,9 +1,11 @@
 """The pool's executor as the dispatcher sees it: the engine's executor, timed per plan (usage seconds, for the
 OutcomeRecorder), with a `checkpoints` row added for each successful save BEFORE the loop stores the results, so a
 client that sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it
-runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails. With a lease, the rows'
-transaction is fenced like the OutcomeRecorder's (dispatch/records.check_leader): a deposed leader writes no row, and
-its plan fails with LeaseLostError.
+runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails. The database away
+(stopped, crashed, restarting) is no reason to fail it: the rows' transaction is run again until the database is back
+(dispatch/pipeline.retry_database, up to DATABASE_OUTAGE_S; replacing a row is idempotent), the save failing only
+after that. With a lease, the rows' transaction is fenced like the OutcomeRecorder's (dispatch/records.check_leader):
+a deposed leader writes no row, and its plan fails with LeaseLostError.
 
 A save whose files are still being written in the background (`BackgroundWrites`: a sampler save copies the weights
 in the plan and writes beside the next plans) gets its row in `settle`, which the finisher runs before it records
@@ -22,8 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.background_writes import BackgroundWrites
 from loraplex.checkpoint_paths import CheckpointKind
+from loraplex.dispatch.pipeline import retry_database
 from loraplex.dispatch.records import PlanNotes, TierChanges, check_leader
 from loraplex.errors import LoraplexError
+from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import (
     KINDS,
     SAVE_KINDS,
@@ -35,6 +39,7 @@ from loraplex.protocol import (
     SaveCheckpointPayload,
 )
 from loraplex.queue.lease import PoolLease
+from loraplex.storage.db import database_unavailable
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.types import utcnow
 
@@ -63,6 +68,7 @@ class RecordingExecutor:
         self._sessions = sessions
         self._notes = notes
         self._store = store
+        self._warn = RateLimitedLog(log, every_s=5.0)
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         started = time.monotonic()
@@ -118,7 +124,9 @@ class RecordingExecutor:
             )
 
         done = [r for r in saves if (o := by_id.get(r.request_id)) is not None and o.ok and o.result]
-        try:
+
+        def write() -> None:
+            failed.clear()  # a retry starts over: the rolled-back attempt wrote nothing
             with unit_of_work(self._sessions) as session:
                 check_leader(session, self._pool, self._lease)  # LeaseLostError: the plan fails, nothing written
                 for request in done:
@@ -128,7 +136,12 @@ class RecordingExecutor:
                                 session, request, _checkpoint_kind(request.kind), by_id[request.request_id].result or {}
                             )
                     except (LoraplexError, SQLAlchemyError) as exc:
+                        if database_unavailable(exc):
+                            raise  # not this row's fault: the whole transaction again
                         fail(request, exc)
+
+        try:
+            retry_database(write, "recording checkpoint rows", self._warn)
         except SQLAlchemyError as exc:  # the transaction itself failed: none of the rows is there
             for request in done:
                 fail(request, exc)

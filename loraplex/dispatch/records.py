@@ -5,7 +5,14 @@ saves are written earlier, before the results (dispatch/recording_executor.py).
 
 Fencing (`lease=`, the pool's way): each of these transactions first checks that the pools row still holds this
 process's fencing token (`check_leader`: one SELECT ... FOR UPDATE); when another pool process took the pool over,
-the transaction rolls back, the lease is marked lost, and LeaseLostError propagates: a deposed leader records nothing."""
+the transaction rolls back, the lease is marked lost, and LeaseLostError propagates: a deposed leader records nothing.
+
+The database away (stopped, crashed, restarting: storage/db.database_unavailable): the plan's transaction is run
+again from its start until it commits (dispatch/pipeline.retry_database, up to DATABASE_OUTAGE_S), and the finisher
+stores the plan's results only after that, so a result never shows before its record. A retry after a failed COMMIT
+cannot know whether that COMMIT went through: it first reads the plan's adapters' applied seq_ids, and when they
+already cover the plan (plans are recorded one at a time, in order, so only this plan's COMMIT can have put them
+there) it writes nothing again, so usage is never counted twice. The applied seq_id lookup waits the same way."""
 
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ from typing import Any, Protocol
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.dispatch.pipeline import retry_database
 from loraplex.errors import LeaseLostError, NotFoundError
+from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import (
     UNCHAINED_KINDS,
     BatchPlan,
@@ -25,6 +34,7 @@ from loraplex.protocol import (
     RequestKind,
 )
 from loraplex.queue.lease import PoolLease
+from loraplex.storage.db import database_unavailable
 from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import (
     AdapterRepository,
@@ -76,9 +86,14 @@ def check_leader(session: Session, pool: str, lease: PoolLease | None) -> None:
 def applied_seq_lookup(sessions: sessionmaker[Session]) -> Callable[[str], int | None]:
     """The dispatcher's view of an adapter's last applied seq_id when it first meets it (SQL survives a restart)."""
 
-    def lookup(model_id: str) -> int | None:
+    warn = RateLimitedLog(log, every_s=5.0)
+
+    def read(model_id: str) -> int | None:
         with sessions() as session:
             return PoolRepository(session).applied_seq_id(model_id)
+
+    def lookup(model_id: str) -> int | None:
+        return retry_database(lambda: read(model_id), f"reading the applied seq_id of {model_id}", warn)
 
     return lookup
 
@@ -103,49 +118,76 @@ class OutcomeRecorder:
         self._store = store
         self._pool = pool
         self._notes = notes or PlanNotes()
+        self._warn = RateLimitedLog(log, every_s=5.0)
 
     def _record_tiers(self, session: Session, changes: list[Any]) -> None:
         """The plan's tier moves, in a SAVEPOINT: a failure there must not cost the other records (the changes are
-        then lost for the table only; later moves of the same adapters write their rows again)."""
-        if self._store is not None:
-            changes = changes + list(self._store.drain_changes())
+        then lost for the table only; later moves of the same adapters write their rows again). The database
+        going away is no such failure: the whole transaction runs again."""
         if not changes:
             return
         try:
             with session.begin_nested():
                 ResidencyRepository(session).record_changes(self._pool, 0, changes)
-        except SQLAlchemyError:
+        except SQLAlchemyError as exc:
+            if database_unavailable(exc):
+                raise
             log.exception("tier changes of %d adapters not recorded", len(changes))
 
     def __call__(self, outcomes: list[Outcome], plan: BatchPlan) -> None:
         """One transaction per plan, one statement per adapter touched (its highest applied seq_id) plus one usage
-        INSERT per tenant: this runs between a plan's end and its results becoming visible."""
+        INSERT per tenant: this runs between a plan's end and its results becoming visible. While the database is
+        away it waits and runs the transaction again (see the module doc)."""
         seconds, changes = self._notes.take(plan)
+        if self._store is not None:
+            changes = changes + list(self._store.drain_changes())
         by_id = {o.request_id: o for o in outcomes}
         tokens = sum(r.num_tokens for r in plan.requests) or 1
+        statuses: list[tuple[str, str, AdapterStatus]] = []  # creations: (tenant, model_id, status)
         applied: dict[tuple[str, str], int] = {}  # (tenant, model_id) -> highest seq_id answered in this plan
         usage: dict[str, list[tuple[str | None, str, int, float]]] = {}
-        with unit_of_work(self._sessions) as session:
-            check_leader(session, self._pool, self._lease)
-            self._record_tiers(session, changes)
-            for request in plan.requests:
-                outcome = by_id.get(request.request_id)
-                if outcome is None:
-                    continue
-                if request.kind == RequestKind.CREATE_ADAPTER:
+        for request in plan.requests:
+            outcome = by_id.get(request.request_id)
+            if outcome is None:
+                continue
+            if request.kind == RequestKind.CREATE_ADAPTER:
+                status = AdapterStatus.READY if outcome.ok else AdapterStatus.FAILED
+                statuses.append((request.tenant_id, request.model_id, status))
+            if request.kind in UNCHAINED_KINDS:
+                continue  # outside the seq_id chain (create, delete, sample)
+            # A failed request still takes its place in the order: later seq_ids must not wait for it.
+            key = (request.tenant_id, request.model_id)
+            applied[key] = max(applied.get(key, request.seq_id), request.seq_id)
+            if outcome.ok and request.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD):
+                share = seconds * request.num_tokens / tokens  # the plan's time split by token share
+                row = (request.model_id, str(request.kind), request.num_tokens, share)
+                usage.setdefault(request.tenant_id, []).append(row)
+        attempts = 0
+
+        def record() -> None:
+            nonlocal attempts
+            attempts += 1
+            with unit_of_work(self._sessions) as session:
+                check_leader(session, self._pool, self._lease)
+                if attempts > 1 and applied and _covered(session, applied):
+                    return  # the attempt before committed; only its answer was lost
+                self._record_tiers(session, changes)
+                for tenant_id, model_id, status in statuses:
                     with suppress(NotFoundError):  # deleted before its creation finished
-                        status = AdapterStatus.READY if outcome.ok else AdapterStatus.FAILED
-                        AdapterRepository(session, request.tenant_id).set_status(request.model_id, status)
-                if request.kind in UNCHAINED_KINDS:
-                    continue  # outside the seq_id chain (create, delete, sample)
-                # A failed request still takes its place in the order: later seq_ids must not wait for it.
-                key = (request.tenant_id, request.model_id)
-                applied[key] = max(applied.get(key, request.seq_id), request.seq_id)
-                if outcome.ok and request.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD):
-                    share = seconds * request.num_tokens / tokens  # the plan's time split by token share
-                    row = (request.model_id, str(request.kind), request.num_tokens, share)
-                    usage.setdefault(request.tenant_id, []).append(row)
-            for (tenant_id, model_id), seq_id in applied.items():
-                AdapterRepository(session, tenant_id).record_applied(model_id, seq_id, include_deleted=True)
-            for tenant_id, rows in usage.items():
-                UsageRepository(session, tenant_id).record_many(rows)
+                        AdapterRepository(session, tenant_id).set_status(model_id, status)
+                for (tenant_id, model_id), seq_id in applied.items():
+                    AdapterRepository(session, tenant_id).record_applied(model_id, seq_id, include_deleted=True)
+                for tenant_id, rows in usage.items():
+                    UsageRepository(session, tenant_id).record_many(rows)
+
+        retry_database(record, "recording a plan", self._warn)
+
+
+def _covered(session: Session, applied: dict[tuple[str, str], int]) -> bool:
+    """Every adapter's applied seq_id in SQL is already at least this plan's."""
+    repo = PoolRepository(session)
+    for (_, model_id), seq_id in applied.items():
+        current = repo.applied_seq_id(model_id)
+        if current is None or current < seq_id:
+            return False
+    return True

@@ -19,6 +19,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -115,6 +116,14 @@ def current_revision(url: str | URL) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         db_engine.dispose()
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """`exc` says the database could not be reached or dropped the connection (a server stopped, crashed, restarting,
+    in recovery; SQLite's lock wait exhausted): the same transaction can succeed once it is back. The pool waits
+    for the database on these (dispatch/pipeline.retry_database); the gateway answers an OperationalError with 503
+    (api/errors.py)."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
 def ping(session: Session) -> None:

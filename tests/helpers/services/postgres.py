@@ -1,7 +1,11 @@
 """A throwaway PostgreSQL 15 cluster for tests: `with postgres_server() as pg: engine = make_db_engine(pg.url)`.
 
 initdb refuses to run as root, so as root every server command runs as the `postgres` user (the data folder is
-chowned to it); as any other user they run directly. fsync is off and the cluster is deleted afterwards."""
+chowned to it); as any other user they run directly. fsync is off and the cluster is deleted afterwards.
+
+Fault tests restart it: `pg.crash()` is `pg_ctl stop -m immediate` (every backend killed, no checkpoint: the next
+start runs crash recovery from the WAL, as after a power cut of the server alone), `pg.start()` starts it again on the
+same data folder and port."""
 
 from __future__ import annotations
 
@@ -41,6 +45,31 @@ class PostgresServer:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.database_url(name)
 
+    @property
+    def data(self) -> Path:
+        return self.directory / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "log"
+
+    def start(self) -> None:
+        """`pg_ctl start` on this port, waiting until it accepts connections (after crash recovery, if any)."""
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        _run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-o", options, "start"])
+
+    def postmaster_pid(self) -> int | None:
+        """The running server's pid (the first line of postmaster.pid); None when it is not running."""
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (FileNotFoundError, IndexError, ValueError):
+            return None
+
+    def crash(self) -> None:
+        """`pg_ctl stop -m immediate`: the server quits at once, killing every backend (clients see their
+        connections drop), without a shutdown checkpoint."""
+        _run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+
 
 def _as_server_user(args: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
@@ -68,16 +97,15 @@ def postgres_server() -> Iterator[PostgresServer]:
         _run([str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"])
         # A free port can be taken between our probe and the server's bind: retry a few times.
         for attempt in range(5):
-            port = free_port()
-            options = f"-p {port} -k {directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+            server = PostgresServer(port=free_port(), directory=directory)
             try:
-                _run([str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-o", options, "start"])
+                server.start()
                 started = True
                 break
             except RuntimeError:
                 if attempt == 4:
                     raise RuntimeError(f"PostgreSQL did not start; log:\n{_read(log)}") from None
-        yield PostgresServer(port=port, directory=directory)
+        yield server
     finally:
         if started:
             subprocess.run(
