@@ -100,8 +100,11 @@ def soak(stack: Stack, tenants: int, steps: int, duration_s: float, fault_every_
 
     def inject() -> None:
         rng = random.Random(seed)
+        draw: list[str] = []  # each kind once per three faults, in a random order: every kind is drawn
         while not done.wait(rng.uniform(0.5, 1.5) * fault_every_s):
-            kind = rng.choice(["pool", "gateway", "redis"])
+            if not draw:
+                draw = rng.sample(["pool", "gateway", "redis"], 3)
+            kind = draw.pop()
             at = time.monotonic() - started
             if kind in ("pool", "gateway"):
                 name = "pool" if kind == "pool" else "api"
