@@ -265,6 +265,38 @@ def cost_workload(engine: Engine, args, workload: str, cost, mixed_exec, alone_e
     return result
 
 
+def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """--mode long: one sequence of each --long-lengths tokens, one forward_backward, with the layers' activations kept
+    (checkpointing "never") and recomputed ("always"): seconds, tokens/s and peak GB, or "out of memory"."""
+    from loraplex.workers.layer_checkpointing import CheckpointPolicy
+
+    engine.create_adapter("long", rank=args.rank, alpha=2 * args.rank, seed=0)
+    engine.microbatch_tokens = max(engine.microbatch_tokens, max(int(n) for n in args.long_lengths.split(",")))
+    out: dict[str, Any] = {}
+    for mode in ("never", "always"):
+        engine.checkpointing = CheckpointPolicy(mode)
+        for n in (int(x) for x in args.long_lengths.split(",")):
+            data = datums(engine.vocab_size, 1, n, torch.Generator().manual_seed(n))
+            peak_reset()
+            try:
+                times = []
+                for _ in range(2):  # the first also warms the allocator
+                    sync()
+                    t0 = time.perf_counter()
+                    engine.forward_backward([engine.prepare("long", data, "cross_entropy", None, False)])
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                engine.optim_step([("long", {"learning_rate": 1e-6})])
+                row: dict[str, Any] = {"s": times[-1], "tok_s": n / times[-1],
+                                       "peak_gb": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+            except torch.OutOfMemoryError:
+                row = {"out_of_memory": True}
+            out[f"{mode} {n}"] = row
+            print("long", mode, n, row, flush=True)
+    engine.delete_adapter("long")
+    return out
+
+
 def lora_ops() -> dict[str, Any]:
     from loraplex.workers import lora
 
@@ -291,9 +323,10 @@ def main() -> None:
     p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--mode", default="all", choices=("all", "cost"),
+    p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
+    p.add_argument("--mode", default="all", choices=("all", "cost", "long"),
                    help="all: PEFT, frozen base, single vs concurrent; cost: only the cost-model coalescing vs one by "
-                        "one comparison (issue 12)")  # fmt: skip
+                        "one comparison (issue 12); long: the longest single sequence, layers checkpointed or not")  # fmt: skip
     p.add_argument("--rounds", type=int, default=8, help="--mode cost: timed rounds per variant (median)")
     p.add_argument("--cost-workloads", default="saturated", help="--mode cost: saturated,underfilled")
     p.add_argument("--plan-tokens", type=int, default=16384, help="--mode cost: the policy's token cap per step")
@@ -312,11 +345,14 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     results: dict[str, Any] = {"env": env}
-    if args.mode == "cost":
+    if args.mode in ("cost", "long"):
         model = build_model(args)
         engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                         device=args.device, microbatch_tokens=args.cap)  # fmt: skip
-        results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
+        if args.mode == "cost":
+            results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
+        else:
+            results["long_sequences"] = bench_long(engine, args)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
         print(json.dumps(results, indent=2))

@@ -123,6 +123,7 @@ def model_loader(settings: Settings) -> BaseModelLoader:
 
 
 def engine_spec(settings: Settings) -> EngineSpec:
+    from loraplex.workers.layer_checkpointing import CheckpointPolicy
     from loraplex.workers.rank_loop import EngineSpec
 
     return EngineSpec(
@@ -133,6 +134,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
             "max_rank": settings.max_rank,
             "target_modules": tuple(settings.target_modules),
             "microbatch_tokens": settings.microbatch_tokens,
+            "checkpointing": CheckpointPolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
         },
     )
 

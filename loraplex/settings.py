@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
+    # Activation checkpointing per decoder layer (workers/layer_checkpointing.py): "auto" recomputes the layers of a
+    # microbatch of more than `checkpoint_above_tokens` tokens in its backward (only a datum longer than
+    # microbatch_tokens makes one that large), "always", or "never".
+    activation_checkpointing: Literal["auto", "always", "never"] = "auto"
+    checkpoint_above_tokens: int = Field(default=16384, ge=1)
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.

@@ -25,6 +25,8 @@ from loraplex.workers.distributed import (
     shard_base_model,
     split_rows,
 )
+from loraplex.workers.layer_checkpointing import CheckpointPolicy, wrap_layers
+from loraplex.workers.layer_checkpointing import checkpointing as checkpointing_layers
 from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
@@ -88,11 +90,14 @@ class Engine:
         lora_op: LoraOp | None = None,
         fused_lora: bool | None = None,
         dist: RankGroup | None = None,
+        checkpointing: CheckpointPolicy | None = None,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
-        else through the reference loop. The flag may be flipped between calls."""
+        else through the reference loop. The flag may be flipped between calls. checkpointing: when a microbatch's
+        decoder layers keep only their inputs and recompute in the backward (workers/layer_checkpointing.py; default:
+        above 16,384 tokens)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -129,6 +134,8 @@ class Engine:
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
         self.trunk = Trunk(self.body, self.head)
+        self.checkpointing = checkpointing or CheckpointPolicy()
+        wrap_layers(self.body.layers)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
         if self.dist is not None:
             # FSDP2: each decoder layer a unit, the trunk the root; the banks stay whole, replicated (distributed.py).
@@ -480,7 +487,8 @@ class Engine:
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
         banks = self._gather_banks(routing, trainable)
-        with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
+        recompute = checkpointing_layers(trainable and self.checkpointing.wants(batch * seq_len))
+        with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute:
             lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens)
             total: torch.Tensor | None = None
             start = 0

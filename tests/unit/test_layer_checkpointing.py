@@ -1,0 +1,80 @@
+"""Activation checkpointing per decoder layer (workers/layer_checkpointing.py): a checkpointed step is the plain step
+(fp32, CPU: logprobs, LoRA gradients and the weights after an optim_step, several adapters in one microbatch), the
+engine turns it on only above its token threshold, and a bad mode is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.models import load_base_model
+from loraplex.workers.engine import Engine
+from loraplex.workers.layer_checkpointing import CheckpointPolicy
+from tests.helpers.gpu import flat_logprobs, random_data
+
+
+def _engine(tiny_dir: Path, policy: CheckpointPolicy) -> Engine:
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    e = Engine(model, num_slots=4, max_rank=8, checkpointing=policy)
+    for model_id, rank, seed in (("a", 4, 1), ("b", 8, 2)):
+        e.create_adapter(model_id, rank, 2.0 * rank, seed)
+    return e
+
+
+def test_a_checkpointed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -> None:
+    plain, recomputed = (_engine(tiny_dir, CheckpointPolicy(m)) for m in ("never", "always"))
+    calls = {"n": 0}
+    real = torch.utils.checkpoint.checkpoint
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+    g = torch.Generator().manual_seed(0)
+    items = [(m, random_data(g, 2, 24), "cross_entropy", None, False) for m in "ab"]
+    for _ in range(2):
+        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (plain, recomputed)]
+        torch.testing.assert_close(flat_logprobs(outs[1]), flat_logprobs(outs[0]), rtol=0, atol=1e-6)
+        for m in "ab":
+            for name, (ga, gb) in plain.adapter_grads(m).items():
+                ra, rb = recomputed.adapter_grads(m)[name]
+                torch.testing.assert_close(ra, ga, rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(rb, gb, rtol=1e-5, atol=1e-7)
+        for e in (plain, recomputed):
+            e.optim_step([(m, {"learning_rate": 1e-2}) for m in "ab"])
+    layers = len(plain.body.layers)
+    assert calls["n"] == 2 * layers  # the checkpointed engine's two steps, every layer; the plain engine's none
+    for m in "ab":
+        for name, (wa, wb) in plain.adapter_weights(m).items():
+            ra, rb = recomputed.adapter_weights(m)[name]
+            torch.testing.assert_close(ra, wa, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(rb, wb, rtol=1e-5, atol=1e-7)
+
+
+def test_auto_checkpoints_only_microbatches_above_the_threshold(tiny_dir: Path, monkeypatch) -> None:
+    e = _engine(tiny_dir, CheckpointPolicy("auto", above_tokens=40))
+    calls = {"n": 0}
+    real = torch.utils.checkpoint.checkpoint
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+    g = torch.Generator().manual_seed(1)
+    e.forward_backward([e.prepare("a", random_data(g, 1, 32), "cross_entropy", None, False)])
+    assert calls["n"] == 0
+    e.forward_backward([e.prepare("a", random_data(g, 2, 32), "cross_entropy", None, False)])  # 64 tokens
+    assert calls["n"] == len(e.body.layers)
+    e.forward_backward([e.prepare("a", random_data(g, 2, 32), "cross_entropy", None, True)])  # forward only: none
+    assert calls["n"] == len(e.body.layers)
+
+
+def test_a_bad_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="auto, always or never"):
+        CheckpointPolicy("sometimes")
+    with pytest.raises(ValueError, match="positive"):
+        CheckpointPolicy("auto", 0)
