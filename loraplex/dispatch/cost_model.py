@@ -1,19 +1,23 @@
 """What a FORWARD_BACKWARD step costs, predicted from its shape (pure: no I/O, no torch).
 
 The engine (workers/engine.py) lays a step's datums out adapter-contiguous (adapters in order of first appearance) and
-cuts them into consecutive microbatches whose padded size (count x longest) stays within `microbatch_tokens`
-(workers/batching.split_microbatches, mirrored here and tested against it). Each microbatch is one pass through every
-layer: a plain matmul for its LoRA part when it holds one adapter, the grouped op when it mixes several. So
+cuts them into consecutive microbatches of at most `microbatch_tokens` real tokens (a longer datum alone), each packed
+into one row without padding (workers/batching.split_microbatches, packed: mirrored here and tested against it). Each
+microbatch is one pass through every layer: a plain matmul for its LoRA part when it holds one adapter, the grouped op
+when it mixes several. So
 
     seconds = step_s                                   (once per step: validation, routing, outputs)
             + microbatch_s x microbatches              (a pass through every layer: launches, FSDP gathers)
-            + token_s x padded tokens                  (the base model's and one adapter's work per token)
+            + token_s x tokens                         (the base model's and one adapter's work per token)
             + mixed_token_s x tokens in mixed microbatches      (the grouped op instead of a matmul)
             + adapter_token_s x sum(tokens x (adapters - 1)) over microbatches   (each further adapter in one)
 
 Linear in its parameters, so measured steps calibrate it by least squares (dispatch/cost_calibration.py). Defaults
 per device type are rough anchors (the fit replaces them within a few dozen steps). With several ranks the engine
 splits rows across ranks before microbatching: this model treats the step as one rank's and lets the fit absorb it.
+(An engine run with packed=False, padded microbatches, is not what this models: its microbatches are cut by count x
+longest and its tokens are padded ones.) Attention's cost grows with the square of each sequence's length, which a
+per-token term does not see: for the Qwen3-4B shape at 2,048-token sequences it is under a tenth of the projections'.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ class StepShape:
 
     steps: int = 1
     microbatches: int = 0
-    tokens: int = 0  # padded tokens (count x longest per microbatch)
-    mixed_tokens: int = 0  # padded tokens in microbatches holding more than one adapter
-    adapter_tokens: int = 0  # sum over microbatches of padded tokens x (adapters in it - 1)
+    tokens: int = 0  # tokens (real ones: microbatches are packed, no padding)
+    mixed_tokens: int = 0  # tokens in microbatches holding more than one adapter
+    adapter_tokens: int = 0  # sum over microbatches of tokens x (adapters in it - 1)
 
     def features(self) -> tuple[float, float, float, float, float]:
         return (float(self.steps), float(self.microbatches), float(self.tokens), float(self.mixed_tokens),
@@ -112,29 +116,28 @@ def shape_of(requests: Sequence[PlannedRequest], microbatch_tokens: int) -> Step
 def shape_of_lengths(adapters: Sequence[Sequence[int]], microbatch_tokens: int) -> StepShape:
     """The shape of a step whose adapters (in layout order) hold datums of these lengths."""
     microbatches = tokens = mixed = extra = 0
-    count = longest = kinds = 0  # the open microbatch: datums, longest datum, adapters in it
+    count = total = kinds = 0  # the open microbatch: datums, tokens, adapters in it
 
     def close() -> None:
         nonlocal microbatches, tokens, mixed, extra
-        padded = count * longest
         microbatches += 1
-        tokens += padded
+        tokens += total
         if kinds > 1:
-            mixed += padded
-            extra += padded * (kinds - 1)
+            mixed += total
+            extra += total * (kinds - 1)
 
     for lengths in adapters:
         new_adapter = True
         for n in lengths:
-            if count and (count + 1) * max(longest, n) > microbatch_tokens:  # workers/batching.split_microbatches
+            if count and total + n > microbatch_tokens:  # workers/batching.split_microbatches (packed)
                 close()
-                count = longest = kinds = 0
+                count = total = kinds = 0
                 new_adapter = True
             if new_adapter:
                 kinds += 1
                 new_adapter = False
             count += 1
-            longest = max(longest, n)
+            total += n
     if count:
         close()
     return StepShape(1, microbatches, tokens, mixed, extra)

@@ -1,4 +1,5 @@
-"""Request data -> validated tensors, and the mixed batch layout (adapter-contiguous sequences, token-capped microbatches)."""
+"""Request data -> validated tensors, and the mixed batch layout (adapter-contiguous sequences, token-capped
+microbatches, and a packed microbatch's positions and sequence offsets)."""
 
 from __future__ import annotations
 
@@ -166,17 +167,48 @@ def layout(items: Sequence[PreparedItem]) -> list[SeqRef]:
     ]
 
 
-def split_microbatches(seqs: Sequence[SeqRef], max_tokens: int) -> list[list[SeqRef]]:
-    """Consecutive runs whose padded size (count * longest) stays within `max_tokens`; a longer datum goes alone."""
+def split_microbatches(seqs: Sequence[SeqRef], max_tokens: int, packed: bool = True) -> list[list[SeqRef]]:
+    """Consecutive runs of `seqs` whose size stays within `max_tokens`; a longer datum goes alone.
+
+    packed (the engine's default): the size is the real tokens, sum of the lengths (one [1, N] stream, no pads).
+    padded (packed=False): count x longest (every row padded to the longest). dispatch/cost_model.shape_of_lengths
+    mirrors the packed split (tested equal)."""
     batches: list[list[SeqRef]] = []
     current: list[SeqRef] = []
-    longest = 0
+    longest = total = 0
     for seq in seqs:
-        if current and (len(current) + 1) * max(longest, seq.length) > max_tokens:
+        size = total + seq.length if packed else (len(current) + 1) * max(longest, seq.length)
+        if current and size > max_tokens:
             batches.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(seq)
         longest = max(longest, seq.length)
+        total += seq.length
     if current:
         batches.append(current)
     return batches
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One packed microbatch's sequence structure, all from the same lengths (host tensors)."""
+
+    positions: torch.Tensor  # int64 [N]: RoPE positions, restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # int32 [S+1]: cumulative lengths, 0 .. N (workers/packed_attention.py reads them)
+    max_length: int  # the longest sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+
+def packed_layout(lengths: Sequence[int]) -> PackedLayout:
+    """The layout of sequences of these lengths (each >= 1) concatenated in order into one row."""
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"a packed microbatch needs at least one sequence, each of length >= 1, got {list(lengths)}")
+    counts = torch.tensor(list(lengths), dtype=torch.int64)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    positions = torch.arange(int(ends[-1])) - torch.repeat_interleave(starts, counts)
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
+    return PackedLayout(positions, cu_seqlens, max(lengths))

@@ -4,7 +4,13 @@ forward/backward with gradient accumulation, and batched AdamW.
 LoRA path (DESIGN.md choices 1-3): by default the fused one (lora/fused.py): per microbatch the groups' slots are gathered
 from the optimizer's flat master buffer and cast once, every LoRA layer is one autograd node reading views of that, and
 the microbatch's gradients are folded into the optimizer's flat gradient with one index_add_. `fused_lora=False` (the
-default when an explicit `lora_op` is given) runs the op per layer on the master banks through autograd instead."""
+default when an explicit `lora_op` is given) runs the op per layer on the master banks through autograd instead.
+
+Layout (issue 14): by default a microbatch is packed, its sequences (all adapters', adapter-contiguous) concatenated
+into one [1, N] row of real tokens, no padding (`batching.packed_layout`: RoPE positions restart per sequence, cu_seqlens
+for the packed attention, workers/packed_attention.py); microbatches are cut by real tokens. `packed=False` keeps the
+padded layout: [B, T_max] rows padded on the right, cut by count x longest. Both give the same results (to fp32
+rounding on the CPU: tests/unit/test_engine_packed.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 from torch import nn
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
-from loraplex.workers.batching import PreparedItem, SeqRef, layout, prepare_item, split_microbatches
+from loraplex.workers.batching import PreparedItem, SeqRef, layout, packed_layout, prepare_item, split_microbatches
 from loraplex.workers.distributed import (
     RankGroup,
     all_gather_varlen,
@@ -44,6 +50,7 @@ from loraplex.workers.lora import (
 from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.losses import segments_of
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
+from loraplex.workers.packed_attention import install_packed_attention
 from loraplex.workers.trunk import Trunk
 
 # A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
@@ -91,17 +98,23 @@ class Engine:
         fused_lora: bool | None = None,
         dist: RankGroup | None = None,
         checkpointing: CheckpointPolicy | None = None,
+        packed: bool = True,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
-        else through the reference loop. The flag may be flipped between calls. checkpointing: when a microbatch's
-        decoder layers keep only their inputs and recompute in the backward (workers/layer_checkpointing.py; default:
-        above 16,384 tokens)."""
+        else through the reference loop. checkpointing: when a microbatch's decoder layers keep only their inputs and
+        recompute in the backward (workers/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
+        microbatches (see the module doc; False: padded ones). fused_lora and packed may be flipped between calls (with
+        several ranks, on every rank alike). The model's sdpa attention is replaced by the packed one
+        (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
+        user of the model)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()  # eval: no dropout; LoRA has none either
+        install_packed_attention(model)
+        self.packed = bool(packed)
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.microbatch_tokens = microbatch_tokens
@@ -412,7 +425,10 @@ class Engine:
         losses: list[torch.Tensor] = [torch.zeros((), device=self.device) for _ in prepared]
         # Rows split across ranks (one rank: all of them); every rank knows every rank's microbatches.
         world, rank = (self.dist.world_size, self.dist.rank) if self.dist is not None else (1, 0)
-        per_rank = [split_microbatches(part, self.microbatch_tokens) for part in split_rows(layout(prepared), world)]
+        per_rank = [
+            split_microbatches(part, self.microbatch_tokens, self.packed)
+            for part in split_rows(layout(prepared), world)
+        ]
         trained = sorted({self.adapter(it.model_id).slot for it in prepared if not it.forward_only})
         earlier = self._take_grads(trained) if self.dist is not None and trained else None
         outputs: list[tuple[Sequence[SeqRef], torch.Tensor]] = []  # each microbatch's target logprobs, on the device
@@ -420,7 +436,9 @@ class Engine:
             # Backward in microbatch k on every rank iff some rank trains in it: the FSDP collectives line up.
             trainable = any(not prepared[s.item].forward_only for mbs in per_rank if k < len(mbs) for s in mbs[k])
             if k < len(per_rank[rank]):
-                outputs.append((per_rank[rank][k], self._run_microbatch(prepared, per_rank[rank][k], losses, trainable)))
+                outputs.append(
+                    (per_rank[rank][k], self._run_microbatch(prepared, per_rank[rank][k], losses, trainable))
+                )
             else:
                 self._run_dummy_microbatch(trainable)
         _fill_logprobs(logprobs, outputs)
@@ -437,8 +455,9 @@ class Engine:
             for i in range(len(prepared))
         ]
 
-    def _routing(self, items: Sequence[PreparedItem], mb: Sequence[SeqRef], seq_len: int) -> Routing:
-        """One group per run of consecutive sequences of the same adapter; computed once for every layer."""
+    def _routing(self, items: Sequence[PreparedItem], mb: Sequence[SeqRef], row_length: int | None) -> Routing:
+        """One group per run of consecutive sequences of the same adapter; computed once for every layer. A sequence
+        holds `row_length` rows (padded: the microbatch's longest), or its own length (None: packed, real rows only)."""
         slots: list[int] = []
         ranks: list[int] = []
         scales: list[float] = []
@@ -459,7 +478,7 @@ class Engine:
                 scales.append(r.scale)
                 rows.append(0)
                 previous = model_id
-            rows[-1] += seq_len
+            rows[-1] += seq.length if row_length is None else row_length
         return Routing.build(slots, ranks, scales, rows, self.device)
 
     def _run_microbatch(
@@ -469,27 +488,44 @@ class Engine:
         losses: list[torch.Tensor],
         trainable: bool | None = None,
     ) -> torch.Tensor:
-        """Forward (and backward when `trainable`: by default, when a row of `mb` trains) one microbatch; adds to its
-        items' losses and returns its datums' target logprobs (fp32 [tokens], on the device: read back once per step,
-        so the host queues the next microbatch while the device still runs this one)."""
-        batch, seq_len = len(mb), max(s.length for s in mb)
+        """Forward (and backward when `trainable`: by default, when a row of `mb` trains) one microbatch, packed or
+        padded (`self.packed`); adds to its items' losses and returns its datums' target logprobs (fp32 [tokens], on
+        the device: read back once per step, so the host queues the next microbatch while the device still runs this
+        one)."""
         datums = [items[s.item].datums[s.datum] for s in mb]
-        # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs are
-        # the same batched or alone without a padding mask; pad rows feed no loss, so their gradient is exactly zero.
-        tokens = torch.full((batch, seq_len), self.pad_id, dtype=torch.int64)
-        for b, d in enumerate(datums):
-            tokens[b, : d.length] = d.tokens
-        real_rows = torch.cat([torch.arange(d.length) + b * seq_len for b, d in enumerate(datums)])
-        targets = torch.cat([d.targets for d in datums])
-        tokens, real_rows, targets = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows, targets))
-        positions = torch.arange(seq_len, device=self.device).expand(batch, seq_len)
-        routing = self._routing(items, mb, seq_len)
+        targets = torch.cat([d.targets for d in datums]).to(self.device, non_blocking=True)
+        cu_seqlens: torch.Tensor | None = None
+        max_length: int | None = None
+        real_rows: torch.Tensor | None = None
+        if self.packed:
+            # One row of real tokens, sequences back to back: the packed attention keeps each sequence to itself and
+            # RoPE restarts per sequence, so every token sees exactly what it sees alone (or padded).
+            packed = packed_layout([d.length for d in datums])
+            tokens = torch.cat([d.tokens for d in datums]).view(1, -1)
+            positions = packed.positions.view(1, -1)
+            tokens, positions, cu_seqlens = (
+                t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
+            )
+            max_length = packed.max_length
+            routing = self._routing(items, mb, None)
+        else:
+            batch, seq_len = len(mb), max(s.length for s in mb)
+            # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs
+            # are the same batched or alone without a padding mask; pad rows feed no loss, so their gradient is zero.
+            tokens = torch.full((batch, seq_len), self.pad_id, dtype=torch.int64)
+            for b, d in enumerate(datums):
+                tokens[b, : d.length] = d.tokens
+            real_rows = torch.cat([torch.arange(d.length) + b * seq_len for b, d in enumerate(datums)])
+            tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
+            positions = torch.arange(seq_len, device=self.device).expand(batch, seq_len)
+            routing = self._routing(items, mb, seq_len)
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
         banks = self._gather_banks(routing, trainable)
-        recompute = checkpointing_layers(trainable and self.checkpointing.wants(batch * seq_len))
+        # The rows every layer runs: real tokens when packed, count x longest when padded.
+        recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
         with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute:
-            lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens)
+            lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length)
             total: torch.Tensor | None = None
             start = 0
             for item_index, run in _runs_by_item(mb):
@@ -520,10 +556,15 @@ class Engine:
         loss x 0), with a backward when they do one, so that every FSDP all-gather happens on every rank."""
         one = torch.full((1, 1), self.pad_id, dtype=torch.int64, device=self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Packed: one sequence of one token (cu_seqlens [0, 1]); padded: one row of one token. Either runs every layer.
+        cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=self.device) if self.packed else None
         routing = Routing.build([0], [1], [0.0], [1], self.device)
         banks = self._gather_banks(routing, trainable)
         with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
-            lp = self.trunk(one, zero.view(1, 1), zero, one.view(1), self.loss_chunk_tokens)
+            lp = self.trunk(
+                one, zero.view(1, 1), None if self.packed else zero, one.view(1), self.loss_chunk_tokens,
+                cu_seqlens, 1 if self.packed else None,
+            )  # fmt: skip
             if trainable:
                 (lp.sum() * 0.0).backward()
         self._fold_grads(routing, banks)

@@ -3,16 +3,21 @@
 One module, so that under FSDP2 (workers/distributed.py) it is the single root unit whose forward all-gathers the
 embeddings, final norm and LM head, and whose backward reshards them; the decoder layers are units of their own.
 With one rank it is a plain module and computes exactly what the engine computed inline before.
+
+Two layouts (workers/engine.py chooses): padded, [B, T] rows padded on the right, whose real rows are picked out after
+the body; packed, one [1, N] row of sequences back to back (every row real), whose boundaries (`cu_seqlens`, the longest
+length) go to the packed attention (workers/packed_attention.py) through the body's forward kwargs.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from loraplex.workers.lm_head import target_logprobs
+from loraplex.workers.packed_attention import packed_forward_kwargs
 
 
 class Trunk(nn.Module):
@@ -25,12 +30,24 @@ class Trunk(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        real_rows: torch.Tensor,
+        real_rows: torch.Tensor | None,
         targets: torch.Tensor,
         chunk_tokens: int,
+        cu_seqlens: torch.Tensor | None = None,
+        max_length: int | None = None,
     ) -> torch.Tensor:
-        """tokens, positions: int64 [B, T]; real_rows: int64 [N] indices into the flattened [B*T] rows; targets: int64
-        [N] -> fp32 [N] target logprobs of the real rows."""
-        hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, real_rows)
+        """tokens, positions: int64 [B, T]; real_rows: int64 [N] indices into the flattened [B*T] rows (None: all of
+        them); targets: int64 [N] -> fp32 [N] target logprobs of the real rows.
+
+        Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
+        (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention)."""
+        extra: dict[str, Any] = {}
+        if cu_seqlens is not None:
+            if max_length is None:
+                raise ValueError("a packed forward needs max_length with cu_seqlens")
+            extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length)
+        hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if real_rows is not None:
+            hidden = hidden.index_select(0, real_rows)
         return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens)

@@ -22,24 +22,28 @@ from tests.helpers.policy import OPT, req
     st.sampled_from([64, 256, 512, 1000]),
 )
 def test_the_shape_is_the_engines_microbatch_layout(adapters: list[list[int]], cap: int) -> None:
-    """Microbatch count, padded tokens and adapters per microbatch as workers/batching.split_microbatches cuts them."""
+    """Microbatch count, tokens and adapters per microbatch as workers/batching.split_microbatches cuts them for the
+    engine's (default) packed layout: real tokens, no padding."""
     seqs = [SeqRef(a, j, n) for a, lengths in enumerate(adapters) for j, n in enumerate(lengths)]
     mbs = split_microbatches(seqs, cap)
-    padded = [len(mb) * max(s.length for s in mb) for mb in mbs]
+    assert mbs == split_microbatches(seqs, cap, packed=True)
+    tokens = [sum(s.length for s in mb) for mb in mbs]
+    assert all(t <= cap or len(mb) == 1 for t, mb in zip(tokens, mbs, strict=True))  # a longer datum alone
     kinds = [len({s.item for s in mb}) for mb in mbs]
     expected = StepShape(
         1,
         len(mbs),
-        sum(padded),
-        sum(p for p, k in zip(padded, kinds, strict=True) if k > 1),
-        sum(p * (k - 1) for p, k in zip(padded, kinds, strict=True)),
+        sum(tokens),
+        sum(t for t, k in zip(tokens, kinds, strict=True) if k > 1),
+        sum(t * (k - 1) for t, k in zip(tokens, kinds, strict=True)),
     )
     assert shape_of_lengths(adapters, cap) == expected
+    assert expected.tokens == sum(map(sum, adapters))  # every token real
 
 
 def test_shape_of_requests_groups_by_adapter_and_reads_only_the_part_this_plan_runs() -> None:
     a, b = req("a", 1, tokens=100, datums=3), req("b", 1, tokens=50)
-    assert shape_of([a, b], 4096) == StepShape(1, 1, 4 * 100, 400, 400)  # one microbatch, 2 adapters, padded to 100
+    assert shape_of([a, b], 4096) == StepShape(1, 1, 350, 350, 350)  # one microbatch, 2 adapters, 350 real tokens
     part = a.__class__(a.request_id, a.tenant_id, "a", 1, a.kind, a.payload, part=(1, 2))
     assert shape_of([part], 4096) == StepShape(1, 1, 100, 0, 0)
     assert shape_of([req("c", 2, OPT)], 4096) == StepShape(1, 0, 0, 0, 0)

@@ -64,7 +64,7 @@ def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
     tiny_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every layer of a microbatch sees the same Routing object (and, fused, the same gathered MicrobatchBanks)."""
-    engine = make_engine(tiny_dir, microbatch_tokens=32, fused_lora=fused)
+    engine = make_engine(tiny_dir, microbatch_tokens=16, fused_lora=fused)  # packed: 7 + 9 and 8 + 6 tokens
     engine.create_adapter("a", 4, 8.0, seed=1)
     engine.create_adapter("b", 8, 8.0, seed=2)
     seen: list[object] = []  # the routing objects themselves: kept alive, so identity is meaningful
@@ -89,7 +89,7 @@ def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
     )
     per_layer = len(engine.banks)
     distinct = list({id(r): r for r in seen}.values())
-    assert len(seen) % per_layer == 0 and len(distinct) == len(seen) // per_layer == 2  # 2 microbatches of 2 rows
+    assert len(seen) % per_layer == 0 and len(distinct) == len(seen) // per_layer == 2  # 2 microbatches of 2 sequences
     assert all(r is distinct[i // per_layer] for i, r in enumerate(seen))
     if fused:  # one gather per microbatch, shared by every layer
         assert len(gathered) == len(seen) and len({id(b) for b in gathered}) == 2

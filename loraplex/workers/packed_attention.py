@@ -1,0 +1,186 @@
+"""Attention over packed rows: one [1, N] token stream holding S sequences back to back, no padding.
+
+The engine's packed microbatch (workers/engine.py, layout in `batching.packed_layout`) concatenates its sequences into
+one row; RoPE positions restart at 0 for each sequence, and the sequences' boundaries travel as `cu_seqlens` (int32
+[S+1], cumulative lengths from 0 to N) and the longest length. They reach every attention call through the body's
+forward: transformers (5.x) passes the model forward's **kwargs down to each attention function, under the names of its
+flash-attention varlen path (`cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q`, `max_length_k`), which
+`packed_forward_kwargs` fills.
+
+Semantics, in plain torch (`packed_attention_reference`, also the CPU path): for each sequence i with rows [s_i, e_i),
+out[s_i:e_i] = causal scaled-dot-product attention of q[s_i:e_i] over k[s_i:e_i], v[s_i:e_i]; query head h reads key /
+value head h // (H / H_kv) (grouped-query heads). No token sees another sequence. Equal to the padded layout's
+attention for each sequence's real tokens (right padding: causal attention keeps a real token blind to the pads after it).
+
+Kernels (`packed_attention`): CUDA in bf16/fp16 with `torch.nn.attention.varlen.varlen_attn` (flash varlen; causal is
+window_size=(-1, 0); grouped-query heads through its `enable_gqa` where that torch offers it, else the kv heads are
+repeated to the query heads: torch 2.11 has no enable_gqa); anything else (CPU, fp32, a torch without varlen_attn) the
+reference loop.
+
+`install_packed_attention(model)` registers the function with transformers' AttentionInterface (and sdpa's mask
+function under the same name with AttentionMaskInterface) and switches the model to it. A call without `cu_seq_lens_q`
+(the sampler's prefill, workers/sampler.py; anything else using the model) is handed to transformers' own sdpa
+function with its arguments unchanged, and gets sdpa's masks: exactly what the model computed before. The packed
+forward passes the mask mapping itself, every entry None (`packed_forward_kwargs`), so transformers builds no [N, N]
+mask and does not run its packed-sequence detection on the restarting position ids (a device-to-host sync)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_ATTENTION = "loraplex_packed"  # the attention implementation's name in transformers' registries
+FALLBACK_ATTENTION = "sdpa"  # what a call without cu_seqlens runs (the implementation the model had before)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------------------------
+def packed_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Sequence[int], scale: float | None = None
+) -> torch.Tensor:
+    """q [T, H, D], k / v [T, H_kv, D] (H a multiple of H_kv), cu_seqlens the S+1 cumulative offsets (host ints) ->
+    [T, H, D]: one causal F.scaled_dot_product_attention per sequence (see the module doc). `scale`: None = 1/sqrt(D)."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+@cache
+def _varlen() -> tuple[Any, bool] | None:
+    """(varlen_attn, whether it takes enable_gqa), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_available(t: torch.Tensor) -> bool:
+    """Whether `packed_attention` runs `t` (a query) through varlen_attn: CUDA, bf16 or fp16, a torch that has it."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+
+
+def packed_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_length: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`packed_attention_reference` through torch.nn.attention.varlen.varlen_attn (CUDA, bf16/fp16): cu_seqlens int32
+    [S+1] on q's device, max_length the longest sequence (a host int)."""
+    found = _varlen()
+    if found is None:
+        raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
+    varlen_attn, has_gqa = found
+    extra: dict[str, Any] = {}
+    if k.shape[1] != q.shape[1]:
+        if has_gqa:
+            extra["enable_gqa"] = True
+        else:  # torch 2.11: the kv heads repeated to the query heads (head h reads kv head h // group, as repeat_kv)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, window_size=(-1, 0), **extra
+    )
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_length: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence (module doc): varlen_attn where `varlen_available`, else the loop."""
+    if varlen_available(q):
+        return packed_attention_varlen(q, k, v, cu_seqlens, max_length, scale)
+    return packed_attention_reference(q, k, v, [int(x) for x in cu_seqlens.tolist()], scale)
+
+
+# ---- transformers' attention interface -----------------------------------------------------------------------------
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """An AttentionInterface function. query [1, H, N, D], key / value [1, H_kv, N, D] (after RoPE) -> ([1, N, H, D],
+    None), as transformers' sdpa function returns them. With `cu_seq_lens_q` in kwargs: packed attention (module doc);
+    without: transformers' sdpa function, every argument passed on unchanged."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[FALLBACK_ATTENTION](module, query, key, value, attention_mask, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu and (cu_k.data_ptr() != cu.data_ptr() or cu_k.shape != cu.shape):
+        raise ValueError("packed attention is self-attention: cu_seq_lens_k must be cu_seq_lens_q")
+    if kwargs.get("sliding_window") is not None or float(kwargs.get("dropout") or 0.0) != 0.0:
+        raise ValueError("packed attention supports neither a sliding window nor attention dropout")
+    max_length = kwargs.get("max_length_q")
+    max_length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
+    # attention_mask: None from the engine's packed forward; a mask transformers built (a model that takes no prepared
+    # mask mapping) describes the same block-causal pattern, which cu_seqlens already gives.
+    out = packed_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, max_length,
+        kwargs.get("scaling"),
+    )  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+@cache
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[FALLBACK_ATTENTION])
+
+
+def install_packed_attention(model: nn.Module) -> None:
+    """Switch a transformers model from sdpa to the packed attention (idempotent). ValueError for a model whose
+    attention is not sdpa: a call without cu_seqlens falls back to sdpa, so it would change what that model computes."""
+    _register()
+    config: Any = model.config
+    current = getattr(config, "_attn_implementation", None)
+    if current == PACKED_ATTENTION:
+        return
+    if current != FALLBACK_ATTENTION:
+        raise ValueError(
+            f"the engine's packed attention replaces sdpa; this model's attention implementation is {current!r} "
+            "(load it with attn_implementation='sdpa')"
+        )
+    model.set_attn_implementation(PACKED_ATTENTION)  # type: ignore[operator]
+
+
+def packed_forward_kwargs(config: Any, cu_seqlens: torch.Tensor, max_length: int) -> dict[str, Any]:
+    """What the body's forward takes for a packed row: the boundaries under transformers' flash-varlen names, and the
+    attention mask mapping given directly (None for each of the config's layer types) where the model takes one
+    (Qwen2/Qwen3: `layer_types`), so transformers neither builds a mask nor inspects the position ids."""
+    kwargs: dict[str, Any] = {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kwargs["attention_mask"] = dict.fromkeys(layer_types)
+    return kwargs
