@@ -65,8 +65,10 @@ def _varlen() -> tuple[Any, bool] | None:
 
 
 def varlen_available(t: torch.Tensor) -> bool:
-    """Whether `packed_attention` runs `t` (a query) through varlen_attn: CUDA, bf16 or fp16, a torch that has it."""
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+    """Whether `packed_attention` runs `t` (a query [T, H, D]) through varlen_attn: CUDA, bf16 or fp16, a head size
+    flash attention takes (a multiple of 8, at most 256), a torch that has it."""
+    half = t.dtype in (torch.bfloat16, torch.float16)
+    return t.is_cuda and half and t.shape[-1] % 8 == 0 and t.shape[-1] <= 256 and _varlen() is not None
 
 
 def packed_attention_varlen(
