@@ -3,6 +3,11 @@ engine concurrent (one mixed forward/backward + one batched AdamW), on a random-
 
     python3 benchmarks/bench_engine.py --model qwen3-4b-shape --rank 32 --seq-len 512 --cap 4096 --out results.json
     python3 benchmarks/bench_engine.py --mode cost      # issue 12: 4 saturated tenants, cost model vs one by one
+    python3 benchmarks/bench_engine.py --mode ragged    # issue 14: ragged lengths vs uniform rows, packed and padded
+
+--mode ragged (issue 14): real-token throughput of ragged lengths (lognormal, 32-2,048 tokens) against uniform 512-token
+rows with the same real-token count (4 adapters x 8 x 512 tokens per step), for the packed engine (the default) and the
+padded one (Engine(packed=False); `--layouts packed` or `padded` for one), all in one call.
 
 Workloads: "underfilled" (4 adapters x 1 sequence each) and "saturated" (4 adapters x 8 sequences each). Every variant
 is timed in the same process after warm-up; times are medians over --iters steps, with the GPU synchronised around
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import random
 import statistics
 import sys
 import time
@@ -24,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from loraplex.workers.batching import layout, split_microbatches  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 from loraplex.workers.lm_head import target_logprobs  # noqa: E402
 
@@ -47,7 +55,9 @@ def datums(vocab: int, n: int, seq_len: int, gen: torch.Generator) -> list[dict[
     out = []
     for _ in range(n):
         toks = torch.randint(0, vocab, (seq_len + 1,), generator=gen).tolist()
-        out.append({"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * seq_len}})
+        out.append(
+            {"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * seq_len}}
+        )
     return out
 
 
@@ -90,7 +100,11 @@ def bench_frozen_base(model, args, tokens_per_step: int) -> dict[str, float]:
 
     peak_reset()
     times = timed(step, args.iters, args.warmup)
-    return {"step_s": statistics.median(times), "tok_s": tokens_per_step / statistics.median(times), "peak_gb": peak_gb()}
+    return {
+        "step_s": statistics.median(times),
+        "tok_s": tokens_per_step / statistics.median(times),
+        "peak_gb": peak_gb(),
+    }
 
 
 def bench_peft(args, tokens_per_step: int) -> dict[str, float]:
@@ -297,6 +311,91 @@ def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyp
     return out
 
 
+# ---- ragged lengths vs uniform rows, packed and padded (issue 14, item 1) ----------------------------------------------
+def ragged_lengths(rng: random.Random, total: int, args: argparse.Namespace) -> list[int]:
+    """Lognormal datum lengths (median --ragged-median, sigma --ragged-sigma) clipped to [--ragged-min, --ragged-max],
+    drawn until they hold `total` tokens; the last one is cut to make the sum exactly `total` (so it may be shorter)."""
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        n = round(rng.lognormvariate(math.log(args.ragged_median), args.ragged_sigma))
+        n = max(args.ragged_min, min(args.ragged_max, n))
+        lengths.append(min(n, total - sum(lengths)))
+    return lengths
+
+
+def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict[str, Any]]:
+    return [d for n in lengths for d in datums(vocab, 1, n, gen)]
+
+
+def bench_ragged(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """Real-token throughput of ragged lengths against uniform --seq-len rows holding the same real tokens: per step,
+    --adapters adapters x (--saturated-seqs x --seq-len) tokens each, one mixed forward_backward + one batched AdamW.
+    For each layout in --layouts (packed: the engine's default; padded: Engine(packed=False)), both workloads are timed
+    in this one call (medians of --iters steps after --warmup); tok_s counts real tokens only."""
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(5)
+    per_adapter = args.saturated_seqs * args.seq_len
+    ids = [f"ragged{i}" for i in range(args.adapters)]
+    for i, m in enumerate(ids):
+        engine.create_adapter(m, rank=args.rank, alpha=2 * args.rank, seed=200 + i)
+    lengths = {
+        "uniform": {m: [args.seq_len] * args.saturated_seqs for m in ids},
+        "ragged": {m: ragged_lengths(rng, per_adapter, args) for m in ids},
+    }
+    data = {w: {m: datums_of(engine.vocab_size, ls[m], gen) for m in ids} for w, ls in lengths.items()}
+    adam = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    tokens = args.adapters * per_adapter
+    all_ragged = [n for m in ids for n in lengths["ragged"][m]]
+    out: dict[str, Any] = {
+        "tokens_per_step": tokens,
+        "ragged_lengths": {"count": len(all_ragged), "min": min(all_ragged), "median": statistics.median(all_ragged),
+                           "mean": statistics.mean(all_ragged), "max": max(all_ragged)},
+    }  # fmt: skip
+    for layout_name in args.layouts.split(","):
+        engine.packed = {"packed": True, "padded": False}[layout_name]
+        per_layout: dict[str, Any] = {}
+        for workload in ("uniform", "ragged"):
+            prepared = [engine.prepare(m, data[workload][m], "cross_entropy", None, False) for m in ids]
+            seqs = layout(prepared)
+            mbs = split_microbatches(seqs, engine.microbatch_tokens, engine.packed)
+            rows = sum(len(mb) * max(s.length for s in mb) for mb in mbs)  # what the device runs through the layers
+            phase: dict[str, list[float]] = {"fwd_bwd": [], "optim": []}
+
+            def step(prepared: list[Any] = prepared, phase: dict[str, list[float]] = phase) -> None:
+                t0 = time.perf_counter()
+                engine.forward_backward(prepared)
+                sync()
+                t1 = time.perf_counter()
+                results = engine.optim_step([(m, adam) for m in ids])
+                sync()
+                assert all(isinstance(r, dict) for r in results), results
+                phase["fwd_bwd"].append(t1 - t0)
+                phase["optim"].append(time.perf_counter() - t1)
+
+            peak_reset()
+            times = timed(step, args.iters, args.warmup)
+            per_layout[workload] = {
+                "step_s": statistics.median(times),
+                "tok_s": tokens / statistics.median(times),
+                "fwd_bwd_s": statistics.median(phase["fwd_bwd"][args.warmup :]),
+                "optim_s": statistics.median(phase["optim"][args.warmup :]),
+                "microbatches": len(mbs),
+                "device_tokens": rows if not engine.packed else tokens,  # padded: count x longest per microbatch
+                "peak_gb": peak_gb(),
+            }
+            print("ragged", layout_name, workload, per_layout[workload], flush=True)
+        per_layout["ragged_over_uniform"] = per_layout["ragged"]["tok_s"] / per_layout["uniform"]["tok_s"]  # >= 0.95
+        out[layout_name] = per_layout
+    if "packed" in out and "padded" in out:
+        out["packed_over_padded"] = {
+            w: out["packed"][w]["tok_s"] / out["padded"][w]["tok_s"] for w in ("uniform", "ragged")
+        }
+    engine.packed = True
+    for m in ids:
+        engine.delete_adapter(m)
+    return out
+
+
 def lora_ops() -> dict[str, Any]:
     from loraplex.workers import lora
 
@@ -324,12 +423,19 @@ def main() -> None:
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
-    p.add_argument("--mode", default="all", choices=("all", "cost", "long"),
+    p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
                    help="all: PEFT, frozen base, single vs concurrent; cost: only the cost-model coalescing vs one by "
-                        "one comparison (issue 12); long: the longest single sequence, layers checkpointed or not")  # fmt: skip
+                        "one comparison (issue 12); long: the longest single sequence, layers checkpointed or not; "
+                        "ragged: ragged lengths vs uniform rows, packed and padded (issue 14)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=8, help="--mode cost: timed rounds per variant (median)")
     p.add_argument("--cost-workloads", default="saturated", help="--mode cost: saturated,underfilled")
     p.add_argument("--plan-tokens", type=int, default=16384, help="--mode cost: the policy's token cap per step")
+    p.add_argument("--layouts", default="packed,padded", help="--mode ragged: packed,padded (the engine's layouts)")
+    p.add_argument("--ragged-median", type=float, default=256.0, help="--mode ragged: lognormal median length")
+    p.add_argument("--ragged-sigma", type=float, default=1.0, help="--mode ragged: lognormal sigma")
+    p.add_argument("--ragged-min", type=int, default=32, help="--mode ragged: shortest datum")
+    p.add_argument("--ragged-max", type=int, default=2048, help="--mode ragged: longest datum")
+    p.add_argument("--seed", type=int, default=0, help="--mode ragged: the lengths' seed")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -345,14 +451,16 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     results: dict[str, Any] = {"env": env}
-    if args.mode in ("cost", "long"):
+    if args.mode in ("cost", "long", "ragged"):
         model = build_model(args)
         engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                         device=args.device, microbatch_tokens=args.cap)  # fmt: skip
         if args.mode == "cost":
             results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
-        else:
+        elif args.mode == "long":
             results["long_sequences"] = bench_long(engine, args)
+        else:
+            results["ragged_vs_uniform"] = bench_ragged(engine, args)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
         print(json.dumps(results, indent=2))

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh flood [bench_flood args...]      the gpu-marked tests, then bench_flood.py on the stack
 #   bash benchmarks/gpu_run.sh sampler [bench_sampler args...]  the native sampler vs HF + PEFT generate
 #   bash benchmarks/gpu_run.sh cost [bench_engine args...]      cost-model coalescing vs one by one (bench_engine --mode cost)
+#   bash benchmarks/gpu_run.sh ragged [bench_engine args...]    ragged vs uniform lengths, packed and padded (--mode ragged)
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -46,5 +47,7 @@ case $mode in
     python3 benchmarks/bench_sampler.py --out "$OUT/bench_sampler.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_sampler.txt" ;;
   cost)
     python3 benchmarks/bench_engine.py --mode cost --out "$OUT/bench_cost.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_cost.txt" | grep -v '^ \|^{\|^}' ;;
-  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost)"; exit 2 ;;
+  ragged)
+    python3 benchmarks/bench_engine.py --mode ragged --out "$OUT/bench_ragged.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_ragged.txt" | grep -v '^ \|^{\|^}' ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged)"; exit 2 ;;
 esac
