@@ -36,7 +36,7 @@ class Trunk(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_length: int | None = None,
     ) -> torch.Tensor:
-        """tokens, positions: int64 [B, T]; real_rows: int64 [N] indices into the flattened [B*T] rows (None: all of
+        """tokens, positions: int64 [B, T] (padded: 0..T-1 in every row); real_rows: int64 [N] indices into the flattened [B*T] rows (None: all of
         them); targets: int64 [N] -> fp32 [N] target logprobs of the real rows.
 
         Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
@@ -46,7 +46,10 @@ class Trunk(nn.Module):
             if max_length is None:
                 raise ValueError("a packed forward needs max_length with cu_seqlens")
             extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length)
-        hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
+        # Padded rows sit at positions 0..T-1, the body's default: passing them would make transformers look for
+        # packed sequences in them, a device-to-host sync in every microbatch.
+        position_ids = positions if cu_seqlens is not None else None
+        hidden = self.body(input_ids=tokens, position_ids=position_ids, use_cache=False, **extra).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if real_rows is not None:
             hidden = hidden.index_select(0, real_rows)
