@@ -44,6 +44,7 @@ from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.enums import AdapterStatus
 from loraplex.storage.models import Adapter, Usage
 from loraplex.storage.repositories.pools import PoolRepository
+from tests.helpers.processes import running
 from tests.helpers.recovery import Plan, Trained, assert_same_state, reference, saved_state, train
 from tests.helpers.services.postgres import PostgresServer, postgres_server
 from tests.helpers.stack import tenant_clients
@@ -58,7 +59,7 @@ def postgres() -> Iterator[PostgresServer]:
     with postgres_server() as server:
         yield server
         last = server.postmaster_pid()
-    assert last is None or not _running(last)  # the server is stopped too
+    assert last is None or not running(last)  # the server is stopped too
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +97,11 @@ def _queued(client: redis.Redis) -> int:
     return sum(client.xlen(k) for k in client.scan_iter(match="loraplex:pool:*:requests"))
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the postmaster is init's child once pg_ctl returns, and init may reap it late)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return False
-
-
 def _crash(postgres: PostgresServer) -> None:
     pid = postgres.postmaster_pid()
-    assert pid is not None and _running(pid)
+    assert pid is not None and running(pid)
     postgres.crash()
-    assert not _running(pid)  # gone at once (pg_ctl -w waited for it)
+    assert not running(pid)  # gone at once (pg_ctl -w waited for it)
 
 
 def test_postgres_crashed_three_times_under_load_loses_and_repeats_nothing(

@@ -16,3 +16,12 @@ def rank_processes(parent: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
     return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, init maybe, and maybe late)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False

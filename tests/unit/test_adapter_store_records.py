@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
 from loraplex.dispatch.records import OutcomeRecorder
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import ResidencyTier
 from loraplex.storage.repositories import AdapterRepository, ResidencyRepository, TenantRepository
 from loraplex.workers.adapter_store import TierChange
@@ -54,15 +51,6 @@ def test_policy_default_limit_changes_nothing() -> None:
     pending = [req(f"m{i}", 1, FB, f"t{i}") for i in range(20)]
     out = plan_batch(pending, {}, PolicyLimits())
     assert [len(s.requests) for s in out.plan.steps] == [20]
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
-    migrate(url)
-    engine = make_db_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def _adapters(factory: sessionmaker[Session], *model_ids: str) -> str:

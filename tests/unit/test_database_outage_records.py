@@ -6,8 +6,6 @@ rows wait instead of failing the save. Outages are injected as OperationalError 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import event, func, select
@@ -19,7 +17,7 @@ from loraplex.dispatch.recording_executor import RecordingExecutor
 from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
 from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.storage.db import database_unavailable, make_db_engine, migrate, session_factory, unit_of_work
+from loraplex.storage.db import database_unavailable, unit_of_work
 from loraplex.storage.models import Checkpoint, Usage
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 
@@ -76,15 +74,6 @@ def test_retry_database_gives_up_after_the_outage_window_and_never_retries_other
         retry_database(broken, "testing", WARN, clock=clock, sleep=clock.sleep)
     assert calls == [1]
     assert database_unavailable(_gone()) and not database_unavailable(IntegrityError("x", {}, Exception()))
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
-    migrate(url)
-    engine = make_db_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def _tenant_with_adapter(factory: sessionmaker[Session], model_id: str = "m") -> str:

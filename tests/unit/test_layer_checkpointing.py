@@ -23,8 +23,8 @@ def _engine(tiny_dir: Path, policy: CheckpointPolicy) -> Engine:
     return e
 
 
-def test_a_checkpointed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -> None:
-    plain, recomputed = (_engine(tiny_dir, CheckpointPolicy(m)) for m in ("never", "always"))
+def _count_checkpoints(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count torch.utils.checkpoint.checkpoint calls (still running them)."""
     calls = {"n": 0}
     real = torch.utils.checkpoint.checkpoint
 
@@ -33,6 +33,12 @@ def test_a_checkpointed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -
         return real(*a, **k)
 
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+    return calls
+
+
+def test_a_checkpointed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -> None:
+    plain, recomputed = (_engine(tiny_dir, CheckpointPolicy(m)) for m in ("never", "always"))
+    calls = _count_checkpoints(monkeypatch)
     g = torch.Generator().manual_seed(0)
     items = [(m, random_data(g, 2, 24), "cross_entropy", None, False) for m in "ab"]
     for _ in range(2):
@@ -56,14 +62,7 @@ def test_a_checkpointed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -
 
 def test_auto_checkpoints_only_microbatches_above_the_threshold(tiny_dir: Path, monkeypatch) -> None:
     e = _engine(tiny_dir, CheckpointPolicy("auto", above_tokens=40))
-    calls = {"n": 0}
-    real = torch.utils.checkpoint.checkpoint
-
-    def counted(*a, **k):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+    calls = _count_checkpoints(monkeypatch)
     g = torch.Generator().manual_seed(1)
     e.forward_backward([e.prepare("a", random_data(g, 1, 32), "cross_entropy", None, False)])
     assert calls["n"] == 0

@@ -3,14 +3,10 @@ and by tests/integration/test_storage_postgres.py, which runs them on PostgreSQL
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
-from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.repositories import TenantRepository
 
 # The tests shared with PostgreSQL (tests/integration/test_storage_postgres.py), run here on SQLite.
@@ -41,15 +37,6 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_usage_totals_are_per_tenant,
     test_wrong_key_is_rejected,
 )
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
-    migrate(url)
-    engine = make_db_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def test_owner_of_adapter_is_found_for_operator_tools(factory: sessionmaker[Session]) -> None:

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_of_work
 from loraplex.storage.repositories import AdapterRepository, TenantRepository, UsageRepository
@@ -18,15 +14,6 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_failed_repository_call_rolls_back_earlier_writes,
     test_success_commits_and_rows_stay_readable,
 )
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
-    migrate(url)
-    engine = make_db_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def _hammer(url: str, tenant_id: str, worker: int, steps: int) -> None:

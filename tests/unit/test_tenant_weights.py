@@ -4,7 +4,7 @@ database is away); and the executor's per-step timing that calibrates the cost m
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -12,17 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
 from loraplex.dispatch.tenant_weights import TenantWeights, sql_weights
-from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.repositories import TenantRepository, unit_of_work
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
-    migrate(url)
-    engine = make_db_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def test_weights_default_to_1_and_are_set_per_tenant(factory: sessionmaker[Session]) -> None:

@@ -1,0 +1,21 @@
+"""Fixtures the unit tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.storage.db import make_db_engine, migrate, session_factory
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """A migrated SQLite database in the test's folder: its session factory."""
+    url = f"sqlite:///{tmp_path / 'loraplex.db'}"
+    migrate(url)
+    engine = make_db_engine(url)
+    yield session_factory(engine)
+    engine.dispose()
