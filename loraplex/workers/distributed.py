@@ -164,6 +164,16 @@ def all_gather_varlen(local: torch.Tensor, sizes: Sequence[int]) -> list[torch.T
     return [t[:n] for t, n in zip(out, sizes, strict=True)]
 
 
+def lost_a_rank(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone (gloo reports a closed connection; NCCL mostly hangs instead,
+    which the pool's rank watcher catches). The executor lets it through instead of failing the
+    requests (executor.error_outcome), so that the pool ends without answering them (rank_loop.LeaderExecutor)."""
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or (
+        isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection closed by peer" in text)
+    )
+
+
 def broadcast_message(group: RankGroup, message: object = None) -> object:
     """The leader's `message` on every rank (pickled, over the gloo control group)."""
     box = [message if group.is_leader else None]

@@ -29,6 +29,7 @@ from loraplex.protocol import (
 )
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.batching import PreparedItem
+from loraplex.workers.distributed import lost_a_rank
 from loraplex.workers.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,11 @@ def _adam_params(request: PlannedRequest) -> dict[str, Any] | None:
 
 
 def error_outcome(request: PlannedRequest, exc: BaseException) -> Outcome:
-    """The Outcome of a request that failed with `exc` (typed errors as they are; anything else as an EngineError)."""
+    """The Outcome of a request that failed with `exc` (typed errors as they are; anything else as an EngineError).
+    A collective that failed because a rank is gone is raised again instead: the request was not at fault, and the
+    pool ends without answering it (workers/rank_loop.LeaderExecutor; the restarted pool replays it)."""
+    if lost_a_rank(exc):
+        raise exc
     if not isinstance(exc, LoraplexError):
         # A bug or a device failure: keep the worker alive, report it for the request(s) it hit, and log the trace.
         log.exception("request %s (%s) failed", request.request_id, request.kind, exc_info=exc)

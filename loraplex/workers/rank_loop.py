@@ -32,6 +32,7 @@ from loraplex.workers.distributed import (
     broadcast_message,
     destroy_rank_group,
     init_rank_group,
+    lost_a_rank,
 )
 from loraplex.workers.engine import Engine
 from loraplex.workers.executor import PlanExecutor
@@ -109,15 +110,6 @@ class LeaderExecutor:
         if not self.closed:
             self.closed = True
             broadcast_message(self.group, (STOP, None))
-
-
-def lost_a_rank(exc: BaseException) -> bool:
-    """A collective failed because another rank is gone (gloo reports a closed connection; NCCL mostly hangs instead,
-    which the pool's rank watcher catches)."""
-    text = str(exc)
-    return isinstance(exc, torch.distributed.DistError) or (
-        isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection closed by peer" in text)
-    )
 
 
 def leave_without_answering(exc: BaseException) -> None:

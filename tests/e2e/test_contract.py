@@ -163,7 +163,9 @@ def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered
     assert done["small"] < done["big"]
     time.sleep(0.5)
     ran = stats.read(pool_stats, stack.settings.pool).minus(before)
-    assert (ran.plans, ran.fb_steps, ran.fb_tokens) == (3, 3, 45003)  # three parts; the small step rides in one of them
+    # Three parts, one plan each; the small step rides in one of those plans, in the part's step or in a step of its
+    # own beside it (the cost model's choice: sharing the part's last microbatch would take it through the grouped op).
+    assert (ran.plans, ran.fb_tokens) == (3, 45003) and ran.fb_steps in (3, 4)
     assert [len(o["logprobs"]) for o in results["big"]["loss_fn_outputs"]] == [3000] * 15
     assert math.isfinite(results["big"]["metrics"]["loss:sum"]) and results["big"]["metrics"]["loss:sum"] > 0
     assert big.info()["applied_seq_id"] == 2  # applied once, as one step
