@@ -421,6 +421,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--elementwise", default="off",
+                   help="comma list: on (Triton RMSNorm / MLP activation on CUDA), off (HF's eager modules, the default)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
@@ -479,7 +481,8 @@ def main() -> None:
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op
-    for op_name in args.ops.split(","):
+    for op_name, fused_elementwise in ((o, e) for e in args.elementwise.split(",") for o in args.ops.split(",")):
+        engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)
         # auto: the engine's default (the fused per-microbatch path); a named op: that op per layer, unfused.
         op = default_op if op_name == "auto" else lora_ops()[op_name]
         engine.fused_lora = op_name == "auto"
@@ -492,12 +495,12 @@ def main() -> None:
             single = bench_engine_workload(engine, ids, per_adapter, args, concurrent=False)
             mixed = bench_engine_workload(engine, ids, per_adapter, args, concurrent=True)
             per_op[workload] = {"single": single, "concurrent": mixed, "ratio": mixed["tok_s"] / single["tok_s"]}
-            print(op_name, workload, per_op[workload], flush=True)
+            print(op_name, f"elementwise {fused_elementwise}", workload, per_op[workload], flush=True)
         lone = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
         per_op["lone_1x512"] = lone
         per_op["one_adapter_8x512"] = bench_engine_workload(engine, ids[:1], args.saturated_seqs, args, concurrent=True)
-        print(op_name, "lone", lone, flush=True)
-        results[f"engine_{op_name}"] = per_op
+        print(op_name, f"elementwise {fused_elementwise}", "lone", lone, per_op["one_adapter_8x512"], flush=True)
+        results[f"engine_{op_name}" + ("" if fused_elementwise == "off" else "_triton_elementwise")] = per_op
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ from loraplex.workers.distributed import (
     shard_base_model,
     split_rows,
 )
+from loraplex.workers.fused_elementwise import active as fused_elementwise_active
+from loraplex.workers.fused_elementwise import available as fused_elementwise_available
+from loraplex.workers.fused_elementwise import install as install_fused_elementwise
 from loraplex.workers.layer_checkpointing import CheckpointPolicy, wrap_layers
 from loraplex.workers.layer_checkpointing import checkpointing as checkpointing_layers
 from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
@@ -99,14 +103,18 @@ class Engine:
         dist: RankGroup | None = None,
         checkpointing: CheckpointPolicy | None = None,
         packed: bool = True,
+        fused_elementwise: bool | None = None,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
         else through the reference loop. checkpointing: when a microbatch's decoder layers keep only their inputs and
         recompute in the backward (workers/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
-        microbatches (see the module doc; False: padded ones). fused_lora and packed may be flipped between calls (with
-        several ranks, on every rank alike). The model's sdpa attention is replaced by the packed one
+        microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
+        as Triton kernels in training microbatches (workers/fused_elementwise.py, where triton and CUDA are; default
+        off until measured).
+        fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
+        alike). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
         user of the model)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
@@ -146,6 +154,11 @@ class Engine:
         self._free = list(range(num_slots))
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
+        # Installed (inactive) unless refused, so the flag can be turned on later; active only when asked.
+        fusable = fused_elementwise is not False and self.device.type == "cuda" and fused_elementwise_available()
+        self.fused_modules = install_fused_elementwise(model) if fusable else 0
+        # Off unless asked for: not measured on the H200 yet (issue 14; bench_engine.py --elementwise on,off).
+        self.fused_elementwise = bool(fused_elementwise) and bool(self.fused_modules)
         self.trunk = Trunk(self.body, self.head)
         self.checkpointing = checkpointing or CheckpointPolicy()
         wrap_layers(self.body.layers)
@@ -524,7 +537,8 @@ class Engine:
         banks = self._gather_banks(routing, trainable)
         # The rows every layer runs: real tokens when packed, count x longest when padded.
         recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
-        with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute:
+        fused = fused_elementwise_active() if self.fused_elementwise and self.fused_modules else nullcontext()
+        with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute, fused:
             lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length)
             total: torch.Tensor | None = None
             start = 0

@@ -1,6 +1,7 @@
 """The fused per-microbatch LoRA path on CUDA in bf16 against the fp32 plain-torch reference: one layer at real Qwen3-4B
 shapes (grouped_mm reading strided views of the gathered bank buffer in place, and the single-group matmul path), and the
-whole engine in bf16.
+whole engine in bf16 (with the Triton norms and MLP activation of workers/fused_elementwise.py too, against the eager
+modules).
 
 Tolerances: per layer, the elementwise bound of `check_against_fp32_reference`, |fused_bf16 - reference_fp32| <=
 (8 u + 2 K u32) M (u = 2^-8, u32 = 2^-24, K the summed inner dimensions, M the same quantity from absolute values; M = 0
@@ -79,10 +80,11 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
             )
         return e
 
-    oracle = engine(torch.float32, lora_op=lora_delta_reference)
-    ref_bf16 = engine(torch.bfloat16, lora_op=lora_delta_reference)
-    fused_bf16 = engine(torch.bfloat16)
+    oracle = engine(torch.float32, lora_op=lora_delta_reference, fused_elementwise=False)
+    ref_bf16 = engine(torch.bfloat16, lora_op=lora_delta_reference, fused_elementwise=False)
+    fused_bf16 = engine(torch.bfloat16, fused_elementwise=True)  # every fast path: fused LoRA, the Triton kernels
     assert fused_bf16.fused_lora and fused_bf16.compute_dtype == torch.bfloat16
+    assert fused_bf16.fused_elementwise and fused_bf16.fused_modules > 0
     g = torch.Generator().manual_seed(0)
 
     mixed = [(m, random_data(g, 2, 64), "cross_entropy", None, False) for m in "abcd"]

@@ -1,0 +1,130 @@
+"""Triton kernels for the frozen base model's RMSNorm and the gated MLP's silu(gate) * up (issue 14, item 3; CUDA only).
+
+HF's RMSNorm is about seven kernels forward (cast to fp32, square, mean, add eps, rsqrt, multiply, cast back, weight)
+and more backward, each reading and writing the whole activation in fp32; the MLP's activation is two more. Here each
+is one kernel forward and one backward with the same maths: fp32 statistics, the normalised value cast back to the
+input dtype before the weight multiplies it, as HF's. The base weights are frozen, so no weight gradient is computed
+(the kernels refuse a weight that requires grad). The plain-torch reference is HF's eager module itself
+(tests/gpu/test_triton_elementwise_cuda.py).
+
+Imported only where triton is (the GPU image): workers/fused_elementwise.py decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):  # noqa: N803
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    h = (x * rstd).to(w.dtype)
+    tl.store(y_ptr + row * n_cols + cols, w * h, mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr):  # noqa: N803
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # d(w * h)/dh in the dtype the forward multiplied in, then through the cast back to fp32 (an identity there)
+    g = (tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0) * w).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    xhat = x * rstd
+    dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
+    tl.store(dx_ptr + row * n_cols + cols, dx.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        rows, cols = x2.shape
+        y = torch.empty(rows, cols, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+        rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+        block = triton.next_power_of_2(cols)
+        _rms_fwd[(rows,)](x2, weight, y, rstd, cols, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape, ctx.block = shape, block
+        return y.view(*shape[:-1], cols)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        x2, weight, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        dy2 = dy.reshape(rows, cols).contiguous()
+        dx = torch.empty_like(x2)
+        block = ctx.block
+        _rms_bwd[(rows,)](dy2, x2, weight, rstd, dx, cols, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        return dx.view(ctx.shape), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of x [..., D] with a frozen weight [D], in one kernel each way."""
+    if weight.requires_grad:
+        raise ValueError("the Triton RMSNorm computes no weight gradient: the weight must be frozen")
+    return _RMSNorm.apply(x, weight, eps)
+
+
+@triton.jit
+def _silu_mul_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    silu = (g * tl.sigmoid(g)).to(u.dtype)  # as F.silu in the input dtype, then the product in it
+    tl.store(y_ptr + offs, silu * u, mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    sig = tl.sigmoid(g)
+    silu = (g * sig).to(u.dtype)
+    tl.store(du_ptr + offs, dy * silu, mask=mask)
+    dsilu = (dy * u).to(tl.float32)
+    tl.store(dg_ptr + offs, (dsilu * sig * (1.0 + g * (1.0 - sig))).to(u.dtype), mask=mask)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g, u = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(u)
+        n = u.numel()
+        _silu_mul_fwd[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024)
+        ctx.save_for_backward(g, u)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = ctx.saved_tensors
+        dy = dy.contiguous()
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        n = u.numel()
+        _silu_mul_bwd[(triton.cdiv(n, 1024),)](dy, g, u, dg, du, n, BLOCK=1024)
+        return dg, du
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up (same shapes and dtype), one kernel each way."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError("gate and up must have the same shape and dtype")
+    return _SiluMul.apply(gate, up)
