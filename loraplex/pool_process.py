@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -455,18 +456,28 @@ def _dispatcher_when_redis_answers(build: Callable[[], T], stop: threading.Event
     return None
 
 
-def preflight(settings: Settings) -> None:
+def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
     """What the pool needs before it loads a model: a Redis to read, and a database at this build's schema (brought
     there now: migrations are idempotent and serialised, so a fresh database just works). Exits naming what is
-    missing."""
+    missing. A database that does not answer yet is waited for (up to 10 minutes, as the pool's records do), not
+    exited on: a pool restarted during an outage serves as soon as it is back (`stop` ends the wait)."""
+    from loraplex.dispatch.pipeline import retry_database
+    from loraplex.logutil import RateLimitedLog
     from loraplex.storage.db import migrate
+
+    def wait(seconds: float) -> None:
+        if stop is not None and stop.wait(seconds):
+            raise SystemExit(0)  # stopped while the database was away
+        if stop is None:
+            time.sleep(seconds)
 
     if not settings.redis_url:
         sys.exit(
             "loraplex worker: LORAPLEX_REDIS_URL is not set: point it at the Redis the gateway uses "
             "(e.g. redis://127.0.0.1:6379/0), or run everything with `loraplex serve --embedded`"
         )
-    migrate(settings.resolved_database_url)
+    retry_database(lambda: migrate(settings.resolved_database_url), "migrating the database before the pool starts",
+                   RateLimitedLog(log, every_s=10.0), sleep=wait)  # fmt: skip
 
 
 def main() -> None:
@@ -479,7 +490,7 @@ def main() -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 talks to Redis and SQL
         from loraplex.leadership import acquire_leadership
 
-        preflight(settings)
+        preflight(settings, stop)
         lease = acquire_leadership(settings, stop)  # waits while another pool process leads this pool
         if lease is None:
             return  # stopped while waiting

@@ -200,3 +200,33 @@ def test_postgres_crashed_three_times_under_load_loses_and_repeats_nothing(
             sent = sum(len(d["model_input"]) for k in range(p.steps) for d in p.batch(k))
             assert tuple(session.execute(usage).one()) == (p.steps, sent)  # each step's usage recorded once
         assert PoolRepository(session).applied_seq_id(saver.model_id) == 2  # the two saves
+
+
+def test_a_pool_restarted_while_the_database_is_down_waits_for_it(stack: Stack, postgres: PostgresServer) -> None:
+    """The pool SIGKILLed while PostgreSQL is down: its successor cannot migrate yet, and waits (pool_process.preflight)
+    instead of exiting into the supervisor's growing backoff; once the database is back it serves a new tenant."""
+    from loraplex.client import Datum
+
+    pool = stack.child("pool")
+    restarts = pool.restarts
+    _crash(postgres)
+    try:
+        old = pool.pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        _wait(lambda: pool.pid not in (None, old))
+        new = pool.pid
+        time.sleep(3.0)  # the supervisor's backoff is 0.2 s here: an exiting successor would be replaced by now
+        assert pool.pid == new and new is not None and running(new) and pool.restarts == restarts + 1
+    finally:
+        postgres.start()
+    stack.wait_pool_ready(120)
+    client = tenant_clients(stack, "pg-restarted-pool")["pg-restarted-pool"]
+    try:
+        trainer = client.create_lora_training_client(rank=4, seed=5)
+        assert trainer.forward_backward([Datum.for_next_token([5, 6, 7, 8, 9])]).result(timeout=120)["metrics"]
+    finally:
+        client.close()
+    assert pool.pid == new
+    log = (stack.log_dir / "pool.log").read_text()
+    assert "database unavailable while migrating the database before the pool starts" in log
