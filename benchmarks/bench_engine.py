@@ -477,12 +477,13 @@ def main() -> None:
     results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
     print("frozen base", results["frozen_base"], flush=True)
     engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
-                    device=args.device, microbatch_tokens=args.cap)  # fmt: skip
+                    device=args.device, microbatch_tokens=args.cap,
+                    fused_elementwise="on" in args.elementwise.split(","))  # fmt: skip
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op
     for op_name, fused_elementwise in ((o, e) for e in args.elementwise.split(",") for o in args.ops.split(",")):
-        engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)
+        engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)  # installed when asked
         # auto: the engine's default (the fused per-microbatch path); a named op: that op per layer, unfused.
         op = default_op if op_name == "auto" else lora_ops()[op_name]
         engine.fused_lora = op_name == "auto"

@@ -152,8 +152,6 @@ def store_spec(settings: Settings) -> AdapterStoreSpec:
 def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:
     """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
     rank 0, so it makes the same swaps."""
-    import signal
-
     from loraplex.supervisor import die_with_parent
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import build_engine, follow
@@ -466,10 +464,10 @@ def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
     from loraplex.storage.db import migrate
 
     def wait(seconds: float) -> None:
-        if stop is not None and stop.wait(seconds):
-            raise SystemExit(0)  # stopped while the database was away
         if stop is None:
             time.sleep(seconds)
+        elif stop.wait(seconds):
+            raise SystemExit(0)  # stopped while the database was away
 
     if not settings.redis_url:
         sys.exit(

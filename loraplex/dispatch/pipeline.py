@@ -45,17 +45,13 @@ def lost_group(exc: redis_lib.ResponseError) -> bool:
 
 def retry_redis(call: Callable[[], object], what: str, warn: RateLimitedLog, outage_s: float = REDIS_OUTAGE_S) -> None:
     """`call()`, retried with backoff while Redis is unreachable, for up to `outage_s` seconds; then it raises."""
-    deadline = time.monotonic() + outage_s
-    backoff = Backoff()
-    while True:
-        try:
-            call()
-            return
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-            if time.monotonic() >= deadline:
-                raise
-            warn.warning("redis unavailable while %s (%s); retrying", what, exc)
-            time.sleep(backoff.next())
+
+    def unreachable(exc: Exception) -> str | None:
+        if isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError)):
+            return f"redis unavailable while {what} ({exc}); retrying"
+        return None
+
+    _retry(call, unreachable, warn, outage_s, Backoff())
 
 
 def retry_database(
@@ -65,22 +61,42 @@ def retry_database(
     """`call()` (one whole transaction: it is run again from its start), retried with backoff while the database is
     unreachable (storage/db.database_unavailable: a server stopped, crashed or restarting), for up to `outage_s`
     seconds; then that error is raised. Any other error is raised at once."""
+
+    def unreachable(exc: Exception) -> str | None:
+        if not database_unavailable(exc):
+            return None
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"database unavailable while {what} ({type(exc).__name__}: {first_line}); retrying"
+
+    def back(seconds: float) -> None:
+        log.info("database available again: %s done after %.1f s", what, seconds)
+
+    return _retry(call, unreachable, warn, outage_s, Backoff(cap_s=1.0), clock, sleep, back)
+
+
+def _retry(
+    call: Callable[[], T], unreachable: Callable[[Exception], str | None], warn: RateLimitedLog, outage_s: float,
+    backoff: Backoff, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    back: Callable[[float], None] | None = None,
+) -> T:  # fmt: skip
+    """`call()`, again after a backoff while `unreachable(exc)` names the outage (its warning), for up to `outage_s`;
+    any other error, or the outage outlasting that, is raised. `back(seconds)` is told when a call succeeds after
+    an outage."""
     deadline = clock() + outage_s
-    backoff = Backoff(cap_s=1.0)
     failed_at: float | None = None
     while True:
         try:
             value = call()
         except Exception as exc:
-            if not database_unavailable(exc) or clock() >= deadline:
+            message = unreachable(exc)
+            if message is None or clock() >= deadline:
                 raise
             failed_at = clock() if failed_at is None else failed_at
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            warn.warning("database unavailable while %s (%s: %s); retrying", what, type(exc).__name__, first_line)
+            warn.warning("%s", message)
             sleep(backoff.next())
             continue
-        if failed_at is not None:
-            log.info("database available again: %s done after %.1f s", what, clock() - failed_at)
+        if failed_at is not None and back is not None:
+            back(clock() - failed_at)
         return value
 
 

@@ -112,7 +112,7 @@ class Engine:
         recompute in the backward (workers/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
         microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
         as Triton kernels in training microbatches (workers/fused_elementwise.py, where triton and CUDA are; default
-        off until measured).
+        off until measured; an engine built with it may turn the flag off and on again).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
         alike). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
@@ -154,11 +154,11 @@ class Engine:
         self._free = list(range(num_slots))
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
-        # Installed (inactive) unless refused, so the flag can be turned on later; active only when asked.
-        fusable = fused_elementwise is not False and self.device.type == "cuda" and fused_elementwise_available()
+        # Off unless asked for (not measured on the H200 yet: bench_engine.py --elementwise on,off); installed only
+        # then, so the default path's norms and MLPs run HF's forward with no dispatch in between.
+        fusable = bool(fused_elementwise) and self.device.type == "cuda" and fused_elementwise_available()
         self.fused_modules = install_fused_elementwise(model) if fusable else 0
-        # Off unless asked for: not measured on the H200 yet (issue 14; bench_engine.py --elementwise on,off).
-        self.fused_elementwise = bool(fused_elementwise) and bool(self.fused_modules)
+        self.fused_elementwise = bool(self.fused_modules)
         self.trunk = Trunk(self.body, self.head)
         self.checkpointing = checkpointing or CheckpointPolicy()
         wrap_layers(self.body.layers)
@@ -530,7 +530,7 @@ class Engine:
                 tokens[b, : d.length] = d.tokens
             real_rows = torch.cat([torch.arange(d.length) + b * seq_len for b, d in enumerate(datums)])
             tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
-            positions = torch.arange(seq_len, device=self.device).expand(batch, seq_len)
+            positions = None  # 0..seq_len-1 in every row: the body's default
             routing = self._routing(items, mb, seq_len)
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
@@ -576,8 +576,8 @@ class Engine:
         banks = self._gather_banks(routing, trainable)
         with self.context.use(routing, banks), torch.set_grad_enabled(trainable):
             lp = self.trunk(
-                one, zero.view(1, 1), None if self.packed else zero, one.view(1), self.loss_chunk_tokens,
-                cu_seqlens, 1 if self.packed else None,
+                one, zero.view(1, 1) if self.packed else None, None if self.packed else zero, one.view(1),
+                self.loss_chunk_tokens, cu_seqlens, 1 if self.packed else None,
             )  # fmt: skip
             if trainable:
                 (lp.sum() * 0.0).backward()

@@ -97,13 +97,10 @@ class LeaderExecutor:
         """Every rank's store takes this adapter's state (AdapterStore.adopt), so the ranks stay replicas."""
         if self.closed:
             raise RuntimeError("the pool's ranks were stopped")
-        broadcast_message(self.group, (ADOPT, snapshot))
-        self._store().adopt(snapshot)
-
-    def _store(self) -> Any:
         if self.executor.store is None:
             raise RuntimeError("this pool's executor has no adapter store")
-        return self.executor.store
+        broadcast_message(self.group, (ADOPT, snapshot))
+        self.executor.store.adopt(snapshot)
 
     def close(self) -> None:
         """Tell the other ranks to leave `follow` (once)."""
@@ -130,8 +127,7 @@ def follow(executor: PlanExecutor, group: RankGroup) -> int:
             return executed
         if kind == ADOPT:
             try:
-                assert executor.store is not None
-                executor.store.adopt(plan)
+                executor.store.adopt(plan)  # type: ignore[union-attr]  # a follower's executor has its store
             except Exception:  # rank 0's store refuses it alike and its recovery reports it
                 log.exception("rank %d: could not adopt a snapshot", group.rank)
             continue

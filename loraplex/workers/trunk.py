@@ -29,15 +29,17 @@ class Trunk(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         real_rows: torch.Tensor | None,
         targets: torch.Tensor,
         chunk_tokens: int,
         cu_seqlens: torch.Tensor | None = None,
         max_length: int | None = None,
     ) -> torch.Tensor:
-        """tokens, positions: int64 [B, T] (padded: 0..T-1 in every row); real_rows: int64 [N] indices into the flattened [B*T] rows (None: all of
-        them); targets: int64 [N] -> fp32 [N] target logprobs of the real rows.
+        """tokens: int64 [B, T]; positions: int64 [B, T], or None for 0..T-1 in every row (padded rows: the body's default;
+        handing them over would make transformers look for packed sequences in them, a device-to-host sync in every
+        microbatch); real_rows: int64 [N] indices into the flattened [B*T] rows (None: all of them); targets: int64
+        [N] -> fp32 [N] target logprobs of the real rows.
 
         Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
         (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention)."""
@@ -46,10 +48,7 @@ class Trunk(nn.Module):
             if max_length is None:
                 raise ValueError("a packed forward needs max_length with cu_seqlens")
             extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length)
-        # Padded rows sit at positions 0..T-1, the body's default: passing them would make transformers look for
-        # packed sequences in them, a device-to-host sync in every microbatch.
-        position_ids = positions if cu_seqlens is not None else None
-        hidden = self.body(input_ids=tokens, position_ids=position_ids, use_cache=False, **extra).last_hidden_state
+        hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if real_rows is not None:
             hidden = hidden.index_select(0, real_rows)
