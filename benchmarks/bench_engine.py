@@ -421,8 +421,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
-    p.add_argument("--elementwise", default="off",
-                   help="comma list: on (Triton RMSNorm / MLP activation on CUDA), off (HF's eager modules, the default)")  # fmt: skip
+    p.add_argument("--elementwise", default="on",
+                   help="comma list: on (Triton RMSNorm / RoPE / MLP activation on CUDA, the engine's default), off (HF's eager modules)")  # fmt: skip
+    p.add_argument("--graphs", default="on",
+                   help="comma list: on (the body of training microbatches as CUDA graphs, the engine's default), off (eager)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
@@ -478,12 +480,14 @@ def main() -> None:
     print("frozen base", results["frozen_base"], flush=True)
     engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                     device=args.device, microbatch_tokens=args.cap,
-                    fused_elementwise="on" in args.elementwise.split(","))  # fmt: skip
+                    fused_elementwise="on" in args.elementwise.split(","), cuda_graphs="on" in args.graphs.split(","))  # fmt: skip
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op
-    for op_name, fused_elementwise in ((o, e) for e in args.elementwise.split(",") for o in args.ops.split(",")):
+    variants = [(o, e, g) for g in args.graphs.split(",") for e in args.elementwise.split(",") for o in args.ops.split(",")]
+    for op_name, fused_elementwise, graphs in variants:
         engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)  # installed when asked
+        engine.cuda_graphs = graphs == "on" and engine.graphs is not None
         # auto: the engine's default (the fused per-microbatch path); a named op: that op per layer, unfused.
         op = default_op if op_name == "auto" else lora_ops()[op_name]
         engine.fused_lora = op_name == "auto"
@@ -496,12 +500,19 @@ def main() -> None:
             single = bench_engine_workload(engine, ids, per_adapter, args, concurrent=False)
             mixed = bench_engine_workload(engine, ids, per_adapter, args, concurrent=True)
             per_op[workload] = {"single": single, "concurrent": mixed, "ratio": mixed["tok_s"] / single["tok_s"]}
-            print(op_name, f"elementwise {fused_elementwise}", workload, per_op[workload], flush=True)
-        lone = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
-        per_op["lone_1x512"] = lone
+        per_op["lone_1x512"] = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
         per_op["one_adapter_8x512"] = bench_engine_workload(engine, ids[:1], args.saturated_seqs, args, concurrent=True)
-        print(op_name, f"elementwise {fused_elementwise}", "lone", lone, per_op["one_adapter_8x512"], flush=True)
-        results[f"engine_{op_name}" + ("" if fused_elementwise == "off" else "_triton_elementwise")] = per_op
+        if engine.graphs is not None:
+            per_op["graphs"] = {"captures": engine.graphs.captures, "replays": engine.graphs.replays}
+        u, sat = per_op["underfilled"], per_op["saturated"]
+        print(f"{op_name} elementwise {fused_elementwise} graphs {graphs}: underfilled {u['concurrent']['tok_s']:,.0f} / "
+              f"{u['single']['tok_s']:,.0f} tok/s ({u['ratio']:.3f}x), saturated {sat['concurrent']['tok_s']:,.0f} / "
+              f"{sat['single']['tok_s']:,.0f} ({sat['ratio']:.3f}x), lone 1x512 {1e3 * per_op['lone_1x512']['step_s']:.1f} ms, "
+              f"one adapter 8x512 {per_op['one_adapter_8x512']['tok_s']:,.0f} tok/s, peak "
+              f"{max(v['peak_gb'] for w in (u, sat) for v in (w['single'], w['concurrent'])):.1f} GB, "
+              f"{per_op.get('graphs')}", flush=True)  # fmt: skip
+        suffix = ("" if fused_elementwise == "off" else "_triton_elementwise") + ("" if graphs == "off" else "_graphs")
+        results[f"engine_{op_name}" + suffix] = per_op
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

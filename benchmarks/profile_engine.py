@@ -27,10 +27,12 @@ def main() -> None:
     p.add_argument("--rows", default="1,8", help="sequences per profiled step")
     p.add_argument("--out", default=None, help="folder for the tables")
     p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
+    p.add_argument("--elementwise", action="store_true", help="the Triton norms and activation (Engine(fused_elementwise=True))")
+    p.add_argument("--graphs", action="store_true", help="the body as CUDA graphs (Engine(cuda_graphs=True))")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
     engine = Engine(model, num_slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
-                    fused_lora=not args.unfused)  # fmt: skip
+                    fused_lora=not args.unfused, fused_elementwise=args.elementwise, cuda_graphs=args.graphs)  # fmt: skip
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     adam = {"learning_rate": 1e-5}
     for n in (int(r) for r in args.rows.split(",")):

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
 from loraplex.workers.batching import PreparedItem, SeqRef, layout, packed_layout, prepare_item, split_microbatches
+from loraplex.workers.body_graphs import BodyGraph, BodyGraphs, PaddedMicrobatch, pad_microbatch
 from loraplex.workers.distributed import (
     RankGroup,
     all_gather_varlen,
@@ -37,7 +38,7 @@ from loraplex.workers.fused_elementwise import available as fused_elementwise_av
 from loraplex.workers.fused_elementwise import install as install_fused_elementwise
 from loraplex.workers.layer_checkpointing import CheckpointPolicy, wrap_layers
 from loraplex.workers.layer_checkpointing import checkpointing as checkpointing_layers
-from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
+from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS, target_logprobs
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
     BankLayout,
@@ -104,6 +105,7 @@ class Engine:
         checkpointing: CheckpointPolicy | None = None,
         packed: bool = True,
         fused_elementwise: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -111,8 +113,10 @@ class Engine:
         else through the reference loop. checkpointing: when a microbatch's decoder layers keep only their inputs and
         recompute in the backward (workers/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
         microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
-        as Triton kernels in training microbatches (workers/fused_elementwise.py, where triton and CUDA are; default
-        off until measured; an engine built with it may turn the flag off and on again).
+        as Triton kernels in training microbatches (workers/fused_elementwise.py; default: where triton and CUDA are;
+        False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
+        decoder body replayed as CUDA graphs (workers/body_graphs.py; default: on one CUDA rank on the fused grouped
+        LoRA path; may be flipped between calls).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
         alike). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
@@ -154,13 +158,28 @@ class Engine:
         self._free = list(range(num_slots))
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
         check_only_lora_trainable(model)
-        # Off unless asked for (not measured on the H200 yet: bench_engine.py --elementwise on,off); installed only
-        # then, so the default path's norms and MLPs run HF's forward with no dispatch in between.
-        fusable = bool(fused_elementwise) and self.device.type == "cuda" and fused_elementwise_available()
+        # On by default where triton and CUDA are (measured on the H200: benchmarks/RESULTS.md, session 8).
+        fusable = (fused_elementwise is None or fused_elementwise) and self.device.type == "cuda"
+        fusable = fusable and fused_elementwise_available()
         self.fused_modules = install_fused_elementwise(model) if fusable else 0
         self.fused_elementwise = bool(self.fused_modules)
         self.trunk = Trunk(self.body, self.head)
         self.checkpointing = checkpointing or CheckpointPolicy()
+        graphable = self.device.type == "cuda" and dist is None and self._fused_grouped
+        self.graphs = (
+            BodyGraphs(
+                self.trunk.hidden,
+                self.context,
+                self.optimizer.data.shape[1],
+                self.compute_dtype,
+                max_rank,
+                self.device,
+                self._elementwise,
+            )  # fmt: skip
+            if graphable
+            else None
+        )
+        self.cuda_graphs = cuda_graphs is not False and self.graphs is not None
         wrap_layers(self.body.layers)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
         if self.dist is not None:
@@ -510,17 +529,23 @@ class Engine:
         cu_seqlens: torch.Tensor | None = None
         max_length: int | None = None
         real_rows: torch.Tensor | None = None
+        if trainable is None:
+            trainable = any(not items[s.item].forward_only for s in mb)
+        graphed: tuple[BodyGraph, PaddedMicrobatch] | None = None
+        banks: MicrobatchBanks | None
         if self.packed:
             # One row of real tokens, sequences back to back: the packed attention keeps each sequence to itself and
             # RoPE restarts per sequence, so every token sees exactly what it sees alone (or padded).
             packed = packed_layout([d.length for d in datums])
             tokens = torch.cat([d.tokens for d in datums]).view(1, -1)
             positions = packed.positions.view(1, -1)
-            tokens, positions, cu_seqlens = (
-                t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
-            )
-            max_length = packed.max_length
             routing = self._routing(items, mb, None)
+            graphed = self._body_graph([d.length for d in datums], routing, trainable)
+            if graphed is None:
+                tokens, positions, cu_seqlens = (
+                    t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
+                )
+                max_length = packed.max_length
         else:
             batch, seq_len = len(mb), max(s.length for s in mb)
             # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs
@@ -532,14 +557,15 @@ class Engine:
             tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
             positions = None  # 0..seq_len-1 in every row: the body's default
             routing = self._routing(items, mb, seq_len)
-        if trainable is None:
-            trainable = any(not items[s.item].forward_only for s in mb)
-        banks = self._gather_banks(routing, trainable)
-        # The rows every layer runs: real tokens when packed, count x longest when padded.
-        recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
-        fused = fused_elementwise_active() if self.fused_elementwise and self.fused_modules else nullcontext()
-        with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute, fused:
-            lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length)
+        if graphed is not None:
+            lp, routing, banks = self._replay_body(*graphed, tokens.view(-1), packed.positions, targets)
+        else:
+            banks = self._gather_banks(routing, trainable)
+            # The rows every layer runs: real tokens when packed, count x longest when padded.
+            recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
+            with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute, self._elementwise():
+                lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length)
+        with torch.set_grad_enabled(trainable):
             total: torch.Tensor | None = None
             start = 0
             for item_index, run in _runs_by_item(mb):
@@ -563,6 +589,48 @@ class Engine:
         self._fold_grads(routing, banks)
         self._after_forward(trainable)
         return lp.detach()
+
+    def _replay_body(
+        self, graph: BodyGraph, padded: PaddedMicrobatch, tokens: torch.Tensor, positions: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[torch.Tensor, Routing, MicrobatchBanks]:  # fmt: skip
+        """A packed microbatch's body replayed as CUDA graphs (workers/body_graphs.py): its tokens and positions (host
+        int64 [N]) go into the graph's static inputs, padded to its bucket; the LM head runs eagerly on the real rows.
+        Returns the target logprobs, the padded routing and the graph's banks (their gradients fold as eager ones)."""
+        pad = padded.pad_tokens
+        routing = graph.load(
+            torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.int64)]),
+            torch.cat([positions, torch.arange(pad)]), padded, self.optimizer.data,
+        )  # fmt: skip
+        hidden = graph.run()[: routing.num_rows - pad]
+        return (
+            target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, self.loss_chunk_tokens),
+            routing,
+            graph.banks,
+        )
+
+    def _elementwise(self) -> AbstractContextManager[None]:
+        """The fused norm / activation kernels on for a training microbatch where the engine has them and wants them."""
+        return fused_elementwise_active() if self._elementwise_on() else nullcontext()
+
+    def _body_graph(
+        self, lengths: Sequence[int], routing: Routing, trainable: bool
+    ) -> tuple[BodyGraph, PaddedMicrobatch] | None:
+        """The CUDA graph this packed microbatch replays on (capturing its bucket when due), or None: eager. Graphs
+        are for training microbatches of one rank, on the fused grouped LoRA path, without activation checkpointing."""
+        if self.graphs is None or not self.cuda_graphs or not trainable or not self.fused_lora:
+            return None
+        if self.checkpointing.wants(routing.num_rows):
+            return None
+        rows = [e - s for s, e in zip(routing.starts, routing.ends, strict=True)]
+        padded = pad_microbatch(lengths, routing.slots, routing.ranks, routing.scales, rows, self._elementwise_on())
+        if self.checkpointing.wants(padded.key.tokens):
+            return None
+        graph = self.graphs.graph(padded)
+        return None if graph is None else (graph, padded)
+
+    def _elementwise_on(self) -> bool:
+        return bool(self.fused_elementwise and self.fused_modules)
 
     # ---- several ranks (workers/distributed.py) ------------------------------------------------------------------------
     def _run_dummy_microbatch(self, trainable: bool) -> None:

@@ -16,10 +16,11 @@ engine leaves it off unless asked (`Engine(fused_elementwise=True)`; `bench_engi
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's apply_rotary_pos_emb for q, k [tokens, heads, D] and cos, sin [tokens, D] (plain torch, HF's own ops)."""
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
 @contextlib.contextmanager
 def active() -> Iterator[None]:
     """The fused forwards on for the calls inside (the engine's training microbatch)."""
@@ -55,7 +67,9 @@ def _on() -> bool:
 
 
 def is_rms_norm(m: nn.Module) -> bool:
-    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)
+    return (
+        type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)
+    )
 
 
 def is_silu_gated_mlp(m: nn.Module) -> bool:
@@ -73,17 +87,65 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def install(model: nn.Module, kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None) -> int:
+Kernels = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+
+
+def _rope_dispatch(eager: Callable[..., Any], fused: Callable[..., Any]) -> Callable[..., Any]:
+    """An apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) that runs `fused` while `active()` on HF's layout
+    (q, k [B, heads, T, D] views of [B, T, heads, D]; cos, sin [B or 1, T, D] covering the whole head dim), `eager` else."""
+
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        usable = (
+            _on()
+            and unsqueeze_dim == 1
+            and q.dim() == k.dim() == 4
+            and cos.dim() == sin.dim() == 3
+            and cos.shape[-1] == q.shape[-1]
+            and cos.shape[0] in (1, q.shape[0])
+            and cos.shape[1] == q.shape[2]
+        )
+        if not usable:
+            return cast(tuple[torch.Tensor, torch.Tensor], eager(q, k, cos, sin, *args, **kwargs))
+        b, _, t, d = q.shape
+        cos, sin = cos.expand(b, t, d).reshape(b * t, d), sin.expand(b, t, d).reshape(b * t, d)  # shared positions
+        qe, ke = fused(q.transpose(1, 2).reshape(b * t, -1, d), k.transpose(1, 2).reshape(b * t, -1, d), cos, sin)
+        return qe.view(b, t, -1, d).transpose(1, 2), ke.view(b, t, -1, d).transpose(1, 2)
+
+    apply_rotary_pos_emb.eager = eager  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def _install_rope(module: nn.Module, fused: Callable[..., Any]) -> bool:
+    """Point the modeling module of `module` (an attention class calling its module's apply_rotary_pos_emb) at the
+    dispatching version (wrapping the module's own function again when installed before: the latest kernels win).
+    Returns whether the module's attention will use it."""
+    modeling = sys.modules.get(type(module).__module__)
+    current = getattr(modeling, "apply_rotary_pos_emb", None)
+    if modeling is None or not callable(current):
+        return False
+    eager = getattr(current, "eager", current)
+    modeling.apply_rotary_pos_emb = _rope_dispatch(eager, fused)  # type: ignore[attr-defined]
+    return True
+
+
+def install(model: nn.Module, kernels: Kernels | None = None) -> int:
     """Give every RMSNorm (frozen weight) and silu-gated MLP of `model` a forward that runs the fused kernel while
-    `active()`, the module's own forward otherwise. kernels: (rms_norm, silu_mul) to use (default the Triton ones;
-    tests pass this module's plain-torch ones to check the dispatch on CPU). Returns the number of modules changed."""
+    `active()`, the module's own forward otherwise, and point the rotary embedding of its attention's modeling module
+    at a dispatching version (the eager function outside `active()`, and for every call of another model's).
+    kernels: (rms_norm, silu_mul, rope) to use (default the Triton ones; tests pass this module's plain-torch ones to
+    check the dispatch on CPU). Returns the number of modules changed."""
     if kernels is None:
         from loraplex.workers import triton_elementwise
 
-        kernels = (triton_elementwise.rms_norm, triton_elementwise.silu_mul)
-    norm, gated = kernels
+        kernels = (triton_elementwise.rms_norm, triton_elementwise.silu_mul, triton_elementwise.rope)
+    norm, gated, rotary = kernels
     changed = 0
     for m in model.modules():
+        if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and _install_rope(m, rotary):
+            changed += 1
+            continue
         eager = m.forward
         if is_rms_norm(m) and not m.weight.requires_grad:
 

@@ -128,3 +128,79 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same shape and dtype")
     return _SiluMul.apply(gate, up)
+
+
+@triton.jit
+def _rope_fwd(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):  # noqa: N803
+    # one token's heads: y = x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as HF's
+    # three elementwise ops round them
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < heads)[:, None]
+    partner = (d + half) % HEAD_DIM
+    row = x_ptr + t * heads * HEAD_DIM + h[:, None] * HEAD_DIM
+    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    rot = tl.where((d < half)[None, :], -xp, xp)
+    c = tl.load(cos_ptr + t * HEAD_DIM + d).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * HEAD_DIM + d).to(tl.float32)[None, :]
+    dt = x.dtype
+    y = (x.to(tl.float32) * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
+    tl.store(y_ptr + t * heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], y.to(dt), mask=mask)
+
+
+@triton.jit
+def _rope_bwd(dy_ptr, cos_ptr, sin_ptr, dx_ptr, heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):  # noqa: N803
+    # dx = dy * cos + rotate_half^T(dy * sin): rotate_half^T(u)[j] = u[j + half] below half, -u[j - half] above
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < heads)[:, None]
+    partner = (d + half) % HEAD_DIM
+    row = dy_ptr + t * heads * HEAD_DIM + h[:, None] * HEAD_DIM
+    g = tl.load(row + d[None, :], mask=mask, other=0.0)
+    gp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * HEAD_DIM + d).to(tl.float32)[None, :]
+    sp = tl.load(sin_ptr + t * HEAD_DIM + partner).to(tl.float32)[None, :]
+    dt = g.dtype
+    up = (gp * sp).to(dt).to(tl.float32)
+    rot = tl.where((d < half)[None, :], up, -up)
+    dx = (g.to(tl.float32) * c).to(dt).to(tl.float32) + rot
+    tl.store(dx_ptr + t * heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], dx.to(dt), mask=mask)
+
+
+def _rope_launch(kernel: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D] contiguous, cos/sin [tokens, D] contiguous -> a new [tokens, heads, D]."""
+    tokens, heads, dim = x.shape
+    y = torch.empty_like(x)
+    block_h = min(16, triton.next_power_of_2(heads))
+    kernel[(tokens, triton.cdiv(heads, block_h))](x, cos, sin, y, heads, HEAD_DIM=dim, BLOCK_H=block_h, num_warps=4)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(_rope_fwd, q, cos, sin), _rope_launch(_rope_fwd, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        out = [_rope_launch(_rope_bwd, g.contiguous(), cos, sin) if g is not None else None for g in (dq, dk)]
+        return out[0], out[1], None, None
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's apply_rotary_pos_emb for q [tokens, q_heads, D] and k [tokens, kv_heads, D] (contiguous, the heads of a
+    token side by side) with cos/sin [tokens, D] (no gradient), one kernel per tensor each way."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("the Triton rotary embedding computes no gradient for cos/sin")
+    if q.shape[-1] % 2 or q.shape[-1] & (q.shape[-1] - 1):
+        raise ValueError("the Triton rotary embedding needs a power-of-two head dim")
+    return _Rope.apply(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())

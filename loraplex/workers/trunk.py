@@ -43,13 +43,24 @@ class Trunk(nn.Module):
 
         Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
         (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention)."""
+        hidden = self.hidden(tokens, positions, cu_seqlens, max_length)
+        if real_rows is not None:
+            hidden = hidden.index_select(0, real_rows)
+        return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens)
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_length: int | None = None,
+    ) -> torch.Tensor:
+        """The body alone: the final norm's output [B*T, H] (arguments as `forward`'s). With one rank the engine's
+        CUDA graphs capture this (workers/body_graphs.py); under FSDP only `forward` runs (the root unit's hooks)."""
         extra: dict[str, Any] = {}
         if cu_seqlens is not None:
             if max_length is None:
                 raise ValueError("a packed forward needs max_length with cu_seqlens")
             extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length)
         hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        if real_rows is not None:
-            hidden = hidden.index_select(0, real_rows)
-        return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens)
+        return hidden.reshape(-1, hidden.shape[-1])

@@ -1,4 +1,4 @@
-"""The Triton RMSNorm and silu(gate) * up (workers/triton_elementwise.py, installed by workers/fused_elementwise.py) on
+"""The Triton RMSNorm, silu(gate) * up and rotary embedding (workers/triton_elementwise.py, installed by workers/fused_elementwise.py) on
 CUDA against HF's eager modules, at Qwen3-4B's shapes in bf16, forward and backward: each within 2x the eager module's
 own distance from an fp32 evaluation of the same maths (+ a bf16 ulp), so fusing adds no error beyond bf16 rounding."""
 
@@ -57,10 +57,38 @@ def test_triton_silu_mul_matches_eager_and_installs_on_a_model() -> None:
     config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
     model = Qwen3ForCausalLM(config).to(CUDA, torch.bfloat16).requires_grad_(False)
-    assert install(model) == 2 * 5 + 1  # per layer: 4 norms (input, post-attention, q, k) and the MLP; the final norm
+    assert install(model) == 2 * 6 + 1  # per layer: 4 norms (input, post-attention, q, k), the MLP, the attention's
+    # rotary embedding; the final norm
     ids = torch.randint(0, 512, (2, 48), device=CUDA, generator=g)
     with torch.no_grad():
         eager = model(ids).logits.float()
         with active():
             fused = model(ids).logits.float()
     assert (fused - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+
+
+@pytest.mark.parametrize("tokens", [4096, 37])
+def test_triton_rope_matches_hf_apply_rotary_pos_emb(tokens: int) -> None:
+    """Qwen3-4B's heads (32 q, 8 kv, head dim 128) in HF's layout, forward and backward, against an fp32 evaluation
+    as the other kernels (on the H200 a few elements differ from HF's eager ops by one bf16 ulp)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from loraplex.workers.fused_elementwise import _rope_dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q = torch.randn(1, tokens, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, tokens, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()
+    angles = 100 * torch.rand(1, tokens, 64, device=CUDA, generator=g)
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    with active():
+        got = _rope_dispatch(apply_rotary_pos_emb, triton_elementwise.rope)(q, k, cos, sin)
+    q32, k32 = (t.detach().float().requires_grad_() for t in (q, k))
+    exact = apply_rotary_pos_emb(q32, k32, cos.float(), sin.float())
+    dys = [torch.randn(w.shape, device=CUDA, dtype=torch.bfloat16, generator=g) for w in want]
+    grads_want = torch.autograd.grad(want, (q, k), dys)
+    grads_got = torch.autograd.grad(got, (q, k), dys)
+    grads_exact = torch.autograd.grad(exact, (q32, k32), [d.float() for d in dys])
+    for f, w, x in zip((*got, *grads_got), (*want, *grads_want), (*exact, *grads_exact), strict=True):
+        assert f.stride() == w.stride()
+        _close(f, w, x.detach())

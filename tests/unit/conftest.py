@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.storage.db import make_db_engine, migrate, session_factory
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 
 @pytest.fixture
 def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    """A migrated SQLite database in the test's folder: its session factory."""
+    """A migrated SQLite database in the test's folder: its session factory. (Imported here: the GPU image collects
+    tests/unit/test_distributed_cuda.py without SQLAlchemy.)"""
+    from loraplex.storage.db import make_db_engine, migrate, session_factory
+
     url = f"sqlite:///{tmp_path / 'loraplex.db'}"
     migrate(url)
     engine = make_db_engine(url)

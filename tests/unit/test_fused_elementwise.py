@@ -21,8 +21,8 @@ def test_the_fused_forwards_are_hf_bit_for_bit_and_only_while_active() -> None:
     model = _model()
     ids = torch.randint(0, 128, (2, 12))
     want = model(ids).logits
-    calls = {"norm": 0, "mlp": 0}
-    real_norm, real_mlp = fused_elementwise.rms_norm, fused_elementwise.silu_mul
+    calls = {"norm": 0, "mlp": 0, "rope": 0}
+    real = fused_elementwise.rms_norm, fused_elementwise.silu_mul, fused_elementwise.rope
 
     def counted(name, f):  # type: ignore[no-untyped-def]
         def run(*a):  # type: ignore[no-untyped-def]
@@ -32,9 +32,36 @@ def test_the_fused_forwards_are_hf_bit_for_bit_and_only_while_active() -> None:
         return run
 
     model.requires_grad_(False)  # a frozen base, as the engine's
-    assert install(model, kernels=(counted("norm", real_norm), counted("mlp", real_mlp))) == 11
-    assert torch.equal(model(ids).logits, want) and calls == {"norm": 0, "mlp": 0}  # inactive: the eager modules
+    kernels = tuple(counted(name, f) for name, f in zip(calls, real, strict=True))
+    assert (
+        install(model, kernels=kernels) == 2 * 6 + 1
+    )  # per layer 4 norms, the MLP, the attention's rotary; final norm
+    assert torch.equal(model(ids).logits, want) and calls == {"norm": 0, "mlp": 0, "rope": 0}  # inactive: eager
     with active():
         got = model(ids).logits
     assert torch.equal(got, want)
-    assert calls == {"norm": 2 * 4 + 1, "mlp": 2}
+    assert calls == {"norm": 2 * 4 + 1, "mlp": 2, "rope": 2}
+    # installed again (another engine on the same model class): the dispatch wraps HF's own function, not itself
+    install(model, kernels=kernels)
+    with active():
+        assert torch.equal(model(ids).logits, want)
+    assert calls == {"norm": 2 * (2 * 4 + 1), "mlp": 4, "rope": 4}
+
+
+def test_the_plain_rope_is_hf_apply_rotary_pos_emb_bit_for_bit_forward_and_backward() -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    torch.manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(2, 7, 6, 16, dtype=dtype).transpose(1, 2).requires_grad_()  # HF's layout: [B, H, T, D] views
+        k = torch.randn(2, 7, 2, 16, dtype=dtype).transpose(1, 2).requires_grad_()
+        angles = torch.randn(2, 7, 8)
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
+        want = apply_rotary_pos_emb(q, k, cos, sin)
+        with active():
+            got = fused_elementwise._rope_dispatch(apply_rotary_pos_emb, fused_elementwise.rope)(q, k, cos, sin)
+        grads = [torch.randn_like(w) for w in want]
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w, g) and w.stride() == g.stride()
+        for w, g in zip(torch.autograd.grad(want, (q, k), grads), torch.autograd.grad(got, (q, k), grads), strict=True):
+            assert torch.equal(w, g)

@@ -50,12 +50,15 @@ class BankLayout:
 class MicrobatchBanks:
     """One microbatch's slots, gathered and cast once: `compute` [G, P] in the activations' dtype (no autograd), `grads`
     [G, P] fp32 (None when the microbatch does not train) and the `trigger` leaf that makes every LoRA output require
-    grad. `grouped`: several groups run through grouped_mm (else the reference's loop)."""
+    grad. `grouped`: several groups run through grouped_mm (else the reference's loop). `single`: one group runs plain
+    matmuls with its rank and scale as host numbers (False: through grouped_mm as several, for a CUDA graph that
+    replays with other adapters: workers/body_graphs.py)."""
 
-    def __init__(self, compute: torch.Tensor, grads: torch.Tensor | None, grouped: bool) -> None:
+    def __init__(self, compute: torch.Tensor, grads: torch.Tensor | None, grouped: bool, single: bool = True) -> None:
         self.compute = compute
         self.grads = grads
         self.grouped = grouped
+        self.single = single
         self.trigger = (
             torch.zeros((), device=compute.device, dtype=torch.float32, requires_grad=True)
             if grads is not None
@@ -121,7 +124,7 @@ class _FusedLoraDelta(torch.autograd.Function):
         if a.dtype != x.dtype:  # activations not in the gathered dtype (e.g. autocast): cast this layer's views
             a, b = a.to(x.dtype), b.to(x.dtype)
         ctx.layout, ctx.banks, ctx.routing = layout, banks, routing
-        if routing.num_groups == 1:
+        if routing.num_groups == 1 and banks.single:
             ctx.mode = "single"
             r, c = routing.ranks[0], routing.scales[0]
             hs = (x @ a[0, :, :r]) * c

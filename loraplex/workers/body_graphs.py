@@ -1,0 +1,257 @@
+"""The decoder body's forward and backward of a packed training microbatch replayed as two CUDA graphs (issue 14,
+item 2: the step was host-bound, ~6,000 kernel launches from Python for ~200 ms of device work per 4,096 tokens).
+
+A graph replays fixed shapes and addresses, so a microbatch is padded to a bucket (`pad_microbatch`, pure):
+  * tokens up to a multiple of `TOKEN_BUCKET`: the pad tokens form one sequence of their own (the packed attention
+    keeps it apart) in a group of their own with LoRA scale 0, and feed no loss: they change no real token's value
+    and add exact zeros to every gradient;
+  * LoRA groups up to a power of two: empty groups (no rows) after the real ones;
+  * sequence boundaries (cu_seqlens) up to a power of two: empty sequences at the end;
+  * the longest sequence up to a power of two (the attention's grid; an upper bound is all it needs).
+Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets and
+per-row scales, the gathered banks and their fp32 gradient buffer) and the two graphs: forward body -> last hidden
+state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into the static buffer,
+as in eager). The LM head and the losses stay eager (few launches). The LoRA op always takes its grouped_mm path here
+(`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the graph.
+
+`BodyGraphs` keeps up to `max_graphs` of them (least recently used dropped), all in one memory pool: a microbatch's
+forward and backward replay before the next one's, so captures may share memory. A bucket is captured the second time
+it is seen (a one-off shape runs eagerly, no capture cost). Captures use thread-local capture mode, so another
+thread's CUDA work (the adapter store's copies) does not break them.
+
+Semantics: what the eager packed microbatch computes, up to summation order (the padded rows change the matmuls'
+shapes): tests/gpu/test_body_graphs_cuda.py compares losses, logprobs and gradients with the eager engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraplex.workers.lora.fused import MicrobatchBanks
+from loraplex.workers.lora.routing import LoraContext, Routing
+
+TOKEN_BUCKET = 256
+CAPTURE_MODE = os.environ.get("LORAPLEX_GRAPH_CAPTURE", "thread_local")  # probe only: benchmarks/probe_graphs.py
+STATICS_ON_CAPTURE_STREAM = os.environ.get("LORAPLEX_GRAPH_STATICS", "capture") == "capture"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    tokens: int  # padded token count
+    groups: int  # LoRA groups (real + pad + empty)
+    boundaries: int  # len(cu_seqlens)
+    max_length: int  # the attention's bound on a sequence's length
+    elementwise: bool  # the fused norm / activation kernels on while captured
+
+
+@dataclass(frozen=True)
+class PaddedMicrobatch:
+    key: GraphKey
+    pad_tokens: int  # appended after the real tokens
+    cu_seqlens: list[int]  # len key.boundaries
+    slots: list[int]
+    ranks: list[int]
+    scales: list[float]
+    group_rows: list[int]
+
+
+def pad_microbatch(
+    lengths: Sequence[int],
+    slots: Sequence[int],
+    ranks: Sequence[int],
+    scales: Sequence[float],
+    group_rows: Sequence[int],
+    elementwise: bool,
+    token_bucket: int = TOKEN_BUCKET,
+) -> PaddedMicrobatch:
+    """The bucketed layout of a packed microbatch (sequence `lengths` in order; its LoRA groups as Routing.build takes
+    them). See the module doc."""
+    n = sum(lengths)
+    if n != sum(group_rows):
+        raise ValueError(f"the groups cover {sum(group_rows)} rows, the sequences {n}")
+    tokens = -(-n // token_bucket) * token_bucket
+    pad = tokens - n
+    seq_lengths = [*lengths, pad] if pad else list(lengths)
+    slots, ranks, scales, rows = list(slots), list(ranks), list(scales), list(group_rows)
+    if pad:  # the pad sequence's own group: LoRA scale 0, the last real slot (its gradient there is exactly zero)
+        slots, ranks, scales, rows = [*slots, slots[-1]], [*ranks, ranks[-1]], [*scales, 0.0], [*rows, pad]
+    groups = _pow2(len(slots))
+    extra = groups - len(slots)
+    slots += [slots[-1]] * extra
+    ranks += [ranks[-1]] * extra
+    scales += [0.0] * extra
+    rows += [0] * extra
+    cu = [0]
+    for length in seq_lengths:
+        cu.append(cu[-1] + length)
+    boundaries = _pow2(len(cu))
+    cu += [tokens] * (boundaries - len(cu))
+    max_length = min(tokens, max(128, _pow2(max(seq_lengths))))
+    key = GraphKey(tokens, groups, boundaries, max_length, bool(elementwise))
+    return PaddedMicrobatch(key, pad, cu, slots, ranks, scales, rows)
+
+
+class BodyGraph:
+    """One bucket's static buffers and its forward / backward graphs (see the module doc)."""
+
+    def __init__(
+        self,
+        key: GraphKey,
+        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+        context: LoraContext,
+        width: int,
+        dtype: torch.dtype,
+        max_rank: int,
+        device: torch.device,
+        pool: Any,
+        elementwise: Callable[[], Any],
+        warmup: int = 2,
+    ) -> None:
+        self.key = key
+        n, g = key.tokens, key.groups
+        # One stream for the static buffers, the warm-up and both captures: autograd syncs a backward with the streams
+        # its tensors were made on, and a wait on another (uncaptured) stream would break the capture.
+        self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream if STATICS_ON_CAPTURE_STREAM else torch.cuda.current_stream(device)):
+            self.tokens = torch.zeros(1, n, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(1, n, dtype=torch.int64, device=device)
+            self.cu_seqlens = torch.full((key.boundaries,), n, dtype=torch.int32, device=device)
+            self.cu_seqlens[0] = 0
+            self.routing = Routing.build([0] * g, [max_rank] * g, [0.0] * g, [n] + [0] * (g - 1), device)
+            self.banks = MicrobatchBanks(
+                torch.zeros(g, width, dtype=dtype, device=device),
+                torch.zeros(g, width, dtype=torch.float32, device=device),
+                grouped=True,
+                single=False,
+            )
+        trigger = self.banks.trigger
+        assert trigger is not None
+
+        def forward() -> torch.Tensor:
+            with context.use(self.routing, self.banks), torch.enable_grad(), elementwise():
+                return run_body(self.tokens, self.positions, self.cu_seqlens, key.max_length)
+
+        # Warm up first (lazy initialisation, Triton compiles and cuBLAS workspaces stay out of the capture).
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                out = forward()
+                torch.autograd.grad(out, trigger, torch.zeros_like(out), allow_unused=True)
+            del out
+        torch.cuda.synchronize(device)
+        self.forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
+            self.hidden = forward()
+        with torch.cuda.stream(self.stream):
+            self.grad_hidden = torch.zeros_like(self.hidden)
+        self.backward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.backward_graph, pool=pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
+            torch.autograd.grad(self.hidden, trigger, self.grad_hidden, allow_unused=True)
+        torch.cuda.synchronize(device)
+        self.hidden = self.hidden.detach()
+
+    def load(
+        self, tokens: torch.Tensor, positions: torch.Tensor, padded: PaddedMicrobatch, flat: torch.Tensor
+    ) -> Routing:
+        """Copy one microbatch into the static inputs (tokens / positions: host int64 [key.tokens], padded already;
+        flat: the optimizer's fp32 [S, P] master banks). Returns the padded routing (its slot_ids fold the gradients)."""
+        device = self.tokens.device
+        routing = Routing.build(padded.slots, padded.ranks, padded.scales, padded.group_rows, device)
+        host = torch.cat([tokens, positions, torch.tensor(padded.cu_seqlens, dtype=torch.int64)])
+        staged = host.pin_memory().to(device, non_blocking=True)
+        n = self.key.tokens
+        self.tokens.view(-1).copy_(staged[:n])
+        self.positions.view(-1).copy_(staged[n : 2 * n])
+        self.cu_seqlens.copy_(staged[2 * n :])
+        self.routing.offs.copy_(routing.offs)
+        self.routing.row_scales.copy_(routing.row_scales)
+        torch.index_select(flat, 0, routing.slot_ids, out=self._gathered(flat))
+        self.banks.compute.copy_(self._gathered(flat))
+        assert self.banks.grads is not None
+        self.banks.grads.zero_()
+        return routing
+
+    def _gathered(self, flat: torch.Tensor) -> torch.Tensor:
+        buf = getattr(self, "_gather_buf", None)
+        if buf is None:
+            buf = self._gather_buf = flat.new_empty(self.key.groups, flat.shape[1])
+        return buf
+
+    def run(self) -> torch.Tensor:
+        """The last hidden state [key.tokens, H] of the loaded microbatch; its backward replays the backward graph."""
+        assert self.banks.trigger is not None
+        return _Replay.apply(self, self.banks.trigger)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, graph: BodyGraph, trigger: torch.Tensor) -> torch.Tensor:
+        graph.forward_graph.replay()
+        ctx.graph = graph
+        return graph.hidden.view_as(graph.hidden)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        graph: BodyGraph = ctx.graph
+        graph.grad_hidden.copy_(grad)
+        graph.backward_graph.replay()
+        return None, None
+
+
+class BodyGraphs:
+    """The captured buckets of one engine (see the module doc). `graph(padded)` returns the bucket's graph, capturing
+    it on its second sighting; None: run this microbatch eagerly."""
+
+    def __init__(
+        self,
+        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+        context: LoraContext,
+        width: int,
+        dtype: torch.dtype,
+        max_rank: int,
+        device: torch.device,
+        elementwise: Callable[[], Any],
+        max_graphs: int = 8,
+        capture_on_sighting: int = 2,
+    ) -> None:
+        self.run_body, self.context = run_body, context
+        self.width, self.dtype, self.max_rank, self.device = width, dtype, max_rank, device
+        self.elementwise = elementwise
+        self.max_graphs, self.capture_on_sighting = max_graphs, capture_on_sighting
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[GraphKey, BodyGraph] = OrderedDict()
+        self.sightings: dict[GraphKey, int] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def graph(self, padded: PaddedMicrobatch) -> BodyGraph | None:
+        key = padded.key
+        found = self.graphs.get(key)
+        if found is not None:
+            self.graphs.move_to_end(key)
+            self.replays += 1
+            return found
+        self.sightings[key] = self.sightings.get(key, 0) + 1
+        if self.sightings[key] < self.capture_on_sighting:
+            return None
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        made = BodyGraph(
+            key, self.run_body, self.context, self.width, self.dtype, self.max_rank, self.device, self.pool,
+            self.elementwise,
+        )  # fmt: skip
+        self.graphs[key] = made
+        self.captures += 1
+        self.replays += 1
+        return made
