@@ -136,6 +136,8 @@ def engine_spec(settings: Settings) -> EngineSpec:
             "target_modules": tuple(settings.target_modules),
             "microbatch_tokens": settings.microbatch_tokens,
             "checkpointing": CheckpointPolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
+            "cuda_graphs": settings.cuda_graphs,
+            "fused_elementwise": settings.fused_kernels,
         },
     )
 

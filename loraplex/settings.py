@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     # microbatch_tokens makes one that large), "always", or "never".
     activation_checkpointing: Literal["auto", "always", "never"] = "auto"
     checkpoint_above_tokens: int = Field(default=16384, ge=1)
+    # CUDA only (no effect on the CPU): the decoder body of one-rank training microbatches replayed as CUDA graphs
+    # (workers/body_graphs.py), and the base model's norms, rotary embedding and MLP activation as Triton kernels
+    # (workers/fused_elementwise.py). false: HF's eager code.
+    cuda_graphs: bool = True
+    fused_kernels: bool = True
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.

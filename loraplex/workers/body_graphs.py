@@ -14,10 +14,11 @@ state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' 
 as in eager). The LM head and the losses stay eager (few launches). The LoRA op always takes its grouped_mm path here
 (`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the graph.
 
-`BodyGraphs` keeps up to `max_graphs` of them (least recently used dropped), all in one memory pool: a microbatch's
-forward and backward replay before the next one's, so captures may share memory. A bucket is captured the second time
-it is seen (a one-off shape runs eagerly, no capture cost). Captures use thread-local capture mode, so another
-thread's CUDA work (the adapter store's copies) does not break them.
+`BodyGraphs` keeps up to `max_graphs` of them, all in one memory pool: a microbatch's forward and backward replay
+before the next one's, so captures may share memory. A bucket is captured the second time it is seen (a one-off shape
+runs eagerly), and none once `max_graphs` are held (no eviction: a capture costs about three eager steps, so a
+workload of many shapes must not capture again and again; the buckets seen first are the common ones). Captures use
+thread-local capture mode, so another thread's CUDA work (the adapter store's copies) does not break them.
 
 Semantics: what the eager packed microbatch computes, up to summation order (the padded rows change the matmuls'
 shapes): tests/gpu/test_body_graphs_cuda.py compares losses, logprobs and gradients with the eager engine.
@@ -25,8 +26,6 @@ shapes): tests/gpu/test_body_graphs_cuda.py compares losses, logprobs and gradie
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,6 @@ from loraplex.workers.lora.fused import MicrobatchBanks
 from loraplex.workers.lora.routing import LoraContext, Routing
 
 TOKEN_BUCKET = 256
-CAPTURE_MODE = os.environ.get("LORAPLEX_GRAPH_CAPTURE", "thread_local")  # probe only: benchmarks/probe_graphs.py
-STATICS_ON_CAPTURE_STREAM = os.environ.get("LORAPLEX_GRAPH_STATICS", "capture") == "capture"
 
 
 def _pow2(n: int) -> int:
@@ -123,7 +120,7 @@ class BodyGraph:
         # its tensors were made on, and a wait on another (uncaptured) stream would break the capture.
         self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream if STATICS_ON_CAPTURE_STREAM else torch.cuda.current_stream(device)):
+        with torch.cuda.stream(self.stream):
             self.tokens = torch.zeros(1, n, dtype=torch.int64, device=device)
             self.positions = torch.zeros(1, n, dtype=torch.int64, device=device)
             self.cu_seqlens = torch.full((key.boundaries,), n, dtype=torch.int32, device=device)
@@ -150,12 +147,12 @@ class BodyGraph:
             del out
         torch.cuda.synchronize(device)
         self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
+        with torch.cuda.graph(self.forward_graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
             self.hidden = forward()
         with torch.cuda.stream(self.stream):
             self.grad_hidden = torch.zeros_like(self.hidden)
         self.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.backward_graph, pool=pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
+        with torch.cuda.graph(self.backward_graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
             torch.autograd.grad(self.hidden, trigger, self.grad_hidden, allow_unused=True)
         torch.cuda.synchronize(device)
         self.hidden = self.hidden.detach()
@@ -222,7 +219,7 @@ class BodyGraphs:
         max_rank: int,
         device: torch.device,
         elementwise: Callable[[], Any],
-        max_graphs: int = 8,
+        max_graphs: int = 16,
         capture_on_sighting: int = 2,
     ) -> None:
         self.run_body, self.context = run_body, context
@@ -230,7 +227,7 @@ class BodyGraphs:
         self.elementwise = elementwise
         self.max_graphs, self.capture_on_sighting = max_graphs, capture_on_sighting
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[GraphKey, BodyGraph] = OrderedDict()
+        self.graphs: dict[GraphKey, BodyGraph] = {}
         self.sightings: dict[GraphKey, int] = {}
         self.captures = 0
         self.replays = 0
@@ -239,14 +236,13 @@ class BodyGraphs:
         key = padded.key
         found = self.graphs.get(key)
         if found is not None:
-            self.graphs.move_to_end(key)
             self.replays += 1
             return found
+        if len(self.graphs) >= self.max_graphs:
+            return None
         self.sightings[key] = self.sightings.get(key, 0) + 1
         if self.sightings[key] < self.capture_on_sighting:
             return None
-        if len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)
         made = BodyGraph(
             key, self.run_body, self.context, self.width, self.dtype, self.max_rank, self.device, self.pool,
             self.elementwise,

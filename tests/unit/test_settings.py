@@ -28,3 +28,16 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
     assert seen.target_modules == ("q_proj", "v_proj") and seen.api_port == 9123
     assert seen.resolved_database_url == given.resolved_database_url
     assert seen.resolved_blob_root == given.resolved_blob_root and seen.spill_dir == tmp_path / "spill"
+
+
+def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.pool_process import engine_spec
+
+    assert {k: engine_spec(Settings()).engine_kwargs[k] for k in ("cuda_graphs", "fused_elementwise")} == {
+        "cuda_graphs": True,
+        "fused_elementwise": True,
+    }
+    monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "false")
+    monkeypatch.setenv("LORAPLEX_FUSED_KERNELS", "false")
+    kwargs = engine_spec(Settings()).engine_kwargs
+    assert kwargs["cuda_graphs"] is False and kwargs["fused_elementwise"] is False
