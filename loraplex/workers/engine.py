@@ -106,6 +106,7 @@ class Engine:
         packed: bool = True,
         fused_elementwise: bool | None = None,
         cuda_graphs: bool | None = None,
+        fused_head: bool = False,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -116,7 +117,8 @@ class Engine:
         as Triton kernels in training microbatches (workers/fused_elementwise.py; default: where triton and CUDA are;
         False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
         decoder body replayed as CUDA graphs (workers/body_graphs.py; default: on one CUDA rank on the fused grouped
-        LoRA path; may be flipped between calls).
+        LoRA path; may be flipped between calls). fused_head: the LM head's log-softmax as Triton kernels
+        (workers/triton_lm_head.py, CUDA where triton is; off until measured on the H200; may be flipped).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
         alike). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
@@ -180,6 +182,7 @@ class Engine:
             else None
         )
         self.cuda_graphs = cuda_graphs is not False and self.graphs is not None
+        self.fused_head = fused_head
         wrap_layers(self.body.layers)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
         if self.dist is not None:
@@ -564,7 +567,10 @@ class Engine:
             # The rows every layer runs: real tokens when packed, count x longest when padded.
             recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
             with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute, self._elementwise():
-                lp = self.trunk(tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length)
+                lp = self.trunk(
+                    tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length,
+                    self.fused_head,
+                )  # fmt: skip
         with torch.set_grad_enabled(trainable):
             total: torch.Tensor | None = None
             start = 0
@@ -603,11 +609,9 @@ class Engine:
             torch.cat([positions, torch.arange(pad)]), padded, self.optimizer.data,
         )  # fmt: skip
         hidden = graph.run()[: routing.num_rows - pad]
-        return (
-            target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, self.loss_chunk_tokens),
-            routing,
-            graph.banks,
-        )
+        head = cast(torch.Tensor, self.head.weight)
+        lp = target_logprobs(hidden, head, targets, self.loss_chunk_tokens, self.fused_head)
+        return lp, routing, graph.banks
 
     def _elementwise(self) -> AbstractContextManager[None]:
         """The fused norm / activation kernels on for a training microbatch where the engine has them and wants them."""

@@ -35,6 +35,7 @@ class Trunk(nn.Module):
         chunk_tokens: int,
         cu_seqlens: torch.Tensor | None = None,
         max_length: int | None = None,
+        fused_head: bool = False,
     ) -> torch.Tensor:
         """tokens: int64 [B, T]; positions: int64 [B, T], or None for 0..T-1 in every row (padded rows: the body's default;
         handing them over would make transformers look for packed sequences in them, a device-to-host sync in every
@@ -42,11 +43,12 @@ class Trunk(nn.Module):
         [N] -> fp32 [N] target logprobs of the real rows.
 
         Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
-        (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention)."""
+        (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention).
+        fused_head: the LM head's fused log-softmax where it can run (lm_head.target_logprobs)."""
         hidden = self.hidden(tokens, positions, cu_seqlens, max_length)
         if real_rows is not None:
             hidden = hidden.index_select(0, real_rows)
-        return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens)
+        return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens, fused_head)
 
     def hidden(
         self,

@@ -82,7 +82,7 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
 
     oracle = engine(torch.float32, lora_op=lora_delta_reference, fused_elementwise=False)
     ref_bf16 = engine(torch.bfloat16, lora_op=lora_delta_reference, fused_elementwise=False)
-    fused_bf16 = engine(torch.bfloat16, fused_elementwise=True)  # every fast path: fused LoRA, the Triton kernels
+    fused_bf16 = engine(torch.bfloat16, fused_elementwise=True, fused_head=True)  # every fast path: fused LoRA, Triton
     assert fused_bf16.fused_lora and fused_bf16.compute_dtype == torch.bfloat16
     assert fused_bf16.fused_elementwise and fused_bf16.fused_modules > 0
     g = torch.Generator().manual_seed(0)

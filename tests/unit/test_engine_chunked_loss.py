@@ -153,3 +153,13 @@ def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> No
         for name in g1:
             for t1, t2 in zip(g1[name], g2[name], strict=True):
                 torch.testing.assert_close(t1, t2, atol=1e-5, rtol=1e-4)
+
+
+def test_the_fused_head_flag_is_the_eager_chunks_on_the_cpu() -> None:
+    """fused=True needs CUDA and triton (tests/gpu/test_triton_lm_head_cuda.py); elsewhere it is the eager path."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 8, generator=g, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g)
+    targets = torch.randint(0, 50, (10,), generator=g)
+    a, b = target_logprobs(hidden, weight, targets, 4, fused=True), target_logprobs(hidden, weight, targets, 4)
+    assert torch.equal(a, b)
