@@ -16,6 +16,7 @@ each phase. Needs only torch, transformers, peft and loraplex.workers/models (ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -31,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from loraplex.workers import fused_elementwise as kernels_module  # noqa: E402
 from loraplex.workers.batching import layout, split_microbatches  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 from loraplex.workers.lm_head import target_logprobs  # noqa: E402
@@ -86,17 +88,21 @@ def peak_gb() -> float:
 
 
 # ---- baselines ----------------------------------------------------------------------------------------------------
-def bench_frozen_base(model, args, tokens_per_step: int) -> dict[str, float]:
-    """Forward + backward of the frozen base alone (activation grads only): the floor LoRA is measured against."""
+def bench_frozen_base(model, args, tokens_per_step: int, fused: bool = False) -> dict[str, float]:
+    """Forward + backward of the frozen base alone (activation grads only): the floor LoRA is measured against.
+    fused: with the engine's kernels (Triton norms / RoPE / activation, and the fused LM head if --head has it)."""
     gen = torch.Generator().manual_seed(1)
     n_seq = tokens_per_step // args.seq_len
     ids = torch.randint(0, model.config.vocab_size, (n_seq, args.seq_len + 1), generator=gen).to(args.device)
     body, head = model.get_decoder(), model.get_output_embeddings()
+    kernels = kernels_module.active() if fused else contextlib.nullcontext()
+    fused_head = fused and "fused" in args.head.split(",")
 
     def step() -> None:
-        embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
-        hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
-        (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten())).sum().backward()
+        with kernels:
+            embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
+            hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
+            (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten(), fused=fused_head)).sum().backward()
 
     peak_reset()
     times = timed(step, args.iters, args.warmup)
@@ -480,6 +486,11 @@ def main() -> None:
     model = build_model(args)
     results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
     print("frozen base", results["frozen_base"], flush=True)
+    if "on" in args.elementwise.split(",") and kernels_module.available():
+        model.requires_grad_(False)
+        kernels_module.install(model)
+        results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
+        print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
     engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                     device=args.device, microbatch_tokens=args.cap,
                     fused_elementwise="on" in args.elementwise.split(","), cuda_graphs="on" in args.graphs.split(","))  # fmt: skip

@@ -146,13 +146,14 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> int:
         if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and _install_rope(m, rotary):
             changed += 1
             continue
-        eager = m.forward
+        eager = getattr(m, "_loraplex_eager_forward", m.forward)  # installed before: wrap the module's own forward
         if is_rms_norm(m) and not m.weight.requires_grad:
 
             def norm_forward(self: nn.Module, x: torch.Tensor, _eager: Any = eager) -> torch.Tensor:
                 return norm(x, self.weight, self.variance_epsilon) if _on() else _eager(x)
 
             m.forward = types.MethodType(norm_forward, m)
+            m._loraplex_eager_forward = eager  # type: ignore[assignment]
             changed += 1
         elif is_silu_gated_mlp(m):
 
@@ -162,5 +163,6 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> int:
                 return self.down_proj(gated(self.gate_proj(x), self.up_proj(x)))
 
             m.forward = types.MethodType(mlp_forward, m)
+            m._loraplex_eager_forward = eager  # type: ignore[assignment]
             changed += 1
     return changed

@@ -41,11 +41,15 @@ def test_the_fused_forwards_are_hf_bit_for_bit_and_only_while_active() -> None:
         got = model(ids).logits
     assert torch.equal(got, want)
     assert calls == {"norm": 2 * 4 + 1, "mlp": 2, "rope": 2}
-    # installed again (another engine on the same model class): the dispatch wraps HF's own function, not itself
+    # installed again (a second engine on the model, or on another model of its class): each dispatch wraps HF's own
+    # code, not the earlier dispatch
     install(model, kernels=kernels)
+    wrapped = [m for m in model.modules() if hasattr(m, "_loraplex_eager_forward")]
+    assert len(wrapped) == 2 * 5 + 1 and all(m._loraplex_eager_forward.__func__ is type(m).forward for m in wrapped)
     with active():
         assert torch.equal(model(ids).logits, want)
     assert calls == {"norm": 2 * (2 * 4 + 1), "mlp": 4, "rope": 4}
+    assert torch.equal(model(ids).logits, want) and calls["norm"] == 2 * (2 * 4 + 1)  # inactive again: eager
 
 
 def test_the_plain_rope_is_hf_apply_rotary_pos_emb_bit_for_bit_forward_and_backward() -> None:
