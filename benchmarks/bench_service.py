@@ -254,7 +254,9 @@ def main() -> None:
     p.add_argument("--workloads", default="underfilled,saturated")
     p.add_argument("--cap", type=int, default=4096, help="engine microbatch tokens")
     p.add_argument("--plan-tokens", type=int, default=16384)
-    p.add_argument("--warmup", type=int, default=2)
+    # 4: enough rounds that the engine has captured the CUDA graphs of the buckets the plans produce (each on its
+    # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, session 8)
+    p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--bracket", action="store_true", help="run the engine before and after the service; use the mean")
