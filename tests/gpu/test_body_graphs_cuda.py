@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import lora_delta_reference
-from tests.helpers.gpu import flat_logprobs, random_data
+from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
 pytestmark = pytest.mark.gpu
 
@@ -28,14 +28,7 @@ def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(tmp_path_fac
     def engine(dtype: torch.dtype, **kw: object) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
         e = Engine(model, num_slots=6, max_rank=16, **kw)  # type: ignore[arg-type]
-        for model_id, rank, alpha, seed in [("a", 4, 8.0, 1), ("b", 16, 16.0, 2), ("c", 8, 4.0, 3), ("d", 2, 2.0, 4)]:
-            e.create_adapter(model_id, rank, alpha, seed)
-            g = torch.Generator().manual_seed(seed + 1000)
-            e.load_adapter_weights(
-                model_id,
-                {n: (a, 0.05 * torch.randn(b.shape, generator=g)) for n, (a, b) in e.adapter_weights(model_id).items()},
-            )
-        return e
+        return add_four_adapters(e)
 
     try:
         oracle = engine(torch.float32, lora_op=lora_delta_reference)

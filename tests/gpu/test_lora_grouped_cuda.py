@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
-from tests.helpers.gpu import QWEN3_4B, cuda_case, flat_logprobs, random_data
+from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_op
 
 pytestmark = pytest.mark.gpu
@@ -110,14 +110,7 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
     def engine(dtype: torch.dtype, op: LoraOp | None) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
         e = Engine(model, num_slots=6, max_rank=16, lora_op=op)
-        for model_id, rank, alpha, seed in [("a", 4, 8.0, 1), ("b", 16, 16.0, 2), ("c", 8, 4.0, 3), ("d", 2, 2.0, 4)]:
-            e.create_adapter(model_id, rank, alpha, seed)
-            g = torch.Generator().manual_seed(seed + 1000)
-            e.load_adapter_weights(
-                model_id,
-                {n: (a, 0.05 * torch.randn(b.shape, generator=g)) for n, (a, b) in e.adapter_weights(model_id).items()},
-            )
-        return e
+        return add_four_adapters(e)
 
     oracle = engine(torch.float32, lora_delta_reference)
     ref_bf16 = engine(torch.bfloat16, lora_delta_reference)

@@ -21,7 +21,7 @@ from loraplex.models.presets import build_from_config, qwen3_config
 from loraplex.workers import packed_attention as pa
 from loraplex.workers.batching import packed_layout
 from loraplex.workers.engine import Engine
-from tests.helpers.gpu import CUDA, flat_logprobs, random_data
+from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
 
 pytestmark = pytest.mark.gpu
 
@@ -82,14 +82,7 @@ def _small_qwen3(dtype: torch.dtype) -> torch.nn.Module:
 
 def _engine(dtype: torch.dtype, packed: bool) -> Engine:
     e = Engine(_small_qwen3(dtype), num_slots=6, max_rank=16, microbatch_tokens=512, packed=packed)
-    for model_id, rank, alpha, seed in [("a", 4, 8.0, 1), ("b", 16, 16.0, 2), ("c", 8, 4.0, 3), ("d", 2, 2.0, 4)]:
-        e.create_adapter(model_id, rank, alpha, seed)
-        gen = torch.Generator().manual_seed(seed + 1000)
-        e.load_adapter_weights(
-            model_id,
-            {n: (a, 0.05 * torch.randn(b.shape, generator=gen)) for n, (a, b) in e.adapter_weights(model_id).items()},
-        )
-    return e
+    return add_four_adapters(e)
 
 
 def test_packed_engine_step_equals_padded_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

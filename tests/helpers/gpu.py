@@ -3,12 +3,30 @@ layer's inputs on CUDA (banks built as the CPU tests build them), and Qwen3-4B's
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from loraplex.workers.lora import Routing
 from tests.helpers.lora import make_banks
 
 CUDA = torch.device("cuda")
+
+
+FOUR_ADAPTERS = [("a", 4, 8.0, 1), ("b", 16, 16.0, 2), ("c", 8, 4.0, 3), ("d", 2, 2.0, 4)]  # id, rank, alpha, seed
+
+
+def add_four_adapters(engine: Any) -> Any:
+    """The GPU engine tests' adapters a-d (ranks 2-16, different scales), each B drawn at random (a fresh adapter's B
+    is zero, which would hide its A path); returns the engine."""
+    for model_id, rank, alpha, seed in FOUR_ADAPTERS:
+        engine.create_adapter(model_id, rank, alpha, seed)
+        g = torch.Generator().manual_seed(seed + 1000)
+        weights = engine.adapter_weights(model_id)
+        engine.load_adapter_weights(
+            model_id, {n: (a, 0.05 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
+        )
+    return engine
 
 
 def random_data(g: torch.Generator, n: int, length: int) -> list[dict]:
