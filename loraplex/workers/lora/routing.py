@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +74,13 @@ class Routing:
             scale_values=_to_device(scale_values, device),
             row_scales=_to_device(row_scales, device),
         )
+
+    @cached_property
+    def row_groups(self) -> torch.Tensor:
+        """int64 [N] on the routing's device: each row's group (the expert LoRA sorts its (token, expert) pairs by it;
+        built on first use and kept, one host-to-device copy per microbatch)."""
+        counts = torch.tensor([e - s for s, e in zip(self.starts, self.ends, strict=True)])
+        return _to_device(torch.repeat_interleave(torch.arange(len(self.slots)), counts), self.slot_ids.device)
 
     @property
     def num_groups(self) -> int:

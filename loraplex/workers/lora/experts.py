@@ -1,0 +1,180 @@
+"""LoRA on the experts of a mixture-of-experts block (issue 15): per-slot expert banks, mixed adapters and experts.
+
+The base experts are transformers' fused 3-D parameters (Qwen3-MoE: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I];
+frozen), selected per token by the block's frozen router (top-k experts `idx` [N, K] with weights `w` [N, K]). Each
+adapter slot s has, for every expert e, a LoRA pair on the expert's gate, up and down projections:
+
+    gate_a [S, E, H, r_max]  gate_b [S, E, r_max, I]     up_a / up_b: the same     down_a [S, E, I, r_max]  down_b [S, E, r_max, H]
+
+Semantics (plain torch, `experts_reference`): the adapter adapts the expert's weights, W_e -> W_e + c_g (A_e B_e)^T, and
+the block combines the adapted experts as it combines the base ones. For token n of adapter group g (slot s_g, rank
+r_g, scale c_g = alpha_g / r_g) and each of its k slots (e = idx[n, k]):
+
+    gate = x_n W_gate_e^T + c_g (x_n A_gate[s_g, e][:, :r_g]) B_gate[s_g, e][:r_g]        (up the same)
+    h    = act(gate) * up
+    out  = h W_down_e^T + c_g (h A_down[s_g, e][:, :r_g]) B_down[s_g, e][:r_g]
+    y_n += w[n, k] * out
+
+So the expert LoRA is scaled by the routing weight, as the base expert's output is (our documented choice: it is what
+merging the adapter into the expert weights computes, so an exported adapter merged into the base model gives the
+same outputs). With zero LoRA this is transformers' own `Qwen3MoeExperts.forward` (tests/unit/test_lora_experts.py).
+
+Fast path (`experts_grouped`): the N*K (token, slot) pairs sorted by (expert, adapter group); the base projections as
+one `grouped_mm` over experts, the LoRA products as `grouped_mm`s over the E*G (expert, group) groups with the
+groups' A/B stacked (`grouped._GroupedLoraDelta`, the dense op's hand-written backward), the routing weights applied
+per pair and the pairs added back to their tokens (index_add_). No host sync, except where E*G exceeds grouped_mm's
+group-count limit (`max_groups`): then the expert blocks are cut where their pairs' row offsets say (one read of
+the per-expert offsets). Rank padding is exact as in grouped.py (the padding is zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.workers.lora.grouped import _dense, _grouped_mm, _GroupedLoraDelta
+from loraplex.workers.lora.routing import Routing
+
+# grouped_mm's group count above which the LoRA products are cut into expert blocks (one peer measured 1,023 as the
+# limit of the CUDA kernel; the CPU one has none, tests lower it to check the cut).
+MAX_GROUPS = 1023
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertBanks:
+    """One MoE block's expert LoRA banks (fp32 masters; see the module doc for shapes)."""
+
+    gate_a: torch.Tensor
+    gate_b: torch.Tensor
+    up_a: torch.Tensor
+    up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+
+    def pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return (self.gate_a, self.gate_b), (self.up_a, self.up_b), (self.down_a, self.down_b)
+
+
+def _check(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, routing: Routing) -> None:
+    if x.dim() != 2 or idx.shape != weights.shape or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"x [N, H] with top-k index / weights [N, K], got {tuple(x.shape)}, {tuple(idx.shape)}")
+    if routing.num_rows != x.shape[0]:
+        raise ValueError(f"routing covers {routing.num_rows} rows but the block sees {x.shape[0]}")
+    if gate_up.dim() != 3 or gate_up.shape[2] != x.shape[1]:
+        raise ValueError(f"gate_up_proj must be [E, 2I, {x.shape[1]}], got {tuple(gate_up.shape)}")
+
+
+def _lora_one(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return ((t @ a.to(t.dtype)) * scale) @ b.to(t.dtype)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    banks: ExpertBanks,
+    routing: Routing,
+    act: Activation,
+) -> torch.Tensor:
+    """The module doc's semantics as a loop over adapter groups and experts (the oracle every fast path equals)."""
+    _check(x, idx, weights, gate_up, routing)
+    y = torch.zeros_like(x)
+    for start, end, slot, rank, scale in zip(
+        routing.starts, routing.ends, routing.slots, routing.ranks, routing.scales, strict=True
+    ):
+        for e in range(gate_up.shape[0]):
+            tokens, k = torch.where(idx[start:end] == e)
+            if tokens.numel() == 0:
+                continue
+            (ga, gb), (ua, ub), (da, db) = (
+                (a[slot, e, :, :rank], b[slot, e, :rank]) for a, b in banks.pairs()
+            )  # fmt: skip
+            xe = x[start:end][tokens]
+            gate, up = torch.nn.functional.linear(xe, gate_up[e]).chunk(2, dim=-1)
+            gate = gate + _lora_one(xe, ga, gb, scale)
+            up = up + _lora_one(xe, ua, ub, scale)
+            h = act(gate) * up
+            out = torch.nn.functional.linear(h, down[e]) + _lora_one(h, da, db, scale)
+            out = out * weights[start:end][tokens, k, None]
+            y = y.index_add(0, tokens + start, out.to(y.dtype))
+    return y
+
+
+def _stacked(
+    a_bank: torch.Tensor, b_bank: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """The (expert, group) stacks [E*G, in, r] / [E*G, r, out] of the groups' slots, in the pairs' order."""
+    a = a_bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, in, r]
+    b = b_bank.index_select(0, slot_ids).transpose(0, 1)
+    return a.reshape(-1, *a.shape[2:]).to(dtype), b.reshape(-1, *b.shape[2:]).to(dtype)
+
+
+def _lora_pairs(
+    t: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_scales: torch.Tensor,
+    offs_eg: torch.Tensor,
+    offs_e: torch.Tensor,
+    groups: int,
+    max_groups: int,
+) -> torch.Tensor:
+    """The LoRA delta of the sorted pairs t [P, in] over the (expert, group) groups; cut into expert blocks of at most
+    `max_groups` groups (row ranges from the per-expert offsets: the one host read) beyond the limit."""
+    t = _dense(t)
+    experts = a.shape[0] // groups
+    if experts * groups <= max_groups:
+        return _GroupedLoraDelta.apply(t, a, b, row_scales, offs_eg)
+    per_block = max(1, max_groups // groups)
+    ends = [0, *offs_e.tolist()]  # row where each expert's pairs end
+    pieces = []
+    for e0 in range(0, experts, per_block):
+        e1 = min(experts, e0 + per_block)
+        r0, r1 = ends[e0], ends[e1]
+        block = slice(e0 * groups, e1 * groups)
+        offs = offs_eg[block] - r0
+        pieces.append(_GroupedLoraDelta.apply(_dense(t[r0:r1]), a[block], b[block], row_scales[r0:r1], offs))
+    return torch.cat(pieces)
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    banks: ExpertBanks,
+    routing: Routing,
+    act: Activation,
+    max_groups: int = MAX_GROUPS,
+) -> torch.Tensor:
+    """`experts_reference`'s semantics through grouped GEMMs (module doc). x [N, H] in the compute dtype."""
+    _check(x, idx, weights, gate_up, routing)
+    n, k = idx.shape
+    experts, groups = gate_up.shape[0], routing.num_groups
+    pair_token = torch.arange(n, device=x.device).repeat_interleave(k)
+    pair_expert = idx.reshape(-1)
+    key = pair_expert * groups + routing.row_groups[pair_token]
+    order = torch.argsort(key, stable=True)
+    tokens = pair_token[order]
+    offs_e = torch.bincount(pair_expert, minlength=experts).cumsum(0).to(torch.int32)
+    offs_eg = torch.bincount(key, minlength=experts * groups).cumsum(0).to(torch.int32)
+    row_scales = routing.scale_values[routing.row_groups[tokens]].view(-1, 1)
+    xs = x.index_select(0, tokens)
+
+    def lora(t: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor) -> torch.Tensor:
+        a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype)
+        return _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
+
+    gate, up = _grouped_mm(_dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)
+    gate = gate + lora(xs, banks.gate_a, banks.gate_b)
+    up = up + lora(xs, banks.up_a, banks.up_b)
+    h = act(gate) * up
+    out = _grouped_mm(_dense(h), down.transpose(1, 2), offs=offs_e) + lora(h, banks.down_a, banks.down_b)
+    out = out * weights.reshape(-1)[order].view(-1, 1)
+    return torch.zeros_like(x).index_add(0, tokens, out.to(x.dtype))
