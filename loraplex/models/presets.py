@@ -5,10 +5,10 @@ Weights come from our own seeded init (not transformers' `_init_weights`), so th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from loraplex.errors import InvalidRequestError
 
@@ -39,6 +39,20 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    # `tiny` as a mixture of experts (issue 15): every layer's MLP is 4 experts, 2 per token (Qwen3-MoE).
+    "tiny-moe": dict(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
 }
 
 # The published Qwen3 configs (vocab 151936, head_dim 128, rope theta 1e6, tied embeddings as those models ship).
@@ -65,19 +79,46 @@ SHAPE_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960,
         tie_word_embeddings=True,
     ),
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (the GPU benchmark's MoE shape; issue 15).
+    "qwen3-30b-a3b-shape": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
 }
 
 PRESETS = (*TINY_SHAPES, *SHAPE_PRESETS)
 
 
-def qwen3_config(shape: dict[str, Any], **extra: Any) -> Qwen3Config:
-    """A Qwen3Config from a shape dict: no sliding window, rope theta 1e6 and rms eps 1e-6 as Qwen3 ships."""
-    return Qwen3Config(
-        **shape,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        use_cache=False,
-        **extra,
+def is_moe(shape: dict[str, Any]) -> bool:
+    return "num_experts" in shape
+
+
+def qwen3_config(shape: dict[str, Any], **extra: Any) -> Qwen3Config | Qwen3MoeConfig:
+    """A Qwen3Config (Qwen3MoeConfig for a shape with experts) from a shape dict: no sliding window, rope theta 1e6 and
+    rms eps 1e-6 as Qwen3 ships; an MoE's router logits are not output, so no auxiliary loss is computed (LoRA does
+    not train the router)."""
+    config_class: Any = Qwen3MoeConfig if is_moe(shape) else Qwen3Config
+    moe = {"output_router_logits": False} if is_moe(shape) else {}
+    return cast(
+        Qwen3Config | Qwen3MoeConfig,
+        config_class(
+            **shape,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            use_cache=False,
+            **moe,
+            **extra,
+        ),
     )
 
 
@@ -105,14 +146,16 @@ def seeded_init_(model: torch.nn.Module, seed: int = PRESET_SEED) -> None:
 
 
 def build_from_config(
-    config: Qwen3Config, dtype: torch.dtype, device: str | torch.device, seed: int = PRESET_SEED
-) -> Qwen3ForCausalLM:
+    config: Qwen3Config | Qwen3MoeConfig, dtype: torch.dtype, device: str | torch.device, seed: int = PRESET_SEED
+) -> Qwen3ForCausalLM | Qwen3MoeForCausalLM:
     """Instantiate directly on `device` in `dtype` (no CPU round trip for the 4B shape) and seed the weights."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+            model = (
+                Qwen3MoeForCausalLM(config) if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM(config)
+            )
     finally:
         torch.set_default_dtype(previous)
     seeded_init_(model, seed)
@@ -122,7 +165,7 @@ def build_from_config(
 
 def build_preset_model(
     name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = PRESET_SEED
-) -> Qwen3ForCausalLM:
+) -> Qwen3ForCausalLM | Qwen3MoeForCausalLM:
     """A real-shape preset (`qwen3-0.6b-shape`, `qwen3-4b-shape`) with random weights, built in place; never saved."""
     if name not in SHAPE_PRESETS:
         raise InvalidRequestError(f"unknown shape preset {name!r}; known: {sorted(SHAPE_PRESETS)}")

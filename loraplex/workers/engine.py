@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -52,6 +52,7 @@ from loraplex.workers.lora import (
     lora_delta_grouped,
     select_lora_op,
 )
+from loraplex.workers.lora.expert_bank import ExpertProjectionBank, install_expert_banks
 from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.losses import segments_of
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
@@ -138,9 +139,15 @@ class Engine:
         op = lora_op or select_lora_op(self.device, self.compute_dtype)  # grouped_mm where it is faster
         self.fused_lora = lora_op is None if fused_lora is None else bool(fused_lora)
         self._fused_grouped = op is lora_delta_grouped
-        self.banks: dict[str, SlotBankLinear] = install_slot_banks(
+        dense = install_slot_banks(
             model, num_slots=num_slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
         )
+        experts = install_expert_banks(
+            model, num_slots=num_slots, max_rank=max_rank, targets=target_modules, context=self.context,
+            grouped=self._fused_grouped,
+        )  # fmt: skip
+        # Dense banks first: their columns lead the optimizer's flat buffer, so the fused path gathers only them.
+        self.banks: dict[str, SlotBankLinear | ExpertProjectionBank] = {**dense, **experts}
         self.target_modules = tuple(dict.fromkeys(target_modules))
         hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
         self.body = hf.get_decoder()  # runs embeddings -> layers -> final norm
@@ -151,11 +158,14 @@ class Engine:
         params, rank_dims = [], []
         for bank in self.banks.values():
             params += [bank.lora_A, bank.lora_B]
-            rank_dims += [2, 1]  # A [S, in, r]: rank last; B [S, r, out]: rank in the middle
+            lead = bank.lora_A.dim() - 3  # 0 dense; 1 experts ([S, E, in, r])
+            rank_dims += [2 + lead, 1 + lead]  # A [S, (E,) in, r]: rank last; B [S, (E,) r, out]: rank second to last
         self.optimizer = SlotAdamW(params, rank_dims, num_slots)
-        for i, bank in enumerate(self.banks.values()):
+        for i, bank in enumerate(dense.values()):
             (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
+        # The fused path's gathered width: the dense banks' columns (an MoE's expert banks are read in place).
+        self.dense_width = sum(n for _, n in self.optimizer.segments[: 2 * len(dense)])
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(num_slots))
         self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
@@ -167,12 +177,14 @@ class Engine:
         self.fused_elementwise = bool(self.fused_modules)
         self.trunk = Trunk(self.body, self.head)
         self.checkpointing = checkpointing or CheckpointPolicy()
-        graphable = self.device.type == "cuda" and dist is None and self._fused_grouped
+        # Not with expert banks: their gradients accumulate through autograd into the masters, which a captured
+        # backward (gradients for the microbatch's trigger only) would not do.
+        graphable = self.device.type == "cuda" and dist is None and self._fused_grouped and not experts
         self.graphs = (
             BodyGraphs(
                 self.trunk.hidden,
                 self.context,
-                self.optimizer.data.shape[1],
+                self.dense_width,
                 self.compute_dtype,
                 max_rank,
                 self.device,
@@ -333,8 +345,8 @@ class Engine:
         r = self.adapter(model_id)
         return {
             name: (
-                self.banks[name].lora_A[r.slot, :, : r.rank].detach().cpu().clone(),
-                self.banks[name].lora_B[r.slot, : r.rank].detach().cpu().clone(),
+                self.banks[name].lora_A[r.slot, ..., : r.rank].detach().cpu().clone(),
+                self.banks[name].lora_B[r.slot, ..., : r.rank, :].detach().cpu().clone(),
             )
             for name in self.adapter_modules(r)
         }
@@ -348,7 +360,7 @@ class Engine:
             ga, gb = (
                 (p.grad[r.slot] if p.grad is not None else torch.zeros_like(p[r.slot])) for p in (b.lora_A, b.lora_B)
             )
-            out[name] = (ga[:, : r.rank].detach().cpu().clone(), gb[: r.rank].detach().cpu().clone())
+            out[name] = (ga[..., : r.rank].detach().cpu().clone(), gb[..., : r.rank, :].detach().cpu().clone())
         return out
 
     def load_adapter_weights(self, model_id: str, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -362,14 +374,14 @@ class Engine:
             for name in modules:
                 bank = self.banks[name]
                 a, b = weights[name]
-                if tuple(a.shape) != (bank.in_features, r.rank) or tuple(b.shape) != (r.rank, bank.out_features):
-                    raise InvalidRequestError(
-                        f"{name}: expected A {(bank.in_features, r.rank)}, B {(r.rank, bank.out_features)}"
-                    )
+                lead = tuple(bank.lora_A.shape[1:-2])  # () dense, (E,) an MoE's experts
+                want_a, want_b = (*lead, bank.in_features, r.rank), (*lead, r.rank, bank.out_features)
+                if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                    raise InvalidRequestError(f"{name}: expected A {want_a}, B {want_b}")
                 bank.lora_A[r.slot].zero_()
                 bank.lora_B[r.slot].zero_()
-                bank.lora_A[r.slot, :, : r.rank] = a.to(self.device, torch.float32)
-                bank.lora_B[r.slot, : r.rank] = b.to(self.device, torch.float32)
+                bank.lora_A[r.slot, ..., : r.rank] = a.to(self.device, torch.float32)
+                bank.lora_B[r.slot, ..., : r.rank, :] = b.to(self.device, torch.float32)
 
     # ---- slot rows (the copies snapshots and checkpoints share) ------------------------------------------------------
     @property
@@ -560,18 +572,20 @@ class Engine:
             tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
             positions = None  # 0..seq_len-1 in every row: the body's default
             routing = self._routing(items, mb, seq_len)
-        if graphed is not None:
-            lp, routing, banks = self._replay_body(*graphed, tokens.view(-1), packed.positions, targets)
-        else:
-            banks = self._gather_banks(routing, trainable)
-            # The rows every layer runs: real tokens when packed, count x longest when padded.
-            recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
-            with self.context.use(routing, banks), torch.set_grad_enabled(trainable), recompute, self._elementwise():
+        with ExitStack() as scope:  # the backward below runs inside it too: checkpointed layers recompute there
+            scope.enter_context(torch.set_grad_enabled(trainable))
+            if graphed is not None:
+                lp, routing, banks = self._replay_body(*graphed, tokens.view(-1), packed.positions, targets)
+            else:
+                banks = self._gather_banks(routing, trainable)
+                # The rows every layer runs: real tokens when packed, count x longest when padded.
+                recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
+                for context in (self.context.use(routing, banks), recompute, self._elementwise()):
+                    scope.enter_context(context)
                 lp = self.trunk(
                     tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length,
                     self.fused_head,
                 )  # fmt: skip
-        with torch.set_grad_enabled(trainable):
             total: torch.Tensor | None = None
             start = 0
             for item_index, run in _runs_by_item(mb):
@@ -606,7 +620,7 @@ class Engine:
         pad = padded.pad_tokens
         routing = graph.load(
             torch.cat([tokens, torch.full((pad,), self.pad_id, dtype=torch.int64)]),
-            torch.cat([positions, torch.arange(pad)]), padded, self.optimizer.data,
+            torch.cat([positions, torch.arange(pad)]), padded, self._dense_columns(self.optimizer.data),
         )  # fmt: skip
         hidden = graph.run()[: routing.num_rows - pad]
         head = cast(torch.Tensor, self.head.weight)
@@ -661,14 +675,19 @@ class Engine:
         if not self.fused_lora:
             return None
         return MicrobatchBanks.gather(
-            self.optimizer.data, routing, self.compute_dtype, trainable=trainable, grouped=self._fused_grouped
-        )
+            self._dense_columns(self.optimizer.data), routing, self.compute_dtype, trainable=trainable,
+            grouped=self._fused_grouped,
+        )  # fmt: skip
+
+    def _dense_columns(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense banks' columns of a flat [S, P] buffer (all of it for a dense model): a view."""
+        return flat if self.dense_width == flat.shape[1] else flat[:, : self.dense_width]
 
     def _fold_grads(self, routing: Routing, banks: MicrobatchBanks | None) -> None:
         """Add the microbatch's gradients into the optimizer's flat gradient (the banks' .grad views): one op. The
         routing's slots are distinct (see `_routing`), so index_add_ adds each group's row once."""
         if banks is not None and banks.grads is not None:
-            self.optimizer.grad.index_add_(0, routing.slot_ids, banks.grads)
+            self._dense_columns(self.optimizer.grad).index_add_(0, routing.slot_ids, banks.grads)
 
     def _after_forward(self, trainable: bool) -> None:
         if self.dist is not None and not trainable:

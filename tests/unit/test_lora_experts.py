@@ -56,7 +56,9 @@ def test_zero_adapters_are_transformers_experts_forward() -> None:
     routing = Routing.build([2, 0], [4, 8], [2.0, 0.5], [12, 8])
     want = experts(x, idx, weights)
     for op in (experts_reference, experts_grouped):
-        got = op(x, idx, weights, experts.gate_up_proj, experts.down_proj, _banks(0, [8] * S, zero=True), routing, F.silu)
+        got = op(
+            x, idx, weights, experts.gate_up_proj, experts.down_proj, _banks(0, [8] * S, zero=True), routing, F.silu
+        )
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -69,7 +71,7 @@ def test_one_adapter_is_the_merged_expert_weights_scaled_by_the_routing_weights(
     got = experts_reference(x, idx, weights, experts.gate_up_proj, experts.down_proj, banks, routing, F.silu)
     merged, _ = _block(1)
     with torch.no_grad():
-        (ga, gb), (ua, ub), (da, db) = ((a[slot, :, :, :rank], b[slot, :, :rank]) for a, b in banks.pairs())
+        (ga, gb), (ua, ub), (da, db) = ((a[slot, :, :, :rank], b[slot, :, :rank]) for a, b in banks.pairs())  # type: ignore[index]
         delta_gate_up = torch.cat([ga @ gb, ua @ ub], dim=-1).transpose(1, 2)  # [E, 2I, H]
         merged.gate_up_proj += scale * delta_gate_up
         merged.down_proj += scale * (da @ db).transpose(1, 2)
@@ -89,7 +91,7 @@ def test_grouped_equals_the_reference_outputs_and_gradients(max_groups: int) -> 
     got = experts_grouped(x, idx, weights, *args, max_groups=max_groups)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(5))
-    leaves = (x, *(t for pair in banks.pairs() for t in pair))
+    leaves = (x, *(t for pair in banks.pairs() for t in pair if t is not None))
     grads_want = torch.autograd.grad(want, leaves, dy)
     grads_got = torch.autograd.grad(got, leaves, dy)
     for w, g in zip(grads_want, grads_got, strict=True):
@@ -97,7 +99,7 @@ def test_grouped_equals_the_reference_outputs_and_gradients(max_groups: int) -> 
     # slots no group uses get no gradient, and rank padding gets exact zeros
     bank_grads = grads_got[1:]
     assert all(float(t[1].abs().max()) == 0.0 for t in bank_grads)
-    assert float(bank_grads[0][3, :, :, ranks[3]:].abs().max()) == 0.0
+    assert float(bank_grads[0][3, :, :, ranks[3] :].abs().max()) == 0.0
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -106,3 +108,18 @@ def test_bad_shapes_are_refused() -> None:
     routing = Routing.build([0], [8], [1.0], [5])
     with pytest.raises(ValueError, match="routing covers 5 rows"):
         experts_grouped(x, idx, weights, experts.gate_up_proj, experts.down_proj, _banks(0, [8] * S), routing, F.silu)
+
+
+def test_a_projection_without_banks_gets_no_lora() -> None:
+    experts, router = _block(4)
+    x, idx, weights = _inputs(12, router, 6)
+    full = _banks(7, [3, 8, 8, 8])
+    no_up = ExpertBanks(full.gate_a, full.gate_b, None, None, full.down_a, full.down_b)
+    zero_up = ExpertBanks(full.gate_a, full.gate_b, torch.zeros_like(full.up_a), torch.zeros_like(full.up_b),  # type: ignore[arg-type]
+                          full.down_a, full.down_b)  # fmt: skip
+    routing = Routing.build([0, 2], [3, 8], [1.0, 2.0], [5, 7])
+    args = (experts.gate_up_proj, experts.down_proj)
+    for op in (experts_reference, experts_grouped):
+        torch.testing.assert_close(
+            op(x, idx, weights, *args, no_up, routing, F.silu), op(x, idx, weights, *args, zero_up, routing, F.silu)
+        )

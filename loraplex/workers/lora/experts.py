@@ -45,16 +45,17 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ExpertBanks:
-    """One MoE block's expert LoRA banks (fp32 masters; see the module doc for shapes)."""
+    """One MoE block's expert LoRA banks (fp32 masters; see the module doc for shapes). A projection without LoRA
+    (the pool does not target it) has None for both."""
 
-    gate_a: torch.Tensor
-    gate_b: torch.Tensor
-    up_a: torch.Tensor
-    up_b: torch.Tensor
-    down_a: torch.Tensor
-    down_b: torch.Tensor
+    gate_a: torch.Tensor | None
+    gate_b: torch.Tensor | None
+    up_a: torch.Tensor | None
+    up_b: torch.Tensor | None
+    down_a: torch.Tensor | None
+    down_b: torch.Tensor | None
 
-    def pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    def pairs(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
         return (self.gate_a, self.gate_b), (self.up_a, self.up_b), (self.down_a, self.down_b)
 
 
@@ -67,8 +68,12 @@ def _check(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
         raise ValueError(f"gate_up_proj must be [E, 2I, {x.shape[1]}], got {tuple(gate_up.shape)}")
 
 
-def _lora_one(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    return ((t @ a.to(t.dtype)) * scale) @ b.to(t.dtype)
+def _plus_lora(
+    base: torch.Tensor, t: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    if a is None or b is None:
+        return base
+    return base + ((t @ a.to(t.dtype)) * scale) @ b.to(t.dtype)
 
 
 def experts_reference(
@@ -92,17 +97,23 @@ def experts_reference(
             if tokens.numel() == 0:
                 continue
             (ga, gb), (ua, ub), (da, db) = (
-                (a[slot, e, :, :rank], b[slot, e, :rank]) for a, b in banks.pairs()
+                (None, None) if a is None or b is None else (a[slot, e, :, :rank], b[slot, e, :rank])
+                for a, b in banks.pairs()
             )  # fmt: skip
             xe = x[start:end][tokens]
             gate, up = torch.nn.functional.linear(xe, gate_up[e]).chunk(2, dim=-1)
-            gate = gate + _lora_one(xe, ga, gb, scale)
-            up = up + _lora_one(xe, ua, ub, scale)
+            gate = _plus_lora(gate, xe, ga, gb, scale)
+            up = _plus_lora(up, xe, ua, ub, scale)
             h = act(gate) * up
-            out = torch.nn.functional.linear(h, down[e]) + _lora_one(h, da, db, scale)
+            out = _plus_lora(torch.nn.functional.linear(h, down[e]), h, da, db, scale)
             out = out * weights[start:end][tokens, k, None]
             y = y.index_add(0, tokens + start, out.to(y.dtype))
     return y
+
+
+def _counts(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """How often each of 0..bins-1 occurs in `values` (bincount's, without its device-to-host read of the maximum)."""
+    return torch.zeros(bins, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
 
 
 def _stacked(
@@ -162,19 +173,23 @@ def experts_grouped(
     key = pair_expert * groups + routing.row_groups[pair_token]
     order = torch.argsort(key, stable=True)
     tokens = pair_token[order]
-    offs_e = torch.bincount(pair_expert, minlength=experts).cumsum(0).to(torch.int32)
-    offs_eg = torch.bincount(key, minlength=experts * groups).cumsum(0).to(torch.int32)
+    offs_e = _counts(pair_expert, experts).cumsum(0).to(torch.int32)
+    offs_eg = _counts(key, experts * groups).cumsum(0).to(torch.int32)
     row_scales = routing.scale_values[routing.row_groups[tokens]].view(-1, 1)
     xs = x.index_select(0, tokens)
 
-    def lora(t: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor) -> torch.Tensor:
+    def plus_lora(
+        base: torch.Tensor, t: torch.Tensor, a_bank: torch.Tensor | None, b_bank: torch.Tensor | None
+    ) -> torch.Tensor:
+        if a_bank is None or b_bank is None:
+            return base
         a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype)
-        return _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
+        return base + _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
 
     gate, up = _grouped_mm(_dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)
-    gate = gate + lora(xs, banks.gate_a, banks.gate_b)
-    up = up + lora(xs, banks.up_a, banks.up_b)
+    gate = plus_lora(gate, xs, banks.gate_a, banks.gate_b)
+    up = plus_lora(up, xs, banks.up_a, banks.up_b)
     h = act(gate) * up
-    out = _grouped_mm(_dense(h), down.transpose(1, 2), offs=offs_e) + lora(h, banks.down_a, banks.down_b)
+    out = plus_lora(_grouped_mm(_dense(h), down.transpose(1, 2), offs=offs_e), h, banks.down_a, banks.down_b)
     out = out * weights.reshape(-1)[order].view(-1, 1)
     return torch.zeros_like(x).index_add(0, tokens, out.to(x.dtype))

@@ -11,30 +11,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from loraplex.workers.lora.slot_bank import SlotBankLinear
 
-
-def init_lora_a(banks: Sequence[SlotBankLinear], slot: int, rank: int, seed: int) -> None:
+def init_lora_a(banks: Sequence[Any], slot: int, rank: int, seed: int) -> None:
     """Write the init of a rank-`rank` adapter into `slot` of every bank's A (columns past `rank` untouched: the caller
-    zeroed the slot)."""
+    zeroed the slot). A bank's A is [S, in, r_max] (a dense layer) or [S, E, in, r_max] (an MoE's expert projection:
+    each expert drawn as a dense layer of the same fan-in)."""
     device = banks[0].lora_A.device
     with torch.no_grad():
         if device.type == "cpu":
             gen = torch.Generator().manual_seed(seed)
             for bank in banks:
                 bound = 1.0 / math.sqrt(bank.in_features)
-                a = torch.empty(rank, bank.in_features).uniform_(-bound, bound, generator=gen)
-                bank.lora_A[slot, :, :rank] = a.t()
+                lead = tuple(bank.lora_A.shape[1:-2])  # () dense, (E,) experts
+                a = torch.empty(*lead, rank, bank.in_features).uniform_(-bound, bound, generator=gen)
+                bank.lora_A[slot, ..., :rank] = a.transpose(-1, -2)
             return
         gen = torch.Generator(device=device).manual_seed(seed)
-        groups: dict[int, list[SlotBankLinear]] = {}
+        groups: dict[tuple[int, ...], list[Any]] = {}
         for bank in banks:
-            groups.setdefault(bank.in_features, []).append(bank)
-        for fan_in, members in groups.items():
+            groups.setdefault((*bank.lora_A.shape[1:-2], bank.in_features), []).append(bank)
+        for key, members in groups.items():
+            shape, fan_in = key[:-1], key[-1]
             bound = 1.0 / math.sqrt(fan_in)
-            values = torch.empty(len(members), rank, fan_in, device=device).uniform_(-bound, bound, generator=gen)
+            values = torch.empty(len(members), *shape, rank, fan_in, device=device).uniform_(
+                -bound, bound, generator=gen
+            )
             for bank, a in zip(members, values, strict=True):
-                bank.lora_A[slot, :, :rank].copy_(a.t())
+                bank.lora_A[slot, ..., :rank].copy_(a.transpose(-1, -2))

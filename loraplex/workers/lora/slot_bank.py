@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from loraplex.errors import InvalidRequestError
+from loraplex.workers.lora.expert_bank import EXPERT_PROJECTIONS, is_fused_experts
 from loraplex.workers.lora.fused import BankLayout, lora_delta_fused
 from loraplex.workers.lora.reference import lora_delta_reference
 from loraplex.workers.lora.routing import LoraContext, Routing
@@ -94,9 +95,13 @@ def install_slot_banks(
                 if child is head:
                     raise InvalidRequestError(f"cannot put LoRA on the output head {child_name!r}")
                 found[f"{name}.{child_name}" if name else child_name] = (module, child_name, child)
-    missing = [t for t in targets if not any(n.rsplit(".", 1)[-1] == t for n in found)]
+    # gate/up/down of an MoE's fused experts get expert banks (lora/expert_bank.py, installed after this function)
+    experts = EXPERT_PROJECTIONS if any(is_fused_experts(m) for m in model.modules()) else ()
+    missing = [t for t in targets if t not in experts and not any(n.rsplit(".", 1)[-1] == t for n in found)]
     if missing:
-        raise InvalidRequestError(f"unknown target modules {missing}: no nn.Linear with that name in the model")
+        raise InvalidRequestError(
+            f"unknown target modules {missing}: no nn.Linear (or fused experts' projection) with that name in the model"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     banks: dict[str, SlotBankLinear] = {}
