@@ -14,6 +14,10 @@ One checkpoint is one directory:
                                step count), user_metadata, created_at, files {name: {size, sha256}}, and manifest_sha256
                                (sha256 of the manifest's canonical JSON without that field).
 
+An MoE's expert projection (`<experts>.gate_proj` / `.up_proj` / `.down_proj`, workers/lora/expert_bank.py) is stored
+under the same names with one matrix per expert: lora_A [E, r, in], lora_B [E, out, r] (our layout: PEFT has no
+per-expert, per-projection LoRA of fused experts to load it into).
+
 Only the real-rank parts are stored (the zero padding up to the pool's r_max is not), all fp32. Gradients are never
 stored: like Tinker's save_state, a checkpoint holds weights + optimizer state; unconsumed gradients are dropped.
 
@@ -299,8 +303,9 @@ def validate_state(state: CheckpointState) -> None:
         raise bad("optimizer state must cover exactly the modules")
     for name in modules:
         a, b = state.weights[name]
-        if not (_is_matrix(a) and _is_matrix(b)) or a.shape[0] != state.rank or b.shape[1] != state.rank:
-            raise bad(f"{name}: A must be [rank={state.rank}, in] and B [out, rank], got "
+        fits = _is_matrix(a) and _is_matrix(b) and a.shape[:-2] == b.shape[:-2]  # an expert projection: [E, ...] both
+        if not fits or a.shape[-2] != state.rank or b.shape[-1] != state.rank:
+            raise bad(f"{name}: A must be [(experts,) rank={state.rank}, in] and B [(experts,) out, rank], got "
                       f"{tuple(getattr(a, 'shape', ()))}, {tuple(getattr(b, 'shape', ()))}")  # fmt: skip
         if state.optimizer is not None:
             for key, t, like in zip(MOMENT_NAMES, state.optimizer[name], (a, a, b, b), strict=True):
@@ -309,7 +314,8 @@ def validate_state(state: CheckpointState) -> None:
 
 
 def _is_matrix(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and min(t.shape) > 0
+    """A LoRA factor: a matrix, or a stack of one per expert (an MoE's expert projection), nothing empty."""
+    return isinstance(t, torch.Tensor) and t.dim() in (2, 3) and t.is_floating_point() and min(t.shape) > 0
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,8 @@ def check_signature(engine: Engine, state: CheckpointState) -> None:
     for name in state.modules:
         bank = engine.banks[name]
         a, b = state.weights[name]
-        want_a, want_b = (state.rank, bank.in_features), (bank.out_features, state.rank)
+        lead = tuple(bank.lora_A.shape[1:-2])  # () dense, (E,) an MoE's expert projection
+        want_a, want_b = (*lead, state.rank, bank.in_features), (*lead, bank.out_features, state.rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise InvalidRequestError(
                 f"checkpoint module {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit this pool's "
@@ -149,17 +150,17 @@ def load_into_engine(
                 assert state.optimizer is not None
                 m_a, v_a, m_b, v_b = state.optimizer[name]
                 parts += [(m_a, m_b), (v_a, v_b)]
-            for k, (part_a, part_b) in enumerate(parts):  # PEFT's A [r, in], B [out, r] -> the banks' layout
-                a[k, :, :r] = part_a.t()
-                b[k, :r] = part_b.t()
+            for k, (part_a, part_b) in enumerate(parts):  # PEFT's A [(E,) r, in], B [(E,) out, r] -> the banks'
+                a[k, ..., :r] = part_a.transpose(-1, -2)
+                b[k, ..., :r, :] = part_b.transpose(-1, -2)
     engine.write_slot(record.slot, rows, names)
     engine.optimizer.steps[record.slot] = int(state.step) if with_optimizer else 0
     return record
 
 
 def _bank_views(engine: Engine, rows: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Per bank, in the engine's order: its name and its views into `rows` [k, P] (slot rows): A [k, in, r_max] and
-    B [k, r_max, out]."""
+    """Per bank, in the engine's order: its name and its views into `rows` [k, P] (slot rows): A [k, (E,) in, r_max]
+    and B [k, (E,) r_max, out]."""
     segments = engine.optimizer.segments
     for i, (name, bank) in enumerate(engine.banks.items()):
         (a_start, a_size), (b_start, b_size) = segments[2 * i], segments[2 * i + 1]
@@ -169,7 +170,8 @@ def _bank_views(engine: Engine, rows: torch.Tensor) -> Iterator[tuple[str, torch
 
 
 def _real_parts(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bank's real-rank (A [r, in], B [out, r]) from its padded views, each with its own contiguous storage
-    (safetensors refuses shared storage)."""
+    """A bank's real-rank (A [r, in], B [out, r]; an expert projection's [E, r, in], [E, out, r]) from its padded
+    views, each with its own contiguous storage (safetensors refuses shared storage)."""
     own = torch.contiguous_format
-    return a[:, :rank].t().clone(memory_format=own), b[:rank].t().clone(memory_format=own)
+    real_a, real_b = a[..., :rank].transpose(-1, -2), b[..., :rank, :].transpose(-1, -2)
+    return real_a.clone(memory_format=own), real_b.clone(memory_format=own)

@@ -74,6 +74,13 @@ def export_peft(
     local folder or hub id the consumer (PEFT, vLLM) loads. tokenizer_dir: a folder whose tokenizer files are copied
     along (InvalidRequestError when it has none). Returns `out_dir`."""
     validate_state(state)
+    experts = [name for name, (a, _) in state.weights.items() if a.dim() == 3]
+    if experts:
+        # PEFT has no per-expert, per-projection LoRA of fused experts: a file it cannot load is refused, not written.
+        raise InvalidRequestError(
+            f"PEFT export of expert LoRA is not supported ({len(experts)} expert projections, e.g. {experts[0]}); "
+            "the adapter's checkpoint holds them in loraplex's documented layout (workers/checkpoint.py)"
+        )
     out_dir = Path(out_dir)
     tokenizer_files: list[Path] = []
     if tokenizer_dir is not None:

@@ -76,3 +76,40 @@ def test_mixed_moe_training_equals_each_adapter_alone_on_the_reference(moe_dir: 
         for name in ("model.layers.0.mlp.experts.gate_proj", "model.layers.1.mlp.experts.down_proj"):
             for now, then in zip(got_w[name], before[model_id][name], strict=True):
                 assert (now - then).abs().max() > 1e-3, name  # the expert banks trained, A and B
+
+
+def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_path: Path) -> None:
+    from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
+    from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
+
+    engine = _engine(moe_dir)
+    data = [engine.prepare("b", DATA["b"], "cross_entropy", None, False)]
+    engine.forward_backward(data)
+    engine.optim_step([("b", {"learning_rate": 1e-2})])
+    write_checkpoint(state_from_engine(engine, "b", base_model="tiny-moe", with_optimizer=True), tmp_path / "ckpt")
+    state = read_checkpoint(tmp_path / "ckpt")
+    a, b = state.weights["model.layers.1.mlp.experts.up_proj"]
+    assert a.shape == (4, 4, 64) and b.shape == (4, 32, 4)  # [E, r, in], [E, out, r]
+    fresh = _engine(moe_dir)
+    load_into_engine(fresh, state, "b2", with_optimizer=True, existing=False)
+    for name, (wa, wb) in engine.adapter_weights("b").items():
+        ga, gb = fresh.adapter_weights("b2")[name]
+        assert torch.equal(wa, ga) and torch.equal(wb, gb), name
+    # training continues identically from the restored state
+    for e, model_id in ((engine, "b"), (fresh, "b2")):
+        e.forward_backward([e.prepare(model_id, DATA["b"], "cross_entropy", None, False)])
+        e.optim_step([(model_id, {"learning_rate": 1e-2})])
+    for name, (wa, wb) in engine.adapter_weights("b").items():
+        ga, gb = fresh.adapter_weights("b2")[name]
+        assert torch.equal(wa, ga) and torch.equal(wb, gb), name
+
+
+def test_peft_export_of_expert_lora_is_refused_clearly(moe_dir: Path, tmp_path: Path) -> None:
+    from loraplex.errors import InvalidRequestError
+    from loraplex.workers.checkpoint_state import state_from_engine
+    from loraplex.workers.export import export_peft
+
+    state = state_from_engine(_engine(moe_dir), "a", base_model="tiny-moe", with_optimizer=False)
+    with pytest.raises(InvalidRequestError, match="PEFT export of expert LoRA is not supported"):
+        export_peft(state, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
