@@ -70,13 +70,13 @@ class BaseModelLoader:
 
 def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> Any:
     """The SAMPLE step over this engine (workers/sampling_step.py), or None (no sampler: its requests fail saying so):
-    settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now), or a model it does
-    not support (logged)."""
+    settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now); for a model it does
+    not support (an MoE), a step whose requests fail with the reason (logged too)."""
     if settings.sampler == "vllm" and group is None:
         return vllm_sampling(settings)
     if settings.sampler != "native" or group is not None:
         return None
-    from loraplex.errors import LoraplexError
+    from loraplex.errors import LoraplexError, NotSupportedError
     from loraplex.models import load_tokenizer
     from loraplex.workers.sampler import Sampler
     from loraplex.workers.sampling_step import SampleStep
@@ -86,7 +86,12 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
         return SampleStep(Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows), store)
     except (LoraplexError, OSError) as exc:
         log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
-        return None
+        reason = NotSupportedError(f"this pool has no native sampler: {exc}")
+
+        def unavailable(step: Any) -> Any:  # each sampling request fails saying why (e.g. an MoE base model)
+            raise reason
+
+        return unavailable
 
 
 def vllm_sampling(settings: Settings) -> Any:
