@@ -422,6 +422,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--cap", type=int, default=4096, help="microbatch token cap")
     p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--slots", type=int, default=0,
+                   help="engine slots (0: max(8, adapters)); an MoE's expert banks are large (Qwen3-30B-A3B at rank 16: "
+                        "3.3 GB per slot, x4 with gradients and Adam moments)")  # fmt: skip
     p.add_argument("--saturated-seqs", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -465,7 +468,7 @@ def main() -> None:
     results: dict[str, Any] = {"env": env}
     if args.mode in ("cost", "long", "ragged"):
         model = build_model(args)
-        engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+        engine = Engine(model, num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                         device=args.device, microbatch_tokens=args.cap)  # fmt: skip
         if args.mode == "cost":
             results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
@@ -491,7 +494,7 @@ def main() -> None:
         kernels_module.install(model)
         results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
         print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
-    engine = Engine(model, num_slots=max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+    engine = Engine(model, num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                     device=args.device, microbatch_tokens=args.cap,
                     fused_elementwise="on" in args.elementwise.split(","), cuda_graphs="on" in args.graphs.split(","))  # fmt: skip
     for i in range(args.adapters):
