@@ -22,10 +22,13 @@ from loraplex.workers.snapshots import AdapterSnapshot
 ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 
 
-@pytest.fixture
-def make_engine(tiny_dir: Path) -> Callable[..., Engine]:
+@pytest.fixture(params=["tiny"])
+def make_engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Callable[..., Engine]:
+    """Engines on the tiny model; a test parametrized indirectly with "tiny-moe" gets the MoE preset (expert banks)."""
+    folder = tiny_dir if request.param == "tiny" else request.getfixturevalue("tiny_moe_dir")
+
     def make(slots: int = 2, max_rank: int = 4) -> Engine:
-        model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)  # fp32
+        model, _ = load_base_model(str(folder), folder.parent)  # fp32
         return Engine(model, num_slots=slots, max_rank=max_rank)
 
     return make
@@ -43,6 +46,7 @@ def same_state(a: AdapterSnapshot, b: AdapterSnapshot) -> bool:
     return torch.equal(a.rows, b.rows) and (a.step, a.rank, a.alpha, a.seed) == (b.step, b.rank, b.alpha, b.seed)
 
 
+@pytest.mark.parametrize("make_engine", ["tiny", "tiny-moe"], indirect=True)
 @pytest.mark.parametrize("through", ["cpu", "disk"])
 def test_swapping_between_every_call_follows_the_unswapped_trajectory_bit_for_bit(
     make_engine: Callable[..., Engine], tmp_path: Path, through: str

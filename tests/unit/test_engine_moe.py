@@ -1,7 +1,9 @@
 """The engine on a mixture-of-experts base (issue 15): the `tiny-moe` preset (Qwen3-MoE, 4 experts, 2 per token) with
 LoRA on attention and on every expert's gate / up / down. Three adapters of different ranks trained together in mixed
 batches for 5 steps on the fast paths (fused dense banks, grouped expert LoRA) equal each adapter trained alone on the
-plain-torch reference ops (the dense loop, `experts_reference`): losses, logprobs and weights, fp32, <= 1e-5."""
+plain-torch reference ops (the dense loop, `experts_reference`): losses, logprobs and weights, fp32, <= 1e-5. Also
+checkpoints (a documented layout; PEFT export refused); swaps: tests/unit/test_adapter_store.py; the Tinker SDK:
+tests/e2e/test_tinker_sdk_moe.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.models import load_base_model, resolve
+from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, SlotBankExperts
@@ -20,9 +22,9 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, 
 DATA = {"a": make_data(10, [5, 9]), "b": make_data(11, [13, 2, 7]), "c": make_data(12, [6])}
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve("tiny-moe", tmp_path_factory.getbasetemp() / "model-cache")
+@pytest.fixture
+def moe_dir(tiny_moe_dir: Path) -> Path:
+    return tiny_moe_dir
 
 
 def _engine(moe_dir: Path, **kw: object) -> Engine:
