@@ -15,8 +15,8 @@ One checkpoint is one directory:
                                (sha256 of the manifest's canonical JSON without that field).
 
 An MoE's expert projection (`<experts>.gate_proj` / `.up_proj` / `.down_proj`, workers/lora/expert_bank.py) is stored
-under the same names with one matrix per expert: lora_A [E, r, in], lora_B [E, out, r] (our layout: PEFT has no
-per-expert, per-projection LoRA of fused experts to load it into).
+under the same names with one matrix per expert: lora_A [E, r, in], lora_B [E, out, r] (our layout; the PEFT export
+converts it to PEFT's target_parameters LoRA of the fused experts: workers/export_moe.py).
 
 Only the real-rank parts are stored (the zero padding up to the pool's r_max is not), all fp32. Gradients are never
 stored: like Tinker's save_state, a checkpoint holds weights + optimizer state; unconsumed gradients are dropped.
@@ -37,7 +37,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -219,15 +219,24 @@ def read_checkpoint(directory: Path) -> CheckpointState:
 
 def weights_file_bytes(state: CheckpointState, header: Mapping[str, Any] | None = None) -> bytes:
     """adapter_model.safetensors's bytes: PEFT key names and layout, fp32; the loraplex header in its metadata."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name in state.modules:
-        a, b = state.weights[name]
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _own(a)
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _own(b)
+    return tensors_file_bytes(peft_tensors(state), header)
+
+
+def peft_tensors(state: CheckpointState, only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by PEFT key name (these modules; default all), each with its own storage."""
+    return {
+        f"{PEFT_PREFIX}{name}.lora_{part}.weight": _own(t)
+        for name in (state.modules if only is None else only)
+        for part, t in zip("AB", state.weights[name], strict=True)
+    }
+
+
+def tensors_file_bytes(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any] | None = None) -> bytes:
+    """A safetensors file's bytes (metadata format pt, and the loraplex header when given)."""
     metadata = {"format": "pt"}
     if header is not None:
         metadata["loraplex"] = json.dumps(header, sort_keys=True, allow_nan=False)
-    return safetensors.torch.save(tensors, metadata=metadata)
+    return safetensors.torch.save(dict(tensors), metadata=metadata)
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------------

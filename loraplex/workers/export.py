@@ -16,7 +16,14 @@ from typing import Any
 
 from loraplex.errors import InvalidRequestError
 from loraplex.fsutil import write_bytes_atomic
-from loraplex.workers.checkpoint import CheckpointState, validate_state, weights_file_bytes
+from loraplex.workers.checkpoint import (
+    CheckpointState,
+    peft_tensors,
+    tensors_file_bytes,
+    validate_state,
+    weights_file_bytes,
+)
+from loraplex.workers.export_moe import expert_modules, moe_config, moe_tensors
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,16 +43,35 @@ TOKENIZER_FILES = (
 )
 
 
+def adapter_file_bytes(state: CheckpointState) -> bytes:
+    """adapter_model.safetensors: the checkpoint's tensors, an MoE's expert projections converted to PEFT's
+    target_parameters LoRA (export_moe.py)."""
+    if not expert_modules(state):
+        return weights_file_bytes(state)
+    dense = [name for name in state.modules if state.weights[name][0].dim() == 2]
+    return tensors_file_bytes({**peft_tensors(state, only=dense), **moe_tensors(state)})
+
+
 def adapter_config(state: CheckpointState, base_model_path: str | None = None) -> dict[str, Any]:
-    """PEFT's LoraConfig as JSON for this adapter (defaults spelled out for readers other than PEFT, e.g. vLLM)."""
+    """PEFT's LoraConfig as JSON for this adapter (defaults spelled out for readers other than PEFT, e.g. vLLM); an
+    MoE adapter's expert projections as PEFT's target_parameters (export_moe.py)."""
     alpha = float(state.alpha)
+    experts = expert_modules(state)
+    dense_leaves = sorted({n.rsplit(".", 1)[-1] for n in state.modules if state.weights[n][0].dim() == 2})
+    target_modules = sorted(set(state.target_modules)) if not experts else (dense_leaves or None)
+    return {**_lora_config(state, base_model_path, alpha, target_modules), **(moe_config(state) if experts else {})}
+
+
+def _lora_config(
+    state: CheckpointState, base_model_path: str | None, alpha: float, target_modules: list[str] | None
+) -> dict[str, Any]:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_path if base_model_path is not None else state.base_model,
         "r": int(state.rank),
         "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
-        "target_modules": sorted(set(state.target_modules)),
+        "target_modules": target_modules,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -74,13 +100,6 @@ def export_peft(
     local folder or hub id the consumer (PEFT, vLLM) loads. tokenizer_dir: a folder whose tokenizer files are copied
     along (InvalidRequestError when it has none). Returns `out_dir`."""
     validate_state(state)
-    experts = [name for name, (a, _) in state.weights.items() if a.dim() == 3]
-    if experts:
-        # PEFT has no per-expert, per-projection LoRA of fused experts: a file it cannot load is refused, not written.
-        raise InvalidRequestError(
-            f"PEFT export of expert LoRA is not supported ({len(experts)} expert projections, e.g. {experts[0]}); "
-            "the adapter's checkpoint holds them in loraplex's documented layout (workers/checkpoint.py)"
-        )
     out_dir = Path(out_dir)
     tokenizer_files: list[Path] = []
     if tokenizer_dir is not None:
@@ -91,7 +110,7 @@ def export_peft(
             )
     out_dir.mkdir(parents=True, exist_ok=True)
     config = json.dumps(adapter_config(state, base_model_path), indent=2, sort_keys=True) + "\n"
-    write_bytes_atomic(out_dir / ADAPTER_WEIGHTS_FILE, weights_file_bytes(state), mode=EXPORT_FILE_MODE)
+    write_bytes_atomic(out_dir / ADAPTER_WEIGHTS_FILE, adapter_file_bytes(state), mode=EXPORT_FILE_MODE)
     for src in tokenizer_files:
         write_bytes_atomic(out_dir / src.name, src.read_bytes(), mode=EXPORT_FILE_MODE)
     # Last: its presence marks a complete export.

@@ -2,7 +2,7 @@
 LoRA on attention and on every expert's gate / up / down. Three adapters of different ranks trained together in mixed
 batches for 5 steps on the fast paths (fused dense banks, grouped expert LoRA) equal each adapter trained alone on the
 plain-torch reference ops (the dense loop, `experts_reference`): losses, logprobs and weights, fp32, <= 1e-5. Also
-checkpoints (a documented layout; PEFT export refused); swaps: tests/unit/test_adapter_store.py; the Tinker SDK:
+checkpoints (a documented layout), the PEFT export (PEFT loads it and computes the same logprobs); swaps: tests/unit/test_adapter_store.py; the Tinker SDK:
 tests/e2e/test_tinker_sdk_moe.py."""
 
 from __future__ import annotations
@@ -106,12 +106,33 @@ def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_
         assert torch.equal(wa, ga) and torch.equal(wb, gb), name
 
 
-def test_peft_export_of_expert_lora_is_refused_clearly(moe_dir: Path, tmp_path: Path) -> None:
-    from loraplex.errors import InvalidRequestError
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "up_proj", "down_proj"], ["gate_proj"]])
+def test_peft_loads_the_exported_moe_adapter_and_computes_what_the_engine_does(
+    moe_dir: Path, tmp_path: Path, targets: list[str] | None
+) -> None:
+    """PEFT's target_parameters LoRA on the fused experts (workers/export_moe.py), gate and up fused at rank 2r."""
+    from peft import PeftModel
+
     from loraplex.workers.checkpoint_state import state_from_engine
     from loraplex.workers.export import export_peft
 
-    state = state_from_engine(_engine(moe_dir), "a", base_model="tiny-moe", with_optimizer=False)
-    with pytest.raises(InvalidRequestError, match="PEFT export of expert LoRA is not supported"):
-        export_peft(state, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    model, _ = load_base_model(str(moe_dir), moe_dir.parent)
+    engine = Engine(model, num_slots=2, max_rank=8)
+    engine.create_adapter("x", 4, 12.0, 5, target_modules=targets)
+    g = torch.Generator().manual_seed(9)
+    weights = engine.adapter_weights("x")
+    engine.load_adapter_weights("x", {n: (a, 0.2 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()})
+    ids = [5, 17, 99, 3, 250, 41, 8, 77, 64, 12]
+    datum = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * 9}}
+    (ours,) = engine.forward_backward([engine.prepare("x", [datum], "cross_entropy", None, True)])  # forward only
+    export_peft(state_from_engine(engine, "x", base_model="tiny-moe", with_optimizer=False), tmp_path / "peft")
+
+    base, _ = load_base_model(str(moe_dir), moe_dir.parent)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        logits = peft_model(torch.tensor([ids[:-1]])).logits[0].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1)
+    torch.testing.assert_close(torch.tensor(ours["loss_fn_outputs"][0]["logprobs"]), theirs, atol=1e-5, rtol=1e-5)
+    with peft_model.disable_adapter(), torch.no_grad():
+        without = torch.log_softmax(peft_model(torch.tensor([ids[:-1]])).logits[0].float(), -1)
+    assert (without.gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1) - theirs).abs().max() > 1e-3  # LoRA matters
