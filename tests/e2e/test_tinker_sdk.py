@@ -15,11 +15,10 @@ from tinker import types
 
 from loraplex.client import ServiceClient
 from loraplex.errors import NotFoundError
+from tests.helpers.sdk import LR, train
 from tests.helpers.stack import create_tenants
 
 pytestmark = pytest.mark.e2e
-
-LR = types.AdamParams(learning_rate=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +53,6 @@ def logprobs(out: types.ForwardBackwardOutput) -> list[list[float]]:
 
 def flat(out: types.ForwardBackwardOutput) -> np.ndarray:
     return np.array(sum(logprobs(out), []))
-
-
-def train(client, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        fb = client.forward_backward(data, "cross_entropy")
-        client.optim_step(LR).result()
-        losses.append(fb.result().metrics["loss:sum"])
-    return losses
 
 
 def test_fifteen_cross_entropy_steps_lower_the_loss_and_loss_sum_is_the_weighted_logprob_sum(alice) -> None:

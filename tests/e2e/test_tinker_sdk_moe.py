@@ -13,11 +13,10 @@ from tinker import types
 from loraplex.embedded import Stack
 from loraplex.netutil import free_port
 from loraplex.settings import Settings
+from tests.helpers.sdk import LR, train
 from tests.helpers.stack import create_tenants
 
 pytestmark = pytest.mark.e2e
-
-LR = types.AdamParams(learning_rate=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +43,6 @@ def batch(seed: int, n: int = 4, length: int = 12) -> list[types.Datum]:
         out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)}))  # fmt: skip
     return out
-
-
-def train(client, data, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        fb = client.forward_backward(data, "cross_entropy")
-        client.optim_step(LR).result()
-        losses.append(fb.result().metrics["loss:sum"])
-    return losses
 
 
 def test_two_tenants_train_moe_adapters_at_once_and_resume_exactly(clients) -> None:
