@@ -21,7 +21,6 @@ import torch
 from loraplex.workers.checkpoint import PEFT_PREFIX, CheckpointState
 
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
-EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
 def expert_modules(state: CheckpointState) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:

@@ -34,7 +34,6 @@ class ExpertProjectionBank(nn.Module):
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, in_features, max_rank, device=device))
         self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, out_features, device=device))
-        self.layout = None  # never on the fused gather-once path
 
     def extra_repr(self) -> str:
         slots, experts, _, rank = self.lora_A.shape
