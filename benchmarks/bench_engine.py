@@ -95,11 +95,11 @@ def bench_frozen_base(model, args, tokens_per_step: int, fused: bool = False) ->
     n_seq = tokens_per_step // args.seq_len
     ids = torch.randint(0, model.config.vocab_size, (n_seq, args.seq_len + 1), generator=gen).to(args.device)
     body, head = model.get_decoder(), model.get_output_embeddings()
-    kernels = kernels_module.active() if fused else contextlib.nullcontext()
     fused_head = fused and "fused" in args.head.split(",")
 
     def step() -> None:
-        with kernels:
+        # A fresh context each step: active() is a generator context manager, entered once per instance.
+        with kernels_module.active() if fused else contextlib.nullcontext():
             embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
             hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
             (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten(), fused=fused_head)).sum().backward()
@@ -434,8 +434,8 @@ def main() -> None:
                    help="comma list: on (Triton RMSNorm / RoPE / MLP activation on CUDA, the engine's default), off (HF's eager modules)")  # fmt: skip
     p.add_argument("--graphs", default="on",
                    help="comma list: on (the body of training microbatches as CUDA graphs, the engine's default), off (eager)")  # fmt: skip
-    p.add_argument("--head", default="eager",
-                   help="comma list: fused (the LM head's log-softmax as Triton kernels), eager (chunked torch, the default)")  # fmt: skip
+    p.add_argument("--head", default="fused",
+                   help="comma list: fused (the LM head's log-softmax as Triton kernels, the engine's default on CUDA), eager (chunked torch)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
@@ -487,10 +487,10 @@ def main() -> None:
         print("peft", results["peft_single"], flush=True)
 
     model = build_model(args)
+    model.requires_grad_(False)  # the frozen base: activation gradients only, no weight gradients (as under LoRA)
     results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
     print("frozen base", results["frozen_base"], flush=True)
     if "on" in args.elementwise.split(",") and kernels_module.available():
-        model.requires_grad_(False)
         kernels_module.install(model)
         results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
         print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)

@@ -25,13 +25,14 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-4b-shape")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--rows", default="1,8", help="sequences per profiled step")
+    p.add_argument("--slots", type=int, default=8, help="engine slots (an MoE's expert banks are large: see bench_engine)")
     p.add_argument("--out", default=None, help="folder for the tables")
     p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
     p.add_argument("--elementwise", action="store_true", help="the Triton norms and activation (Engine(fused_elementwise=True))")
     p.add_argument("--graphs", action="store_true", help="the body as CUDA graphs (Engine(cuda_graphs=True))")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, num_slots=8, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
+    engine = Engine(model, num_slots=args.slots, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
                     fused_lora=not args.unfused, fused_elementwise=args.elementwise, cuda_graphs=args.graphs)  # fmt: skip
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     adam = {"learning_rate": 1e-5}

@@ -143,6 +143,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
             "checkpointing": CheckpointPolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
             "cuda_graphs": settings.cuda_graphs,
             "fused_elementwise": settings.fused_kernels,
+            "fused_head": settings.fused_kernels,
         },
     )
 

@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     checkpoint_above_tokens: int = Field(default=16384, ge=1)
     # CUDA only (no effect on the CPU): the decoder body of one-rank training microbatches replayed as CUDA graphs
     # (workers/body_graphs.py), and the base model's norms, rotary embedding and MLP activation as Triton kernels
-    # (workers/fused_elementwise.py). false: HF's eager code.
+    # (workers/fused_elementwise.py), and the LM head's log-softmax too (workers/triton_lm_head.py). false: HF's eager
+    # code and the chunked torch log-softmax.
     cuda_graphs: bool = True
     fused_kernels: bool = True
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into

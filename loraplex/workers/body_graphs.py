@@ -11,8 +11,9 @@ A graph replays fixed shapes and addresses, so a microbatch is padded to a bucke
 Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets and
 per-row scales, the gathered banks and their fp32 gradient buffer) and the two graphs: forward body -> last hidden
 state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into the static buffer,
-as in eager). The LM head and the losses stay eager (few launches). The LoRA op always takes its grouped_mm path here
-(`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the graph.
+as in eager). The LM head and the losses stay eager (few launches). The LoRA op reads ranks and scales only on the
+device here (`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the
+graph. Several groups take grouped_mm; one group plain matmuls over r_max with the per-row scale tensor.
 
 `BodyGraphs` keeps up to `max_graphs` of them, all in one memory pool: a microbatch's forward and backward replay
 before the next one's, so captures may share memory. A bucket is captured the second time it is seen (a one-off shape

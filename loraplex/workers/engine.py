@@ -107,7 +107,7 @@ class Engine:
         packed: bool = True,
         fused_elementwise: bool | None = None,
         cuda_graphs: bool | None = None,
-        fused_head: bool = False,
+        fused_head: bool = True,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -119,7 +119,7 @@ class Engine:
         False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
         decoder body replayed as CUDA graphs (workers/body_graphs.py; default: on one CUDA rank on the fused grouped
         LoRA path; may be flipped between calls). fused_head: the LM head's log-softmax as Triton kernels
-        (workers/triton_lm_head.py, CUDA where triton is; off until measured on the H200; may be flipped).
+        (workers/triton_lm_head.py; only on CUDA where triton is, so no effect on the CPU; may be flipped).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
         alike). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other

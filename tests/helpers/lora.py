@@ -146,9 +146,13 @@ def run_fused(
     grouped: bool = True,
     lead: int = 8,
     x_grad: bool = True,
+    single: bool = True,
+    base_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The fused path on banks a [S, in, r], b [S, r, out] laid out in a flat [S, P] buffer as the optimizer does (after
-    `lead` columns of another layer, then `lead` more): gather, forward, backward, fold. Returns what `run_op` returns:
+    `lead` columns of another layer, then `lead` more): gather, forward, backward, fold. single: as MicrobatchBanks'
+    (False: a CUDA graph's device-side rank and scale). base_weight: the base matmul fused in (then the first result is
+    the layer's output). Returns what `run_op` returns:
     (delta, x.grad, A-bank grad, B-bank grad), the bank grads as [S, ...] (zero for slots outside the routing)."""
     slots, n_in, r = a.shape
     n_out = b.shape[2]
@@ -158,8 +162,9 @@ def run_fused(
     flat[:, b_start : b_start + r * n_out] = b.reshape(slots, -1)
     layout = BankLayout(a_start, b_start, n_in, n_out, r)
     banks = MicrobatchBanks.gather(flat, routing, x.dtype, trainable=True, grouped=grouped)
+    banks.single = single
     x = x.detach().clone().requires_grad_(x_grad)
-    y = lora_delta_fused(x, layout, banks, routing)
+    y = lora_delta_fused(x, layout, banks, routing, base_weight=base_weight)
     assert y.requires_grad  # even when x does not: the trigger
     if grad is None:
         y.sum().backward()

@@ -26,11 +26,16 @@ from tests.helpers.lora import (
 FUSED_CASES = {g: CASES[g] for g in range(1, 6)}  # G = 1..5: uneven, empty groups, mixed ranks in an r_max-8 bank
 
 
-@pytest.mark.parametrize("groups", sorted(FUSED_CASES))
+@pytest.mark.parametrize(
+    ("groups", "single"), [(g, True) for g in sorted(FUSED_CASES)] + [(1, False)], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x-frozen"])
 @pytest.mark.parametrize("zero_stride_grad", [False, True], ids=["random-grad", "y.sum"])
-def test_fused_matches_reference_fp32(groups: int, grouped: bool, x_grad: bool, zero_stride_grad: bool) -> None:
+def test_fused_matches_reference_fp32(
+    groups: int, single: bool, grouped: bool, x_grad: bool, zero_stride_grad: bool
+) -> None:
+    """single False: one group as a CUDA graph runs it (r_max, the scale on the device); rank 7 in an r_max-8 bank."""
     slots, ranks, scales, rows = FUSED_CASES[groups]
     n_in, n_out, r_max = 24, 40, 8
     a, b = make_banks(dict(zip(slots, ranks, strict=True)), n_in, n_out, r_max, seed=groups)
@@ -38,7 +43,7 @@ def test_fused_matches_reference_fp32(groups: int, grouped: bool, x_grad: bool, 
     g = torch.Generator().manual_seed(100 + groups)
     x = torch.randn(routing.num_rows, n_in, generator=g)
     grad = None if zero_stride_grad else torch.randn(routing.num_rows, n_out, generator=g)
-    got = run_fused(x, a, b, routing, grad, grouped=grouped, x_grad=x_grad)
+    got = run_fused(x, a, b, routing, grad, grouped=grouped, x_grad=x_grad, single=single)
     want = run_op(lora_delta_reference, x, a, b, routing, grad)
     for name, gv, wv in zip(("delta", "x.grad", "A grad", "B grad"), got, want, strict=True):
         if name == "x.grad" and not x_grad:
@@ -67,6 +72,30 @@ def test_fused_grouped_with_padding_and_unaligned_layouts(lead: int, dims: tuple
     want = run_op(lora_delta_reference, x, a, b, routing, grad)
     for gv, wv in zip(got, want, strict=True):
         torch.testing.assert_close(gv, wv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("groups", "single", "grouped"), [(1, True, True), (1, False, True), (3, True, True), (3, True, False)], ids=str
+)
+def test_base_matmul_fused_into_the_node_gives_the_layer_output_and_its_gradients(
+    groups: int, single: bool, grouped: bool
+) -> None:
+    """With the base weight W, the node returns x @ W^T + delta and x.grad = grad @ W + the LoRA's dx (the same bank
+    gradients): the CUDA path of SlotBankLinear, checked here in fp32 on the CPU."""
+    slots, ranks, scales, rows = FUSED_CASES[groups]
+    n_in, n_out, r_max = 24, 40, 8
+    a, b = make_banks(dict(zip(slots, ranks, strict=True)), n_in, n_out, r_max, seed=groups)
+    routing = Routing.build(slots, ranks, scales, rows)
+    g = torch.Generator().manual_seed(7)
+    x, grad, w = (torch.randn(*s, generator=g) for s in ((routing.num_rows, n_in), (routing.num_rows, n_out), (n_out, n_in)))
+    got = run_fused(x, a, b, routing, grad, grouped=grouped, single=single, base_weight=w)
+    delta, x_grad, a_grad, b_grad = run_op(lora_delta_reference, x, a, b, routing, grad)
+    for name, gv, wv in zip(
+        ("y", "x.grad", "A grad", "B grad"), got, (x @ w.t() + delta, x_grad + grad @ w, a_grad, b_grad), strict=True
+    ):
+        torch.testing.assert_close(gv, wv, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    with pytest.raises(ValueError, match="frozen"):
+        run_fused(x, a, b, routing, grad, base_weight=w.t().contiguous())
 
 
 def test_aligned_bank_views_are_read_in_place() -> None:

@@ -14,12 +14,16 @@ slice / cast / mm / mul chain of `lora_delta_reference`, and its backward never 
 
 Semantics: exactly `lora_delta_reference`'s (per group g: delta[rows_g] = ((x_g @ A[s_g][:, :r_g]) * c_g) @ B[s_g][:r_g]),
 computed three ways with the same maths:
-  * one group: plain matmuls on the real-rank slices (as `lora_delta_single`);
+  * one group: plain matmuls on the real-rank slices (as `lora_delta_single`); with `single=False` (a CUDA graph)
+    plain matmuls over r_max with the scale read from routing.row_scales on the device;
   * several groups, `grouped=True` (where `select_lora_op` picks `lora_delta_grouped`): two `F.grouped_mm` over
     routing.offs with routing.row_scales, padded for alignment as in grouped.py (exact: the rank padding is zero);
   * several groups otherwise (fp64, GPUs without a fused grouped_mm): the reference's loop over groups.
 Gradients: dA_g = x_g^T @ ((dY_g @ B_g^T) * c_g) and dB_g = ((x_g @ A_g) * c_g)^T @ dY_g, computed in the compute dtype
-(as the reference's matmuls) and accumulated in fp32. The output requires grad even when x does not (the first layers
+(as the reference's matmuls) and accumulated in fp32. With `base_weight` W (the frozen base layer's, CUDA) the node
+returns the whole layer's output x @ W^T + delta: the base matmul runs in place on the delta (beta = 1: no copy and no
+separate add over [N, out]) and, in the backward, on the LoRA's dx (one [N, in] gradient leaves the layer, not two
+that autograd then adds; bench_lora_layer.py measures it). The output requires grad even when x does not (the first layers
 read a frozen embedding): the microbatch's `trigger`, a 0-dim leaf requiring grad, is an input of every call.
 """
 
@@ -51,8 +55,8 @@ class MicrobatchBanks:
     """One microbatch's slots, gathered and cast once: `compute` [G, P] in the activations' dtype (no autograd), `grads`
     [G, P] fp32 (None when the microbatch does not train) and the `trigger` leaf that makes every LoRA output require
     grad. `grouped`: several groups run through grouped_mm (else the reference's loop). `single`: one group runs plain
-    matmuls with its rank and scale as host numbers (False: through grouped_mm as several, for a CUDA graph that
-    replays with other adapters: workers/body_graphs.py)."""
+    matmuls with its rank and scale as host numbers (False: over r_max with the scale read on the device, for a CUDA
+    graph that replays with other adapters: workers/body_graphs.py)."""
 
     def __init__(self, compute: torch.Tensor, grads: torch.Tensor | None, grouped: bool, single: bool = True) -> None:
         self.compute = compute
@@ -119,7 +123,14 @@ class _FusedLoraDelta(torch.autograd.Function):
         layout: BankLayout,
         banks: MicrobatchBanks,
         routing: Routing,
+        base_weight: torch.Tensor | None,
     ) -> torch.Tensor:
+        ctx.base_weight = base_weight  # frozen: no gradient, and not saved as a tensor (it outlives the step)
+        delta = _FusedLoraDelta._delta(ctx, x, layout, banks, routing)
+        return delta if base_weight is None else _plus_matmul(delta, x, base_weight.t())
+
+    @staticmethod
+    def _delta(ctx: Any, x: torch.Tensor, layout: BankLayout, banks: MicrobatchBanks, routing: Routing) -> torch.Tensor:
         a, b = banks.weights(layout)
         if a.dtype != x.dtype:  # activations not in the gathered dtype (e.g. autocast): cast this layer's views
             a, b = a.to(x.dtype), b.to(x.dtype)
@@ -129,6 +140,16 @@ class _FusedLoraDelta(torch.autograd.Function):
             r, c = routing.ranks[0], routing.scales[0]
             hs = (x @ a[0, :, :r]) * c
             delta = hs @ b[0, :r]
+            ctx.save_for_backward(x, hs, a, b)
+            return delta
+        if routing.num_groups == 1:
+            # A CUDA graph's one group (banks.single False): plain matmuls still, but over r_max (the rank padding is
+            # zero, so exact) and with the scale read on the device (routing.row_scales), so nothing of one adapter's
+            # rank or scale is baked into the graph. Cheaper than grouped_mm for one group (bench_lora_layer.py).
+            ctx.mode = "single_device"
+            hs = x @ a[0]
+            hs.mul_(routing.row_scales)  # fp32 scale, one rounding to x.dtype, as `* c` above
+            delta = hs @ b[0]
             ctx.save_for_backward(x, hs, a, b)
             return delta
         if banks.grouped:
@@ -176,6 +197,16 @@ class _FusedLoraDelta(torch.autograd.Function):
                     ga[0, :, :r].add_(x.t() @ dhs)
                 if need_x:
                     dx = dhs @ a[0, :, :r].t()
+        elif ctx.mode == "single_device":
+            if gb is not None:
+                gb[0].add_(hs.t() @ grad_out)
+            if need_x or ga is not None:
+                dhs = grad_out @ b[0].t()
+                dhs.mul_(routing.row_scales)
+                if ga is not None:
+                    ga[0].add_(x.t() @ dhs)
+                if need_x:
+                    dx = dhs @ a[0].t()
         elif ctx.mode == "grouped":
             offs = routing.offs
             n_in, r_max, n_out = layout.in_features, layout.max_rank, layout.out_features
@@ -207,16 +238,32 @@ class _FusedLoraDelta(torch.autograd.Function):
                         ga[g, :, :rank].add_(x[start:end].t() @ dhs)
                     if dx is not None:
                         dx[start:end] = dhs @ a[g, :, :rank].t()
-        return dx, None, None, None, None
+        if need_x and ctx.base_weight is not None:
+            dx = _plus_matmul(dx, grad_out, ctx.base_weight) if dx is not None else grad_out @ ctx.base_weight
+        return dx, None, None, None, None, None
 
 
-def lora_delta_fused(x: torch.Tensor, layout: BankLayout, banks: MicrobatchBanks, routing: Routing) -> torch.Tensor:
+def _plus_matmul(c: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """c + m1 @ m2, in place on c where it is dense (one GEMM with beta = 1; torch.addmm would copy c first)."""
+    return c.addmm_(m1, m2) if c.is_contiguous() else torch.addmm(c, m1, m2)
+
+
+def lora_delta_fused(
+    x: torch.Tensor,
+    layout: BankLayout,
+    banks: MicrobatchBanks,
+    routing: Routing,
+    base_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The LoRA delta [N, out] of x [N, in] for one layer, reading the microbatch's gathered banks (same semantics as
-    `lora_delta_reference` on the master banks; see the module docstring)."""
+    `lora_delta_reference` on the master banks; see the module docstring). base_weight [out, in] (frozen, x's dtype):
+    x @ base_weight^T + delta instead, the base matmul fused in (forward and backward)."""
     if x.dim() != 2 or x.shape[1] != layout.in_features:
         raise ValueError(f"x must be [rows, {layout.in_features}], got shape {tuple(x.shape)}")
     if routing.num_rows != x.shape[0]:
         raise ValueError(f"routing covers {routing.num_rows} rows but the layer sees {x.shape[0]}")
     if banks.compute.shape[0] != routing.num_groups:
         raise ValueError(f"banks gathered for {banks.compute.shape[0]} groups, routing has {routing.num_groups}")
-    return _FusedLoraDelta.apply(x, banks.trigger, layout, banks, routing)
+    if base_weight is not None and (base_weight.requires_grad or base_weight.shape != (layout.out_features, x.shape[1])):
+        raise ValueError(f"base_weight must be a frozen [{layout.out_features}, {x.shape[1]}] weight")
+    return _FusedLoraDelta.apply(x, banks.trigger, layout, banks, routing, base_weight)

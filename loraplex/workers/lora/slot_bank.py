@@ -52,11 +52,13 @@ class SlotBankLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         banks = self.context.banks
         if banks is not None and self.layout is not None:
+            w = self.base.weight
+            if x.is_cuda and self.base.bias is None and x.dtype == w.dtype == banks.compute.dtype:
+                # The base matmul fused into the LoRA node, forward and backward (lora/fused.py): no separate adds over
+                # [N, out] or [N, in], one rounding of base + delta. CUDA only: the CPU paths stay bit-comparable.
+                y = lora_delta_fused(x2, self.layout, banks, routing, base_weight=w)
+                return y.view(*x.shape[:-1], self.out_features)
             delta = lora_delta_fused(x2, self.layout, banks, routing)
-            if x.is_cuda and self.base.bias is None and delta.dtype == x.dtype == self.base.weight.dtype:
-                # The base matmul adds the delta in its epilogue (beta = 1): no separate add over [N, out], and one
-                # rounding of base + delta instead of two. CUDA only: the CPU paths stay bit-comparable.
-                return torch.addmm(delta, x2, self.base.weight.t()).view(*x.shape[:-1], self.out_features)
         else:
             delta = self.op(x2, self.lora_A, self.lora_B, routing)
         y = self.base(x)
