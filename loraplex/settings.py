@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     # Ranks in the worker pool (one process per GPU on CUDA; gloo processes on CPU). 1: no process group at all. Under
     # torchrun its WORLD_SIZE wins.
     world_size: int = Field(default=1, ge=1)
+    # How a pool of several ranks holds the base model: "fsdp" shards its weights per decoder layer (FSDP2; for a base
+    # too big for one device), "replicate" keeps a whole copy on every rank (plain data parallelism over rows: no
+    # collectives in the forward, CUDA graphs as on one rank). The LoRA banks are replicated either way. Issue 16
+    # measures which wins at which size.
+    pool_layout: Literal["fsdp", "replicate"] = "fsdp"
     # One leader per pool: the pool process holds a lease in Redis for this many seconds, renewed every third of it
     # (queue/lease.py). A pool process killed without releasing it is replaced this long after its last renewal.
     leader_lease_seconds: float = Field(default=10.0, gt=0)

@@ -2,10 +2,13 @@
 
 After every plan (the dispatcher's `after_plan`, on the loop thread, the one thread that moves adapters; with an empty
 plan once a second while the pool is idle) an adapter is due when it changed since its last snapshot and either had `every_steps` optimizer steps since, or `every_s` seconds
-passed. Its state is copied to host memory there (AdapterStore.peek: weights, unconsumed gradients, Adam moments, step,
-hyperparameters) together with the seq_id it covers (the dispatcher's applied seq_id: every answered request up to it
-is in that state), and the writer thread does the rest while training goes on:
+passed. Its state is taken there (AdapterStore.peek_async: weights, unconsumed gradients, Adam moments, step,
+hyperparameters; a resident adapter's rows cloned on the device) together with the seq_id it covers (the dispatcher's
+applied seq_id: every answered request up to it is in that state), and the writer thread does the rest while training
+goes on:
 
+0. copy the state to host memory (a side stream's device-to-host copy, so the training kernels never queue behind it;
+   the device clones of one round are bounded by `copy_budget_bytes`, adapters past it stay due for a later plan);
 1. write the file (workers/durable_snapshot.py: atomic, fsynced, hashed);
 2. wait until the dispatcher's finisher has stored the results of every plan up to this one (`after_finished`): a
    snapshot may only become the one a restart adopts once everything it covers was answered, or a restart would
@@ -72,7 +75,7 @@ class _Job:
     model_id: str
     tenant_id: str
     applied_seq_id: int
-    snapshot: AdapterSnapshot | None  # None: forget the adapter (deleted)
+    take: Callable[[], AdapterSnapshot] | None  # the state's host copy (writer thread); None: forget the adapter
     released: threading.Event = field(default_factory=threading.Event)
 
 
@@ -91,8 +94,11 @@ class Snapshotter:
         lease: PoolLease | None = None,
         clock: Callable[[], float] = time.monotonic,
         write: Callable[..., Any] = write_durable_snapshot,
+        copy_budget_bytes: int = 4 << 30,
     ) -> None:
-        """write: the file writer (workers/durable_snapshot.write_durable_snapshot; tests inject a failing one)."""
+        """write: the file writer (workers/durable_snapshot.write_durable_snapshot; tests inject a failing one).
+        copy_budget_bytes: the most adapter state taken but not yet written at once (device clones; at least one
+        adapter is always taken)."""
         self.store = store
         self.sessions = sessions
         self.redis = redis
@@ -104,6 +110,7 @@ class Snapshotter:
         self.lease = lease
         self.clock = clock
         self._write = write
+        self.copy_budget_bytes = copy_budget_bytes
         self._cadence: dict[str, _Cadence] = {}
         self._in_flight: set[str] = set()  # adapters with a job queued or being written (both threads: the lock)
         self._lock = threading.Lock()
@@ -150,19 +157,26 @@ class Snapshotter:
             self.every_s > 0 and now - c.last_at >= self.every_s
         )
 
-    def _take(self, model_ids: list[str], dispatcher: Dispatcher | None) -> list[_Job]:
-        """Host copies of these adapters' states now (skipping those mid-request or still being written)."""
+    def _take(self, model_ids: list[str], dispatcher: Dispatcher | None, bounded: bool = True) -> list[_Job]:
+        """These adapters' states as they are now (skipping those mid-request or still being written; bounded: no more
+        than `copy_budget_bytes` taken and not yet written)."""
         busy = dispatcher.in_parts() if dispatcher is not None else set()
         with self._lock:
             busy |= self._in_flight
         jobs: list[_Job] = []
+        with self._lock:
+            room = max(1, self.copy_budget_bytes // self.store.stats.bytes_per_adapter) - len(self._in_flight)
+        if not bounded:
+            room = len(model_ids)
         for m in model_ids:
             if m in busy or m not in self.store:
                 continue
+            if len(jobs) >= room:  # the rest stay due: taken after the writer caught up
+                break
             seq = dispatcher.last_applied(m) if dispatcher is not None else None
             c = self._cadence[m]
             try:
-                copy = self.store.peek(m)
+                copy = self.store.peek_async(m)
             except Exception as exc:  # noqa: BLE001 - this adapter is skipped now and tried again later
                 self._warn.error("pool %s: cannot copy %s for a snapshot (%s)", self.pool, m, exc)
                 continue
@@ -174,7 +188,8 @@ class Snapshotter:
 
     def flush(self, dispatcher: Dispatcher | None, timeout_s: float = 120.0) -> None:
         """A clean stop, after the last plan was finished: snapshot every changed adapter, wait for the writer."""
-        jobs = self._take([m for m, c in self._cadence.items() if c.dirty], dispatcher)
+        # Unbounded: training is over (no activations), and every changed adapter must reach the disk now.
+        jobs = self._take([m for m, c in self._cadence.items() if c.dirty], dispatcher, bounded=False)
         for job in jobs:
             job.released.set()  # every plan is finished: nothing to wait for
             self._jobs.put(job)
@@ -194,7 +209,7 @@ class Snapshotter:
             if job is None:
                 return
             try:
-                if job.snapshot is None:
+                if job.take is None:
                     self._forget(job)
                 else:
                     self._write_one(job)
@@ -222,11 +237,12 @@ class Snapshotter:
         return True
 
     def _write_one(self, job: _Job) -> None:
-        assert job.snapshot is not None
+        assert job.take is not None
+        snapshot = job.take()
         with self.sessions() as session:
             version = SnapshotRepository(session).next_version(job.model_id)
         path = snapshot_path(self.blob_root, job.tenant_id, job.model_id, version)
-        written = self._write(path, job.snapshot, version=version, applied_seq_id=job.applied_seq_id)
+        written = self._write(path, snapshot, version=version, applied_seq_id=job.applied_seq_id)
         if not self._wait_released(job):
             path.unlink(missing_ok=True)
             return
@@ -236,7 +252,7 @@ class Snapshotter:
                 path.unlink(missing_ok=True)
                 return
             repo = SnapshotRepository(session)
-            repo.add(job.model_id, self.pool, version, job.applied_seq_id, job.snapshot.step, str(path),
+            repo.add(job.model_id, self.pool, version, job.applied_seq_id, snapshot.step, str(path),
                      written.sha256, written.size_bytes)  # fmt: skip
             dropped = repo.prune(job.model_id, self.keep)
             kept = repo.newest_first(job.model_id)
@@ -246,7 +262,7 @@ class Snapshotter:
             Path(old).unlink(missing_ok=True)
         self.written += 1
         log.info("pool %s: snapshot v%d of %s (seq_id %d, step %d)", self.pool, version, job.model_id,
-                 job.applied_seq_id, job.snapshot.step)  # fmt: skip
+                 job.applied_seq_id, snapshot.step)  # fmt: skip
 
     def _forget(self, job: _Job) -> None:
         if not self._wait_released(job):

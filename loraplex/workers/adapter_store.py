@@ -29,7 +29,7 @@ import re
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +38,14 @@ import torch
 from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
-from loraplex.workers.snapshots import ROWS, AdapterSnapshot, PoolSignature, restore_snapshot, take_snapshot
+from loraplex.workers.snapshots import (
+    ROWS,
+    AdapterSnapshot,
+    PoolSignature,
+    restore_snapshot,
+    take_snapshot,
+    take_snapshot_async,
+)
 from loraplex.workers.spill_format import SPILL_SUFFIX, read_spill, read_spill_metadata, write_spill
 
 GPU, CPU, DISK = "gpu", "cpu", "disk"
@@ -180,6 +187,15 @@ class AdapterStore:
                 snap.model_id, snap.rank, snap.alpha, snap.seed, snap.step, snap.signature, out, snap.target_modules
             )
         return read_spill(self._disk[model_id], out)
+
+    def peek_async(self, model_id: str) -> Callable[[], AdapterSnapshot]:
+        """As `peek`, for the durable snapshot writer: a resident adapter's state is cloned on the device now and
+        copied to the host when the returned function is called (in the writer's thread), so the caller (the pool's
+        loop) never waits for a device-to-host copy; an adapter in host memory or on disk is copied now."""
+        if self.tier_of(model_id) == GPU:
+            return take_snapshot_async(self.engine, model_id)
+        snapshot = self.peek(model_id)
+        return lambda: snapshot
 
     def lru_order(self) -> list[str]:
         """Every known adapter, least recently used first."""

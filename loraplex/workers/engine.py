@@ -108,6 +108,7 @@ class Engine:
         fused_elementwise: bool | None = None,
         cuda_graphs: bool | None = None,
         fused_head: bool = True,
+        shard_base: bool = True,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -121,7 +122,9 @@ class Engine:
         LoRA path; may be flipped between calls). fused_head: the LM head's log-softmax as Triton kernels
         (workers/triton_lm_head.py; only on CUDA where triton is, so no effect on the CPU; may be flipped).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
-        alike). The model's sdpa attention is replaced by the packed one
+        alike). shard_base: with a process group, the base model's weights sharded per decoder layer with FSDP2 (True)
+        or a whole copy on every rank (False: plain data parallelism over rows, for a base that fits one device; the
+        forward has no collectives then, so CUDA graphs apply as on one rank). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
         user of the model)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
@@ -179,7 +182,7 @@ class Engine:
         self.checkpointing = checkpointing or CheckpointPolicy()
         # Not with expert banks: their gradients accumulate through autograd into the masters, which a captured
         # backward (gradients for the microbatch's trigger only) would not do.
-        graphable = self.device.type == "cuda" and dist is None and self._fused_grouped and not experts
+        graphable = self.device.type == "cuda" and (dist is None or not shard_base) and self._fused_grouped and not experts
         self.graphs = (
             BodyGraphs(
                 self.trunk.hidden,
@@ -197,7 +200,8 @@ class Engine:
         self.fused_head = fused_head
         wrap_layers(self.body.layers)
         self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
-        if self.dist is not None:
+        self.shard_base = shard_base
+        if self.dist is not None and shard_base:
             # FSDP2: each decoder layer a unit, the trunk the root; the banks stay whole, replicated (distributed.py).
             shard_base_model(self.trunk, self.body.layers, self.optimizer.params, self.dist.mesh)
 
@@ -418,31 +422,57 @@ class Engine:
             weights[target_slot].copy_(weights[source_slot])
 
     def weights_to_host_async(self, slot: int) -> Callable[[], torch.Tensor]:
-        """The slot's weights row as it is now, on its way to host memory: a device clone at once (the slot may
-        change right after), then on CUDA the device-to-host copy on a side stream, so the training kernels queued
-        next do not wait behind it. Returns a function that waits for the copy and gives the [1, P] fp32 host rows
-        (callable from another thread)."""
-        (weights,) = self._flat_rows(("weights",))
+        """The slot's weights row as it is now, on its way to host memory (`rows_to_host_async`, the copy started at
+        once): a function that waits for it and gives the [1, P] fp32 host row."""
+        return self.rows_to_host_async(slot, ("weights",), copy_now=True)
+
+    def rows_to_host_async(
+        self, slot: int, rows: Sequence[str] = SLOT_ROWS, *, copy_now: bool = False
+    ) -> Callable[[], torch.Tensor]:
+        """The slot's `rows` as they are now, for host memory: a device clone at once (the slot may change right
+        after), then on CUDA the device-to-host copy into pinned memory on a side stream, so the training kernels
+        queued next never wait behind it. Returns a function that gives the [len(rows), P] fp32 host rows, callable
+        from another thread. copy_now False: that function starts the copy (and allocates the pinned buffer) in the
+        thread that calls it, e.g. the snapshot writer, so the calling thread spends only the device clone: a
+        synchronous copy of four rows of every due adapter stalled the pool's loop ~1.2 s per snapshot round on the
+        H200 (RESULTS.md, session 9). The clone holds GPU memory until the copy is done."""
+        flats = self._flat_rows(rows)
         with torch.no_grad():
-            clone = weights[slot].clone()
+            clone = torch.stack([flat[slot] for flat in flats])
         if self.device.type != "cuda":
-            return lambda: clone.view(1, -1)
-        host = torch.empty((1, self.slot_width), pin_memory=True)
+            return lambda: clone
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-        side = self._copy_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
-        with torch.cuda.stream(side):
-            host[0].copy_(clone, non_blocking=True)
-            done.record(side)
-        clone.record_stream(side)  # its memory is not reused before the side stream has read it
+        side, device = self._copy_stream, self.device
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
 
-        def wait() -> torch.Tensor:
+        def start() -> tuple[torch.Tensor, torch.cuda.Event]:
+            with torch.cuda.device(device):
+                host = torch.empty(clone.shape, pin_memory=True)
+                done = torch.cuda.Event()
+                with torch.cuda.stream(side):
+                    side.wait_event(ready)
+                    host.copy_(clone, non_blocking=True)
+                    done.record(side)
+                clone.record_stream(side)  # its memory is not reused before the side stream has read it
+            return host, done
+
+        if copy_now:
+            host, done = start()
+
+            def wait() -> torch.Tensor:
+                done.synchronize()
+                return host
+
+            return wait
+
+        def copy() -> torch.Tensor:
+            host, done = start()
             done.synchronize()
             return host
 
-        return wait
+        return copy
 
     def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
         opt = self.optimizer
@@ -690,7 +720,7 @@ class Engine:
             self._dense_columns(self.optimizer.grad).index_add_(0, routing.slot_ids, banks.grads)
 
     def _after_forward(self, trainable: bool) -> None:
-        if self.dist is not None and not trainable:
+        if self.dist is not None and self.shard_base and not trainable:
             # FSDP2 keeps the root unit (embeddings, head) gathered after a forward for its backward; none comes.
             self.trunk.reshard()  # type: ignore[operator]
 

@@ -9,6 +9,7 @@ exactly as if the adapter had never left.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,17 @@ def take_snapshot(engine: Engine, model_id: str, out: torch.Tensor | None = None
     step = engine.optimizer.steps[record.slot]
     return AdapterSnapshot(
         model_id, record.rank, record.alpha, record.seed, step, PoolSignature.of(engine), out, record.target_modules
+    )
+
+
+def take_snapshot_async(engine: Engine, model_id: str) -> Callable[[], AdapterSnapshot]:
+    """The adapter's state as it is now, copied to host memory later: a device clone now, the device-to-host copy
+    when the returned function is called (from any thread; Engine.rows_to_host_async)."""
+    record = engine.adapter(model_id)
+    rows = engine.rows_to_host_async(record.slot, ROWS)
+    step, signature = engine.optimizer.steps[record.slot], PoolSignature.of(engine)
+    return lambda: AdapterSnapshot(
+        model_id, record.rank, record.alpha, record.seed, step, signature, rows(), record.target_modules
     )
 
 

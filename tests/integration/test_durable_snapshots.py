@@ -208,6 +208,61 @@ def test_a_corrupt_snapshot_is_refused_and_recovery_takes_the_one_before(world: 
 
 
 
+def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_were(world: dict[str, Any]) -> None:
+    """copy_budget_bytes: with room for one adapter's state, two due adapters are taken one per plan (the other stays
+    due, nothing lost); each snapshot holds the state at the plan it was taken after, though training went on before
+    the writer copied it."""
+    w = world
+    with unit_of_work(w["sessions"]) as session:
+        AdapterRepository(session, w["tenant"]).create("b", "tiny", 4, 8.0, ["q_proj"], 5)
+        AdapterRepository(session, w["tenant"]).set_status("b", AdapterStatus.READY)
+    engine = w["engine"]()
+    store = AdapterStore(engine, 1 << 30, w["spill"])
+    store.create("a", 4, 8.0, 3)
+    store.create("b", 4, 8.0, 5)
+    snaps = Snapshotter(store, w["sessions"], w["redis"], pool=w["pool"], blob_root=w["blobs"], every_steps=1,
+                        every_s=0, copy_budget_bytes=store.stats.bytes_per_adapter)  # fmt: skip
+    fin = Finisher()
+
+    def plan(seq: int) -> BatchPlan:
+        rs = tuple(PlannedRequest(uuid.uuid4().hex, w["tenant"], m, seq, RequestKind.OPTIM_STEP, {"adam_params": ADAM})
+                   for m in ("a", "b"))  # fmt: skip
+        return BatchPlan((Step(StepKind.OPTIM_STEP, rs),))
+
+    def rows_of(m: str) -> list:
+        with w["sessions"]() as session:
+            return SnapshotRepository(session).newest_first(m)
+
+    try:
+        _step(engine, 0)
+        item = engine.prepare("b", [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4],
+                              "weights": [1.0] * 3}}], "cross_entropy", None, False)  # fmt: skip
+        engine.forward_backward([item])
+        engine.optim_step([("b", ADAM)])
+        fin.applied.update(a=2, b=2)
+        snaps.after_plan(plan(2), fin)  # type: ignore[arg-type]
+        taken = [m for m in ("a", "b") if m in snaps._in_flight]
+        assert len(taken) == 1  # the budget: one adapter's state at a time
+        (first,) = taken
+        other = "b" if first == "a" else "a"
+        state = store.peek(first).rows.clone()
+        _step(engine, 1)  # "a" trains on before the writer copies
+        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]  # the first still in flight: nothing taken
+        assert snaps._in_flight == {first}
+        fin.finish()
+        _wait(lambda: snaps.written == 1 and not snaps._in_flight)
+        (row,) = rows_of(first)
+        snapshot, _ = read_durable_snapshot(Path(row.path), row.sha256, store.signature.width)
+        assert torch.equal(snapshot.rows, state)
+        assert rows_of(other) == []
+        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]  # still due: taken now
+        fin.finish()
+        _wait(lambda: snaps.written == 2)
+        assert len(rows_of(other)) == 1
+    finally:
+        snaps.close()
+
+
 def test_an_idle_changed_adapter_is_snapshotted_after_the_time_trigger(world: dict[str, Any]) -> None:
     """every_s: the dispatcher's idle tick (after_plan with an empty plan) writes an adapter that changed and then
     went quiet, once the time has passed; not before."""

@@ -45,6 +45,17 @@ def test_nccl_ranks_match_one_process_on_cuda(tmp_path: Path) -> None:
         assert all(torch.equal(x, y) for x, y in zip(state["adam"], other["state"]["adam"], strict=True))
 
 
+def test_replicated_base_ranks_match_one_process_on_cuda(tmp_path: Path) -> None:
+    """pool_layout "replicate" (Engine(shard_base=False)) with NCCL: a whole base on every rank, no FSDP, so the body
+    also runs as CUDA graphs in a process group; equal to one process (fp32, to the reference's tolerance)."""
+    tiny = resolve("tiny", tmp_path / "model-cache")
+    spec = EngineSpec(TinyLoader(str(tiny)), "cuda", {**ENGINE_KWARGS, "shard_base": False})
+    plans = make_plans()
+    reports = run_ranks(min(torch.cuda.device_count(), 2), "cuda", spec, plans, tmp_path)
+    assert_same_run(reports[0], run_one_process(spec, plans))
+    assert not any(sharded for sharded, _, _ in reports[0]["state"]["base"].values())
+
+
 def _max_diffs(got: dict, want: dict) -> tuple[float, float]:
     lp = 0.0
     for gp, wp in zip(got["outcomes"], want["outcomes"], strict=True):

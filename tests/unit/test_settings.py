@@ -33,11 +33,13 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
 def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex.pool_process import engine_spec
 
-    assert {k: engine_spec(Settings()).engine_kwargs[k] for k in ("cuda_graphs", "fused_elementwise")} == {
-        "cuda_graphs": True,
-        "fused_elementwise": True,
-    }
+    switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base")
+    assert {k: engine_spec(Settings()).engine_kwargs[k] for k in switches} == dict.fromkeys(switches, True)
     monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "false")
     monkeypatch.setenv("LORAPLEX_FUSED_KERNELS", "false")
+    monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "replicate")
     kwargs = engine_spec(Settings()).engine_kwargs
-    assert kwargs["cuda_graphs"] is False and kwargs["fused_elementwise"] is False
+    assert not any(kwargs[k] for k in switches)
+    monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "ring")
+    with pytest.raises(ValueError, match="pool_layout"):
+        Settings()
