@@ -5,13 +5,17 @@ call, so service / engine is the service's own cost.
 
     python3 benchmarks/bench_service.py --model qwen3-4b-shape --device cuda --rank 32 --tenants 1,2,4,8,16
     python3 benchmarks/bench_service.py                    # CPU, tiny model: the same code path, seconds (not in CI)
+    python3 benchmarks/bench_service.py --world-sizes 1,2,4,8 --layouts fsdp,replicate --tenants 4,16,64   # issue 16
 
 Each tenant is one process (benchmarks/service_tenant.py) with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
 back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
 underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch).
 Prints tokens/s, p50/p99 step latency, adapters per forward_backward step (the pool's plan stats in Redis), the
 service/engine ratio, and create_lora_training_client latency (warm pool). Engine-only runs first, in this process,
-and is freed before the stack starts, so the two never share the device."""
+and is freed before the stack starts, so the two never share the device.
+
+--world-sizes: the service once per pool world size and layout (a stack each; on CUDA rank r takes GPU r), with the
+per-GPU efficiency tok/s(N) / (N x tok/s(1)) against world size 1 of the same layout, and p50/p99 step latency."""
 
 from __future__ import annotations
 
@@ -241,6 +245,31 @@ def service_config(
          for name in ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")}  # fmt: skip
 
 
+def scaling(settings: Settings, configs: list[tuple[str, int, int]], args: argparse.Namespace, vocab: int,
+            home: Path) -> dict[str, Any]:  # fmt: skip
+    """The service at each world size and layout; returns the world-size-1 run of the first layout under the usual
+    keys (so the tables below compare it with the engine) and every run under "scaling"."""
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    runs: dict[str, dict[str, Any]] = {}
+    for layout in args.layouts.split(","):
+        for world in worlds:
+            print(f"== pool world size {world}, layout {layout}", flush=True)
+            s = settings.model_copy(update={"world_size": world, "pool_layout": layout, "home": home / f"{layout}-{world}"})
+            runs[f"{layout}/{world}"] = bench_service(s, configs, args, vocab)
+    print(f"\n{'layout':9} {'world':>5} {'workload':12} {'tenants':>7} {'tok/s':>10} {'per-GPU eff':>11} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'adapters/fb':>11}")  # fmt: skip
+    for key, run in runs.items():
+        layout, world = key.split("/")
+        base = runs.get(f"{layout}/1")
+        for workload, n, _ in configs:
+            r = run[f"{workload}/{n}"]
+            eff = f"{r['tok_s'] / (int(world) * base[f'{workload}/{n}']['tok_s']):.3f}" if base else "-"
+            print(f"{layout:9} {world:>5} {workload:12} {n:>7} {r['tok_s']:>10,.0f} {eff:>11} {r['p50_ms']:>8.1f} "
+                  f"{r['p99_ms']:>8.1f} {r['adapters_per_fb_step']:>11.2f}")  # fmt: skip
+    first = runs[f"{args.layouts.split(',')[0]}/{worlds[0]}"]
+    return first | {"scaling": runs}
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -263,6 +292,9 @@ def main() -> None:
     p.add_argument("--api-workers", type=int, default=0, help="gateway worker processes (0: the setting's auto)")
     p.add_argument("--home", help="the stack's LORAPLEX_HOME (default: a temp folder)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--world-sizes", default="",
+                   help="comma list of pool world sizes: the service at each (with --layouts), instead of one run")  # fmt: skip
+    p.add_argument("--layouts", default="fsdp", help="--world-sizes: comma list of pool layouts, fsdp and/or replicate")
     p.add_argument("--no-cost-model", action="store_true",
                    help="LORAPLEX_COST_MODEL=false in the pool and the engine-only run: one mixed step per round")  # fmt: skip
     args = p.parse_args()
@@ -282,7 +314,10 @@ def main() -> None:
     }  # fmt: skip
     if not args.skip_engine:
         results["engine"] = bench_engine(settings, configs, args, vocab)
-    results["service"] = bench_service(settings, configs, args, vocab)
+    if args.world_sizes:
+        results["service"] = scaling(settings, configs, args, vocab, home)
+    else:
+        results["service"] = bench_service(settings, configs, args, vocab)
     if args.bracket and not args.skip_engine:  # the engine again: the GPU's speed drifts between phases of one call
         results["engine_after"] = bench_engine(settings, configs, args, vocab)
         for key, before in results["engine"].items():

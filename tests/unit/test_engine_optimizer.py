@@ -84,6 +84,39 @@ def test_matches_torch_adamw_per_slot() -> None:
             assert torch.count_nonzero(pad) == 0
 
 
+def test_fused_kernel_path_equals_the_masked_reference_update() -> None:
+    """torch's fused AdamW (slots with eps > 0) against `_update_masked` (SlotAdamW.fused False) on random gradients
+    with noise in the padding and in a bank the adapter does not train: the same weights and moments to fp32 rounding,
+    and exact zeros outside each slot's real part."""
+    params, dims = make_banks()
+    twins, _ = make_banks()
+    opts = [SlotAdamW(params, dims, SLOTS), SlotAdamW(twins, dims, SLOTS)]
+    opts[1].fused = False
+    subset = {0: frozenset({0, 1}), 2: None, 3: frozenset({2, 3}), 5: None}  # slot 0 trains module 0, slot 3 module 1
+    for s, only in subset.items():
+        if only is not None:  # the untrained module's banks are zero, as Engine.create_adapter leaves them
+            for i, p in enumerate(params):
+                if i not in only:
+                    with torch.no_grad():
+                        p[s].zero_()
+                        twins[i][s].zero_()
+    g = torch.Generator().manual_seed(5)
+    slots = list(subset)
+    for _ in range(3):
+        for p, q in zip(params, twins, strict=True):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        for opt in opts:
+            opt.step(slots, [HPARAMS[s] for s in slots], [RANKS[s] for s in slots], [subset[s] for s in slots])
+    fused, masked = opts
+    for name in ("data", "exp_avg_flat", "exp_avg_sq_flat"):
+        got, want = getattr(fused, name), getattr(masked, name)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        for s in slots:
+            outside = ~fused._rank_mask(RANKS[s], subset[s])
+            assert torch.count_nonzero(got[s][outside]) == 0, (name, s)
+
+
 def test_unselected_slots_are_untouched() -> None:
     params, dims = make_banks()
     before = [p.detach().clone() for p in params]
