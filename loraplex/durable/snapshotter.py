@@ -8,7 +8,8 @@ applied seq_id: every answered request up to it is in that state), and the write
 goes on:
 
 0. copy the state to host memory (a side stream's device-to-host copy, so the training kernels never queue behind it;
-   the device clones of one round are bounded by `copy_budget_bytes`, adapters past it stay due for a later plan);
+   the device clones of one round are bounded by `copy_budget_bytes`, adapters past it stay due for a later plan; a
+   state larger than the budget by itself is copied synchronously instead, never cloned);
 1. write the file (workers/durable_snapshot.py: atomic, fsynced, hashed);
 2. wait until the dispatcher's finisher has stored the results of every plan up to this one (`after_finished`): a
    snapshot may only become the one a restart adopts once everything it covers was answered, or a restart would
@@ -176,7 +177,7 @@ class Snapshotter:
             seq = dispatcher.last_applied(m) if dispatcher is not None else None
             c = self._cadence[m]
             try:
-                copy = self.store.peek_async(m)
+                copy = self.store.peek_async(m, self.copy_budget_bytes)
             except Exception as exc:  # noqa: BLE001 - this adapter is skipped now and tried again later
                 self._warn.error("pool %s: cannot copy %s for a snapshot (%s)", self.pool, m, exc)
                 continue

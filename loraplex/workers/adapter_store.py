@@ -188,11 +188,13 @@ class AdapterStore:
             )
         return read_spill(self._disk[model_id], out)
 
-    def peek_async(self, model_id: str) -> Callable[[], AdapterSnapshot]:
+    def peek_async(self, model_id: str, clone_limit_bytes: int) -> Callable[[], AdapterSnapshot]:
         """As `peek`, for the durable snapshot writer: a resident adapter's state is cloned on the device now and
         copied to the host when the returned function is called (in the writer's thread), so the caller (the pool's
-        loop) never waits for a device-to-host copy; an adapter in host memory or on disk is copied now."""
-        if self.tier_of(model_id) == GPU:
+        loop) never waits for a device-to-host copy; an adapter in host memory or on disk, or one whose state is over
+        `clone_limit_bytes` (an MoE's expert banks: ~14 GB at 30B-A3B rank 16, more than a full GPU can spare), is
+        copied now."""
+        if self.tier_of(model_id) == GPU and self.stats.bytes_per_adapter <= clone_limit_bytes:
             return take_snapshot_async(self.engine, model_id)
         snapshot = self.peek(model_id)
         return lambda: snapshot

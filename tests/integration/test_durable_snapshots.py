@@ -208,10 +208,13 @@ def test_a_corrupt_snapshot_is_refused_and_recovery_takes_the_one_before(world: 
 
 
 
-def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_were(world: dict[str, Any]) -> None:
+@pytest.mark.parametrize("short", [0, 1], ids=["room-for-one", "under-one-state"])
+def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_were(
+    world: dict[str, Any], short: int
+) -> None:
     """copy_budget_bytes: with room for one adapter's state, two due adapters are taken one per plan (the other stays
     due, nothing lost); each snapshot holds the state at the plan it was taken after, though training went on before
-    the writer copied it."""
+    the writer copied it. A budget under one state (short) copies it at once instead of cloning it, one per plan too."""
     w = world
     with unit_of_work(w["sessions"]) as session:
         AdapterRepository(session, w["tenant"]).create("b", "tiny", 4, 8.0, ["q_proj"], 5)
@@ -221,7 +224,7 @@ def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_w
     store.create("a", 4, 8.0, 3)
     store.create("b", 4, 8.0, 5)
     snaps = Snapshotter(store, w["sessions"], w["redis"], pool=w["pool"], blob_root=w["blobs"], every_steps=1,
-                        every_s=0, copy_budget_bytes=store.stats.bytes_per_adapter)  # fmt: skip
+                        every_s=0, copy_budget_bytes=store.stats.bytes_per_adapter - short)  # fmt: skip
     fin = Finisher()
 
     def plan(seq: int) -> BatchPlan:
