@@ -20,7 +20,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -109,6 +109,23 @@ def _check_close(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
         assert_close_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
         with sessions() as session:
             assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+
+
+def _pool_killer(stack: Stack, marks: tuple[int, ...], rng: random.Random) -> Callable[[list[Trained]], None]:
+    """A fault for _run_with_faults: SIGKILL the pool once each mark of answered requests is passed (plus a random
+    moment up to 0.1 s), each time waiting for the stack to restart it."""
+
+    def kill_pool(out: list[Trained]) -> None:
+        for mark in marks:
+            while _progress(out) < mark:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.1))
+            pid = stack.child("pool").pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_restarted(stack, pid)
+
+    return kill_pool
 
 
 def _everything(url: str) -> dict[bytes, int]:
@@ -276,18 +293,8 @@ def test_a_pool_mixing_adapters_killed_three_times_ends_where_an_uninterrupted_r
     settings = Settings(home=tmp_path, slots=4, max_rank=16, pool_heartbeat_seconds=0.5, leader_lease_seconds=2.0,
                         snapshot_every_steps=2, snapshot_every_seconds=0, restart_backoff_seconds=0.2)  # fmt: skip
     plans = [Plan(t, rank=(4, 8, 16)[t], seed=51 + t, steps=10) for t in range(3)]
-    rng = random.Random(7)
     with Stack(settings, api_port=free_port()) as mixed:
-        def kill_pool(out: list[Trained]) -> None:
-            for mark in (8, 24, 40):
-                while _progress(out) < mark:
-                    time.sleep(0.01)
-                time.sleep(rng.uniform(0.0, 0.1))
-                pid = mixed.child("pool").pid
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                wait_restarted(mixed, pid)
-
+        kill_pool = _pool_killer(mixed, (8, 24, 40), random.Random(7))
         _check_close(mixed, plans, _run_with_faults(mixed, ["mix-a", "mix-b", "mix-c"], plans, kill_pool))
 
 
@@ -300,18 +307,8 @@ def test_a_moe_pool_sigkilled_twice_under_load_ends_bit_for_bit_where_an_uninter
                         leader_lease_seconds=2.0, snapshot_every_steps=2, snapshot_every_seconds=0,
                         restart_backoff_seconds=0.2)  # fmt: skip
     plans = [Plan(t, rank=(4, 8)[t], seed=61 + t, steps=6) for t in range(2)]
-    rng = random.Random(11)
     with Stack(settings, api_port=free_port()) as moe:
-        def kill_pool(out: list[Trained]) -> None:
-            for mark in (6, 16):
-                while _progress(out) < mark:
-                    time.sleep(0.01)
-                time.sleep(rng.uniform(0.0, 0.1))
-                pid = moe.child("pool").pid
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                wait_restarted(moe, pid)
-
+        kill_pool = _pool_killer(moe, (6, 16), random.Random(11))
         _check(moe, plans, _run_with_faults(moe, ["moe-a", "moe-b"], plans, kill_pool))
 
 
