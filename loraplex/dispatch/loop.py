@@ -329,12 +329,7 @@ class Dispatcher:
             req = to_planned(env)
             if req.model_id not in self._applied and req.kind not in UNORDERED_KINDS:  # a sampler is no adapter
                 lookup = self.applied_seq_lookup
-                if req.kind == RequestKind.CREATE_ADAPTER and not answered:
-                    # A new adapter has nothing applied (its SQL row says None too): no read, so a database outage
-                    # does not hold the loop, and everything queued behind this entry, while a tenant arrives.
-                    self._applied[req.model_id] = None
-                else:
-                    self._applied[req.model_id] = lookup(req.model_id) if lookup else None
+                self._applied[req.model_id] = lookup(req.model_id) if lookup else None
             silent = False
             if answered:  # stored before a crash, never acked: never apply twice...
                 last = self._applied.get(req.model_id)

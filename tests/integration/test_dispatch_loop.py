@@ -194,28 +194,6 @@ def test_create_steps_delete_in_one_plan_and_results_reach_a_waiting_client(
     assert [o.request_id for o, _ in ((o, p) for os, p in reports for o in os)] == [ids[2], ids[1], ids[3], ids[0]]
 
 
-def test_a_new_adapters_create_needs_no_applied_seq_read(redis_client: redis.Redis, settings: Settings) -> None:
-    """The dispatcher reads an adapter's applied seq_id (SQL) when it first meets it, except at its create: a new
-    adapter has none. So a database outage while a tenant arrives holds nothing up; an adapter first met at a later
-    request is still read."""
-    pool, a, b = _uid(), f"a-{_uid()}", f"b-{_uid()}"
-    engine = ArithmeticEngine({b: 1.0})
-    read: list[str] = []
-
-    def lookup(model_id: str) -> int | None:
-        read.append(model_id)
-        return 0
-
-    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lookup, block_ms=20)
-    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
-    envs = [Envelope.new(tenant_id="t", model_id=a, kind="create_adapter", payload={"seed": 3, "rank": 4}),
-            _fb(a, 1, [2]), _fb(b, 1, [1])]  # fmt: skip
-    ids = [producer.submit(e) for e in envs]
-    _drain(d, results, ids)
-    assert read == [b]
-    assert [results.get(i).result for i in ids] == [{"w": 3.0}, {"loss": 6.0}, {"loss": 1.0}]
-
-
 def test_a_seq_gap_fails_after_the_timeout_naming_the_missing_seq(
     redis_client: redis.Redis, settings: Settings
 ) -> None:
