@@ -146,6 +146,9 @@ def test_postgres_crashed_three_times_under_load_loses_and_repeats_nothing(
 
         # 2. The same with two saves of another tenant queued (their checkpoint rows must wait).
         _wait(lambda: _progress(out) >= 24)
+        # ...once the late tenant has trained: the dispatcher reads a new adapter's applied seq_id from SQL when it
+        # first meets it, and a create met during this outage would hold the saves behind that read (the flake).
+        _wait(lambda: out[3].done >= 1)
 
         def two_saves() -> int:
             saves.extend([saver.save_state("queued"), saver.save_weights_for_sampler("queued-sampler")])
