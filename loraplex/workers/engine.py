@@ -458,21 +458,15 @@ class Engine:
                 clone.record_stream(side)  # its memory is not reused before the side stream has read it
             return host, done
 
-        if copy_now:
-            host, done = start()
-
-            def wait() -> torch.Tensor:
-                done.synchronize()
-                return host
-
-            return wait
-
-        def copy() -> torch.Tensor:
-            host, done = start()
+        def finish(started: tuple[torch.Tensor, torch.cuda.Event]) -> torch.Tensor:
+            host, done = started
             done.synchronize()
             return host
 
-        return copy
+        if copy_now:
+            started = start()
+            return lambda: finish(started)
+        return lambda: finish(start())
 
     def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
         opt = self.optimizer
