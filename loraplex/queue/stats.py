@@ -5,6 +5,7 @@ benchmarks/bench_service.py read them; two readings apart give the mean adapters
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -85,3 +86,17 @@ def read(redis: redis_lib.Redis, pool: str) -> PlanStats:
         f: (float if f.endswith("_s") else int)(fields[f]) for f in PlanStats.__dataclass_fields__ if f in fields
     }
     return PlanStats(**values)
+
+
+def read_settled(
+    redis: redis_lib.Redis, pool: str, since: PlanStats, *, fb_requests: int, timeout_s: float = 10.0
+) -> PlanStats:
+    """The totals since `since`, once they count at least `fb_requests` forward_backward requests (or at `timeout_s`).
+    The dispatcher adds a plan's numbers after it has published that plan's results (off the hot path), so a reader
+    who has just seen the last answer may be a moment ahead of them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        window = read(redis, pool).minus(since)
+        if window.fb_requests >= fb_requests or time.monotonic() >= deadline:
+            return window
+        time.sleep(0.02)

@@ -9,6 +9,8 @@ SQLite notes (the default backend, shared by several processes: gateway, dispatc
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,7 +58,7 @@ def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
         cursor = dbapi_conn.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
         if not in_memory:
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
             cursor.execute("PRAGMA synchronous = NORMAL")  # durable across app crashes in WAL mode
         cursor.execute(f"PRAGMA foreign_keys = {'ON' if foreign_keys else 'OFF'}")
         cursor.close()
@@ -67,6 +69,25 @@ def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
         conn.exec_driver_sql(f"BEGIN {mode}")
 
     return engine
+
+
+def _enable_wal(cursor: Any) -> None:
+    """Switch the database file to WAL (persistent: one switch serves every later connection). The switch needs the
+    file's exclusive lock, and SQLite answers it SQLITE_BUSY at once, without the busy handler, when another process
+    holds a lock at that moment (several processes migrating a new database at start did); so wait here, as the busy
+    timeout would, and skip the switch when another process already made it."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
