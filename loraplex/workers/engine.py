@@ -48,6 +48,7 @@ from loraplex.workers.lora import (
     Routing,
     SlotBankLinear,
     check_only_lora_trainable,
+    install_sibling_groups,
     install_slot_banks,
     lora_delta_grouped,
     select_lora_op,
@@ -109,6 +110,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         fused_head: bool = True,
         shard_base: bool = True,
+        shared_lora_inputs: bool = True,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -126,7 +128,8 @@ class Engine:
         or a whole copy on every rank (False: plain data parallelism over rows, for a base that fits one device; the
         forward has no collectives then, so CUDA graphs apply as on one rank). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
-        user of the model)."""
+        user of the model). shared_lora_inputs: on the fused path, the LoRA layers that read one input (q/k/v, gate/up)
+        run as one node sharing their A product (lora/siblings.py; may be flipped between calls: the attribute)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -167,6 +170,8 @@ class Engine:
         for i, bank in enumerate(dense.values()):
             (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
+        self.sibling_groups = install_sibling_groups(dense)
+        self.shared_lora_inputs = shared_lora_inputs
         # The fused path's gathered width: the dense banks' columns (an MoE's expert banks are read in place).
         self.dense_width = sum(n for _, n in self.optimizer.segments[: 2 * len(dense)])
         self._adapters: dict[str, AdapterRecord] = {}
@@ -670,6 +675,15 @@ class Engine:
             return None
         graph = self.graphs.graph(padded)
         return None if graph is None else (graph, padded)
+
+    @property
+    def shared_lora_inputs(self) -> bool:
+        """Sibling LoRA layers (q/k/v, gate/up) run as one node on the fused path (lora/siblings.py)."""
+        return self.context.shared_inputs
+
+    @shared_lora_inputs.setter
+    def shared_lora_inputs(self, on: bool) -> None:
+        self.context.shared_inputs = bool(on)
 
     def _elementwise_on(self) -> bool:
         return bool(self.fused_elementwise and self.fused_modules)

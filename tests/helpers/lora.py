@@ -18,7 +18,9 @@ from loraplex.workers.lora import (
     lora_delta_fused,
     lora_delta_grouped,
     lora_delta_reference,
+    lora_siblings_fused,
 )
+from loraplex.workers.lora.siblings import siblings_fusable
 from loraplex.workers.lora.slot_bank import LoraOp
 
 SLOTS = 8
@@ -176,3 +178,49 @@ def run_fused(
     grad_a = full[:, a_start:b_start].reshape(a.shape)
     grad_b = full[:, b_start : b_start + r * n_out].reshape(b.shape)
     return y.detach(), x.grad, grad_a, grad_b
+
+
+def flat_sibling_banks(banks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[BankLayout]]:
+    """The siblings' banks in one flat [S, P] buffer as the optimizer lays them out (A then B per layer, after 8
+    columns of another layer)."""
+    slots = banks[0][0].shape[0]
+    parts, layouts, col = [torch.randn(slots, 8, device=banks[0][0].device)], [], 8
+    for a, b in banks:
+        n_in, r, n_out = a.shape[1], a.shape[2], b.shape[2]
+        layouts.append(BankLayout(col, col + n_in * r, n_in, n_out, r))
+        parts += [a.reshape(slots, -1), b.reshape(slots, -1)]
+        col += n_in * r + r * n_out
+    return torch.cat(parts, dim=1), layouts
+
+
+def run_siblings(
+    flat: torch.Tensor,
+    layouts: list[BankLayout],
+    routing: Routing,
+    x: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    *,
+    together: bool,
+    single: bool = True,
+    x_grad: bool = True,
+    bases: list[torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    """(outputs, x.grad, the folded [S, P] bank gradient) of the siblings run as one node or each alone."""
+    banks = MicrobatchBanks.gather(flat, routing, dtype, trainable=True, grouped=True)
+    banks.single = single
+    x = x.detach().to(dtype).clone().requires_grad_(x_grad)
+    if together:
+        assert siblings_fusable(x, layouts, banks, routing)
+        outs = list(lora_siblings_fused(x, layouts, banks, routing, bases))
+    else:
+        outs = [
+            lora_delta_fused(x, lay, banks, routing, base_weight=None if bases is None else bases[i])
+            for i, lay in enumerate(layouts)
+        ]
+    loss = sum((o.sum() if g is None else (o * g.to(dtype)).sum()) for o, g in zip(outs, grads, strict=True))
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    assert banks.grads is not None
+    folded = torch.zeros_like(flat).index_add_(0, routing.slot_ids, banks.grads)
+    return [o.detach() for o in outs], x.grad, folded

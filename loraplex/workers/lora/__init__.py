@@ -6,6 +6,7 @@ from loraplex.workers.lora.grouped import lora_delta_grouped
 from loraplex.workers.lora.ops import select_lora_op
 from loraplex.workers.lora.reference import lora_delta_reference, lora_delta_single
 from loraplex.workers.lora.routing import LoraContext, Routing
+from loraplex.workers.lora.siblings import SiblingGroup, install_sibling_groups, lora_siblings_fused
 from loraplex.workers.lora.slot_bank import (
     DEFAULT_TARGET_MODULES,
     LoraOp,
@@ -22,11 +23,14 @@ __all__ = [
     "LoraContext",
     "LoraOp",
     "Routing",
+    "SiblingGroup",
     "SlotBankLinear",
     "check_only_lora_trainable",
+    "install_sibling_groups",
     "install_slot_banks",
     "lora_delta_grouped",
     "lora_delta_reference",
     "lora_delta_single",
+    "lora_siblings_fused",
     "select_lora_op",
 ]

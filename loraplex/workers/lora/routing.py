@@ -102,6 +102,8 @@ class LoraContext:
     def __init__(self) -> None:
         self.routing: Routing | None = None
         self.banks: MicrobatchBanks | None = None
+        # Sibling layers (q/k/v, gate/up) run as one node on the fused path (lora/siblings.py); False: each alone.
+        self.shared_inputs = True
 
     @contextmanager
     def use(self, routing: Routing | None, banks: MicrobatchBanks | None = None) -> Iterator[None]:

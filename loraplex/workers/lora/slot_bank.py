@@ -6,16 +6,19 @@ The base weight stays frozen. Every wrapped layer reads the routing of the curre
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from loraplex.errors import InvalidRequestError
 from loraplex.workers.lora.expert_bank import EXPERT_PROJECTIONS, is_fused_experts
-from loraplex.workers.lora.fused import BankLayout, lora_delta_fused
+from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, lora_delta_fused
 from loraplex.workers.lora.reference import lora_delta_reference
 from loraplex.workers.lora.routing import LoraContext, Routing
+
+if TYPE_CHECKING:
+    from loraplex.workers.lora.siblings import SiblingGroup
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -44,6 +47,16 @@ class SlotBankLinear(nn.Module):
         # Where the banks sit in the optimizer's flat buffer (set by the engine): the fused path reads the microbatch's
         # gathered banks (context.banks) through it instead of running `op` on the master banks.
         self.layout: BankLayout | None = None
+        # The layers of the same module that read the same input (set by install_sibling_groups).
+        self.siblings: SiblingGroup | None = None
+
+    def fused_base_weight(self, x: torch.Tensor, banks: MicrobatchBanks) -> torch.Tensor | None:
+        """The base weight when the base matmul fuses into the LoRA node (lora/fused.py: no separate adds over [N, out]
+        or [N, in], one rounding of base + delta), else None. CUDA only: the CPU paths stay bit-comparable."""
+        w = self.base.weight
+        if x.is_cuda and self.base.bias is None and x.dtype == w.dtype == banks.compute.dtype:
+            return w
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.context.routing
@@ -52,13 +65,15 @@ class SlotBankLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         banks = self.context.banks
         if banks is not None and self.layout is not None:
-            w = self.base.weight
-            if x.is_cuda and self.base.bias is None and x.dtype == w.dtype == banks.compute.dtype:
-                # The base matmul fused into the LoRA node, forward and backward (lora/fused.py): no separate adds over
-                # [N, out] or [N, in], one rounding of base + delta. CUDA only: the CPU paths stay bit-comparable.
-                y = lora_delta_fused(x2, self.layout, banks, routing, base_weight=w)
-                return y.view(*x.shape[:-1], self.out_features)
-            delta = lora_delta_fused(x2, self.layout, banks, routing)
+            base_weight = self.fused_base_weight(x, banks)
+            out = None
+            if self.siblings is not None and self.context.shared_inputs:
+                out = self.siblings.output(self, x, banks, routing)  # q/k/v, gate/up: one node (lora/siblings.py)
+            if out is None:
+                out = lora_delta_fused(x2, self.layout, banks, routing, base_weight=base_weight)
+            if base_weight is not None:
+                return out.view(*x.shape[:-1], self.out_features)
+            delta = out
         else:
             delta = self.op(x2, self.lora_A, self.lora_B, routing)
         y = self.base(x)
