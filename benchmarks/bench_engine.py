@@ -436,6 +436,8 @@ def main() -> None:
                    help="comma list: on (the body of training microbatches as CUDA graphs, the engine's default), off (eager)")  # fmt: skip
     p.add_argument("--head", default="fused",
                    help="comma list: fused (the LM head's log-softmax as Triton kernels, the engine's default on CUDA), eager (chunked torch)")  # fmt: skip
+    p.add_argument("--siblings", default="on",
+                   help="comma list: on (q/k/v and gate/up LoRA as one node sharing the A product, the engine's default), off (each layer alone)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
@@ -500,9 +502,10 @@ def main() -> None:
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op
-    variants = [(o, e, g, h) for h in args.head.split(",") for g in args.graphs.split(",")
-                for e in args.elementwise.split(",") for o in args.ops.split(",")]  # fmt: skip
-    for op_name, fused_elementwise, graphs, head in variants:
+    variants = [(o, e, g, h, s) for s in args.siblings.split(",") for h in args.head.split(",")
+                for g in args.graphs.split(",") for e in args.elementwise.split(",") for o in args.ops.split(",")]  # fmt: skip
+    for op_name, fused_elementwise, graphs, head, siblings in variants:
+        engine.shared_lora_inputs = siblings == "on"
         engine.fused_head = head == "fused"
         engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)  # installed when asked
         engine.cuda_graphs = graphs == "on" and engine.graphs is not None
@@ -523,14 +526,14 @@ def main() -> None:
         if engine.graphs is not None:
             per_op["graphs"] = {"captures": engine.graphs.captures, "replays": engine.graphs.replays}
         u, sat = per_op["underfilled"], per_op["saturated"]
-        print(f"{op_name} elementwise {fused_elementwise} graphs {graphs} head {head}: underfilled {u['concurrent']['tok_s']:,.0f} / "
+        print(f"{op_name} elementwise {fused_elementwise} graphs {graphs} head {head} siblings {siblings}: underfilled {u['concurrent']['tok_s']:,.0f} / "
               f"{u['single']['tok_s']:,.0f} tok/s ({u['ratio']:.3f}x), saturated {sat['concurrent']['tok_s']:,.0f} / "
               f"{sat['single']['tok_s']:,.0f} ({sat['ratio']:.3f}x), lone 1x512 {1e3 * per_op['lone_1x512']['step_s']:.1f} ms, "
               f"one adapter 8x512 {per_op['one_adapter_8x512']['tok_s']:,.0f} tok/s, peak "
               f"{max(v['peak_gb'] for w in (u, sat) for v in (w['single'], w['concurrent'])):.1f} GB, "
               f"{per_op.get('graphs')}", flush=True)  # fmt: skip
         suffix = ("" if fused_elementwise == "off" else "_triton_elementwise") + ("" if graphs == "off" else "_graphs")
-        suffix += "" if head == "eager" else "_fused_head"
+        suffix += ("" if head == "eager" else "_fused_head") + ("" if siblings == "on" else "_layers_alone")
         results[f"engine_{op_name}" + suffix] = per_op
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -50,6 +50,7 @@ class GraphKey:
     boundaries: int  # len(cu_seqlens)
     max_length: int  # the attention's bound on a sequence's length
     elementwise: bool  # the fused norm / activation kernels on while captured
+    shared_inputs: bool = True  # sibling LoRA layers as one node while captured (lora/siblings.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def pad_microbatch(
     group_rows: Sequence[int],
     elementwise: bool,
     token_bucket: int = TOKEN_BUCKET,
+    shared_inputs: bool = True,
 ) -> PaddedMicrobatch:
     """The bucketed layout of a packed microbatch (sequence `lengths` in order; its LoRA groups as Routing.build takes
     them). See the module doc."""
@@ -95,7 +97,7 @@ def pad_microbatch(
     boundaries = _pow2(len(cu))
     cu += [tokens] * (boundaries - len(cu))
     max_length = min(tokens, max(128, _pow2(max(seq_lengths))))
-    key = GraphKey(tokens, groups, boundaries, max_length, bool(elementwise))
+    key = GraphKey(tokens, groups, boundaries, max_length, bool(elementwise), bool(shared_inputs))
     return PaddedMicrobatch(key, pad, cu, slots, ranks, scales, rows)
 
 

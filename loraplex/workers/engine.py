@@ -670,7 +670,10 @@ class Engine:
         if self.checkpointing.wants(routing.num_rows):
             return None
         rows = [e - s for s, e in zip(routing.starts, routing.ends, strict=True)]
-        padded = pad_microbatch(lengths, routing.slots, routing.ranks, routing.scales, rows, self._elementwise_on())
+        padded = pad_microbatch(
+            lengths, routing.slots, routing.ranks, routing.scales, rows, self._elementwise_on(),
+            shared_inputs=self.shared_lora_inputs,
+        )  # fmt: skip
         if self.checkpointing.wants(padded.key.tokens):
             return None
         graph = self.graphs.graph(padded)
