@@ -12,7 +12,6 @@ Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu -s`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -23,16 +22,8 @@ from loraplex.workers.lora import lora_delta_grouped, lora_delta_reference, sele
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_fused
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmul() -> Iterator[None]:
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def grouped_here() -> bool:

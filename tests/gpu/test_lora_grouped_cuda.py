@@ -10,7 +10,6 @@ Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu -s` (-s prints the
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,8 @@ from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delt
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_op
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmul() -> Iterator[None]:
-    """The fp32 oracle must be fp32: no TF32 (it would round the reference's operands to 10 mantissa bits)."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def test_select_lora_op_on_this_gpu() -> None:

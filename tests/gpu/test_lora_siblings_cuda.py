@@ -8,25 +8,15 @@ Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu -s`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from loraplex.workers.lora import Routing
 from tests.helpers.lora import flat_sibling_banks, make_banks, run_siblings
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
 SIBLINGS = {"q/k/v": (4096, 1024, 1024), "gate/up": (9728, 9728)}
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmul() -> Iterator[None]:
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 @pytest.mark.parametrize("siblings", sorted(SIBLINGS))

@@ -7,7 +7,6 @@ Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu -s`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,9 @@ from loraplex.workers.engine import Engine
 from loraplex.workers.export import export_peft
 from loraplex.workers.sampler import SampleJob, SampleParams, Sampler
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
 GREEDY = SampleParams(max_tokens=16, temperature=0.0)
 ADAPTERS = {"r4": (4, 8.0, 1), "r16": (16, 16.0, 2), "r8": (8, 16.0, 3)}
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmul() -> Iterator[None]:
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def build(tiny_dir: Path, dtype: torch.dtype) -> tuple[Engine, Any]:
@@ -80,9 +71,7 @@ def test_graph_replay_equals_eager_and_mixed_equals_alone(tiny_dir: Path, dtype:
             assert max_diff(single.logprobs, out.sequences[0].logprobs) <= 1e-4
 
 
-def test_graph_greedy_equals_peft_generate_and_a_kept_graph_takes_new_adapters(
-    tiny_dir: Path, tmp_path: Path
-) -> None:
+def test_graph_greedy_equals_peft_generate_and_a_kept_graph_takes_new_adapters(tiny_dir: Path, tmp_path: Path) -> None:
     engine, tokenizer = build(tiny_dir, torch.float32)
     sampler = Sampler(engine, tokenizer, max_rows=4)
     ps = prompts(4)
