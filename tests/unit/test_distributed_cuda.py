@@ -3,7 +3,8 @@
 One GPU allows one rank, so this runs the integration scenario (tests/integration/test_distributed.py) as a process
 group of one on cuda:0: FSDP2 sharding (trivial), the NCCL all-reduce of bank gradients and all-gather of outputs, and
 plans broadcast on the gloo control group; it must equal the same plans on an engine with no process group. With more
-GPUs, the world size follows the device count (2+ ranks: the real split). Needs no service dependencies."""
+GPUs each test also runs at world sizes 2, 4 and 8 where the machine has that many (issue 16: `nvidia-h200-x2/-x4/-x8`;
+the real split of rows across ranks). Needs no service dependencies."""
 
 from __future__ import annotations
 
@@ -28,14 +29,21 @@ pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+WORLD_SIZES = pytest.mark.parametrize("world", [1, 2, 4, 8], ids=lambda w: f"world{w}")
 
 
-def test_nccl_ranks_match_one_process_on_cuda(tmp_path: Path) -> None:
+def _gpus(world: int) -> int:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    return world
+
+
+@WORLD_SIZES
+def test_nccl_ranks_match_one_process_on_cuda(tmp_path: Path, world: int) -> None:
     tiny = resolve("tiny", tmp_path / "model-cache")
     spec = EngineSpec(TinyLoader(str(tiny)), "cuda", ENGINE_KWARGS)
     plans = make_plans()
-    world = min(torch.cuda.device_count(), 2)
-    reports = run_ranks(world, "cuda", spec, plans, tmp_path)
+    reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     reference = run_one_process(spec, plans)
     assert_same_run(reports[0], reference)
     state = reports[0]["state"]
@@ -45,13 +53,14 @@ def test_nccl_ranks_match_one_process_on_cuda(tmp_path: Path) -> None:
         assert all(torch.equal(x, y) for x, y in zip(state["adam"], other["state"]["adam"], strict=True))
 
 
-def test_replicated_base_ranks_match_one_process_on_cuda(tmp_path: Path) -> None:
+@WORLD_SIZES
+def test_replicated_base_ranks_match_one_process_on_cuda(tmp_path: Path, world: int) -> None:
     """pool_layout "replicate" (Engine(shard_base=False)) with NCCL: a whole base on every rank, no FSDP, so the body
     also runs as CUDA graphs in a process group; equal to one process (fp32, to the reference's tolerance)."""
     tiny = resolve("tiny", tmp_path / "model-cache")
     spec = EngineSpec(TinyLoader(str(tiny)), "cuda", {**ENGINE_KWARGS, "shard_base": False})
     plans = make_plans()
-    reports = run_ranks(min(torch.cuda.device_count(), 2), "cuda", spec, plans, tmp_path)
+    reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     assert_same_run(reports[0], run_one_process(spec, plans))
     assert not any(sharded for sharded, _, _ in reports[0]["state"]["base"].values())
 
@@ -73,12 +82,13 @@ def _max_diffs(got: dict, want: dict) -> tuple[float, float]:
     return lp, weights
 
 
-def test_bf16_base_model_shards_and_trains_on_cuda(tmp_path: Path) -> None:
+@WORLD_SIZES
+def test_bf16_base_model_shards_and_trains_on_cuda(tmp_path: Path, world: int) -> None:
     """bf16 base weights (as the GPU benchmarks load them) with fp32 banks: FSDP2 shards the bf16 weights only."""
     tiny = resolve("tiny", tmp_path / "model-cache")
     spec = EngineSpec(TinyLoader(str(tiny), "bfloat16"), "cuda", ENGINE_KWARGS)
     plans = make_plans()
-    reports = run_ranks(min(torch.cuda.device_count(), 2), "cuda", spec, plans, tmp_path)
+    reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     reference = run_one_process(spec, plans)
     lp, weights = _max_diffs(reports[0], reference)
     print(f"bf16: max |logprob diff| {lp:.3g}, max |weight diff| {weights:.3g}")
