@@ -10,7 +10,7 @@ import torch
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
-from loraplex.workers.lora import Routing, lora_delta_reference, slot_bank
+from loraplex.workers.lora import Routing, lora_delta_reference, siblings, slot_bank
 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
@@ -63,7 +63,8 @@ def test_reference_op_gradients_stay_in_real_rank_and_owner_slots() -> None:
 def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
     tiny_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every layer of a microbatch sees the same Routing object (and, fused, the same gathered MicrobatchBanks)."""
+    """Every layer of a microbatch sees the same Routing object (and, fused, the same gathered MicrobatchBanks), whether
+    it runs alone or in a sibling node (q/k/v, gate/up: counted once per layer of the node)."""
     engine = make_engine(tiny_dir, microbatch_tokens=16, fused_lora=fused)  # packed: 7 + 9 and 8 + 6 tokens
     engine.create_adapter("a", 4, 8.0, seed=1)
     engine.create_adapter("b", 8, 8.0, seed=2)
@@ -72,12 +73,20 @@ def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
     if fused:
         inner_fused = slot_bank.lora_delta_fused
 
-        def spy(x: torch.Tensor, layout: object, banks: object, routing: Routing) -> torch.Tensor:
+        def spy(x: torch.Tensor, layout: object, banks: object, routing: Routing, **kw: object) -> torch.Tensor:
             seen.append(routing)
             gathered.append(banks)
-            return inner_fused(x, layout, banks, routing)
+            return inner_fused(x, layout, banks, routing, **kw)  # type: ignore[arg-type]
 
         monkeypatch.setattr(slot_bank, "lora_delta_fused", spy)
+        inner_siblings = siblings.lora_siblings_fused
+
+        def spy_siblings(x: torch.Tensor, layouts: list, banks: object, routing: Routing, *rest: object) -> tuple:
+            seen.extend([routing] * len(layouts))
+            gathered.extend([banks] * len(layouts))
+            return inner_siblings(x, layouts, banks, routing, *rest)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(siblings, "lora_siblings_fused", spy_siblings)
     for bank in engine.banks.values():
         inner = bank.op
         bank.op = lambda x, a, b, routing, inner=inner: (seen.append(routing), inner(x, a, b, routing))[1]
