@@ -164,6 +164,11 @@ def lora_siblings_fused(
     return _SiblingLora.apply(x, banks.trigger, tuple(layouts), banks, routing, weights)
 
 
+def _version(x: torch.Tensor) -> int:
+    """x's in-place version counter (an inference tensor, as under torch.inference_mode, keeps none)."""
+    return -1 if x.is_inference() else x._version
+
+
 class SiblingGroup:
     """The wrapped layers of one module that read one input. The first of them called with an input computes every
     member's output in one node; the others' wait here until each is called with that same input (a module calls them
@@ -181,7 +186,13 @@ class SiblingGroup:
         """member's output [N, out] for its module input x [..., in]: the layer's whole output where its base matmul
         fuses into the node (`SlotBankLinear.fused_base_weight`), else its LoRA delta; None: run alone."""
         key = self._input
-        if key is not None and key[0] is x and key[1] == x._version and key[2] is banks and id(member) in self._waiting:
+        if (
+            key is not None
+            and key[0] is x
+            and key[1] == _version(x)
+            and key[2] is banks
+            and id(member) in self._waiting
+        ):
             out = self._waiting.pop(id(member))
             if not self._waiting:
                 self._input = None
@@ -198,7 +209,7 @@ class SiblingGroup:
         outputs = lora_siblings_fused(x2, layouts, banks, routing, weights or None)
         self.fused_calls += 1
         self._waiting = {id(m): o for m, o in zip(self.members, outputs, strict=True) if m is not member}
-        self._input = (x, x._version, banks)
+        self._input = (x, _version(x), banks)
         return outputs[self.members.index(member)]
 
     def clear(self) -> None:
