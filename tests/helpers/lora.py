@@ -180,11 +180,13 @@ def run_fused(
     return y.detach(), x.grad, grad_a, grad_b
 
 
-def flat_sibling_banks(banks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[BankLayout]]:
+def flat_sibling_banks(
+    banks: list[tuple[torch.Tensor, torch.Tensor]], lead: int = 8
+) -> tuple[torch.Tensor, list[BankLayout]]:
     """The siblings' banks in one flat [S, P] buffer as the optimizer lays them out (A then B per layer, after 8
-    columns of another layer)."""
+    columns of another layer; `lead` 3: every view off grouped_mm's 16-byte alignment, so it reads copies)."""
     slots = banks[0][0].shape[0]
-    parts, layouts, col = [torch.randn(slots, 8, device=banks[0][0].device)], [], 8
+    parts, layouts, col = [torch.randn(slots, lead, device=banks[0][0].device)], [], lead
     for a, b in banks:
         n_in, r, n_out = a.shape[1], a.shape[2], b.shape[2]
         layouts.append(BankLayout(col, col + n_in * r, n_in, n_out, r))

@@ -57,6 +57,22 @@ def test_one_node_equals_each_layer_alone_fp32(
     assert torch.equal(got[2] == 0, want[2] == 0)
 
 
+def test_one_node_reads_unaligned_bank_views_through_copies() -> None:
+    """Banks whose columns start off grouped_mm's 16-byte alignment (3 leading columns) give the layers' results."""
+    slots, ranks, scales, rows = CASES[3]
+    used = dict(zip(slots, ranks, strict=True))
+    flat, layouts = flat_sibling_banks(
+        [make_banks(used, N_IN, n, R_MAX, seed=60 + i) for i, n in enumerate(OUTS)], lead=3
+    )
+    routing = Routing.build(slots, ranks, scales, rows)
+    x = torch.randn(routing.num_rows, N_IN)
+    grads: list[torch.Tensor | None] = [torch.randn(routing.num_rows, n) for n in OUTS]
+    got = run_siblings(flat, layouts, routing, x, grads, together=True)
+    want = run_siblings(flat, layouts, routing, x, grads, together=False)
+    for g, w in zip([*got[0], got[1], got[2]], [*want[0], want[1], want[2]], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
 def test_one_node_equals_the_plain_torch_reference() -> None:
     """The oracle itself: each sibling's delta and bank gradients as `lora_delta_reference` gives them, and x.grad the
     sum of the three layers' (4 groups, mixed ranks, empty groups)."""

@@ -120,7 +120,7 @@ class _SiblingLora(torch.autograd.Function):
         for i, (gy, b, pad_out) in enumerate(zip(grad_outputs, bs, ctx.pads, strict=True)):
             if grouped:  # a zero-stride gradient (y.sum().backward()) breaks grouped_mm; pad to the aligned out width
                 gy = _dense(gy)
-                gy, b = (F.pad(gy, (0, pad_out)), F.pad(b, (0, pad_out))) if pad_out else (gy, b)
+                gy, b = (F.pad(gy, (0, pad_out)), F.pad(b, (0, pad_out))) if pad_out else (gy, _gmm_operand(b))
             h = hs[:, i * r : (i + 1) * r]
             gb = views[i][1] if views[i] is not None else None
             if gb is not None and grouped:
