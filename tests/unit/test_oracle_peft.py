@@ -210,7 +210,14 @@ def test_four_adapters_in_mixed_batches_equal_peft_alone(tiny_dir: Path) -> None
             clip_fractions.setdefault(loss_fn, []).append(res["metrics"].get("clip_fraction:mean", 0.0))
             diff = abs(res["metrics"]["loss:sum"] - expected.item())
             worst["loss"] = max(worst["loss"], diff)
-            assert diff <= TOL, (step, model_id, loss_fn, res["metrics"]["loss:sum"], expected.item())
+            # the loss is a sum over the item's tokens: its fp32 rounding grows with it (42.3 off by 2.3e-5 seen in CI)
+            assert diff <= TOL * max(1.0, abs(expected.item())), (
+                step,
+                model_id,
+                loss_fn,
+                res["metrics"]["loss:sum"],
+                expected.item(),
+            )
         stepped = engine.optim_step([(spec.model_id, spec.adam) for spec in SPECS])
         for spec, res in zip(SPECS, stepped, strict=True):
             assert isinstance(res, dict), res
