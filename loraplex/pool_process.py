@@ -144,6 +144,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
             "cuda_graphs": settings.cuda_graphs,
             "fused_elementwise": settings.fused_kernels,
             "fused_head": settings.fused_kernels,
+            "shared_lora_inputs": settings.shared_lora_inputs,
             "shard_base": settings.pool_layout == "fsdp",
         },
     )

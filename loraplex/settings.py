@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # code and the chunked torch log-softmax.
     cuda_graphs: bool = True
     fused_kernels: bool = True
+    # The LoRA layers that read one input (q/k/v, gate/up) as one node sharing their A product (workers/lora/
+    # siblings.py), on every device; false: each layer alone.
+    shared_lora_inputs: bool = True
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.

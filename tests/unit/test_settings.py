@@ -33,11 +33,12 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
 def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex.pool_process import engine_spec
 
-    switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base")
+    switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base", "shared_lora_inputs")
     assert {k: engine_spec(Settings()).engine_kwargs[k] for k in switches} == dict.fromkeys(switches, True)
     monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "false")
     monkeypatch.setenv("LORAPLEX_FUSED_KERNELS", "false")
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "replicate")
+    monkeypatch.setenv("LORAPLEX_SHARED_LORA_INPUTS", "false")
     kwargs = engine_spec(Settings()).engine_kwargs
     assert not any(kwargs[k] for k in switches)
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "ring")
