@@ -436,8 +436,8 @@ def main() -> None:
                    help="comma list: on (the body of training microbatches as CUDA graphs, the engine's default), off (eager)")  # fmt: skip
     p.add_argument("--head", default="fused",
                    help="comma list: fused (the LM head's log-softmax as Triton kernels, the engine's default on CUDA), eager (chunked torch)")  # fmt: skip
-    p.add_argument("--siblings", default="on",
-                   help="comma list: on (q/k/v and gate/up LoRA as one node sharing the A product, the engine's default), off (each layer alone)")  # fmt: skip
+    p.add_argument("--siblings", default="auto",
+                   help="comma list: on (q/k/v and gate/up LoRA as one node sharing the A product), off (each layer alone), auto (the engine's default)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
@@ -505,7 +505,8 @@ def main() -> None:
     variants = [(o, e, g, h, s) for s in args.siblings.split(",") for h in args.head.split(",")
                 for g in args.graphs.split(",") for e in args.elementwise.split(",") for o in args.ops.split(",")]  # fmt: skip
     for op_name, fused_elementwise, graphs, head, siblings in variants:
-        engine.shared_lora_inputs = siblings == "on"
+        if siblings != "auto":
+            engine.shared_lora_inputs = siblings == "on"
         engine.fused_head = head == "fused"
         engine.fused_elementwise = fused_elementwise == "on" and bool(engine.fused_modules)  # installed when asked
         engine.cuda_graphs = graphs == "on" and engine.graphs is not None
@@ -533,7 +534,7 @@ def main() -> None:
               f"{max(v['peak_gb'] for w in (u, sat) for v in (w['single'], w['concurrent'])):.1f} GB, "
               f"{per_op.get('graphs')}", flush=True)  # fmt: skip
         suffix = ("" if fused_elementwise == "off" else "_triton_elementwise") + ("" if graphs == "off" else "_graphs")
-        suffix += ("" if head == "eager" else "_fused_head") + ("" if siblings == "on" else "_layers_alone")
+        suffix += ("" if head == "eager" else "_fused_head") + {"auto": "", "on": "_sibling_nodes", "off": "_layers_alone"}[siblings]
         results[f"engine_{op_name}" + suffix] = per_op
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -51,8 +51,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = True
     fused_kernels: bool = True
     # The LoRA layers that read one input (q/k/v, gate/up) as one node sharing their A product (workers/lora/
-    # siblings.py), on every device; false: each layer alone.
-    shared_lora_inputs: bool = True
+    # siblings.py); false: each layer alone. Unset: the engine's default (on the CPU; on CUDA once measured there).
+    shared_lora_inputs: bool | None = None
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan
     # and one batched optimizer step instead of running one by one.

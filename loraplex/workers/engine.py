@@ -110,7 +110,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         fused_head: bool = True,
         shard_base: bool = True,
-        shared_lora_inputs: bool = True,
+        shared_lora_inputs: bool | None = None,
     ) -> None:
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
@@ -129,7 +129,9 @@ class Engine:
         forward has no collectives then, so CUDA graphs apply as on one rank). The model's sdpa attention is replaced by the packed one
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
         user of the model). shared_lora_inputs: on the fused path, the LoRA layers that read one input (q/k/v, gate/up)
-        run as one node sharing their A product (lora/siblings.py; may be flipped between calls: the attribute)."""
+        run as one node sharing their A product (lora/siblings.py; may be flipped between calls: the attribute).
+        Default: on the CPU, where it is tested against the layers alone; off on CUDA until its gpu tests have run on
+        the H200 (tests/gpu/test_lora_siblings_cuda.py, and the engine tests with it on)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -171,7 +173,7 @@ class Engine:
             (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self.sibling_groups = install_sibling_groups(dense)
-        self.shared_lora_inputs = shared_lora_inputs
+        self.shared_lora_inputs = self.device.type != "cuda" if shared_lora_inputs is None else shared_lora_inputs
         # The fused path's gathered width: the dense banks' columns (an MoE's expert banks are read in place).
         self.dense_width = sum(n for _, n in self.optimizer.segments[: 2 * len(dense)])
         self._adapters: dict[str, AdapterRecord] = {}

@@ -2,7 +2,8 @@
 bf16 engine on the plain-torch reference op computes, as measured against the fp32 reference engine (logprobs and
 adapter gradients within 2x the bf16 reference's own error), over steps that capture buckets, replay them with other
 adapters, ranks, lengths and data, and run one-off shapes eagerly; the optimizer steps in between (the graphs read the
-master banks anew each microbatch)."""
+master banks anew each microbatch). Twice: with each LoRA layer alone and with q/k/v, gate/up as sibling nodes
+(lora/siblings.py), captured into the graphs and eager."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 pytestmark = pytest.mark.gpu
 
 
-def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("siblings", [False, True], ids=["layers-alone", "sibling-nodes"])
+def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(
+    tmp_path_factory: pytest.TempPathFactory, siblings: bool
+) -> None:
     from loraplex.models import load_base_model, resolve
     from loraplex.workers.engine import Engine
 
@@ -33,7 +37,7 @@ def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(tmp_path_fac
     try:
         oracle = engine(torch.float32, lora_op=lora_delta_reference)
         ref_bf16 = engine(torch.bfloat16, lora_op=lora_delta_reference)
-        graphed = engine(torch.bfloat16, fused_elementwise=True, cuda_graphs=True)
+        graphed = engine(torch.bfloat16, fused_elementwise=True, cuda_graphs=True, shared_lora_inputs=siblings)
         assert graphed.cuda_graphs and graphed.graphs is not None
         g = torch.Generator().manual_seed(0)
         # Buckets: mixed (4 groups + pad group -> 8, 256 tokens) and lone (1 + pad -> 2 groups); each runs three times
@@ -60,6 +64,7 @@ def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(tmp_path_fac
             for e in (oracle, ref_bf16, graphed):
                 e.optim_step([(m, {"learning_rate": 1e-3}) for m in models])
         assert graphed.graphs.captures == 2, graphed.graphs.captures
+        assert all((g.fused_calls > 0) == siblings for g in graphed.sibling_groups)
         assert graphed.graphs.replays == 2 * 2, graphed.graphs.replays  # the capture's own run and one more, each
     finally:
         torch.set_float32_matmul_precision(previous)

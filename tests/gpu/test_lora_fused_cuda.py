@@ -53,7 +53,10 @@ def test_fused_bf16_unaligned_and_empty_groups() -> None:
     print(f"fused unaligned: max error/bound {ratios}")
 
 
-def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("siblings", [False, True], ids=["layers-alone", "sibling-nodes"])
+def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(
+    tmp_path_factory: pytest.TempPathFactory, siblings: bool
+) -> None:
     from loraplex.models import load_base_model, resolve
     from loraplex.workers.engine import Engine
 
@@ -66,7 +69,9 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
 
     oracle = engine(torch.float32, lora_op=lora_delta_reference, fused_elementwise=False)
     ref_bf16 = engine(torch.bfloat16, lora_op=lora_delta_reference, fused_elementwise=False)
-    fused_bf16 = engine(torch.bfloat16, fused_elementwise=True, fused_head=True)  # every fast path: fused LoRA, Triton
+    fused_bf16 = engine(
+        torch.bfloat16, fused_elementwise=True, fused_head=True, shared_lora_inputs=siblings
+    )  # Triton too
     assert fused_bf16.fused_lora and fused_bf16.compute_dtype == torch.bfloat16
     assert fused_bf16.fused_elementwise and fused_bf16.fused_modules > 0
     g = torch.Generator().manual_seed(0)
@@ -91,3 +96,4 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(tmp_path_factory: py
                         assert e_f <= 2 * e_r + 1e-3 * o[name][i].abs().max().item() + 1e-6, (name, i, e_f, e_r)
             for e in (oracle, ref_bf16, fused_bf16):
                 assert all("metrics" in r for r in e.optim_step([(m, {"learning_rate": 1e-3}) for m in models]))
+    assert all((g.fused_calls > 0) == siblings for g in fused_bf16.sibling_groups)

@@ -33,14 +33,15 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
 def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex.pool_process import engine_spec
 
-    switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base", "shared_lora_inputs")
+    switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base")
     assert {k: engine_spec(Settings()).engine_kwargs[k] for k in switches} == dict.fromkeys(switches, True)
+    assert engine_spec(Settings()).engine_kwargs["shared_lora_inputs"] is None  # the engine's default
     monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "false")
     monkeypatch.setenv("LORAPLEX_FUSED_KERNELS", "false")
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "replicate")
     monkeypatch.setenv("LORAPLEX_SHARED_LORA_INPUTS", "false")
     kwargs = engine_spec(Settings()).engine_kwargs
-    assert not any(kwargs[k] for k in switches)
+    assert not any(kwargs[k] for k in switches) and kwargs["shared_lora_inputs"] is False
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "ring")
     with pytest.raises(ValueError, match="pool_layout"):
         Settings()
