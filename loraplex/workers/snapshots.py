@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.engine import SLOT_ROWS, AdapterRecord, Engine
+from loraplex.workers.engine import AdapterRecord, Engine
+from loraplex.workers.slot_rows import SLOT_ROWS
 
 ROWS = SLOT_ROWS  # a snapshot holds all four of a slot's rows
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import SLOT_ROWS, Engine
+from loraplex.workers.engine import Engine
+from loraplex.workers.slot_rows import SLOT_ROWS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

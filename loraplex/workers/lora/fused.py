@@ -96,6 +96,14 @@ class MicrobatchBanks:
         return None if self.grads is None else self._views(self.grads, layout)
 
 
+def node_mode(routing: Routing, banks: MicrobatchBanks) -> str:
+    """How a LoRA node computes (the module docstring's three ways): "single" (one group, host rank and scale),
+    "single_device" (one group over r_max, the scale on the device: a CUDA graph), "grouped" (grouped_mm) or "loop"."""
+    if routing.num_groups == 1:
+        return "single" if banks.single else "single_device"
+    return "grouped" if banks.grouped else "loop"
+
+
 def _gmm_operand(t: torch.Tensor) -> torch.Tensor:
     """t itself when grouped_mm can read it as is (16-byte aligned base; one of the last two strides 1 and every other
     stride a multiple of 16 bytes: a column slice of `compute` is such a view when the segment offsets and P are
@@ -135,25 +143,23 @@ class _FusedLoraDelta(torch.autograd.Function):
         if a.dtype != x.dtype:  # activations not in the gathered dtype (e.g. autocast): cast this layer's views
             a, b = a.to(x.dtype), b.to(x.dtype)
         ctx.layout, ctx.banks, ctx.routing = layout, banks, routing
-        if routing.num_groups == 1 and banks.single:
-            ctx.mode = "single"
+        ctx.mode = node_mode(routing, banks)
+        if ctx.mode == "single":
             r, c = routing.ranks[0], routing.scales[0]
             hs = (x @ a[0, :, :r]) * c
             delta = hs @ b[0, :r]
             ctx.save_for_backward(x, hs, a, b)
             return delta
-        if routing.num_groups == 1:
+        if ctx.mode == "single_device":
             # A CUDA graph's one group (banks.single False): plain matmuls still, but over r_max (the rank padding is
             # zero, so exact) and with the scale read on the device (routing.row_scales), so nothing of one adapter's
             # rank or scale is baked into the graph. Cheaper than grouped_mm for one group (bench_lora_layer.py).
-            ctx.mode = "single_device"
             hs = x @ a[0]
             hs.mul_(routing.row_scales)  # fp32 scale, one rounding to x.dtype, as `* c` above
             delta = hs @ b[0]
             ctx.save_for_backward(x, hs, a, b)
             return delta
-        if banks.grouped:
-            ctx.mode = "grouped"
+        if ctx.mode == "grouped":
             n_in, r_max, n_out = layout.in_features, layout.max_rank, layout.out_features
             align = _alignment(x.dtype)
             pad_in, pad_r, pad_out = (-n_in) % align, (-r_max) % align, (-n_out) % align
@@ -166,7 +172,6 @@ class _FusedLoraDelta(torch.autograd.Function):
             ctx.pad_out = pad_out
             ctx.save_for_backward(xx, hs, a, b)
             return delta[:, :n_out] if pad_out else delta
-        ctx.mode = "loop"
         hs = x.new_zeros(x.shape[0], layout.max_rank)
         delta = x.new_empty(x.shape[0], layout.out_features)
         for g, (start, end, rank, scale) in enumerate(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, _gmm_operand, _plus_matmul
+from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, _gmm_operand, _plus_matmul, node_mode
 from loraplex.workers.lora.grouped import _alignment, _dense, _grouped_mm
 from loraplex.workers.lora.routing import Routing
 
@@ -42,19 +42,13 @@ if TYPE_CHECKING:
 SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _mode(routing: Routing, banks: MicrobatchBanks) -> str:
-    if routing.num_groups == 1:
-        return "single" if banks.single else "single_device"
-    return "grouped" if banks.grouped else "loop"
-
-
 def siblings_fusable(x: torch.Tensor, layouts: Sequence[BankLayout], banks: MicrobatchBanks, routing: Routing) -> bool:
     """Whether the one-node path covers this call: a mode other than the fp64 loop, one input width and r_max for all,
     and for grouped_mm an input width and r_max on its alignment (so the shared A product needs no padding)."""
     first = layouts[0]
     if any(lay.in_features != first.in_features or lay.max_rank != first.max_rank for lay in layouts):
         return False
-    mode = _mode(routing, banks)
+    mode = node_mode(routing, banks)
     if mode == "loop":
         return False
     align = _alignment(x.dtype)
@@ -75,7 +69,7 @@ class _SiblingLora(torch.autograd.Function):
         routing: Routing,
         base_weights: tuple[torch.Tensor, ...] | None,
     ) -> tuple[torch.Tensor, ...]:
-        mode = _mode(routing, banks)
+        mode = node_mode(routing, banks)
         r = routing.ranks[0] if mode == "single" else layouts[0].max_rank
         weights = [banks.weights(lay) for lay in layouts]
         a_cat = torch.cat([a[:, :, :r] for a, _ in weights], dim=2).to(x.dtype)  # [G, in, k r]
