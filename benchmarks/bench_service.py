@@ -44,6 +44,7 @@ from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
 from loraplex.embedded import Stack  # noqa: E402
 from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
 from loraplex.netutil import free_port  # noqa: E402
+from loraplex.pool_process import engine_spec  # noqa: E402
 from loraplex.protocol import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.queue import stats as plan_stats  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
@@ -79,8 +80,8 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     """Each config's rounds through the policy + PlanExecutor (what the pool runs), timed with the device synced."""
     model, _ = load_base_model(settings.base_model, settings.resolved_model_cache, torch_dtype(settings.resolved_dtype),
                                settings.device)  # fmt: skip
-    engine = Engine(model, num_slots=settings.slots, max_rank=settings.max_rank, target_modules=settings.target_modules,
-                    device=settings.device, microbatch_tokens=settings.microbatch_tokens)  # fmt: skip
+    # The pool's own engine arguments (engine_spec), so the two columns differ only by the service around the engine.
+    engine = Engine(model, device=settings.device, **engine_spec(settings).engine_kwargs)
     print("engine:", engine.summary(), flush=True)
     # The pool's policy: with its cost model calibrated from this executor's step times (LORAPLEX_COST_MODEL).
     cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None

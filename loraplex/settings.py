@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     cuda_graphs: bool = True
     fused_kernels: bool = True
     # The LoRA layers that read one input (q/k/v, gate/up) as one node sharing their A product (workers/lora/
-    # siblings.py); false: each layer alone. Unset: the engine's default (on the CPU; on CUDA once measured there).
+    # siblings.py); false: each layer alone. Unset: the engine's default (on).
     shared_lora_inputs: bool | None = None
     # Tokens of all tenants the dispatcher packs into one forward_backward step; the engine splits the step into
     # microbatches of `microbatch_tokens` (with gradient accumulation), so several saturated tenants share one plan

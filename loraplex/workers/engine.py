@@ -58,6 +58,7 @@ from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.losses import segments_of
 from loraplex.workers.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.packed_attention import install_packed_attention
+from loraplex.workers.pinned_staging import PinnedStaging
 from loraplex.workers.slot_rows import SlotRows
 from loraplex.workers.trunk import Trunk
 
@@ -130,8 +131,8 @@ class Engine(SlotRows):
         (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
         user of the model). shared_lora_inputs: on the fused path, the LoRA layers that read one input (q/k/v, gate/up)
         run as one node sharing their A product (lora/siblings.py; may be flipped between calls: the attribute).
-        Default: on the CPU, where it is tested against the layers alone; off on CUDA until its gpu tests have run on
-        the H200 (tests/gpu/test_lora_siblings_cuda.py, and the engine tests with it on)."""
+        Default (None): on, on the CPU and on CUDA (tested against the layers alone on both; on the H200 one adapter's
+        8x512 step is 2.7-5.5% faster with it, RESULTS.md session 11)."""
         if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
             device = dist.device
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -173,12 +174,14 @@ class Engine(SlotRows):
             (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
             bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
         self.sibling_groups = install_sibling_groups(dense)
-        self.shared_lora_inputs = self.device.type != "cuda" if shared_lora_inputs is None else shared_lora_inputs
+        self.shared_lora_inputs = True if shared_lora_inputs is None else shared_lora_inputs
         # The fused path's gathered width: the dense banks' columns (an MoE's expert banks are read in place).
         self.dense_width = sum(n for _, n in self.optimizer.segments[: 2 * len(dense)])
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(num_slots))
-        self._copy_stream: Any = None  # torch.cuda.Stream for weights_to_host_async, made on first use
+        # Snapshots' and sampler saves' device-to-host copies (slot_rows.py): allocated now, so no pinned allocation
+        # ever runs while the pool trains.
+        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         check_only_lora_trainable(model)
         # On by default where triton and CUDA are (measured on the H200: benchmarks/RESULTS.md, session 8).
         fusable = (fused_elementwise is None or fused_elementwise) and self.device.type == "cuda"

@@ -5,21 +5,21 @@ moments), copied to and from host memory as snapshots, swaps and checkpoints sha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from loraplex.workers.optimizer import SlotAdamW
+from loraplex.workers.pinned_staging import PinnedStaging
 
 SLOT_ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
 
 
 class SlotRows:
-    """Needs `optimizer` (SlotAdamW), `device` and `_copy_stream` (a torch.cuda.Stream made on first use, or None)."""
+    """Needs `optimizer` (SlotAdamW), `device` and `_staging` (a PinnedStaging on CUDA, else None)."""
 
     optimizer: SlotAdamW
     device: torch.device
-    _copy_stream: Any
+    _staging: PinnedStaging | None
 
     @property
     def slot_width(self) -> int:
@@ -55,51 +55,27 @@ class SlotRows:
             weights[target_slot].copy_(weights[source_slot])
 
     def weights_to_host_async(self, slot: int) -> Callable[[], torch.Tensor]:
-        """The slot's weights row as it is now, on its way to host memory (`rows_to_host_async`, the copy started at
-        once): a function that waits for it and gives the [1, P] fp32 host row."""
-        return self.rows_to_host_async(slot, ("weights",), copy_now=True)
+        """The slot's weights row as it is now, on its way to host memory (`rows_to_host_async`): a function that
+        copies it and gives the [1, P] fp32 host row."""
+        return self.rows_to_host_async(slot, ("weights",))
 
-    def rows_to_host_async(
-        self, slot: int, rows: Sequence[str] = SLOT_ROWS, *, copy_now: bool = False
-    ) -> Callable[[], torch.Tensor]:
+    def rows_to_host_async(self, slot: int, rows: Sequence[str] = SLOT_ROWS) -> Callable[[], torch.Tensor]:
         """The slot's `rows` as they are now, for host memory: a device clone at once (the slot may change right
-        after), then on CUDA the device-to-host copy into pinned memory on a side stream, so the training kernels
-        queued next never wait behind it. Returns a function that gives the [len(rows), P] fp32 host rows, callable
-        from another thread. copy_now False: that function starts the copy (and allocates the pinned buffer) in the
-        thread that calls it, e.g. the snapshot writer, so the calling thread spends only the device clone: a
-        synchronous copy of four rows of every due adapter stalled the pool's loop ~1.2 s per snapshot round on the
-        H200 (RESULTS.md, session 9). The clone holds GPU memory until the copy is done."""
+        after); the returned function, callable from another thread (the snapshot or checkpoint writer), copies it to
+        the host and gives the [len(rows), P] fp32 rows. On CUDA the copy goes through the engine's two pinned
+        buffers on a side stream (pinned_staging.py): the training thread spends only the clone, and neither a
+        pinned allocation nor a pageable copy holds the driver while it trains (a fresh pinned tensor per snapshot
+        stalled the pool's loop ~0.65 s per GiB on the H200, RESULTS.md session 11). The clone holds GPU memory until
+        the copy is done."""
         flats = self._flat_rows(rows)
         with torch.no_grad():
             clone = torch.stack([flat[slot] for flat in flats])
-        if self.device.type != "cuda":
+        if self._staging is None:
             return lambda: clone
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        side, device = self._copy_stream, self.device
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-
-        def start() -> tuple[torch.Tensor, torch.cuda.Event]:
-            with torch.cuda.device(device):
-                host = torch.empty(clone.shape, pin_memory=True)
-                done = torch.cuda.Event()
-                with torch.cuda.stream(side):
-                    side.wait_event(ready)
-                    host.copy_(clone, non_blocking=True)
-                    done.record(side)
-                clone.record_stream(side)  # its memory is not reused before the side stream has read it
-            return host, done
-
-        def finish(started: tuple[torch.Tensor, torch.cuda.Event]) -> torch.Tensor:
-            host, done = started
-            done.synchronize()
-            return host
-
-        if copy_now:
-            started = start()
-            return lambda: finish(started)
-        return lambda: finish(start())
+        ready.record(torch.cuda.current_stream(self.device))
+        staging = self._staging
+        return lambda: staging.to_host(clone, ready)
 
     def _flat_rows(self, rows: Sequence[str]) -> list[torch.Tensor]:
         opt = self.optimizer

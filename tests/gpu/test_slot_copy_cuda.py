@@ -1,6 +1,6 @@
 """Engine.rows_to_host_async on CUDA (the durable snapshots' copy): the rows as they were when it was called, though
-training went on before the copy ran, with the copy started from another thread (the snapshot writer's) on the side
-stream; and weights_to_host_async (the copy started at once) the same."""
+training went on before the copy ran, with the copy made from another thread (the snapshot writer's) through the
+engine's pinned staging buffers; weights_to_host_async the same; and PinnedStaging against `.cpu()`, the plain copy."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from loraplex.models import load_base_model
 from loraplex.workers.engine import Engine
+from loraplex.workers.pinned_staging import PinnedStaging
 from loraplex.workers.slot_rows import SLOT_ROWS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -42,7 +43,22 @@ def test_the_copy_holds_the_rows_as_they_were_when_taken(tiny_dir: Path) -> None
     writer = threading.Thread(target=lambda: got.append(later()))
     writer.start()
     writer.join(60)
-    assert got and got[0].shape == (len(SLOT_ROWS), engine.slot_width) and got[0].is_pinned()
+    assert got and got[0].shape == (len(SLOT_ROWS), engine.slot_width)
     assert torch.equal(got[0], want)
     assert torch.equal(weights_now(), want[:1])
     assert not torch.equal(engine.read_slot(slot)[:1], want[:1])  # it did train on
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 4096, 4097, 3 * 4096 + 5])  # under, at and over the chunk, odd tails
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinned_staging_equals_a_plain_copy(numel: int, dtype: torch.dtype) -> None:
+    staging = PinnedStaging(torch.device("cuda"), chunk_bytes=4096)  # small chunks: many rounds of both buffers
+    src = torch.randn(numel, device="cuda").to(dtype)
+    ready = torch.cuda.Event()
+    ready.record()
+    got = staging.to_host(src, ready)
+    assert got.device.type == "cpu" and got.dtype == dtype and torch.equal(got, src.cpu())
+    grid = torch.randn(7, 333, device="cuda")
+    assert torch.equal(staging.to_host(grid), grid.cpu())
+    with pytest.raises(ValueError, match="contiguous"):
+        staging.to_host(grid.t())
