@@ -384,7 +384,8 @@ def _lead(
 
 def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
-    per-step seconds, cumulative swaps (workers/adapter_store.SwapStats) and adapters per tier."""
+    per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier and the engine's CUDA-graph
+    captures; plans slower than `slow_plan_log_seconds` are logged."""
     from loraplex.dispatch.pool_metrics import PoolMetrics
 
     def swaps() -> dict[str, tuple[int, float]]:
@@ -392,8 +393,13 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
         return {"gpu_to_cpu": (s.out_host, s.out_host_s), "cpu_to_gpu": (s.in_host, s.in_host_s),
                 "cpu_to_disk": (s.spills, s.spill_s), "disk_to_gpu": (s.in_disk, s.in_disk_s)}  # fmt: skip
 
+    def captures() -> int:
+        graphs = executor.engine.graphs
+        return graphs.captures if graphs is not None else 0
+
     return PoolMetrics(settings.pool, slots=settings.slots, step_times=executor.drain_step_times, swaps=swaps,
-                       tiers=store.tier_counts)  # fmt: skip
+                       tiers=store.tier_counts, graph_captures=captures,
+                       slow_plan_s=settings.slow_plan_log_seconds)  # fmt: skip
 
 
 def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[Any, Any]:

@@ -10,6 +10,7 @@ The registry is served on the pool's own port (loraplex/metrics_server.py) and p
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ EXECUTE_PHASES = ("swap", *(k.value for k in StepKind), "execute_other")
 MOVES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_gpu")
 TIERS = ("gpu", "cpu", "disk")
 TRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.step == StepKind.FORWARD_BACKWARD)
+
+log = logging.getLogger(__name__)
 
 _COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -60,13 +63,19 @@ class PoolMetrics:
         step_times: Callable[[], Iterable[StepTiming]] | None = None,
         swaps: Callable[[], SwapTotals] | None = None,
         tiers: Callable[[], Mapping[str, int]] | None = None,
+        graph_captures: Callable[[], int] | None = None,
+        slow_plan_s: float = 0.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         """step_times: drains the executor's step timings since the last call; swaps: the store's cumulative swap
-        totals; tiers: adapters per tier now. All three are called on the loop thread, right after each plan."""
+        totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far. All four are
+        called on the loop thread, right after each plan. slow_plan_s: a plan whose executor took at least this long
+        is logged (INFO) with where its seconds went, its tokens and adapters and the captures it made (0: none)."""
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
+        self._graph_captures, self.slow_plan_s = graph_captures, slow_plan_s
+        self._captures_seen = graph_captures() if graph_captures is not None else 0
         self._swaps_seen: dict[str, tuple[int, float]] = {}
         self._tenants_seen: set[str] = set()
         self._depths_lock = threading.Lock()  # the publisher thread and scrapes both refresh the depths
@@ -110,12 +119,16 @@ class PoolMetrics:
         self.adapters = Gauge("loraplex_pool_adapters", "Adapters (sampler snapshots included) per tier of rank 0.",
                               (*p, "tier"), registry=r)  # fmt: skip
         self.slots = Gauge("loraplex_pool_slots", "Adapter slots per rank.", p, registry=r)
+        self.graph_captures = Counter("loraplex_pool_graph_captures",
+                                      "CUDA graphs the engine captured (each costs about three eager steps).", p,
+                                      registry=r)  # fmt: skip
         self.queued_requests = Gauge("loraplex_pool_queued_requests",
                                      "Requests accepted and not yet answered, per tenant (its stream's length).",
                                      (*p, "tenant"), registry=r)  # fmt: skip
         self.queued_tokens = Gauge("loraplex_pool_queued_tokens", "Tokens of the queued requests, per tenant.",
                                    (*p, "tenant"), registry=r)  # fmt: skip
         self.slots.labels(pool).set(slots)
+        self.graph_captures.labels(pool)
         for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
@@ -130,18 +143,27 @@ class PoolMetrics:
         busy_s: the seconds the executor took."""
         pool = self.pool
         self.plans.labels(pool).inc()
+        fb: list[tuple[int, int]] = []  # (adapters, tokens) per forward_backward step
         for step in plan.steps:
             self.steps.labels(pool, step.kind.value).inc()
             if step.kind == StepKind.FORWARD_BACKWARD:
                 adapters = len({r.model_id for r in step.requests})
+                tokens = sum(r.num_tokens for r in step.requests)
                 self.fb_steps.labels(pool, "mixed" if adapters > 1 else "single").inc()
                 self.fb_adapters.labels(pool).observe(adapters)
                 self.fb_rows.labels(pool).observe(sum(_rows(r.payload, r.part) for r in step.requests))
-                self.fb_tokens.labels(pool).observe(sum(r.num_tokens for r in step.requests))
+                self.fb_tokens.labels(pool).observe(tokens)
+                fb.append((adapters, tokens))
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._request(request, outcome)
-        self._executor_time(busy_s)
+        split = self._executor_time(busy_s)
+        captures = self._new_captures()
         self._store_state()
+        if self.slow_plan_s > 0 and busy_s >= self.slow_plan_s:
+            where = ", ".join(f"{phase} {s * 1e3:.0f}" for phase, s in split.items() if s >= 0.0005)
+            log.info("pool %s: slow plan, %.0f ms executing (ms: %s); %d requests, forward_backward steps (adapters, "
+                     "tokens) %s; %d CUDA graphs captured in it", pool, busy_s * 1e3, where or "-",
+                     len(plan.requests), fb or "none", captures)  # fmt: skip
 
     def timed(self, seconds: Mapping[str, float]) -> None:
         """Seconds per phase of the loop or the finisher (any thread)."""
@@ -175,7 +197,16 @@ class PoolMetrics:
             return
         self.requests.labels(self.pool, tenant, kind, "ok" if outcome.ok else "error").inc()
 
-    def _executor_time(self, busy_s: float) -> None:
+    def _new_captures(self) -> int:
+        if self._graph_captures is None:
+            return 0
+        now = self._graph_captures()
+        new, self._captures_seen = max(0, now - self._captures_seen), now
+        if new:
+            self.graph_captures.labels(self.pool).inc(new)
+        return new
+
+    def _executor_time(self, busy_s: float) -> dict[str, float]:
         timings = list(self._step_times()) if self._step_times is not None else []
         split: dict[str, float] = {}
         for t in timings:
@@ -184,6 +215,7 @@ class PoolMetrics:
             self.step_seconds.labels(self.pool, t.kind.value).observe(t.run_s)
         split["execute_other"] = max(0.0, busy_s - sum(split.values()))
         self.timed(split)
+        return split
 
     def _store_state(self) -> None:
         if self._swaps is not None:

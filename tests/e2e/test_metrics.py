@@ -141,6 +141,9 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
     for phase in ("read", "plan", "forward_backward", "optim_step", "record", "publish"):
         assert _value(own, "loraplex_pool_seconds_total", pool="default", phase=phase) > 0, phase
     assert _value(own, "loraplex_pool_slots", pool="default") == 4
+    # Wired to the engine (CUDA graphs only on a GPU: zero here, and present from the start).
+    assert ("loraplex_pool_graph_captures_total", (("pool", "default"),)) in own
+    assert _value(own, "loraplex_pool_graph_captures_total", pool="default") == 0
     assert _value(own, "loraplex_pool_adapters", pool="default", tier="gpu") >= 2
     drained = _eventually(
         lambda: _scrape(pool),  # entries leave their stream when acked, just after the result

@@ -115,3 +115,28 @@ def test_queue_depths_are_gauges_and_a_drained_tenant_reads_zero() -> None:
     v = _values(metrics)
     assert _get(v, "loraplex_pool_queued_requests", tenant="ta") == 0
     assert _get(v, "loraplex_pool_queued_requests", tenant="tb") == 2
+
+
+def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: pytest.LogCaptureFixture) -> None:
+    captures = [2]  # the engine's running total; captures before the metrics existed are not counted
+    timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.125, 1.5)]
+    metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0], slow_plan_s=1.0)
+    a, b = req("a", 1, FB, tokens=512, tenant="ta"), req("b", 1, FB, tokens=256, tenant="tb")
+    plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a, b)),))
+    captures[0] = 4
+    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+        metrics.executed(plan, [_ok(a), _ok(b)], busy_s=2.0)
+    assert _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "slow plan, 2000 ms executing" in line and "swap 125, forward_backward 1500, execute_other 375" in line
+    assert "(adapters, tokens) [(2, 768)]" in line and "2 CUDA graphs captured in it" in line
+
+    caplog.clear()  # under the threshold: counted, not logged; a total that did not move adds nothing
+    timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.0, 0.5)]
+    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+        metrics.executed(plan, [_ok(a), _ok(b)], busy_s=0.5)
+    assert not caplog.records and _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
+    quiet = PoolMetrics("p", step_times=lambda: timings, slow_plan_s=0.0)  # 0: never logged
+    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+        quiet.executed(plan, [_ok(a), _ok(b)], busy_s=60.0)
+    assert not caplog.records
