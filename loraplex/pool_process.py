@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from loraplex.gcutil import GcClock, freeze_startup_objects
 from loraplex.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
 
     die_with_parent(signal.SIGKILL)  # a SIGKILLed leader leaves no follower behind (the restarted pool spawns anew)
     engine = build_engine(spec, group)
+    freeze_startup_objects()  # as rank 0 does (gcutil.py): a follower's pause would hold every rank's collective
     executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
     log.info("rank %d stopped after %d plans", group.rank, executed)
 
@@ -358,11 +360,12 @@ def _lead(
             leader.close()
         return
     publisher, metrics_http = serve_metrics(settings, dispatcher.redis, metrics)
+    frozen = freeze_startup_objects()  # full collections skip the model and libraries from now on (gcutil.py)
     write_ready_file(ready)  # first, so a gateway's healthz 200 implies this file too
     state["now"] = PoolState.READY
     _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
-    log.info("pool %s ready: base model %s, %d slots, world size %d", settings.pool, settings.base_model,
-             settings.slots, world)  # fmt: skip
+    log.info("pool %s ready: base model %s, %d slots, world size %d (%d startup objects frozen for the garbage "
+             "collector)", settings.pool, settings.base_model, settings.slots, world, frozen)  # fmt: skip
     try:
         dispatcher.run_forever(stop)
         if snapshotter is not None and not (lease is not None and lease.lost):
@@ -384,8 +387,8 @@ def _lead(
 
 def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
-    per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier and the engine's CUDA-graph
-    captures; plans slower than `slow_plan_log_seconds` are logged."""
+    per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier, the engine's CUDA-graph
+    captures and this process's garbage-collection seconds; plans slower than `slow_plan_log_seconds` are logged."""
     from loraplex.dispatch.pool_metrics import PoolMetrics
 
     def swaps() -> dict[str, tuple[int, float]]:
@@ -397,8 +400,9 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
         graphs = executor.engine.graphs
         return graphs.captures if graphs is not None else 0
 
+    collector = GcClock()
     return PoolMetrics(settings.pool, slots=settings.slots, step_times=executor.drain_step_times, swaps=swaps,
-                       tiers=store.tier_counts, graph_captures=captures,
+                       tiers=store.tier_counts, graph_captures=captures, gc_seconds=lambda: collector.seconds,
                        slow_plan_s=settings.slow_plan_log_seconds)  # fmt: skip
 
 

@@ -64,18 +64,23 @@ class PoolMetrics:
         swaps: Callable[[], SwapTotals] | None = None,
         tiers: Callable[[], Mapping[str, int]] | None = None,
         graph_captures: Callable[[], int] | None = None,
+        gc_seconds: Callable[[], float] | None = None,
         slow_plan_s: float = 0.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         """step_times: drains the executor's step timings since the last call; swaps: the store's cumulative swap
-        totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far. All four are
-        called on the loop thread, right after each plan. slow_plan_s: a plan whose executor took at least this long
-        is logged (INFO) with where its seconds went, its tokens and adapters and the captures it made (0: none)."""
+        totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far; gc_seconds:
+        the process's seconds in Python's garbage collector so far (gcutil.GcClock). All are called on the loop
+        thread, right after each plan. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
+        with where its seconds went, its tokens and adapters, the captures it made and the collector's seconds in it
+        (0: none logged)."""
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
         self._graph_captures, self.slow_plan_s = graph_captures, slow_plan_s
         self._captures_seen = graph_captures() if graph_captures is not None else 0
+        self._gc_seconds = gc_seconds
+        self._gc_seen = gc_seconds() if gc_seconds is not None else 0.0
         self._swaps_seen: dict[str, tuple[int, float]] = {}
         self._tenants_seen: set[str] = set()
         self._depths_lock = threading.Lock()  # the publisher thread and scrapes both refresh the depths
@@ -122,6 +127,9 @@ class PoolMetrics:
         self.graph_captures = Counter("loraplex_pool_graph_captures",
                                       "CUDA graphs the engine captured (each costs about three eager steps).", p,
                                       registry=r)  # fmt: skip
+        self.gc_seconds = Counter("loraplex_pool_gc_seconds",
+                                  "Seconds the pool process spent in Python's garbage collector (any thread).", p,
+                                  registry=r)  # fmt: skip
         self.queued_requests = Gauge("loraplex_pool_queued_requests",
                                      "Requests accepted and not yet answered, per tenant (its stream's length).",
                                      (*p, "tenant"), registry=r)  # fmt: skip
@@ -129,6 +137,7 @@ class PoolMetrics:
                                    (*p, "tenant"), registry=r)  # fmt: skip
         self.slots.labels(pool).set(slots)
         self.graph_captures.labels(pool)
+        self.gc_seconds.labels(pool)
         for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
@@ -157,13 +166,14 @@ class PoolMetrics:
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._request(request, outcome)
         split = self._executor_time(busy_s)
-        captures = self._new_captures()
+        captures, gc_s = self._new_captures(), self._new_gc_seconds()
         self._store_state()
         if self.slow_plan_s > 0 and busy_s >= self.slow_plan_s:
             where = ", ".join(f"{phase} {s * 1e3:.0f}" for phase, s in split.items() if s >= 0.0005)
             log.info("pool %s: slow plan, %.0f ms executing (ms: %s); %d requests, forward_backward steps (adapters, "
-                     "tokens) %s; %d CUDA graphs captured in it", pool, busy_s * 1e3, where or "-",
-                     len(plan.requests), fb or "none", captures)  # fmt: skip
+                     "tokens) %s; %d CUDA graphs captured in it; Python's garbage collector %.0f ms since the last "
+                     "plan", pool, busy_s * 1e3, where or "-", len(plan.requests), fb or "none", captures,
+                     gc_s * 1e3)  # fmt: skip
 
     def timed(self, seconds: Mapping[str, float]) -> None:
         """Seconds per phase of the loop or the finisher (any thread)."""
@@ -204,6 +214,15 @@ class PoolMetrics:
         new, self._captures_seen = max(0, now - self._captures_seen), now
         if new:
             self.graph_captures.labels(self.pool).inc(new)
+        return new
+
+    def _new_gc_seconds(self) -> float:
+        if self._gc_seconds is None:
+            return 0.0
+        now = self._gc_seconds()
+        new, self._gc_seen = max(0.0, now - self._gc_seen), now
+        if new:
+            self.gc_seconds.labels(self.pool).inc(new)
         return new
 
     def _executor_time(self, busy_s: float) -> dict[str, float]:

@@ -144,6 +144,7 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
     # Wired to the engine (CUDA graphs only on a GPU: zero here, and present from the start).
     assert ("loraplex_pool_graph_captures_total", (("pool", "default"),)) in own
     assert _value(own, "loraplex_pool_graph_captures_total", pool="default") == 0
+    assert ("loraplex_pool_gc_seconds_total", (("pool", "default"),)) in own  # the pool's GcClock (gcutil.py)
     assert _value(own, "loraplex_pool_adapters", pool="default", tier="gpu") >= 2
     drained = _eventually(
         lambda: _scrape(pool),  # entries leave their stream when acked, just after the result

@@ -120,16 +120,20 @@ def test_queue_depths_are_gauges_and_a_drained_tenant_reads_zero() -> None:
 def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: pytest.LogCaptureFixture) -> None:
     captures = [2]  # the engine's running total; captures before the metrics existed are not counted
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.125, 1.5)]
-    metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0], slow_plan_s=1.0)
+    collected = [10.0]  # the process's garbage-collection seconds so far (gcutil.GcClock)
+    metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0],
+                          gc_seconds=lambda: collected[0], slow_plan_s=1.0)  # fmt: skip
     a, b = req("a", 1, FB, tokens=512, tenant="ta"), req("b", 1, FB, tokens=256, tenant="tb")
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a, b)),))
-    captures[0] = 4
+    captures[0], collected[0] = 4, 10.25
     with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
         metrics.executed(plan, [_ok(a), _ok(b)], busy_s=2.0)
     assert _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
+    assert _get(_values(metrics), "loraplex_pool_gc_seconds_total") == 0.25
     (line,) = [r.getMessage() for r in caplog.records]
     assert "slow plan, 2000 ms executing" in line and "swap 125, forward_backward 1500, execute_other 375" in line
     assert "(adapters, tokens) [(2, 768)]" in line and "2 CUDA graphs captured in it" in line
+    assert "garbage collector 250 ms since the last plan" in line
 
     caplog.clear()  # under the threshold: counted, not logged; a total that did not move adds nothing
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.0, 0.5)]
