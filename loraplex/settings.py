@@ -99,7 +99,8 @@ class Settings(BaseSettings):
     pool_metrics_publish_seconds: float = Field(default=2.0, gt=0)
     metrics_token: str = ""
     # A plan whose execution took at least this many seconds is logged (INFO, the pool's log) with where the time
-    # went: swaps, each step kind, CUDA-graph captures made in it, its tokens and adapters. 0: never.
+    # went: swaps, each step kind, CUDA-graph captures made in it, its tokens and adapters, the garbage collector's
+    # seconds since the plan before. 0: never.
     slow_plan_log_seconds: float = Field(default=1.0, ge=0)
     # Durable adapter state (loraplex/durable/): each adapter's whole training state (weights, unconsumed gradients,
     # Adam moments, step count, hyperparameters, the applied seq_id) is written as a versioned snapshot under the blob

@@ -55,9 +55,10 @@ class PinnedStaging:
         return out
 
     def _drain(self, k: int, pending: list[tuple[int, int] | None], out_bytes: torch.Tensor) -> None:
-        if pending[k] is None:
+        entry = pending[k]
+        if entry is None:
             return
-        start, length = pending[k]  # type: ignore[misc]
+        start, length = entry
         self._events[k].synchronize()
         out_bytes[start : start + length].copy_(self._buffers[k][:length])
         pending[k] = None
