@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lengths import lognormal_lengths  # noqa: E402
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
 from loraplex.workers import fused_elementwise as kernels_module  # noqa: E402
 from loraplex.workers.batching import layout, split_microbatches  # noqa: E402
@@ -319,14 +319,8 @@ def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyp
 
 # ---- ragged lengths vs uniform rows, packed and padded (issue 14, item 1) ----------------------------------------------
 def ragged_lengths(rng: random.Random, total: int, args: argparse.Namespace) -> list[int]:
-    """Lognormal datum lengths (median --ragged-median, sigma --ragged-sigma) clipped to [--ragged-min, --ragged-max],
-    drawn until they hold `total` tokens; the last one is cut to make the sum exactly `total` (so it may be shorter)."""
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        n = round(rng.lognormvariate(math.log(args.ragged_median), args.ragged_sigma))
-        n = max(args.ragged_min, min(args.ragged_max, n))
-        lengths.append(min(n, total - sum(lengths)))
-    return lengths
+    """service_tenant.lognormal_lengths with --ragged-median, --ragged-sigma, --ragged-min and --ragged-max."""
+    return lognormal_lengths(rng, total, args.ragged_median, args.ragged_sigma, args.ragged_min, args.ragged_max)
 
 
 def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ call, so service / engine is the service's own cost.
 
 Each tenant is one process (benchmarks/service_tenant.py) with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
 back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
-underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch).
+underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch), ragged =
+the saturated tenant's tokens in lognormal lengths (median 256, 32 to 2,048; service_tenant.workload_lengths).
 Prints tokens/s, p50/p99 step latency, adapters per forward_backward step (the pool's plan stats in Redis), the
 service/engine ratio, and create_lora_training_client latency (warm pool). Engine-only runs first, in this process,
 and is freed before the stack starts, so the two never share the device.
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lengths import workload_lengths  # noqa: E402
 from benchmarks.service_tenant import run_tenant, tenant_datums  # noqa: E402
 from loraplex.client import ServiceClient  # noqa: E402
 from loraplex.dispatch.cost_calibration import OnlineCostModel  # noqa: E402
@@ -88,8 +90,8 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     executor = PlanExecutor(engine, on_step=cost.observe_step if cost is not None else None)
     limits = PolicyLimits(plan_tokens=settings.plan_tokens, max_adapters_per_step=settings.slots)
     out: dict[str, Any] = {"create_ms": []}
-    for workload, tenants, seqs in configs:
-        out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, seqs, args, vocab, out["create_ms"],
+    for workload, tenants, lengths in configs:
+        out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, lengths, args, vocab, out["create_ms"],
                                                      cost)  # fmt: skip
         print("engine", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
     del engine, executor, model
@@ -100,7 +102,7 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
 
 
 def engine_config(
-    executor: PlanExecutor, limits: PolicyLimits, tenants: int, seqs: int, args: argparse.Namespace, vocab: int,
+    executor: PlanExecutor, limits: PolicyLimits, tenants: int, lengths: list[list[int]], args: argparse.Namespace, vocab: int,
     create_ms: list[float], cost: OnlineCostModel | None = None,
 ) -> dict[str, float]:  # fmt: skip
     engine = executor.engine
@@ -112,7 +114,7 @@ def engine_config(
         sync()
         create_ms.append(1e3 * (time.perf_counter() - c0))
     # The same datums the tenant processes send (service_tenant.tenant_datums), as the executor receives them.
-    data = {m: [d.to_json() for d in tenant_datums(vocab, seqs, args.seq_len, 1000 + i)] for i, m in enumerate(ids)}
+    data = {m: [d.to_json() for d in tenant_datums(vocab, lengths[i], 1000 + i)] for i, m in enumerate(ids)}
     applied: dict[str, int | None] = dict.fromkeys(ids, 0)
     adapters: list[int] = []
 
@@ -147,7 +149,7 @@ def engine_config(
     wall = time.perf_counter() - start
     for m in ids:
         engine.delete_adapter(m)
-    tokens = tenants * seqs * args.seq_len * args.steps
+    tokens = sum(map(sum, lengths)) * args.steps
     return summary(times, tokens, wall, args.steps) | {"adapters_per_fb_step": statistics.mean(adapters)}
 
 
@@ -166,9 +168,9 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
         clients = [ServiceClient(stack.base_url, key, timeout=600) for key in keys]
         r = redis.Redis.from_url(stack.settings.redis_url)
         api = next(c for c in stack.children if "uvicorn" in " ".join(map(str, c.args)))
-        for workload, tenants, seqs in configs:
+        for workload, tenants, lengths in configs:
             out[f"{workload}/{tenants}"] = service_config(stack.base_url, keys[:tenants], clients[:tenants], r,
-                                                          settings.pool, seqs, args, vocab, out["create_ms"],
+                                                          settings.pool, lengths, args, vocab, out["create_ms"],
                                                           lambda pids: gateway_connections(api.pid, stack.api_port, pids))  # fmt: skip
             print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
         for c in clients:
@@ -193,7 +195,7 @@ def gateway_connections(api_pid: int, port: int, tenant_pids: list[int]) -> list
 
 
 def service_config(
-    base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, seqs: int, args: argparse.Namespace, vocab: int,
+    base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, lengths: list[list[int]], args: argparse.Namespace, vocab: int,
     create_ms: list[float], connections: Any,
 ) -> dict[str, float]:  # fmt: skip
     """N tenant processes (benchmarks/service_tenant.py) train in closed loops at once; the wall time between the
@@ -210,7 +212,7 @@ def service_config(
     procs = [
         ctx.Process(
             target=run_tenant,
-            args=(base_url, keys[i], trainers[i].model_id, (vocab, seqs, args.seq_len, 1000 + i),
+            args=(base_url, keys[i], trainers[i].model_id, (vocab, lengths[i], 1000 + i),
                   ADAM, args.warmup, args.steps, ready, start, end, results),
         )  # fmt: skip
         for i in range(tenants)
@@ -236,7 +238,7 @@ def service_config(
         p.join(timeout=30)
     for tc in trainers:
         tc.delete()
-    tokens = tenants * seqs * args.seq_len * args.steps
+    tokens = sum(map(sum, lengths)) * args.steps
     return summary(times, tokens, wall, args.steps) | {
         "adapters_per_fb_step": after.adapters_per_fb_step,
         "plans": after.plans,
@@ -281,7 +283,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512 if cuda else 64)
     p.add_argument("--saturated-seqs", type=int, default=8)
     p.add_argument("--tenants", default="1,2,4,8,16")
-    p.add_argument("--workloads", default="underfilled,saturated")
+    p.add_argument("--workloads", default="underfilled,saturated", help="comma list: underfilled, saturated, ragged")
     p.add_argument("--cap", type=int, default=4096, help="engine microbatch tokens")
     p.add_argument("--plan-tokens", type=int, default=16384)
     # 4: enough rounds that the engine has captured the CUDA graphs of the buckets the plans produce (each on its
@@ -301,8 +303,8 @@ def main() -> None:
     args = p.parse_args()
 
     tenants = [int(t) for t in args.tenants.split(",")]
-    seqs = {"underfilled": 1, "saturated": args.saturated_seqs}
-    configs = [(w, n, seqs[w]) for w in args.workloads.split(",") for n in tenants]
+    configs = [(w, n, [workload_lengths(w, i, args.seq_len, args.saturated_seqs) for i in range(n)])
+               for w in args.workloads.split(",") for n in tenants]  # fmt: skip
     home = Path(args.home or tempfile.mkdtemp(prefix="bench-service-"))
     settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype, slots=max(8, *tenants),
                         max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens,

@@ -11,12 +11,13 @@ from typing import Any
 from loraplex.client import AdamParams, Datum, ServiceClient
 
 
-def tenant_datums(vocab: int, seqs: int, seq_len: int, seed: int) -> list[Datum]:
+def tenant_datums(vocab: int, lengths: list[int], seed: int) -> list[Datum]:
+    """One datum per length (its input tokens), random token ids from `seed`."""
     rng = random.Random(seed)
     out = []
-    for _ in range(seqs):
-        ids = [rng.randrange(vocab) for _ in range(seq_len + 1)]
-        out.append(Datum(model_input=ids[:-1], loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * seq_len}))
+    for n in lengths:
+        ids = [rng.randrange(vocab) for _ in range(n + 1)]
+        out.append(Datum(model_input=ids[:-1], loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * n}))
     return out
 
 
