@@ -197,7 +197,7 @@ def gateway_connections(api_pid: int, port: int, tenant_pids: list[int]) -> list
 def service_config(
     base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, lengths: list[list[int]], args: argparse.Namespace, vocab: int,
     create_ms: list[float], connections: Any,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, Any]:  # fmt: skip
     """N tenant processes (benchmarks/service_tenant.py) train in closed loops at once; the wall time between the
     start and end barriers gives tokens/s."""
     tenants = len(clients)
@@ -233,7 +233,8 @@ def service_config(
         raise RuntimeError(f"a tenant failed: {[x for x in reports if isinstance(x, str)]}") from None
     time.sleep(0.5)  # as above, for the last timed plan
     after = plan_stats.read(r, pool).minus(before)
-    times = [t for _ in range(tenants) for t in results.get(timeout=60)]
+    per_tenant = [results.get(timeout=60) for _ in range(tenants)]
+    times = [t for steps in per_tenant for t in steps]
     for p in procs:
         p.join(timeout=30)
     for tc in trainers:
@@ -244,6 +245,8 @@ def service_config(
         "plans": after.plans,
         "pool_busy_fraction": after.busy_s / wall,
         "connections_per_gateway_worker": per_worker,
+        # each timed step's slowest tenant, in step order: which round a p99 comes from
+        "step_max_ms": [round(1e3 * max(steps[i] for steps in per_tenant), 1) for i in range(args.steps)],
     } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
          for name in ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")}  # fmt: skip
 
