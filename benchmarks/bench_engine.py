@@ -318,11 +318,6 @@ def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyp
 
 
 # ---- ragged lengths vs uniform rows, packed and padded (issue 14, item 1) ----------------------------------------------
-def ragged_lengths(rng: random.Random, total: int, args: argparse.Namespace) -> list[int]:
-    """service_tenant.lognormal_lengths with --ragged-median, --ragged-sigma, --ragged-min and --ragged-max."""
-    return lognormal_lengths(rng, total, args.ragged_median, args.ragged_sigma, args.ragged_min, args.ragged_max)
-
-
 def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict[str, Any]]:
     return [d for n in lengths for d in datums(vocab, 1, n, gen)]
 
@@ -340,7 +335,8 @@ def bench_ragged(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         engine.create_adapter(m, rank=args.rank, alpha=2 * args.rank, seed=200 + i)
     lengths = {
         "uniform": {m: [args.seq_len] * args.saturated_seqs for m in ids},
-        "ragged": {m: ragged_lengths(rng, per_adapter, args) for m in ids},
+        "ragged": {m: lognormal_lengths(rng, per_adapter, args.ragged_median, args.ragged_sigma, args.ragged_min,
+                                        args.ragged_max) for m in ids},  # fmt: skip
     }
     data = {w: {m: datums_of(engine.vocab_size, ls[m], gen) for m in ids} for w, ls in lengths.items()}
     adam = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}

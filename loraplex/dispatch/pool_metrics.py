@@ -77,10 +77,7 @@ class PoolMetrics:
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
-        self._graph_captures, self.slow_plan_s = graph_captures, slow_plan_s
-        self._captures_seen = graph_captures() if graph_captures is not None else 0
-        self._gc_seconds = gc_seconds
-        self._gc_seen = gc_seconds() if gc_seconds is not None else 0.0
+        self.slow_plan_s = slow_plan_s
         self._swaps_seen: dict[str, tuple[int, float]] = {}
         self._tenants_seen: set[str] = set()
         self._depths_lock = threading.Lock()  # the publisher thread and scrapes both refresh the depths
@@ -136,8 +133,8 @@ class PoolMetrics:
         self.queued_tokens = Gauge("loraplex_pool_queued_tokens", "Tokens of the queued requests, per tenant.",
                                    (*p, "tenant"), registry=r)  # fmt: skip
         self.slots.labels(pool).set(slots)
-        self.graph_captures.labels(pool)
-        self.gc_seconds.labels(pool)
+        self._captures = _RunningTotal(graph_captures, self.graph_captures.labels(pool))
+        self._gc = _RunningTotal(gc_seconds, self.gc_seconds.labels(pool))
         for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
@@ -166,7 +163,7 @@ class PoolMetrics:
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._request(request, outcome)
         split = self._executor_time(busy_s)
-        captures, gc_s = self._new_captures(), self._new_gc_seconds()
+        captures, gc_s = self._captures.advance(), self._gc.advance()
         self._store_state()
         if self.slow_plan_s > 0 and busy_s >= self.slow_plan_s:
             where = ", ".join(f"{phase} {s * 1e3:.0f}" for phase, s in split.items() if s >= 0.0005)
@@ -207,24 +204,6 @@ class PoolMetrics:
             return
         self.requests.labels(self.pool, tenant, kind, "ok" if outcome.ok else "error").inc()
 
-    def _new_captures(self) -> int:
-        if self._graph_captures is None:
-            return 0
-        now = self._graph_captures()
-        new, self._captures_seen = max(0, now - self._captures_seen), now
-        if new:
-            self.graph_captures.labels(self.pool).inc(new)
-        return new
-
-    def _new_gc_seconds(self) -> float:
-        if self._gc_seconds is None:
-            return 0.0
-        now = self._gc_seconds()
-        new, self._gc_seen = max(0.0, now - self._gc_seen), now
-        if new:
-            self.gc_seconds.labels(self.pool).inc(new)
-        return new
-
     def _executor_time(self, busy_s: float) -> dict[str, float]:
         timings = list(self._step_times()) if self._step_times is not None else []
         split: dict[str, float] = {}
@@ -253,3 +232,22 @@ class PoolMetrics:
 def _rows(payload: Any, part: tuple[int, int] | None) -> int:
     data = getattr(payload, "data", ())
     return len(data) if part is None else part[1] - part[0]
+
+
+class _RunningTotal:
+    """A total kept elsewhere (`read`: the engine's captures, the collector's seconds), added to `counter` as it grows;
+    what it held when this was made is not counted. Without `read`, nothing."""
+
+    def __init__(self, read: Callable[[], float] | None, counter: Any) -> None:
+        self.read, self.counter = read, counter
+        self.seen = read() if read is not None else 0
+
+    def advance(self) -> float:
+        """What the total gained since the last call (also added to the counter)."""
+        if self.read is None:
+            return 0
+        now = self.read()
+        new, self.seen = max(0, now - self.seen), now
+        if new:
+            self.counter.inc(new)
+        return new

@@ -50,8 +50,7 @@ class PinnedStaging:
                     self._events[k].record(self.stream)
                 pending[k] = (start, length)
             for k in range(2):
-                self._drain(k, pending, out_bytes)
-            src.record_stream(self.stream)  # its memory is not reused before the side stream has read it
+                self._drain(k, pending, out_bytes)  # every read of src is done: its memory may be reused at once
         return out
 
     def _drain(self, k: int, pending: list[tuple[int, int] | None], out_bytes: torch.Tensor) -> None:
