@@ -28,7 +28,9 @@ def test_freezing_moves_what_is_alive_out_of_later_collections() -> None:
     kept = [[i] for i in range(10_000)]  # alive now: frozen with everything else
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # Frozen objects that die leave the permanent generation (a finaliser or another thread may free one between
+        # the two reads), so the count can only have dropped since.
+        assert len(kept) <= gc.get_freeze_count() <= frozen
         assert not any(o is kept[0] for o in gc.get_objects())  # no longer tracked by any generation
         made_after = [[i] for i in range(100)]
         assert any(o is made_after[0] for o in gc.get_objects())  # new objects are collected as before
