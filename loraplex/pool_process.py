@@ -388,8 +388,10 @@ def _lead(
 def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
     per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier, the engine's CUDA-graph
-    captures and this process's garbage-collection seconds; plans slower than `slow_plan_log_seconds` are logged."""
+    captures, this process's garbage-collection seconds and its CUDA allocator's events; plans slower than
+    `slow_plan_log_seconds` are logged."""
     from loraplex.dispatch.pool_metrics import PoolMetrics
+    from loraplex.workers.allocator_events import allocator_events
 
     def swaps() -> dict[str, tuple[int, float]]:
         s = store.stats
@@ -403,6 +405,7 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     collector = GcClock()
     return PoolMetrics(settings.pool, slots=settings.slots, step_times=executor.drain_step_times, swaps=swaps,
                        tiers=store.tier_counts, graph_captures=captures, gc_seconds=lambda: collector.seconds,
+                       allocator_events=lambda: allocator_events(executor.engine.device),
                        slow_plan_s=settings.slow_plan_log_seconds)  # fmt: skip
 
 

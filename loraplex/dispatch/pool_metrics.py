@@ -29,6 +29,9 @@ EXECUTE_PHASES = ("swap", *(k.value for k in StepKind), "execute_other")
 # Adapter moves between the store's tiers (loraplex_pool_swaps_total{move}).
 MOVES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_gpu")
 TIERS = ("gpu", "cpu", "disk")
+# The CUDA caching allocator's device-synchronizing events (loraplex_pool_cuda_allocator_events_total{event};
+# workers/allocator_events.py).
+ALLOCATOR_EVENTS = ("device_alloc", "device_free", "alloc_retry")
 TRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.step == StepKind.FORWARD_BACKWARD)
 
 log = logging.getLogger(__name__)
@@ -65,15 +68,17 @@ class PoolMetrics:
         tiers: Callable[[], Mapping[str, int]] | None = None,
         graph_captures: Callable[[], int] | None = None,
         gc_seconds: Callable[[], float] | None = None,
+        allocator_events: Callable[[], Mapping[str, int]] | None = None,
         slow_plan_s: float = 0.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         """step_times: drains the executor's step timings since the last call; swaps: the store's cumulative swap
         totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far; gc_seconds:
-        the process's seconds in Python's garbage collector so far (gcutil.GcClock). All are called on the loop
+        the process's seconds in Python's garbage collector so far (gcutil.GcClock); allocator_events: rank 0's CUDA
+        allocator events so far, per name in ALLOCATOR_EVENTS (workers/allocator_events.py). All are called on the loop
         thread, right after each plan. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
-        with where its seconds went, its tokens and adapters, the captures it made and the collector's seconds in it
-        (0: none logged)."""
+        with where its seconds went, its tokens and adapters, the captures it made, the collector's seconds and the
+        allocator events in it (0: none logged)."""
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
@@ -127,6 +132,12 @@ class PoolMetrics:
         self.gc_seconds = Counter("loraplex_pool_gc_seconds",
                                   "Seconds the pool process spent in Python's garbage collector (any thread).", p,
                                   registry=r)  # fmt: skip
+        self.allocator_events = Counter(
+            "loraplex_pool_cuda_allocator_events",
+            "Rank 0's CUDA caching-allocator events that synchronize the device: device_alloc (cudaMalloc), "
+            "device_free (cudaFree), alloc_retry (no cached block fitted: the cache was freed and cudaMalloc retried).",
+            (*p, "event"), registry=r,
+        )  # fmt: skip
         self.queued_requests = Gauge("loraplex_pool_queued_requests",
                                      "Requests accepted and not yet answered, per tenant (its stream's length).",
                                      (*p, "tenant"), registry=r)  # fmt: skip
@@ -135,6 +146,10 @@ class PoolMetrics:
         self.slots.labels(pool).set(slots)
         self._captures = _RunningTotal(graph_captures, self.graph_captures.labels(pool))
         self._gc = _RunningTotal(gc_seconds, self.gc_seconds.labels(pool))
+        self._allocator = {
+            event: _RunningTotal(_field(allocator_events, event), self.allocator_events.labels(pool, event))
+            for event in ALLOCATOR_EVENTS
+        }
         for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
@@ -164,13 +179,15 @@ class PoolMetrics:
             self._request(request, outcome)
         split = self._executor_time(busy_s)
         captures, gc_s = self._captures.advance(), self._gc.advance()
+        allocator = {event: int(total.advance()) for event, total in self._allocator.items()}
         self._store_state()
         if self.slow_plan_s > 0 and busy_s >= self.slow_plan_s:
             where = ", ".join(f"{phase} {s * 1e3:.0f}" for phase, s in split.items() if s >= 0.0005)
             log.info("pool %s: slow plan, %.0f ms executing (ms: %s); %d requests, forward_backward steps (adapters, "
                      "tokens) %s; %d CUDA graphs captured in it; Python's garbage collector %.0f ms since the last "
-                     "plan", pool, busy_s * 1e3, where or "-", len(plan.requests), fb or "none", captures,
-                     gc_s * 1e3)  # fmt: skip
+                     "plan; CUDA allocator since the last plan: %s", pool, busy_s * 1e3, where or "-",
+                     len(plan.requests), fb or "none", captures, gc_s * 1e3,
+                     ", ".join(f"{n} {event}" for event, n in allocator.items()))  # fmt: skip
 
     def timed(self, seconds: Mapping[str, float]) -> None:
         """Seconds per phase of the loop or the finisher (any thread)."""
@@ -227,6 +244,11 @@ class PoolMetrics:
         if self._tiers is not None:
             for tier, n in self._tiers().items():
                 self.adapters.labels(self.pool, tier).set(n)
+
+
+def _field(read: Callable[[], Mapping[str, int]] | None, name: str) -> Callable[[], float] | None:
+    """`read()[name]` as a callable of its own (None without `read`)."""
+    return None if read is None else lambda: read()[name]
 
 
 def _rows(payload: Any, part: tuple[int, int] | None) -> int:

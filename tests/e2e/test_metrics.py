@@ -145,6 +145,8 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
     assert ("loraplex_pool_graph_captures_total", (("pool", "default"),)) in own
     assert _value(own, "loraplex_pool_graph_captures_total", pool="default") == 0
     assert ("loraplex_pool_gc_seconds_total", (("pool", "default"),)) in own  # the pool's GcClock (gcutil.py)
+    for event in ("device_alloc", "device_free", "alloc_retry"):  # no CUDA allocator here: present, zero
+        assert _value(own, "loraplex_pool_cuda_allocator_events_total", pool="default", event=event) == 0
     assert _value(own, "loraplex_pool_adapters", pool="default", tier="gpu") >= 2
     drained = _eventually(
         lambda: _scrape(pool),  # entries leave their stream when acked, just after the result

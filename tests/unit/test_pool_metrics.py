@@ -121,11 +121,13 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     captures = [2]  # the engine's running total; captures before the metrics existed are not counted
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.125, 1.5)]
     collected = [10.0]  # the process's garbage-collection seconds so far (gcutil.GcClock)
+    allocator = {"device_alloc": 100, "device_free": 7, "alloc_retry": 0}  # workers/allocator_events.py's totals
     metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0],
-                          gc_seconds=lambda: collected[0], slow_plan_s=1.0)  # fmt: skip
+                          gc_seconds=lambda: collected[0], allocator_events=lambda: allocator, slow_plan_s=1.0)  # fmt: skip
     a, b = req("a", 1, FB, tokens=512, tenant="ta"), req("b", 1, FB, tokens=256, tenant="tb")
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a, b)),))
     captures[0], collected[0] = 4, 10.25
+    allocator.update(device_alloc=103, device_free=9, alloc_retry=1)
     with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
         metrics.executed(plan, [_ok(a), _ok(b)], busy_s=2.0)
     assert _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
@@ -134,6 +136,9 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     assert "slow plan, 2000 ms executing" in line and "swap 125, forward_backward 1500, execute_other 375" in line
     assert "(adapters, tokens) [(2, 768)]" in line and "2 CUDA graphs captured in it" in line
     assert "garbage collector 250 ms since the last plan" in line
+    assert "CUDA allocator since the last plan: 3 device_alloc, 2 device_free, 1 alloc_retry" in line
+    for event, n in (("device_alloc", 3), ("device_free", 2), ("alloc_retry", 1)):
+        assert _get(_values(metrics), "loraplex_pool_cuda_allocator_events_total", event=event) == n
 
     caplog.clear()  # under the threshold: counted, not logged; a total that did not move adds nothing
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.0, 0.5)]
