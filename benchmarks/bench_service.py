@@ -98,6 +98,12 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # What this process still holds while the pool runs beside it (a pool short of memory retries its
+        # allocations: the pool's slow-plan lines count them).
+        free, total = torch.cuda.mem_get_info()
+        print(f"after the engine column: this process holds {torch.cuda.memory_allocated() / 2**30:.2f} GiB "
+              f"allocated, {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved; the device has "
+              f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free", flush=True)  # fmt: skip
     return out
 
 

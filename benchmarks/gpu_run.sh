@@ -38,7 +38,7 @@ case $mode in
     python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
     status=${PIPESTATUS[0]}
     cp /tmp/loraplex/logs/pool.log "$OUT/pool.log" 2>/dev/null
-    grep "slow plan" /tmp/loraplex/logs/pool.log 2>/dev/null | cut -c1-400  # plans over slow_plan_log_seconds
+    grep "slow plan" /tmp/loraplex/logs/pool.log 2>/dev/null | cut -c1-900  # plans over slow_plan_log_seconds
     cp /tmp/loraplex/logs/api.log "$OUT/api.log" 2>/dev/null
     exit "$status" ;;
   flood)
