@@ -307,6 +307,9 @@ def main() -> None:
     p.add_argument("--world-sizes", default="",
                    help="comma list of pool world sizes: the service at each (with --layouts), instead of one run")  # fmt: skip
     p.add_argument("--layouts", default="fsdp", help="--world-sizes: comma list of pool layouts, fsdp and/or replicate")
+    p.add_argument("--early-full-microbatches", default="",
+                   help="off, on or off,on: the service with LORAPLEX_COALESCE_EARLY_FULL_MICROBATCHES so (each its own "
+                        "stack, one after the other in this call); default: the setting as it is")  # fmt: skip
     p.add_argument("--no-cost-model", action="store_true",
                    help="LORAPLEX_COST_MODEL=false in the pool and the engine-only run: one mixed step per round")  # fmt: skip
     args = p.parse_args()
@@ -326,10 +329,13 @@ def main() -> None:
     }  # fmt: skip
     if not args.skip_engine:
         results["engine"] = bench_engine(settings, configs, args, vocab)
-    if args.world_sizes:
-        results["service"] = scaling(settings, configs, args, vocab, home)
-    else:
-        results["service"] = bench_service(settings, configs, args, vocab)
+    # The service once per coalescing variant, each with a stack of its own (LORAPLEX_COALESCE_EARLY_FULL_MICROBATCHES).
+    variants = {v: v == "on" for v in args.early_full_microbatches.split(",")} if args.early_full_microbatches else {}
+    for name, early in (variants or {"": settings.coalesce_early_full_microbatches}).items():
+        run = settings.model_copy(update={"coalesce_early_full_microbatches": early}
+                                  | ({"home": home / f"early-{name}"} if name else {}))  # fmt: skip
+        key = f"service_early_{name}" if name else "service"
+        results[key] = scaling(run, configs, args, vocab, home) if args.world_sizes else bench_service(run, configs, args, vocab)
     if args.bracket and not args.skip_engine:  # the engine again: the GPU's speed drifts between phases of one call
         results["engine_after"] = bench_engine(settings, configs, args, vocab)
         for key, before in results["engine"].items():
@@ -338,16 +344,25 @@ def main() -> None:
                 before["tok_s_before_after"] = [before["tok_s"], after["tok_s"]]
                 before["tok_s"] = (before["tok_s"] + after["tok_s"]) / 2
                 before["round_s"] = (before["round_s"] + after["round_s"]) / 2
-    creates = results["service"]["create_ms"]
-    print(f"\ncreate_lora_training_client (warm pool, through the service): p50 {statistics.median(creates):.1f} ms, "
-          f"max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
     if "engine" in results:
         print(f"engine.create_adapter alone: p50 {statistics.median(results['engine']['create_ms']):.1f} ms")
+    for key in [k for k in results if k.startswith("service")]:
+        report(key, results[key], results.get("engine", {}), configs, args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def report(title: str, service: dict[str, Any], engine: dict[str, Any], configs: list[tuple[str, int, Any]],
+           args: argparse.Namespace) -> None:  # fmt: skip
+    """The service table (against the engine column where it ran) and where each plan's time went."""
+    creates = service["create_ms"]
+    print(f"\n{title}: create_lora_training_client (warm pool, through the service): p50 "
+          f"{statistics.median(creates):.1f} ms, max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
     print(f"{'workload':12} {'tenants':>7} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'adapters/fb':>11} {'busy':>5}")  # fmt: skip
     for workload, n, _ in configs:
-        s = results["service"][f"{workload}/{n}"]
-        e = results.get("engine", {}).get(f"{workload}/{n}")
+        s = service[f"{workload}/{n}"]
+        e = engine.get(f"{workload}/{n}")
         ratio = f"{s['tok_s'] / e['tok_s']:.3f}" if e else "-"
         etok = f"{e['tok_s']:,.0f}" if e else "-"
         print(f"{workload:12} {n:>7} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
@@ -358,14 +373,12 @@ def main() -> None:
     parts = ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")
     print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))
     for workload, n, _ in configs:
-        s = results["service"][f"{workload}/{n}"]
-        e = results.get("engine", {}).get(f"{workload}/{n}")
+        s = service[f"{workload}/{n}"]
+        e = engine.get(f"{workload}/{n}")
         eround = f"{1e3 * e['round_s']:.1f}" if e else "-"
         cells = " ".join(f"{s[f'{p}_ms_per_plan']:>8.1f}" for p in parts)
         print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells}  "
               f"connections per gateway worker {s['connections_per_gateway_worker']}")  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

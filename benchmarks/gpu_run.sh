@@ -37,9 +37,12 @@ case $mode in
   service)
     python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
     status=${PIPESTATUS[0]}
-    cp /tmp/loraplex/logs/pool.log "$OUT/pool.log" 2>/dev/null
-    grep "slow plan" /tmp/loraplex/logs/pool.log 2>/dev/null | cut -c1-900  # plans over slow_plan_log_seconds
-    cp /tmp/loraplex/logs/api.log "$OUT/api.log" 2>/dev/null
+    # each stack's logs (one per --early-full-microbatches variant or world size: a folder of its own under the home)
+    for log in $(find /tmp/loraplex -name pool.log -o -name api.log); do
+      name=$(dirname "$(dirname "$log")"); name=${name#/tmp/loraplex}; name=${name//\//-}
+      cp "$log" "$OUT/$(basename "$log" .log)${name}.log"
+    done
+    grep -r "slow plan" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900  # plans over slow_plan_log_seconds
     exit "$status" ;;
   flood)
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     # How long (ms) an underfilled plan may wait for the tenants whose results it just handed out, so tenants training
     # in a closed loop keep sharing one step (dispatch/coalescing.py). 0: plan at the first arrival.
     coalesce_ms: float = Field(default=50.0, ge=0)
+    # true: an underfilled plan that already fills whole microbatches (`microbatch_tokens`) runs those at once instead
+    # of waiting for tenants whose requests could only start another microbatch; the rest waits for them, and their
+    # round trips overlap the running plan (dispatch/coalescing.py). Off until measured on the GPU (on the CPU the
+    # clients and the pool share two cores, so nothing overlaps there: RESULTS.md, session 12).
+    coalesce_early_full_microbatches: bool = False
     # Cost-model coalescing (dispatch/step_split.py): the dispatcher runs a round's forward_backward requests as the
     # split into engine steps (one mixed step, per adapter, or full adapters apart) its step cost model predicts
     # cheapest, calibrated online from the pool's measured step times. false: always one mixed step.

@@ -9,6 +9,13 @@ forward_backward is waited for until that optim_step is in too, whether it was e
 after a pause still brings its pair). While entries of adapters nobody expected keep arriving less than `quiet_s`
 apart, it also waits for the rest of that burst. A full plan never waits, nor does one when nobody is expected back (a
 first request, or a tenant that went quiet: its expectation lapses after one window).
+
+Waiting only pays when the awaited requests would share a microbatch with what is here. A plan whose forward_backward
+tokens already fill whole microbatches (`full_microbatch_tokens`) runs those at once, and only the rest waits: the
+tenants still on their way start the next plan, and their round trips overlap this one's run instead of idling the
+pool (16 closed-loop tenants of 512 tokens each, two microbatches: the pool ran ~70 ms of round trips per 400 ms
+round). The optim_step of an adapter in the plan is still waited for: it is a few milliseconds out, and it keeps a
+forward_backward and its optim_step in one plan.
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ class Coalescer:
             table.pop(model_id, None)
         self._pairs.discard(model_id)
 
+    def awaited(self, now: float) -> set[str]:
+        """The adapters still expected back (an adapter in the buffer: its optim_step)."""
+        return {m for m, t in self._expected.items() if t > now}
+
     def wait_s(self, now: float, started: float) -> float:
         """How long to wait for more before running an underfilled plan (0: run it now); `started`: when this plan's
         wait began (the total wait never exceeds one window)."""
@@ -66,3 +77,8 @@ class Coalescer:
             return 0.0
         wait = max(max(self._expected.values(), default=now), self._last_arrival + self.quiet_s) - now
         return max(0.0, min(wait, started + self.window_s - now))
+
+
+def full_microbatch_tokens(tokens: int, microbatch_tokens: int) -> int:
+    """The tokens of the whole microbatches that `tokens` fill (0: not one, or no microbatch size)."""
+    return tokens // microbatch_tokens * microbatch_tokens if microbatch_tokens > 0 else 0

@@ -31,12 +31,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import redis as redis_lib
 
-from loraplex.dispatch.coalescing import Coalescer
+from loraplex.dispatch.coalescing import Coalescer, full_microbatch_tokens
 from loraplex.dispatch.cost_model import StepCost
 from loraplex.dispatch.fair_share import FairShareLedger
 from loraplex.dispatch.pipeline import Finisher, Prefetcher, lost_group, retry_redis
@@ -166,6 +166,8 @@ class Dispatcher:
         self._more_ready = False  # the last plan was capped: read without blocking
         window = settings.coalesce_ms / 1000 if coalesce_s is None else coalesce_s
         self.coalescer = Coalescer(window)
+        # an underfilled plan runs the whole microbatches it fills without waiting (0: never; dispatch/coalescing.py)
+        self.microbatch_tokens = settings.microbatch_tokens if settings.coalesce_early_full_microbatches else 0
         self.pipelined = pipelined
         self._finisher = Finisher(background=pipelined)
         self._prefetcher: Prefetcher | None = None  # started by the first read
@@ -287,17 +289,19 @@ class Dispatcher:
             self._prefetcher = Prefetcher(self.consumer, self.block_ms, self.read_count)
         return self._prefetcher.take(wait_s)
 
-    def _plan(self) -> PolicyResult:
-        requests = [h.request for h in self._buffer]
+    def _plan(self, limits: PolicyLimits | None = None, adapters: set[str] | None = None) -> PolicyResult:
+        """The policy's plan of the buffer (only these adapters' requests, with `adapters`)."""
+        requests = [h.request for h in self._buffer if adapters is None or h.request.model_id in adapters]
         view = {m: self._applied.get(m) for m in {r.model_id for r in requests}}
         tenants = {r.tenant_id for r in requests}
         weights = self.tenant_weights.of(tenants) if self.tenant_weights is not None else {}
         self._share_context = (tenants, weights)
-        return plan_batch(requests, view, self.limits, self._progress, share=self.fair_share.view(tenants),
+        return plan_batch(requests, view, limits or self.limits, self._progress, share=self.fair_share.view(tenants),
                           weights=weights, cost=self.cost_model)  # fmt: skip
 
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
-        """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back."""
+        """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back;
+        the whole microbatches it already fills run at once (dispatch/coalescing.py)."""
         if decision.pending or not any(s.kind == StepKind.FORWARD_BACKWARD for s in decision.plan.steps):
             return decision
         started = time.monotonic()
@@ -306,12 +310,41 @@ class Dispatcher:
             wait = self.coalescer.wait_s(now, started)
             if wait <= 0:
                 return decision
+            early = self._full_microbatches(decision, now)
+            if early is not None:
+                return early
             entries = self._read(wait)
             if entries:
                 self._admit(entries, self.clock())
                 decision = self._plan()
                 if decision.pending:  # full now
                     return decision
+
+    def _full_microbatches(self, decision: PolicyResult, now: float) -> PolicyResult | None:
+        """The plan cut to the adapters whose forward_backward requests fill whole microbatches, to run now while the
+        tenants still expected come back (the other requests wait for them); None to keep waiting: not one full
+        microbatch, an adapter of the plan has its optim_step on the way, or no whole requests fill the microbatches
+        (to within an eighth of one) without splitting one."""
+        fb = [r for s in decision.plan.steps if s.kind == StepKind.FORWARD_BACKWARD for r in s.requests]
+        tokens = sum(r.num_tokens for r in fb)
+        bound = full_microbatch_tokens(tokens, self.microbatch_tokens)
+        if bound == 0 or self.coalescer.awaited(now) & {r.model_id for r in fb}:
+            return None
+        if bound == tokens:  # nothing to cut: it is whole microbatches already
+            return decision
+        # Which adapters' forward_backwards fill `bound` (the policy's fair order: one round of at most that many
+        # tokens), then the plan of those adapters alone (their optim_steps too).
+        first = self._plan(replace(self.limits, plan_tokens=bound, max_rounds=1))
+        first_fb = [r for s in first.plan.steps if s.kind == StepKind.FORWARD_BACKWARD for r in s.requests]
+        first_tokens = sum(r.num_tokens for r in first_fb)
+        if first_tokens < bound - self.microbatch_tokens // 8 or any(
+            r.part is not None and r.request_id not in {q.request_id for q in fb if q.part} for r in first_fb
+        ):  # the lengths do not pack into whole microbatches (within an eighth of one), or a request would split
+            return None
+        cut = self._plan(adapters={r.model_id for r in first_fb})
+        taken = {r.request_id for r in cut.plan.requests} | {r.request_id for r in cut.duplicates}
+        rest = tuple(h.request for h in self._buffer if h.request.request_id not in taken)
+        return replace(cut, pending=rest)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _claim_if_due(self, now: float) -> list[Entry]:

@@ -437,3 +437,37 @@ def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_i
     fb_steps = [s for p in engine.plans for s in p.steps if s.kind == StepKind.FORWARD_BACKWARD]
     assert sum(len(s.requests) for s in fb_steps) / len(fb_steps) >= 3.0  # tenants coalesced
     assert queue_length(redis_client, pool) == 0  # everything acked
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "waits"])
+def test_a_plan_filling_whole_microbatches_runs_them_without_waiting_for_the_tenants_still_expected(
+    redis_client: redis.Redis, early: bool
+) -> None:
+    """Microbatches of 8 tokens; a, b, c and d were just answered, so all four are expected back. a and b return with
+    4 tokens each: one full microbatch, which runs at once while c and d are on their way (with the setting off it
+    waits for them, up to the window). Then c, a and b bring 12 tokens while d is still expected: the plan runs the 8
+    that fill a microbatch, and the rest waits for d."""
+    pool, (a, b, c, d) = _uid(), (f"{x}-{_uid()}" for x in "abcd")
+    settings = Settings(plan_tokens=4096, microbatch_tokens=8, coalesce_early_full_microbatches=early)
+    engine = ArithmeticEngine(dict.fromkeys((a, b, c, d), 1.0))
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    loop = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20,
+                      coalesce_s=2.0)  # fmt: skip
+    _drain(loop, results, [producer.submit(_fb(m, 1, [1])) for m in (a, b, c, d)])
+    second = [producer.submit(_fb(m, 2, [1, 1, 1, 1])) for m in (a, b)]
+    started = time.monotonic()
+    loop.run_once()
+    waited = time.monotonic() - started
+    assert all(results.has_many(second))
+    assert waited < 1.0 if early else waited >= 1.5  # c and d never came back: the window (from their answer) ran out
+
+    if not early:
+        return
+    third = [producer.submit(_fb(c, 2, [1, 1, 1, 1])), producer.submit(_fb(a, 3, [1, 1, 1, 1])),
+             producer.submit(_fb(b, 3, [1, 1, 1, 1]))]  # fmt: skip
+    started = time.monotonic()
+    loop.run_once()
+    assert time.monotonic() - started < 1.0
+    ran = [r for s in engine.plans[-1].steps for r in s.requests]
+    assert sum(r.num_tokens for r in ran) == 8 and len(loop.pending) == 1  # one full microbatch now, the rest waits
+    _drain(loop, results, third)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.dispatch.coalescing import Coalescer
+from loraplex.dispatch.coalescing import Coalescer, full_microbatch_tokens
 
 FB, OPT = "forward_backward", "optim_step"
 
@@ -78,3 +78,19 @@ def test_window_zero_disables_it() -> None:
     c.answered([("a", FB, 1)], now=0.0)
     c.arrived([("b", FB)], now=0.0)
     assert c.wait_s(0.0, started=0.0) == 0.0
+
+
+def test_awaited_names_the_adapters_still_expected_and_an_arrived_pair_senders_optim() -> None:
+    c = Coalescer(0.05, quiet_s=0.0)
+    c.answered([("a", FB, 1), ("a", OPT, 2), ("b", FB, 1)], now=0.0)
+    assert c.awaited(0.01) == {"a", "b"}
+    c.arrived([("a", FB)], now=0.01)  # a sends pairs: its optim_step is awaited
+    c.arrived([("b", FB)], now=0.01)
+    assert c.awaited(0.02) == {"a"}
+    assert c.awaited(0.07) == set()  # lapsed
+
+
+@pytest.mark.parametrize(("tokens", "microbatch", "full"), [(0, 4096, 0), (4095, 4096, 0), (4096, 4096, 4096),
+                                                            (9000, 4096, 8192), (512, 0, 0)])  # fmt: skip
+def test_full_microbatch_tokens(tokens: int, microbatch: int, full: int) -> None:
+    assert full_microbatch_tokens(tokens, microbatch) == full
