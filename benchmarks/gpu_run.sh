@@ -38,11 +38,13 @@ case $mode in
     python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
     status=${PIPESTATUS[0]}
     # each stack's logs (one per --early-full-microbatches variant or world size: a folder of its own under the home)
-    for log in $(find /tmp/loraplex -name pool.log -o -name api.log); do
+    for log in $(find /tmp/loraplex -name pool.log -o -name api.log -o -name redis.log); do
       name=$(dirname "$(dirname "$log")"); name=${name#/tmp/loraplex}; name=${name//\//-}
       cp "$log" "$OUT/$(basename "$log" .log)${name}.log"
     done
-    grep -r "slow plan" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900  # plans over slow_plan_log_seconds
+    # plans and finishes over slow_plan_log_seconds; redis-server's own complaints about a slow disk
+    grep -r "slow plan\|slow finish" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
+    grep -r "fsync is taking too long\|Background AOF rewrite" --include=redis.log /tmp/loraplex 2>/dev/null | tail -n 20
     exit "$status" ;;
   flood)
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5

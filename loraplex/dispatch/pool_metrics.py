@@ -190,10 +190,16 @@ class PoolMetrics:
                      ", ".join(f"{n} {event}" for event, n in allocator.items()))  # fmt: skip
 
     def timed(self, seconds: Mapping[str, float]) -> None:
-        """Seconds per phase of the loop or the finisher (any thread)."""
+        """Seconds per phase of the loop or the finisher (any thread). A plan's finishing (its SQL record, then
+        its results stored and acked: every client of the plan waits on both) that took `slow_plan_s` or more is
+        logged like a slow plan."""
         for phase, value in seconds.items():
             if value > 0:
                 self.seconds.labels(self.pool, phase).inc(value)
+        finish = {phase: seconds[phase] for phase in FINISH_PHASES if phase in seconds}
+        if finish and self.slow_plan_s > 0 and sum(finish.values()) >= self.slow_plan_s:
+            log.info("pool %s: slow finish, %s (a plan's results wait for both)", self.pool,
+                     ", ".join(f"{phase} {s * 1e3:.0f} ms" for phase, s in finish.items()))  # fmt: skip
 
     def queue_depths(self, depths: Mapping[str, tuple[int, int]]) -> None:
         """tenant -> (queued requests, queued tokens) as Redis holds them now (queue/metrics_snapshot.py); a tenant

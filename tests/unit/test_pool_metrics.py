@@ -149,3 +149,14 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
         quiet.executed(plan, [_ok(a), _ok(b)], busy_s=60.0)
     assert not caplog.records
+
+
+def test_a_slow_finish_is_logged_with_its_record_and_publish_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = PoolMetrics("p", slow_plan_s=1.0)
+    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+        metrics.timed({"record": 0.2, "publish": 0.1})  # under the threshold: counted only
+        metrics.timed({"read": 5.0, "coalesce": 2.0})  # the loop's waits are no finish
+        metrics.timed({"record": 1.25, "publish": 0.05})
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == "pool p: slow finish, record 1250 ms, publish 50 ms (a plan's results wait for both)"
+    assert _get(_values(metrics), "loraplex_pool_seconds_total", phase="record") == pytest.approx(1.45)
