@@ -7,7 +7,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 from loraplex.settings import Settings, get_settings
+from loraplex.stop_signals import stop_on_signals
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -236,8 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run("loraplex.gateway:app", host=settings.api_host, port=settings.api_port, workers=workers)
         return 0
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     with Stack(settings) as stack:
         print(f"loraplex serving {settings.base_model} on {stack.base_url} (redis {stack.settings.redis_url})")
         print("create a tenant with: loraplex tenant create NAME   (Ctrl-C stops everything)")
@@ -264,8 +263,7 @@ def cmd_worker(_: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     env = dict(os.environ) | {"LORAPLEX_SUPERVISE": "false", "PYTHONUNBUFFERED": "1"}
     pool = Child("pool", [sys.executable, "-m", "loraplex.pool_process"], env)
     pool.start()

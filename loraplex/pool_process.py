@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.gcutil import GcClock, freeze_startup_objects
 from loraplex.settings import Settings, get_settings
+from loraplex.stop_signals import stop_on_signals
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -504,8 +505,7 @@ def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     settings = get_settings()
     lease: PoolLease | None = None
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 talks to Redis and SQL

@@ -323,8 +323,10 @@ def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_p
         env = os.environ | {"PYTHONPATH": os.getcwd(), "LORAPLEX_HOME": str(tmp_path), "LORAPLEX_POOL": "worker-test",
                             "LORAPLEX_REDIS_URL": server.url, "LORAPLEX_SLOTS": "1",
                             "LORAPLEX_LEADER_LEASE_SECONDS": "2"}  # fmt: skip
-        worker = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "worker"], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        log_path = tmp_path / "worker.log"  # the worker's and its pool processes' log: shown when this fails
+        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in the finally below
+        worker = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "worker"], env=env, stdout=log_file,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
         ready = ready_file(settings)
 
         def pool_pid(not_this: int | None, timeout_s: float = 120.0) -> int:
@@ -345,11 +347,16 @@ def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_p
             second = pool_pid(first)  # restarted by `loraplex worker`, which kept running
             assert worker.poll() is None
             worker.send_signal(signal.SIGTERM)
-            assert worker.wait(60) == 0
+            try:
+                code = worker.wait(60)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"loraplex worker after SIGTERM: {code}; its log:\n{log_path.read_text()[-6000:]}"
             assert not running(first) and not running(second)
         finally:
             worker.kill()
             worker.wait()
+            log_file.close()
 
 
 def test_the_pool_sigkilled_in_the_middle_of_a_forward_backward_runs_it_again_once(stack: Stack) -> None:
