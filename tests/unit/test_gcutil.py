@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
 
 from loraplex.gcutil import GcClock, freeze_startup_objects
@@ -37,3 +39,16 @@ def test_freezing_moves_what_is_alive_out_of_later_collections() -> None:
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_what_was_frozen_is_unfrozen_at_exit() -> None:
+    """atexit runs its handlers last registered first: one registered before the freeze sees what is still frozen
+    once the freeze's own handler has run."""
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "from loraplex.gcutil import freeze_startup_objects\n"
+        "assert freeze_startup_objects() > 0 and freeze_startup_objects() > 0  # twice: one unfreeze registered\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "frozen at exit: 0", done.stderr
