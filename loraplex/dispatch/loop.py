@@ -336,9 +336,9 @@ class Dispatcher:
         # tokens), then the plan of those adapters alone (their optim_steps too).
         first = self._plan(replace(self.limits, plan_tokens=bound, max_rounds=1))
         first_fb = [r for s in first.plan.steps if s.kind == StepKind.FORWARD_BACKWARD for r in s.requests]
-        first_tokens = sum(r.num_tokens for r in first_fb)
-        if first_tokens < bound - self.microbatch_tokens // 8 or any(
-            r.part is not None and r.request_id not in {q.request_id for q in fb if q.part} for r in first_fb
+        already_in_parts = {r.request_id for r in fb if r.part is not None}
+        if sum(r.num_tokens for r in first_fb) < bound - self.microbatch_tokens // 8 or any(
+            r.part is not None and r.request_id not in already_in_parts for r in first_fb
         ):  # the lengths do not pack into whole microbatches (within an eighth of one), or a request would split
             return None
         cut = self._plan(adapters={r.model_id for r in first_fb})

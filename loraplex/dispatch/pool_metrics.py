@@ -146,10 +146,9 @@ class PoolMetrics:
         self.slots.labels(pool).set(slots)
         self._captures = _RunningTotal(graph_captures, self.graph_captures.labels(pool))
         self._gc = _RunningTotal(gc_seconds, self.gc_seconds.labels(pool))
-        self._allocator = {
-            event: _RunningTotal(_field(allocator_events, event), self.allocator_events.labels(pool, event))
-            for event in ALLOCATOR_EVENTS
-        }
+        self._allocator = _RunningTotals(
+            allocator_events, {event: self.allocator_events.labels(pool, event) for event in ALLOCATOR_EVENTS}
+        )
         for move in MOVES:  # every series present from the start, so rate() sees the first increase
             self.swaps.labels(pool, move)
             self.swap_seconds.labels(pool, move)
@@ -179,7 +178,7 @@ class PoolMetrics:
             self._request(request, outcome)
         split = self._executor_time(busy_s)
         captures, gc_s = self._captures.advance(), self._gc.advance()
-        allocator = {event: int(total.advance()) for event, total in self._allocator.items()}
+        allocator = self._allocator.advance()
         self._store_state()
         if self.slow_plan_s > 0 and busy_s >= self.slow_plan_s:
             where = ", ".join(f"{phase} {s * 1e3:.0f}" for phase, s in split.items() if s >= 0.0005)
@@ -187,7 +186,7 @@ class PoolMetrics:
                      "tokens) %s; %d CUDA graphs captured in it; Python's garbage collector %.0f ms since the last "
                      "plan; CUDA allocator since the last plan: %s", pool, busy_s * 1e3, where or "-",
                      len(plan.requests), fb or "none", captures, gc_s * 1e3,
-                     ", ".join(f"{n} {event}" for event, n in allocator.items()))  # fmt: skip
+                     ", ".join(f"{n:.0f} {event}" for event, n in allocator.items()))  # fmt: skip
 
     def timed(self, seconds: Mapping[str, float]) -> None:
         """Seconds per phase of the loop or the finisher (any thread). A plan's finishing (its SQL record, then
@@ -252,11 +251,6 @@ class PoolMetrics:
                 self.adapters.labels(self.pool, tier).set(n)
 
 
-def _field(read: Callable[[], Mapping[str, int]] | None, name: str) -> Callable[[], float] | None:
-    """`read()[name]` as a callable of its own (None without `read`)."""
-    return None if read is None else lambda: read()[name]
-
-
 def _rows(payload: Any, part: tuple[int, int] | None) -> int:
     data = getattr(payload, "data", ())
     return len(data) if part is None else part[1] - part[0]
@@ -272,10 +266,31 @@ class _RunningTotal:
 
     def advance(self) -> float:
         """What the total gained since the last call (also added to the counter)."""
-        if self.read is None:
-            return 0
-        now = self.read()
+        return self.move_to(self.read()) if self.read is not None else 0
+
+    def move_to(self, now: float) -> float:
+        """The total is `now`: what it gained since it was last seen (also added to the counter)."""
         new, self.seen = max(0, now - self.seen), now
         if new:
             self.counter.inc(new)
         return new
+
+
+class _RunningTotals:
+    """Several totals read together (`read`: one call for all, e.g. the allocator's events), each added to its
+    counter as it grows, as _RunningTotal does for one. Without `read`, all zero."""
+
+    def __init__(self, read: Callable[[], Mapping[str, float]] | None, counters: Mapping[str, Any]) -> None:
+        self.read = read
+        self.totals = {name: _RunningTotal(None, counter) for name, counter in counters.items()}
+        if read is not None:  # what they held when this was made is not counted
+            for name, held in read().items():
+                if name in self.totals:
+                    self.totals[name].seen = held
+
+    def advance(self) -> dict[str, float]:
+        """What each total gained since the last call (also added to its counter)."""
+        return self._advance(self.read()) if self.read is not None else dict.fromkeys(self.totals, 0.0)
+
+    def _advance(self, now: Mapping[str, float]) -> dict[str, float]:
+        return {name: total.move_to(now[name]) for name, total in self.totals.items()}
