@@ -93,7 +93,7 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     for workload, tenants, lengths in configs:
         out[f"{workload}/{tenants}"] = engine_config(executor, limits, tenants, lengths, args, vocab, out["create_ms"],
                                                      cost)  # fmt: skip
-        print("engine", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
+        print("engine", workload, tenants, out[f"{workload}/{tenants}"], graphs_state(engine), flush=True)
     del engine, executor, model
     gc.collect()
     if torch.cuda.is_available():
@@ -105,6 +105,14 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
               f"allocated, {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved; the device has "
               f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free", flush=True)  # fmt: skip
     return out
+
+
+def graphs_state(engine: Engine) -> str:
+    """The engine's CUDA graphs so far: captured, the memory they hold, and buckets declined for want of room."""
+    g = engine.graphs
+    if g is None:
+        return "(no CUDA graphs)"
+    return f"(CUDA graphs: {g.captures} captured, {g.memory_bytes / 2**30:.1f} GiB; {len(g.declined)} declined)"
 
 
 def engine_config(

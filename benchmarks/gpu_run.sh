@@ -42,8 +42,9 @@ case $mode in
       name=$(dirname "$(dirname "$log")"); name=${name#/tmp/loraplex}; name=${name//\//-}
       cp "$log" "$OUT/$(basename "$log" .log)${name}.log"
     done
-    # plans and finishes over slow_plan_log_seconds; redis-server's own complaints about a slow disk
-    grep -r "slow plan\|slow finish" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
+    # plans and finishes over slow_plan_log_seconds, CUDA graphs declined for want of memory; redis-server's own
+    # complaints about a slow disk
+    grep -r "slow plan\|slow finish\|not captured" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
     grep -r "fsync is taking too long\|Background AOF rewrite" --include=redis.log /tmp/loraplex 2>/dev/null | tail -n 20
     exit "$status" ;;
   flood)

@@ -389,8 +389,8 @@ def _lead(
 def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
     per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier, the engine's CUDA-graph
-    captures, this process's garbage-collection seconds and its CUDA allocator's events; plans slower than
-    `slow_plan_log_seconds` are logged."""
+    captures and the memory they hold, this process's garbage-collection seconds and its CUDA allocator's events;
+    plans slower than `slow_plan_log_seconds` are logged."""
     from loraplex.dispatch.pool_metrics import PoolMetrics
     from loraplex.workers.allocator_events import allocator_events
 
@@ -403,9 +403,14 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
         graphs = executor.engine.graphs
         return graphs.captures if graphs is not None else 0
 
+    def graph_memory() -> int:
+        graphs = executor.engine.graphs
+        return graphs.memory_bytes if graphs is not None else 0
+
     collector = GcClock()
     return PoolMetrics(settings.pool, slots=settings.slots, step_times=executor.drain_step_times, swaps=swaps,
-                       tiers=store.tier_counts, graph_captures=captures, gc_seconds=lambda: collector.seconds,
+                       tiers=store.tier_counts, graph_captures=captures, graph_memory=graph_memory,
+                       gc_seconds=lambda: collector.seconds,
                        allocator_events=lambda: allocator_events(executor.engine.device),
                        slow_plan_s=settings.slow_plan_log_seconds)  # fmt: skip
 

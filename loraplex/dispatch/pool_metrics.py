@@ -67,21 +67,24 @@ class PoolMetrics:
         swaps: Callable[[], SwapTotals] | None = None,
         tiers: Callable[[], Mapping[str, int]] | None = None,
         graph_captures: Callable[[], int] | None = None,
+        graph_memory: Callable[[], int] | None = None,
         gc_seconds: Callable[[], float] | None = None,
         allocator_events: Callable[[], Mapping[str, int]] | None = None,
         slow_plan_s: float = 0.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         """step_times: drains the executor's step timings since the last call; swaps: the store's cumulative swap
-        totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far; gc_seconds:
-        the process's seconds in Python's garbage collector so far (gcutil.GcClock); allocator_events: rank 0's CUDA
-        allocator events so far, per name in ALLOCATOR_EVENTS (workers/allocator_events.py). All are called on the loop
+        totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far; graph_memory: the
+        bytes they hold on the device; gc_seconds: the process's seconds in Python's garbage collector so far
+        (gcutil.GcClock); allocator_events: rank 0's CUDA allocator events so far, per name in ALLOCATOR_EVENTS
+        (workers/allocator_events.py). All are called on the loop
         thread, right after each plan. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
         with where its seconds went, its tokens and adapters, the captures it made, the collector's seconds and the
         allocator events in it (0: none logged)."""
         self.pool = pool
         self.registry = registry or CollectorRegistry()
         self._step_times, self._swaps, self._tiers = step_times, swaps, tiers
+        self._graph_memory = graph_memory
         self.slow_plan_s = slow_plan_s
         self._swaps_seen: dict[str, tuple[int, float]] = {}
         self._tenants_seen: set[str] = set()
@@ -129,6 +132,9 @@ class PoolMetrics:
         self.graph_captures = Counter("loraplex_pool_graph_captures",
                                       "CUDA graphs the engine captured (each costs about three eager steps).", p,
                                       registry=r)  # fmt: skip
+        self.graph_memory = Gauge("loraplex_pool_graph_memory_bytes",
+                                  "Device memory rank 0's CUDA graphs hold (their pool and static buffers), which the "
+                                  "eager path cannot use.", p, registry=r)  # fmt: skip
         self.gc_seconds = Counter("loraplex_pool_gc_seconds",
                                   "Seconds the pool process spent in Python's garbage collector (any thread).", p,
                                   registry=r)  # fmt: skip
@@ -249,6 +255,8 @@ class PoolMetrics:
         if self._tiers is not None:
             for tier, n in self._tiers().items():
                 self.adapters.labels(self.pool, tier).set(n)
+        if self._graph_memory is not None:
+            self.graph_memory.labels(self.pool).set(self._graph_memory())
 
 
 def _rows(payload: Any, part: tuple[int, int] | None) -> int:

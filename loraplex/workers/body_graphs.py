@@ -16,10 +16,15 @@ device here (`MicrobatchBanks(single=False)`): one group's Python rank and scale
 graph. Several groups take grouped_mm; one group plain matmuls over r_max with the per-row scale tensor.
 
 `BodyGraphs` keeps up to `max_graphs` of them, all in one memory pool: a microbatch's forward and backward replay
-before the next one's, so captures may share memory. A bucket is captured the second time it is seen (a one-off shape
-runs eagerly), and none once `max_graphs` are held (no eviction: a capture costs about three eager steps, so a
-workload of many shapes must not capture again and again; the buckets seen first are the common ones). Captures use
-thread-local capture mode, so another thread's CUDA work (the adapter store's copies) does not break them.
+before the next one's, so captures may share memory, and so may the static banks (one set per group count, shared by
+every bucket of that count: the gradients fold out before the next microbatch loads). A bucket is captured the second
+time it is seen (a one-off shape runs eagerly), and none once `max_graphs` are held (no eviction: a capture costs
+about three eager steps, so a workload of many shapes must not capture again and again; the buckets seen first are
+the common ones). Memory bounds them too: a graph keeps its activations in the pool for good, memory the eager path can
+no longer use, so a bucket is captured only if the eager path keeps room for a full microbatch after it
+(`capture_fits`; on an 80 GB H100 the graphs of a benchmark's first four buckets had taken 45 GiB, and the next
+eager LM head failed to allocate). Captures use thread-local capture mode, so another thread's CUDA work (the adapter store's copies) does
+not break them.
 
 Semantics: what the eager packed microbatch computes, up to summation order (the padded rows change the matmuls'
 shapes): tests/gpu/test_body_graphs_cuda.py compares losses, logprobs and gradients with the eager engine.
@@ -27,6 +32,7 @@ shapes): tests/gpu/test_body_graphs_cuda.py compares losses, logprobs and gradie
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +43,10 @@ from loraplex.workers.lora.fused import MicrobatchBanks
 from loraplex.workers.lora.routing import LoraContext, Routing
 
 TOKEN_BUCKET = 256
+# A capture's pool keeps what the forward holds for its backward; the backward's own temporaries come on top.
+BACKWARD_HEADROOM = 1.25
+
+log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> int:
@@ -101,63 +111,85 @@ def pad_microbatch(
     return PaddedMicrobatch(key, pad, cu, slots, ranks, scales, rows)
 
 
+def capture_fits(held: int, tokens: int, microbatch_tokens: int, free: int, margin: int) -> bool:
+    """Whether to capture a bucket of `tokens` whose eager forward held `held` bytes for its backward, with `free` bytes
+    free on the device: after the capture keeps about that much (with the backward's temporaries), the eager path must
+    still have room for a full microbatch of `microbatch_tokens` (scaled from this bucket: small buckets over-estimate
+    per token, which errs on the side of room) and `margin` more."""
+    need = held * BACKWARD_HEADROOM
+    eager = need * max(1.0, microbatch_tokens / max(tokens, 1))
+    return free - need >= eager + margin
+
+
 class BodyGraph:
-    """One bucket's static buffers and its forward / backward graphs (see the module doc)."""
+    """One bucket's static buffers and its forward / backward graphs (see the module doc): built with its buffers,
+    then `warm_up()` (eager, outside any capture), then `capture()`."""
 
     def __init__(
         self,
         key: GraphKey,
         run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
         context: LoraContext,
-        width: int,
-        dtype: torch.dtype,
         max_rank: int,
         device: torch.device,
         pool: Any,
         elementwise: Callable[[], Any],
-        warmup: int = 2,
+        banks: MicrobatchBanks,
+        stream: torch.cuda.Stream,
     ) -> None:
-        self.key = key
-        n, g = key.tokens, key.groups
-        # One stream for the static buffers, the warm-up and both captures: autograd syncs a backward with the streams
-        # its tensors were made on, and a wait on another (uncaptured) stream would break the capture.
-        self.stream = torch.cuda.Stream(device)
+        self.key, self.pool, self.device = key, pool, device
+        n = key.tokens
+        # One stream (BodyGraphs') for the static buffers, the banks, the warm-up and both captures: autograd syncs a
+        # backward with the streams its tensors were made on, and a wait on another (uncaptured) stream would break
+        # the capture.
+        self.stream = stream
         self.stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self.stream):
             self.tokens = torch.zeros(1, n, dtype=torch.int64, device=device)
             self.positions = torch.zeros(1, n, dtype=torch.int64, device=device)
             self.cu_seqlens = torch.full((key.boundaries,), n, dtype=torch.int32, device=device)
             self.cu_seqlens[0] = 0
-            self.routing = Routing.build([0] * g, [max_rank] * g, [0.0] * g, [n] + [0] * (g - 1), device)
-            self.banks = MicrobatchBanks(
-                torch.zeros(g, width, dtype=dtype, device=device),
-                torch.zeros(g, width, dtype=torch.float32, device=device),
-                grouped=True,
-                single=False,
-            )
-        trigger = self.banks.trigger
-        assert trigger is not None
+            self.routing = Routing.build([0] * key.groups, [max_rank] * key.groups, [0.0] * key.groups,
+                                         [n] + [0] * (key.groups - 1), device)  # fmt: skip
+        self.banks = banks
+        assert banks.trigger is not None and banks.compute.shape[0] == key.groups
 
         def forward() -> torch.Tensor:
             with context.use(self.routing, self.banks), torch.enable_grad(), elementwise():
                 return run_body(self.tokens, self.positions, self.cu_seqlens, key.max_length)
 
-        # Warm up first (lazy initialisation, Triton compiles and cuBLAS workspaces stay out of the capture).
+        self._forward = forward
+
+    def warm_up(self, rounds: int = 2) -> int:
+        """Eager runs on the capture stream, so lazy initialisation, Triton compiles and cuBLAS workspaces stay out of
+        the capture. Returns the most bytes a forward held for its backward (what the capture's pool will keep)."""
+        trigger = self.banks.trigger
+        assert trigger is not None
+        held = 0
         with torch.cuda.stream(self.stream):
-            for _ in range(warmup):
-                out = forward()
+            for _ in range(rounds):
+                before = torch.cuda.memory_allocated(self.device)
+                out = self._forward()
+                held = max(held, torch.cuda.memory_allocated(self.device) - before)
                 torch.autograd.grad(out, trigger, torch.zeros_like(out), allow_unused=True)
             del out
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.device)
+        return held
+
+    def capture(self) -> None:
+        trigger = self.banks.trigger
+        assert trigger is not None
         self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-            self.hidden = forward()
+        with torch.cuda.graph(self.forward_graph, pool=self.pool, stream=self.stream,
+                              capture_error_mode="thread_local"):  # fmt: skip
+            self.hidden = self._forward()
         with torch.cuda.stream(self.stream):
             self.grad_hidden = torch.zeros_like(self.hidden)
         self.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.backward_graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.backward_graph, pool=self.pool, stream=self.stream,
+                              capture_error_mode="thread_local"):  # fmt: skip
             torch.autograd.grad(self.hidden, trigger, self.grad_hidden, allow_unused=True)
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.device)
         self.hidden = self.hidden.detach()
 
     def load(
@@ -175,17 +207,10 @@ class BodyGraph:
         self.cu_seqlens.copy_(staged[2 * n :])
         self.routing.offs.copy_(routing.offs)
         self.routing.row_scales.copy_(routing.row_scales)
-        torch.index_select(flat, 0, routing.slot_ids, out=self._gathered(flat))
-        self.banks.compute.copy_(self._gathered(flat))
+        self.banks.compute.copy_(flat.index_select(0, routing.slot_ids))  # fp32 gathered, then cast into the static
         assert self.banks.grads is not None
         self.banks.grads.zero_()
         return routing
-
-    def _gathered(self, flat: torch.Tensor) -> torch.Tensor:
-        buf = getattr(self, "_gather_buf", None)
-        if buf is None:
-            buf = self._gather_buf = flat.new_empty(self.key.groups, flat.shape[1])
-        return buf
 
     def run(self) -> torch.Tensor:
         """The last hidden state [key.tokens, H] of the loaded microbatch; its backward replays the backward graph."""
@@ -211,7 +236,9 @@ class _Replay(torch.autograd.Function):
 
 class BodyGraphs:
     """The captured buckets of one engine (see the module doc). `graph(padded)` returns the bucket's graph, capturing
-    it on its second sighting; None: run this microbatch eagerly."""
+    it on its second sighting when memory allows (`capture_fits`); None: run this microbatch eagerly.
+    `microbatch_tokens`: the engine's microbatch cap (what the eager path must keep room for); `margin`: bytes kept
+    free beyond that (default: 5% of the device, at least 2 GiB)."""
 
     def __init__(
         self,
@@ -224,16 +251,25 @@ class BodyGraphs:
         elementwise: Callable[[], Any],
         max_graphs: int = 16,
         capture_on_sighting: int = 2,
+        microbatch_tokens: int = 4096,
+        margin: int | None = None,
     ) -> None:
         self.run_body, self.context = run_body, context
         self.width, self.dtype, self.max_rank, self.device = width, dtype, max_rank, device
         self.elementwise = elementwise
         self.max_graphs, self.capture_on_sighting = max_graphs, capture_on_sighting
+        self.microbatch_tokens = microbatch_tokens
+        total = torch.cuda.get_device_properties(device).total_memory
+        self.margin = max(2 << 30, total // 20) if margin is None else margin
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # every graph's (see BodyGraph)
         self.graphs: dict[GraphKey, BodyGraph] = {}
+        self.banks: dict[int, MicrobatchBanks] = {}  # per group count, shared by the buckets of that count
         self.sightings: dict[GraphKey, int] = {}
+        self.declined: set[GraphKey] = set()  # warmed up, then not captured: no room (they run eagerly)
         self.captures = 0
         self.replays = 0
+        self.memory_bytes = 0  # what the captures and their static buffers reserved on the device
 
     def graph(self, padded: PaddedMicrobatch) -> BodyGraph | None:
         key = padded.key
@@ -241,16 +277,47 @@ class BodyGraphs:
         if found is not None:
             self.replays += 1
             return found
-        if len(self.graphs) >= self.max_graphs:
+        if len(self.graphs) >= self.max_graphs or key in self.declined:
             return None
         self.sightings[key] = self.sightings.get(key, 0) + 1
         if self.sightings[key] < self.capture_on_sighting:
             return None
+        torch.cuda.empty_cache()  # the eager path's cached blocks back to the device: the capture's pool takes its own
+        before = torch.cuda.memory_reserved(self.device)
+        new_banks = key.groups not in self.banks
         made = BodyGraph(
-            key, self.run_body, self.context, self.width, self.dtype, self.max_rank, self.device, self.pool,
-            self.elementwise,
+            key, self.run_body, self.context, self.max_rank, self.device, self.pool, self.elementwise,
+            self._banks(key.groups), self.stream,
         )  # fmt: skip
+        held = made.warm_up()
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if not capture_fits(held, key.tokens, self.microbatch_tokens, free, self.margin):
+            self.declined.add(key)
+            if new_banks:
+                del self.banks[key.groups]
+            log.info("CUDA graph for %s not captured: its forward held %.2f GiB, %.2f GiB free on the device, and the "
+                     "eager path keeps room for a %d-token microbatch and %.2f GiB; it runs eagerly", key, held / 2**30,
+                     free / 2**30, self.microbatch_tokens, self.margin / 2**30)  # fmt: skip
+            return None
+        made.capture()
+        self.memory_bytes += torch.cuda.memory_reserved(self.device) - before
         self.graphs[key] = made
         self.captures += 1
         self.replays += 1
         return made
+
+    def _banks(self, groups: int) -> MicrobatchBanks:
+        """The static banks of `groups` groups: bf16 weights and their fp32 gradients, for graphs only (the device's
+        rank and scale: `single=False`)."""
+        banks = self.banks.get(groups)
+        if banks is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                banks = self.banks[groups] = MicrobatchBanks(
+                    torch.zeros(groups, self.width, dtype=self.dtype, device=self.device),
+                    torch.zeros(groups, self.width, dtype=torch.float32, device=self.device),
+                    grouped=True,
+                    single=False,
+                )
+        return banks

@@ -202,6 +202,7 @@ class Engine(SlotRows):
                 max_rank,
                 self.device,
                 self._elementwise,
+                microbatch_tokens=microbatch_tokens,
             )  # fmt: skip
             if graphable
             else None

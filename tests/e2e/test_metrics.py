@@ -144,6 +144,7 @@ def test_metrics_count_the_traffic_sent(stack) -> None:
     # Wired to the engine (CUDA graphs only on a GPU: zero here, and present from the start).
     assert ("loraplex_pool_graph_captures_total", (("pool", "default"),)) in own
     assert _value(own, "loraplex_pool_graph_captures_total", pool="default") == 0
+    assert _value(own, "loraplex_pool_graph_memory_bytes", pool="default") == 0
     assert ("loraplex_pool_gc_seconds_total", (("pool", "default"),)) in own  # the pool's GcClock (gcutil.py)
     for event in ("device_alloc", "device_free", "alloc_retry"):  # no CUDA allocator here: present, zero
         assert _value(own, "loraplex_pool_cuda_allocator_events_total", pool="default", event=event) == 0

@@ -1,11 +1,11 @@
-"""workers/body_graphs.pad_microbatch (pure): the bucketed layout a CUDA graph replays (the graphs themselves run on
-the GPU: tests/gpu/test_body_graphs_cuda.py)."""
+"""workers/body_graphs.pad_microbatch and capture_fits (pure): the bucketed layout a CUDA graph replays, and when a
+bucket may be captured (the graphs themselves run on the GPU: tests/gpu/test_body_graphs_cuda.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraplex.workers.body_graphs import GraphKey, pad_microbatch
+from loraplex.workers.body_graphs import GraphKey, capture_fits, pad_microbatch
 
 
 def test_pad_tokens_form_their_own_sequence_and_zero_scale_group() -> None:
@@ -33,3 +33,18 @@ def test_the_bound_on_sequence_length_never_exceeds_the_bucket() -> None:
 def test_groups_must_cover_the_sequences() -> None:
     with pytest.raises(ValueError, match="cover"):
         pad_microbatch([10, 10], [0], [4], [1.0], [15], elementwise=False)
+
+
+GiB = 1 << 30
+
+
+def test_a_capture_must_leave_the_eager_path_room_for_a_full_microbatch() -> None:
+    # A 4,096-token bucket holding 10 GiB: the capture keeps 12.5 GiB (with the backward's temporaries), the eager path
+    # then needs another 12.5 GiB for a full microbatch, and the margin 4 GiB: 29 GiB free is exactly enough.
+    assert capture_fits(10 * GiB, 4096, 4096, free=29 * GiB, margin=4 * GiB)
+    assert not capture_fits(10 * GiB, 4096, 4096, free=29 * GiB - 1, margin=4 * GiB)
+    # A small bucket is scaled up to the full microbatch it must leave room for (per token, 8x here).
+    assert capture_fits(1 * GiB, 512, 4096, free=1.25 * GiB * 9 + 4 * GiB, margin=4 * GiB)
+    assert not capture_fits(1 * GiB, 512, 4096, free=1.25 * GiB * 9 + 4 * GiB - 1, margin=4 * GiB)
+    # A bucket larger than the microbatch cap (a long sequence) leaves room for itself once more.
+    assert capture_fits(GiB, 8192, 4096, free=2.5 * GiB, margin=0) and not capture_fits(GiB, 8192, 4096, 2.4 * GiB, 0)

@@ -123,7 +123,8 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     collected = [10.0]  # the process's garbage-collection seconds so far (gcutil.GcClock)
     allocator = {"device_alloc": 100, "device_free": 7, "alloc_retry": 0}  # workers/allocator_events.py's totals
     metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0],
-                          gc_seconds=lambda: collected[0], allocator_events=lambda: allocator, slow_plan_s=1.0)  # fmt: skip
+                          graph_memory=lambda: 3 << 30, gc_seconds=lambda: collected[0],
+                          allocator_events=lambda: allocator, slow_plan_s=1.0)  # fmt: skip
     a, b = req("a", 1, FB, tokens=512, tenant="ta"), req("b", 1, FB, tokens=256, tenant="tb")
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a, b)),))
     captures[0], collected[0] = 4, 10.25
@@ -132,6 +133,7 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
         metrics.executed(plan, [_ok(a), _ok(b)], busy_s=2.0)
     assert _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
     assert _get(_values(metrics), "loraplex_pool_gc_seconds_total") == 0.25
+    assert _get(_values(metrics), "loraplex_pool_graph_memory_bytes") == 3 << 30
     (line,) = [r.getMessage() for r in caplog.records]
     assert "slow plan, 2000 ms executing" in line and "swap 125, forward_backward 1500, execute_other 375" in line
     assert "(adapters, tokens) [(2, 768)]" in line and "2 CUDA graphs captured in it" in line
