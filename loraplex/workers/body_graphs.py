@@ -268,6 +268,9 @@ class BodyGraphs:
         self.banks: dict[int, MicrobatchBanks] = {}  # per group count, shared by the buckets of that count
         self.sightings: dict[GraphKey, int] = {}
         self.declined: set[GraphKey] = set()  # warmed up, then not captured: no room (they run eagerly)
+        # The fewest tokens of a declined bucket: larger ones would hold more, so they are not even warmed up (each
+        # warm-up is two eager steps). Graphs only ever add memory, so this only stays true.
+        self.no_room_tokens: int | None = None
         self.captures = 0
         self.replays = 0
         self.memory_bytes = 0  # what the captures and their static buffers reserved on the device
@@ -279,6 +282,8 @@ class BodyGraphs:
             self.replays += 1
             return found
         if len(self.graphs) >= self.max_graphs or key in self.declined:
+            return None
+        if self.no_room_tokens is not None and key.tokens >= self.no_room_tokens:
             return None
         self.sightings[key] = self.sightings.get(key, 0) + 1
         if self.sightings[key] < self.capture_on_sighting:
@@ -295,6 +300,7 @@ class BodyGraphs:
         free = torch.cuda.mem_get_info(self.device)[0]
         if not capture_fits(held, key.tokens, self.microbatch_tokens, free, self.margin):
             self.declined.add(key)
+            self.no_room_tokens = min(key.tokens, self.no_room_tokens or key.tokens)
             if new_banks:
                 del self.banks[key.groups]
             log.info("CUDA graph for %s not captured: its forward held %.2f GiB, %.2f GiB free on the device, and the "

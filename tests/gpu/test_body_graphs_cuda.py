@@ -108,4 +108,9 @@ def test_buckets_share_their_group_counts_banks_and_a_capture_without_room_runs_
     for items in [lone("c", 5, 200), lone("c", 5, 200), lone("c", 5, 200)]:
         _step_and_compare(engines, items)
     assert graphs.captures == 2 and len(graphs.declined) == 1 and graphs.memory_bytes == held
-    assert next(iter(graphs.declined)).tokens == 1024
+    assert next(iter(graphs.declined)).tokens == 1024 and graphs.no_room_tokens == 1024
+    # A larger bucket (1,280 tokens) is not even warmed up; a smaller one (512) still is, and is declined too.
+    for items in [lone("a", 3, 400), lone("a", 3, 400), lone("b", 2, 200), lone("b", 2, 200)]:
+        _step_and_compare(engines, items)
+    assert graphs.captures == 2 and sorted(k.tokens for k in graphs.declined) == [512, 1024]
+    assert graphs.no_room_tokens == 512
