@@ -30,8 +30,13 @@ def main() -> None:
     p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
     p.add_argument("--elementwise", action="store_true", help="the Triton norms and activation (Engine(fused_elementwise=True))")
     p.add_argument("--graphs", action="store_true", help="the body as CUDA graphs (Engine(cuda_graphs=True))")
+    p.add_argument("--frozen", action="store_true",
+                   help="also the frozen base (activation gradients only) with the engine's kernels, 8x512 padded")
+    p.add_argument("--kernels", type=int, default=15, help="rows of the device-time table")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
+    if args.frozen:
+        profile_frozen(model, args)
     engine = Engine(model, num_slots=args.slots, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
                     fused_lora=not args.unfused, fused_elementwise=args.elementwise, cuda_graphs=args.graphs)  # fmt: skip
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
@@ -55,11 +60,57 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
         table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-        table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60)
+        table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=90)
         print(table_cpu[-6000:])
-        print(table_gpu[-4000:])
+        print(table_gpu[-12000:])
+        print(categories(prof))
         if args.out:
             Path(args.out, f"profile_{n}x512.txt").write_text(table_cpu + "\n" + table_gpu)
+
+
+def categories(prof: profile) -> str:
+    """Device time per kind of kernel (ms), summed over the profiled step: where the non-matmul time goes."""
+    kinds = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas")), ("attention", ("flash", "fmha", "cudnn")),
+             ("triton", ("triton",)), ("copy", ("copy", "memcpy", "memset", "cat", "fill")), ("reduce", ("reduce",)),
+             ("elementwise", ("elementwise", "vectorized")))  # fmt: skip
+    sums: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
+        if t <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.key.lower()
+        kind = next((k for k, keys in kinds if any(w in name for w in keys)), "other")
+        sums[kind] = sums.get(kind, 0.0) + t / 1e3
+    total = sum(sums.values())
+    return "device ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])) + f"; total {total:.1f}"
+
+
+def profile_frozen(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """The frozen base's 8x512 forward + backward with the engine's kernels (bench_engine's frozen_base_fused)."""
+    from loraplex.workers import fused_elementwise
+    from loraplex.workers.lm_head import target_logprobs
+
+    model.requires_grad_(False)
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    ids = torch.randint(0, model.config.vocab_size, (8, 513), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step() -> None:
+        with fused_elementwise.active():
+            embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
+            hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
+            (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten(), fused=True)).sum().backward()
+        sync()
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    print(f"frozen base 8x512: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms per step")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=90)[-12000:])
+    print("frozen base", categories(prof))
 
 
 if __name__ == "__main__":
