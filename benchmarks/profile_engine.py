@@ -70,9 +70,10 @@ def main() -> None:
 
 def categories(prof: profile) -> str:
     """Device time per kind of kernel (ms), summed over the profiled step: where the non-matmul time goes."""
-    kinds = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas")), ("attention", ("flash", "fmha", "cudnn")),
-             ("triton", ("triton",)), ("copy", ("copy", "memcpy", "memset", "cat", "fill")), ("reduce", ("reduce",)),
-             ("elementwise", ("elementwise", "vectorized")))  # fmt: skip
+    # attention first: flash's kernel names carry cutlass template names
+    kinds = (("attention", ("flash", "fmha", "cudnn")), ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas")),
+             ("triton", ("triton", "_rms", "_silu", "_rope", "_fused")), ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+             ("reduce", ("reduce",)), ("elementwise", ("elementwise", "vectorized")))  # fmt: skip
     sums: dict[str, float] = {}
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
@@ -91,6 +92,7 @@ def profile_frozen(model: torch.nn.Module, args: argparse.Namespace) -> None:
     from loraplex.workers.lm_head import target_logprobs
 
     model.requires_grad_(False)
+    fused_elementwise.install(model)  # as bench_engine's frozen_base_fused: the Triton norms, RoPE and activation
     body, head = model.get_decoder(), model.get_output_embeddings()
     ids = torch.randint(0, model.config.vocab_size, (8, 513), generator=torch.Generator().manual_seed(1)).cuda()
 

@@ -13,8 +13,8 @@ value head h // (H / H_kv) (grouped-query heads). No token sees another sequence
 attention for each sequence's real tokens (right padding: causal attention keeps a real token blind to the pads after it).
 
 Kernels (`packed_attention`): CUDA in bf16/fp16 with `torch.nn.attention.varlen.varlen_attn` (flash varlen; causal is
-window_size=(-1, 0); grouped-query heads through its `enable_gqa` where that torch offers it, else the kv heads are
-repeated to the query heads: torch 2.11 has no enable_gqa); anything else (CPU, fp32, a torch without varlen_attn) the
+window_size=(-1, 0); grouped-query heads passed as they are, with `enable_gqa` where that torch asks for it: torch
+2.11 has no such flag and passes them on); anything else (CPU, fp32, a torch without varlen_attn) the
 reference loop.
 
 `install_packed_attention(model)` registers the function with transformers' AttentionInterface (and sdpa's mask
@@ -85,13 +85,10 @@ def packed_attention_varlen(
     if found is None:
         raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
     varlen_attn, has_gqa = found
-    extra: dict[str, Any] = {}
-    if k.shape[1] != q.shape[1]:
-        if has_gqa:
-            extra["enable_gqa"] = True
-        else:  # torch 2.11: the kv heads repeated to the query heads (head h reads kv head h // group, as repeat_kv)
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # Grouped-query heads go to flash-attention as they are (its varlen kernels read kv head h // group for query
+    # head h, and the backward sums dk/dv over the group). Newer torches ask for enable_gqa before they pass them on;
+    # torch 2.11 has no such flag and passes them straight through (GPU test: test_packed_attention_cuda's GQA cases).
+    extra: dict[str, Any] = {"enable_gqa": True} if has_gqa and k.shape[1] != q.shape[1] else {}
     q, k, v = (t.contiguous() for t in (q, k, v))
     return varlen_attn(
         q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, window_size=(-1, 0), **extra

@@ -80,8 +80,9 @@ def test_reference_loop_equals_dense_block_causal_attention_with_gradients(heads
 
 @pytest.mark.parametrize("has_gqa", [False, True], ids=["torch-2.11-no-enable_gqa", "enable_gqa"])
 def test_varlen_path_passes_causal_window_scale_and_heads(monkeypatch: pytest.MonkeyPatch, has_gqa: bool) -> None:
-    """The varlen call as torch 2.11 (no enable_gqa: kv heads repeated, head h reading kv head h // group) and torch
-    >= 2.13 (enable_gqa) take it, through a stand-in that checks the arguments and computes the reference."""
+    """The varlen call as torch 2.11 (no enable_gqa: the kv heads passed as they are, as flash-attention takes them)
+    and torch >= 2.13 (enable_gqa) take it, through a stand-in that checks the arguments and computes the reference
+    (flash's grouped heads: query head h reads kv head h // group)."""
     calls: list[dict[str, Any]] = []
 
     def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), **kw):  # type: ignore[no-untyped-def]
@@ -89,15 +90,14 @@ def test_varlen_path_passes_causal_window_scale_and_heads(monkeypatch: pytest.Mo
             {"window": window_size, "kv_heads": k.shape[1], "max": (max_q, max_k), "gqa": kw.get("enable_gqa")}
         )
         assert cu_q is cu_k and cu_q.dtype == torch.int32 and q.is_contiguous() and k.is_contiguous()
-        if not kw.get("enable_gqa"):
-            assert k.shape[1] == q.shape[1]
+        assert ("enable_gqa" in kw) == has_gqa
         return pa.packed_attention_reference(q, k, v, cu_q.tolist(), scale)
 
     monkeypatch.setattr(pa, "_varlen", lambda: (fake_varlen, has_gqa))
     lengths = [4, 11, 6]
     q, k, v = random_qkv(lengths, 8, 2, 16, seed=3)
     got = pa.packed_attention_varlen(q, k, v, packed_layout(lengths).cu_seqlens, 11, 0.25)
-    assert calls == [{"window": (-1, 0), "kv_heads": 2 if has_gqa else 8, "max": (11, 11), "gqa": has_gqa or None}]
+    assert calls == [{"window": (-1, 0), "kv_heads": 2, "max": (11, 11), "gqa": has_gqa or None}]
     assert (got.double() - dense_reference(q, k, v, lengths, 0.25)).abs().max().item() < 1e-5
 
 
