@@ -88,14 +88,12 @@ def peak_gb() -> float:
 
 
 # ---- baselines ----------------------------------------------------------------------------------------------------
-def bench_frozen_base(model, args, tokens_per_step: int, fused: bool = False) -> dict[str, float]:
-    """Forward + backward of the frozen base alone (activation grads only): the floor LoRA is measured against.
-    fused: with the engine's kernels (Triton norms / RoPE / activation, and the fused LM head if --head has it)."""
-    gen = torch.Generator().manual_seed(1)
-    n_seq = tokens_per_step // args.seq_len
-    ids = torch.randint(0, model.config.vocab_size, (n_seq, args.seq_len + 1), generator=gen).to(args.device)
+def frozen_base_step(model, n_seq: int, seq_len: int, device: str, fused: bool, fused_head: bool):  # type: ignore[no-untyped-def]
+    """One forward + backward of the frozen base over n_seq x seq_len random tokens (activation gradients only; the
+    model's parameters must not require grad). fused: the engine's Triton kernels (installed on the model)."""
+    ids = torch.randint(0, model.config.vocab_size, (n_seq, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
     body, head = model.get_decoder(), model.get_output_embeddings()
-    fused_head = fused and "fused" in args.head.split(",")
 
     def step() -> None:
         # A fresh context each step: active() is a generator context manager, entered once per instance.
@@ -104,6 +102,14 @@ def bench_frozen_base(model, args, tokens_per_step: int, fused: bool = False) ->
             hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
             (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten(), fused=fused_head)).sum().backward()
 
+    return step
+
+
+def bench_frozen_base(model, args, tokens_per_step: int, fused: bool = False) -> dict[str, float]:
+    """Forward + backward of the frozen base alone (activation grads only): the floor LoRA is measured against.
+    fused: with the engine's kernels (Triton norms / RoPE / activation, and the fused LM head if --head has it)."""
+    n_seq = tokens_per_step // args.seq_len
+    step = frozen_base_step(model, n_seq, args.seq_len, args.device, fused, fused and "fused" in args.head.split(","))
     peak_reset()
     times = timed(step, args.iters, args.warmup)
     return {

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import TARGETS, datums, sync  # noqa: E402
+from benchmarks.bench_engine import TARGETS, datums, frozen_base_step, sync, timed  # noqa: E402
 from loraplex.models import build_preset_model  # noqa: E402
 from loraplex.workers.engine import Engine  # noqa: E402
 
@@ -89,28 +89,15 @@ def categories(prof: profile) -> str:
 def profile_frozen(model: torch.nn.Module, args: argparse.Namespace) -> None:
     """The frozen base's 8x512 forward + backward with the engine's kernels (bench_engine's frozen_base_fused)."""
     from loraplex.workers import fused_elementwise
-    from loraplex.workers.lm_head import target_logprobs
 
     model.requires_grad_(False)
     fused_elementwise.install(model)  # as bench_engine's frozen_base_fused: the Triton norms, RoPE and activation
-    body, head = model.get_decoder(), model.get_output_embeddings()
-    ids = torch.randint(0, model.config.vocab_size, (8, 513), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def step() -> None:
-        with fused_elementwise.active():
-            embeds = body.embed_tokens(ids[:, :-1]).detach().requires_grad_(True)
-            hidden = body(inputs_embeds=embeds, use_cache=False).last_hidden_state.flatten(0, 1)
-            (-target_logprobs(hidden, head.weight, ids[:, 1:].flatten(), fused=True)).sum().backward()
-        sync()
-
-    for _ in range(3):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        step()
-    print(f"frozen base 8x512: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms per step")
+    step = frozen_base_step(model, 8, 512, "cuda", fused=True, fused_head=True)
+    times = timed(step, 5, 3)
+    print(f"frozen base 8x512: {sum(times) / len(times) * 1e3:.1f} ms per step")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
+        sync()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=90)[-12000:])
     print("frozen base", categories(prof))
 
