@@ -85,7 +85,8 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
 
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
-        return SampleStep(Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows), store)
+        sampler = Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows)
+        return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight)
     except (LoraplexError, OSError) as exc:
         log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
         reason = NotSupportedError(f"this pool has no native sampler: {exc}")

@@ -13,6 +13,11 @@ idempotency keys and the stored-result check below, each request is applied once
 
 Every answered request, failed or not, advances its adapter's seq_id: the client holds an answer for it.
 
+Once per request id: an entry is never run while its request is held (in the buffer, or a sample run in flight across
+plans) or being finished (its result not stored yet): the stale-entry claim skips this dispatcher's own entries, whose
+idle time it refreshes meanwhile (so no other consumer takes them either), and a redelivered twin of a request being
+finished waits for its result. A sample run in slices (an unfinished Outcome) stays held, unanswered, until it ends.
+
 Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the streams
 while a plan runs, and a finisher thread writes each plan's SQL records (`on_outcomes`), stores its results and acks
 its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
@@ -111,7 +116,7 @@ class Dispatcher:
         max_requests_per_plan: int = 256,
         block_ms: int = 100,
         read_count: int = 128,
-        claim_idle_ms: int = 30_000,
+        claim_idle_ms: int | None = None,
         claim_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         pipelined: bool = False,
@@ -151,13 +156,18 @@ class Dispatcher:
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.block_ms = block_ms
         self.read_count = read_count
-        self.claim_idle_ms = claim_idle_ms
+        self.claim_idle_ms = settings.stale_claim_ms if claim_idle_ms is None else claim_idle_ms
         self.claim_every_s = claim_every_s
         self.clock = clock
         self._buffer: list[_Held] = []  # arrival order
         self._held_ids: set[EntryRef] = set()  # stream entries in the buffer
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
         self._progress: dict[str, int] = {}  # request_id -> datums run so far, of a request running in parts
+        self._sampling: dict[str, int] = {}  # request_id -> the plan that started it, of a sample run in flight
+        self._plans = 0  # plans executed (numbers the sample runs)
+        # entries answered and not yet acked (the finisher's), request_id by entry; read by both threads
+        self._finishing: dict[EntryRef, str] = {}
+        self._finishing_lock = threading.Lock()
         self._next_claim = 0.0
         self.cost_model = cost_model
         self.tenant_weights = tenant_weights
@@ -220,12 +230,13 @@ class Dispatcher:
         answered = 0
         busy = 0.0
         if decision.plan.steps:
-            self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0])
+            self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0], self._sampling)
             answered, busy = self._execute(decision.plan, by_obj)
             self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
-        self._more_ready = bool(decision.plan.steps) and bool(decision.pending)
+        # a sample run in flight goes on at once (its next slice); otherwise only a capped plan reads without waiting
+        self._more_ready = (bool(decision.plan.steps) and bool(decision.pending)) or bool(self._sampling)
         if decision.plan.steps:
             overhead = time.monotonic() - t_read - busy - coalesce - planning
             timing = {"busy_s": busy, "read_s": t_read - t_start, "plan_s": planning, "coalesce_s": coalesce,
@@ -297,7 +308,7 @@ class Dispatcher:
         weights = self.tenant_weights.of(tenants) if self.tenant_weights is not None else {}
         self._share_context = (tenants, weights)
         return plan_batch(requests, view, limits or self.limits, self._progress, share=self.fair_share.view(tenants),
-                          weights=weights, cost=self.cost_model)  # fmt: skip
+                          weights=weights, cost=self.cost_model, sampling=self._sampling)  # fmt: skip
 
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
         """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back;
@@ -351,11 +362,19 @@ class Dispatcher:
         if now < self._next_claim:
             return []
         self._next_claim = now + self.claim_every_s
-        return self.consumer.claim_stale(self.claim_idle_ms, self.read_count)
+        with self._finishing_lock:
+            ours = self._held_ids | set(self._finishing)
+        self.consumer.keep(ours)  # still ours: their idle time starts again, no consumer's claim takes them
+        return [(sid, env) for sid, env in self.consumer.claim_stale(self.claim_idle_ms, self.read_count)
+                if sid not in ours]  # fmt: skip
 
     def _admit(self, entries: Sequence[Entry], now: float) -> None:
         # A claim and the backlog scan can both return one of our own entries: keep one per stream id.
-        fresh = list({sid: env for sid, env in entries if sid not in self._held_ids}.items())
+        with self._finishing_lock:
+            finishing = dict(self._finishing)
+        fresh = list({sid: env for sid, env in entries if sid not in self._held_ids and sid not in finishing}.items())
+        if set(finishing.values()) & {env.request_id for _, env in fresh}:
+            self._finisher.drain()  # a twin of a request being finished: its result is stored first, and answers it
         done = self.results.has_many([env.request_id for _, env in fresh])
         stale: list[EntryRef] = []
         for (sid, env), answered in zip(fresh, done, strict=True):
@@ -392,9 +411,10 @@ class Dispatcher:
             log.exception("plan of %d requests failed", len(requests))
             outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
         busy = time.monotonic() - started
+        self._plans += 1
         outcomes = _one_per_request(outcomes, requests)
         self._observe("executed", plan, outcomes, busy)  # before any result is visible: a client reads it counted
-        if any(r.part is not None for r in requests):
+        if any(r.part is not None for r in requests) or any(o.unfinished for o in outcomes):
             plan, outcomes = self._settle_parts(plan, outcomes)
             requests = plan.requests
         self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
@@ -408,16 +428,21 @@ class Dispatcher:
     def _settle_parts(self, plan: BatchPlan, outcomes: list[Outcome]) -> tuple[BatchPlan, list[Outcome]]:
         """Requests that ran in parts (dispatch/policy.py): an unfinished part that went well stays pending with its
         progress noted (no result, no seq_id applied, no ack); a last part, or a failed one, finishes the request as
-        the buffered request itself. Returns the plan and outcomes of what finishes now."""
+        the buffered request itself. A sample run not done yet (an unfinished Outcome) stays pending the same way,
+        in flight. Returns the plan and outcomes of what finishes now."""
         held: dict[str, PlannedRequest] = {}
         for h in self._buffer:  # the first of a request id: a redelivered twin comes later and is answered as a repeat
             held.setdefault(h.request.request_id, h.request)
         finished: dict[str, Outcome] = {}
         for r, outcome in zip(plan.requests, outcomes, strict=True):
+            if outcome.unfinished:
+                self._sampling.setdefault(r.request_id, self._plans)
+                continue
             if r.part is not None and r.unfinished and outcome.ok:
                 self._progress[r.request_id] = r.part[1]
                 continue
             self._progress.pop(r.request_id, None)
+            self._sampling.pop(r.request_id, None)
             finished[r.request_id] = outcome
         steps = []
         for s in plan.steps:
@@ -493,6 +518,8 @@ class Dispatcher:
         actions = self._log_actions(outcomes, plan, held) if self.request_log else {}
         silent = {h.request.request_id for h in held if h.silent}
         publish = [o for o in outcomes if o.request_id not in silent] if silent else outcomes
+        with self._finishing_lock:
+            self._finishing.update((h.stream_id, h.request.request_id) for h in held)
         self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held], actions, publish)
 
     @staticmethod
@@ -522,19 +549,24 @@ class Dispatcher:
     ) -> None:
         """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
         client that sees it reads the adapter's new state and tiers), then the acks."""
-        started = time.monotonic()
-        if self.on_outcomes is not None:
-            try:
-                outcomes = self.on_outcomes(outcomes, plan) or outcomes
-            except Exception:  # recording them must not stall every tenant: the results still go out
-                log.exception("on_outcomes failed for %d outcomes", len(outcomes))
-        recorded = time.monotonic()
-        # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py).
-        # publish: the outcomes to store (a silent rerun's first result stays as it was delivered)
-        shown = outcomes if publish is None else publish
-        retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
-        ack = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))
-        retry_redis(ack, "finishing a plan", self._finisher.warn)
+        try:
+            started = time.monotonic()
+            if self.on_outcomes is not None:
+                try:
+                    outcomes = self.on_outcomes(outcomes, plan) or outcomes
+                except Exception:  # recording them must not stall every tenant: the results still go out
+                    log.exception("on_outcomes failed for %d outcomes", len(outcomes))
+            recorded = time.monotonic()
+            # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py).
+            # publish: the outcomes to store (a silent rerun's first result stays as it was delivered)
+            shown = outcomes if publish is None else publish
+            retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
+            ack = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))
+            retry_redis(ack, "finishing a plan", self._finisher.warn)
+        finally:  # acked, or given up on: a claim may take the entries again (their stored results answer them)
+            with self._finishing_lock:
+                for sid in stream_ids:
+                    self._finishing.pop(sid, None)
         timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
         self._observe("timed", {"record": timing.record_s, "publish": timing.publish_s})
         with suppress(redis_lib.RedisError):  # statistics only

@@ -9,9 +9,13 @@ is reported in `blocked` (model_id -> missing seq_id) so the loop can time it ou
 (seq_id -1) sit outside the chain: a create runs before anything else of its model_id, a delete after all of them.
 
 The plan's steps, in order:
-  1. one CREATE step with every pending create_adapter; then one SAMPLE step with the oldest pending sampling
-     requests (up to `max_sample_rows` sequences): they sit in no chain (any order), so a sample waits for at most
-     one plan of training, whoever queued it;
+  1. one CREATE step with every pending create_adapter; then one SAMPLE step: every sampling request in flight
+     (`sampling`: started by an earlier plan, it runs one more slice in this one, workers/sampling_step.py), then
+     new ones by fair share (least virtual time, then arrival; each charged num_samples x (prompt + max_tokens)), up
+     to `max_sample_rows` new sequences, while fewer than `max_sample_batches` plans' samples are in flight and as
+     long as the tenant's sequences in flight stay within `max_sample_rows`. Samples sit in no chain (any order), so
+     a sample waits for at most one plan of training, and a tenant's flood of samples neither starves another's
+     samples nor holds its training for more than a slice per plan;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
      forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a request over the cap runs in parts
      of at most the cap, one part per plan; `progress` says how many of its datums earlier
@@ -70,9 +74,10 @@ class PolicyLimits:
     # distinct adapters in one FORWARD_BACKWARD or OPTIM_STEP step: the pool's resident slots (each step's adapters are
     # swapped in before it runs), so the Dispatcher sets it to settings.slots
     max_adapters_per_step: int = 1 << 30
-    # sampled sequences (requests x num_samples) in one SAMPLE step; every plan takes the oldest pending samples first,
-    # so a tenant's sample waits for at most one plan of anyone's training
+    # sampled sequences (requests x num_samples) a plan starts; also the most one tenant has in flight
     max_sample_rows: int = 64
+    # plans whose sample runs are still in flight (each started run holds its decode cache): no new ones past it
+    max_sample_batches: int = 4
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,15 @@ def plan_batch(
     share: Mapping[str, float] | None = None,
     weights: Mapping[str, float] | None = None,
     cost: StepCost | None = None,
+    sampling: Mapping[str, int] | None = None,
 ) -> PolicyResult:
     """Plan the next batch. `pending` is in arrival order; `last_applied` maps model_id -> last applied seq_id (None or
     absent: none yet); `progress` maps request_id -> datums of it that earlier plans ran (a request in parts);
     `share`: tenant -> virtual time from earlier plans (dispatch/fair_share.FairShareLedger.view; absent: 0);
-    `weights`: tenant -> weight (absent: 1); `cost`: the step cost model that splits forward_backward steps."""
+    `weights`: tenant -> weight (absent: 1); `cost`: the step cost model that splits forward_backward steps;
+    `sampling`: request_id -> the number of the plan that started it, for sampling requests in flight."""
     progress = progress or {}
+    sampling = sampling or {}
     share = share or {}
     weights = weights or {}
     limits = limits or PolicyLimits()
@@ -123,16 +131,8 @@ def plan_batch(
     if create_step:
         steps.append(Step(StepKind.CREATE, tuple(reqs[i] for i in create_step)))
 
-    sample_step: list[int] = []
-    rows = 0
-    for i in samples:  # oldest first, up to the row budget (one request always fits)
-        p = reqs[i].payload
-        n = p.num_samples if isinstance(p, SamplePayload) else 1
-        if budget <= 0 or (sample_step and rows + n > limits.max_sample_rows):
-            break
-        sample_step.append(i)
-        rows += n
-        budget -= 1
+    served: defaultdict[str, float] = defaultdict(float, share)  # tenant -> virtual time: earlier plans' + this plan's
+    sample_step, budget = _samples(reqs, samples, sampling, served, weights, limits, budget)
     if sample_step:
         steps.append(Step(StepKind.SAMPLE, tuple(reqs[i] for i in sample_step)))
     taken.update(sample_step)
@@ -141,7 +141,6 @@ def plan_batch(
     pos = dict.fromkeys(chains, 0)
     # waited[m][k]: arrival index of the oldest request in chains[m][k:] (how long the adapter has waited from there).
     waited = {m: _suffix_min(chain) for m, chain in chains.items()}
-    served: defaultdict[str, float] = defaultdict(float, share)  # tenant -> virtual time: earlier plans' + this plan's
     parts: dict[int, PlannedRequest] = {}  # index -> the part of it this plan runs
 
     def priority(i: int) -> tuple[float, int]:
@@ -253,6 +252,49 @@ def plan_batch(
     dups = set(duplicates)
     left = tuple(r for i, r in enumerate(reqs) if i not in taken and i not in dups)
     return PolicyResult(BatchPlan(tuple(steps)), left, tuple(reqs[i] for i in duplicates), blocked)
+
+
+def _rows(r: PlannedRequest) -> int:
+    p = r.payload
+    return p.num_samples if isinstance(p, SamplePayload) else 1
+
+
+def _samples(
+    reqs: list[PlannedRequest],
+    samples: list[int],
+    sampling: Mapping[str, int],
+    served: defaultdict[str, float],
+    weights: Mapping[str, float],
+    limits: PolicyLimits,
+    budget: int,
+) -> tuple[list[int], int]:
+    """The SAMPLE step's request indices (see the module doc) and the request budget left; charges `served`."""
+    step = [i for i in samples if reqs[i].request_id in sampling][: max(0, budget)]
+    budget -= len(step)
+    tenant_rows: defaultdict[str, int] = defaultdict(int)
+    for i in step:
+        tenant_rows[reqs[i].tenant_id] += _rows(reqs[i])
+    if len(set(sampling.values())) >= limits.max_sample_batches:
+        return step, budget
+    new = [(served[reqs[i].tenant_id], i) for i in samples if reqs[i].request_id not in sampling]
+    heapq.heapify(new)
+    rows = 0
+    while new and budget > 0:
+        vt, i = heapq.heappop(new)
+        r = reqs[i]
+        if vt != served[r.tenant_id]:  # its tenant was charged since: back in line at its new virtual time
+            heapq.heappush(new, (served[r.tenant_id], i))
+            continue
+        n = _rows(r)
+        # one request always fits when nothing is in flight; past that, the plan's and the tenant's row budgets
+        if step and (rows + n > limits.max_sample_rows or tenant_rows[r.tenant_id] + n > limits.max_sample_rows):
+            continue
+        step.append(i)
+        rows += n
+        tenant_rows[r.tenant_id] += n
+        served[r.tenant_id] += charge_of(r) / weight_of(weights, r.tenant_id)
+        budget -= 1
+    return step, budget
 
 
 def _sort_out(

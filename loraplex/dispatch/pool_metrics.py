@@ -228,7 +228,8 @@ class PoolMetrics:
         if outcome.ok and request.kind == RequestKind.SAMPLE:
             sequences = (outcome.result or {}).get("sequences") or []
             self.sampled_tokens.labels(self.pool, tenant).inc(sum(len(s.get("tokens") or ()) for s in sequences))
-        if request.unfinished and outcome.ok:  # a part that leaves datums for later plans: not answered yet
+        # a part that leaves datums for later plans, or a slice of a sample run: not answered yet
+        if (request.unfinished or outcome.unfinished) and outcome.ok:
             return
         self.requests.labels(self.pool, tenant, kind, "ok" if outcome.ok else "error").inc()
 

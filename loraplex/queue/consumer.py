@@ -9,7 +9,8 @@ until acked).
 - `ack` = XACK + XDEL, and the tenant's queued-token count gives back the entry's tokens (one script: exact even when
   an entry is acked twice): an answered request leaves its stream entirely, and (when the dispatcher says so) moves
   to its adapter's durable request log in the same script (queue/replay_log.py).
-- `claim_stale` takes over entries another consumer read and left idle longer than `min_idle_ms` (it died): XAUTOCLAIM.
+- `claim_stale` takes over entries another consumer read and left idle longer than `min_idle_ms` (it died): XAUTOCLAIM;
+  `keep` refreshes the idle time of entries this consumer still holds, so that rule never takes a running request.
 - An entry that fails to decode is acked at once, and its request (if a request_id can be read) gets a failed result,
   so one bad entry never blocks a stream.
 """
@@ -203,6 +204,19 @@ class Consumer:
                 if cursor == "0-0":
                     break
         return self._decode(raw)
+
+    def keep(self, refs: Iterable[EntryRef]) -> None:
+        """Entries this consumer still works on: their idle time starts again (XCLAIM JUSTID to itself), so the
+        stale-entry rule (`claim_stale`, with any consumer name) does not take them while a plan runs them."""
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for ref in refs:
+            by_stream[ref.stream].append(ref.id)
+        if not by_stream:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, self.group, self.name, 0, ids, justid=True)
+        pipe.execute()
 
     def pending_count(self) -> int:
         """Entries delivered to any consumer of the group and not yet acked, over every tenant's stream."""

@@ -16,6 +16,12 @@ free row of the static decode cache while the other rows keep theirs (static_dec
 carries its own adapter, so a decode step needs no reordering; on CUDA the step is one captured graph, kept for the
 next call of the same shape).
 
+Slices: `start` makes a resumable run (`SampleRun`) and `advance(budget_s)` runs it for about that many seconds (at
+least one admission or decode step), so the pool interleaves a long generation with other tenants' training plans
+(workers/sampling_step.py). A run owns its decode cache while it is in flight (the decoder goes back to the kept ones
+when it ends) and froze its weights when it started (the decoder's LoRA buffers and, on the fused path, the gathered
+banks), so training between slices changes nothing it reads: a sliced run gives exactly the tokens of an unsliced one.
+
 Per token the reported logprob is log_softmax of the model's raw logits (fp32), i.e. the policy's logprob of the token,
 before temperature / top-k / top-p (as vLLM's default logprobs and Tinker's sampling logprobs, which RL losses compare
 with the trainer's). Top-k logprobs (prompt and sample) are of that same distribution, sorted descending.
@@ -28,6 +34,7 @@ cutting the text at the string is the caller's business); `max_tokens` tokens en
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,8 +173,8 @@ class Sampler:
         self._decoders: dict[tuple[int, int, int], StaticDecoder] = {}  # insertion order = least recently used first
 
     def decoder(self, rows: int, width: int, groups: int) -> StaticDecoder:
-        """A static decoder of this shape: a kept one, or a new one (the least recently used beyond KEPT_DECODERS is
-        dropped first, freeing its cache and graph)."""
+        """A static decoder of this shape for one run, which holds it alone until `release`: a kept one, or a new one
+        (the least recently used kept one beyond KEPT_DECODERS is dropped first, freeing its cache and graph)."""
         key = (rows, width, groups)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
@@ -177,8 +184,14 @@ class Sampler:
             if self.cuda_graphs and self.engine.device.type == "cuda":
                 decoder.capture()
                 self.stats.graph_captures += 1
-        self._decoders[key] = decoder
         return decoder
+
+    def release(self, decoder: StaticDecoder) -> None:
+        """A run is done with its decoder: kept for later calls of its shape (most recently used)."""
+        self._decoders.pop(decoder.key, None)  # a run in flight beside it made another of this shape
+        self._decoders[decoder.key] = decoder
+        while len(self._decoders) > KEPT_DECODERS:
+            self._decoders.pop(next(iter(self._decoders)))
 
     # ---- validation --------------------------------------------------------------------------------------------------
     def check(self, job: SampleJob) -> None:
@@ -223,22 +236,76 @@ class Sampler:
     # ---- generation --------------------------------------------------------------------------------------------------
     def generate(self, jobs: Sequence[SampleJob]) -> list[SampleOutput]:
         """One output per job, in order (see the module docstring). Every job is checked first (`check`)."""
+        run = self.start(jobs)
+        try:
+            while not run.advance(None):
+                pass
+        finally:
+            run.close()
+        return run.outputs
+
+    def start(self, jobs: Sequence[SampleJob]) -> SampleRun:
+        """A resumable generation of these jobs (checked first); its weights are frozen from now on. Run it with
+        `advance`; `close` it if it is abandoned before it is done."""
         for job in jobs:
             self.check(job)
+        return SampleRun(self, list(jobs))
+
+
+class SampleRun:
+    """One generation run in slices: `advance` until it returns True, then `outputs` holds one output per job."""
+
+    def __init__(self, sampler: Sampler, jobs: list[SampleJob]) -> None:
+        self.outputs = [SampleOutput(sequences=[]) for _ in jobs]
         self.stats = SamplerStats()
-        outputs = [SampleOutput(sequences=[]) for _ in jobs]
-        if not jobs:
-            return outputs
+        sampler.stats = self.stats  # the sampler's stats: its latest run's
+        self._sampler = sampler
+        self._run: _Run | None = None
+        if jobs:
+            with torch.inference_mode():
+                self._run = _Run(sampler, jobs, self.outputs, self.stats)
+
+    @property
+    def done(self) -> bool:
+        return self._run is None or self._run.done
+
+    @property
+    def model_ids(self) -> set[str]:
+        """The adapters (sampler snapshots) it samples from."""
+        return set() if self._run is None else {m for m in self._run.group_of if m is not None}
+
+    @property
+    def needs_slots(self) -> bool:
+        """Whether its adapters must be resident in their slots while it advances: on the unfused path its prefills
+        read the slot banks (the fused path gathered its weights when it started)."""
+        return self._run is not None and self._run.banks is None and bool(self.model_ids)
+
+    def advance(self, budget_s: float | None) -> bool:
+        """Run for about `budget_s` seconds (None: to the end), at least one admission or decode step; True when done
+        (its decoder then goes back to the sampler)."""
+        if self._run is None:
+            return True
         with torch.inference_mode():
-            _Run(self, list(jobs), outputs).run()
-        return outputs
+            finished = self._run.advance(budget_s)
+        if finished:
+            self.close()
+        return finished
+
+    def close(self) -> None:
+        """Give the decode cache back (a run abandoned before its end: its outputs stay incomplete)."""
+        if self._run is not None:
+            self._sampler.release(self._run.decoder)
+            self._run = None
 
 
 class _Run:
-    """One `generate` call's state."""
+    """One run's state (see SampleRun)."""
 
-    def __init__(self, sampler: Sampler, jobs: list[SampleJob], outputs: list[SampleOutput]) -> None:
+    def __init__(
+        self, sampler: Sampler, jobs: list[SampleJob], outputs: list[SampleOutput], stats: SamplerStats
+    ) -> None:
         self.sampler = sampler
+        self.stats = stats
         self.engine = engine = sampler.engine
         self.jobs = jobs
         self.outputs = outputs
@@ -319,19 +386,38 @@ class _Run:
         return F.linear(hidden, self.head_weight).float()
 
     # ---- the loop ----------------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        stats = self.sampler.stats
-        while self.waiting or self.live:
+    @property
+    def done(self) -> bool:
+        return not (self.waiting or self.live)
+
+    def advance(self, budget_s: float | None) -> bool:
+        """Admit and decode until done or `budget_s` seconds have passed (at least one round); True when done."""
+        stats = self.stats
+        self._rebind()
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        while not self.done:
             for row, kv in self._admit():
                 self._join(row, kv)
-            if not self.live:
-                continue
-            stats.peak_rows = max(stats.peak_rows, len(self.live))
-            self._decode_step()
+            if self.live:
+                stats.peak_rows = max(stats.peak_rows, len(self.live))
+                self._decode_step()  # reads its tokens back to the host: the time includes the device's work
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return self.done
+
+    def _rebind(self) -> None:
+        """Without gathered banks (the unfused path), prefills read the slots: find the adapters' slots again (a
+        swap between slices may have moved them; the caller keeps them resident while the run advances)."""
+        if self.banks is not None:
+            return
+        for model_id, g in self.group_of.items():
+            if model_id is not None:
+                r = self.engine.adapter(model_id)
+                self.groups[g] = _Group(slot=r.slot, rank=r.rank, scale=r.scale)
 
     def _admit(self) -> list[tuple[_Row, list[LayerKV]]]:
         """Admit waiting samples into free rows; returns those that join the decode batch (with their prompt KV)."""
-        stats = self.sampler.stats
+        stats = self.stats
         joiners: list[tuple[_Row, list[LayerKV]]] = []
         while self.waiting and len(self.live) + len(joiners) < self.decoder.rows:
             free = self.decoder.rows - len(self.live) - len(joiners)
@@ -413,7 +499,7 @@ class _Run:
             out.sequences = [seq for seq in self.finished[row.job] if seq is not None]
 
     def _decode_step(self) -> None:
-        self.sampler.stats.decode_steps += 1
+        self.stats.decode_steps += 1
         tokens, positions = [0] * self.decoder.rows, [0] * self.decoder.rows
         for row in self.live:
             tokens[row.cache_row], positions[row.cache_row] = row.tokens[-1], row.length
@@ -448,7 +534,7 @@ class _Run:
 
     def _prefill_chunk(self, job_ids: Sequence[int]) -> None:
         engine = self.engine
-        self.sampler.stats.prefill_forwards += 1
+        self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
         width = max(len(p) for p in prompts)
         # Right padding: causal attention keeps each real token blind to the pads after it (as the engine's forward).

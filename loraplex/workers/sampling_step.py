@@ -1,13 +1,21 @@
 """A SAMPLE step on the pool: each request's frozen sampler snapshot (or the bare base model) made resident, then
-one batched generation (workers/sampler.py) over all of them, rows of different snapshots mixed.
+batched generation (workers/sampler.py) over all of them, rows of different snapshots mixed, run in bounded slices.
 
 A snapshot is the copy a named save_weights_for_sampler left in the adapter store (adapter_store.freeze_copy), named
 by its tinker path. A pool that does not hold it (it restarted since, or another pool saved it) loads it from the
 checkpoint's folder the payload names, into the store, once. A request that cannot run (a snapshot missing everywhere,
-a bad token id) fails alone; more snapshots than slots run in consecutive groups of at most `slots`."""
+a bad token id) fails alone; more snapshots than slots run in consecutive groups of at most `slots`.
+
+Slices: with `slice_s`, a step starts runs for its new requests (one per group; at most `max_runs` in flight, the rest
+wait for a later step, unstarted) and advances every run in flight for about `slice_s` seconds in all, shared
+between them. A request whose run is not done yet gets an unfinished Outcome (no result: the dispatcher keeps it
+pending, dispatch/loop.py) and goes on in the next step that names it; so one tenant's long generation holds the
+pool for one slice per plan, and other tenants' training runs in between. A request id already in flight is never
+started again (a redelivered entry). Without `slice_s`, every run goes to its end within the step."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +23,75 @@ from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.executor import error_outcome, restore_checkpoint
-from loraplex.workers.sampler import SampleJob, SampleOutput, SampleParams, Sampler
+from loraplex.workers.sampler import SampleJob, SampleOutput, SampleParams, Sampler, SampleRun
+
+
+@dataclass
+class _InFlight:
+    run: SampleRun
+    requests: list[PlannedRequest]  # one per job of the run, in job order
 
 
 class SampleStep:
-    def __init__(self, sampler: Sampler, store: AdapterStore | None) -> None:
+    def __init__(
+        self, sampler: Sampler, store: AdapterStore | None, slice_s: float | None = None, max_runs: int = 4
+    ) -> None:
+        """slice_s: the seconds of sampling one step runs (None: every run to its end); max_runs: the runs in flight
+        at once (each holds its decode cache and gathered weights)."""
         self.sampler = sampler
         self.store = store
+        self.slice_s = slice_s
+        self.max_runs = max(1, max_runs)
+        self._runs: list[_InFlight] = []  # oldest first
+        self._owner: dict[str, _InFlight] = {}  # request_id -> its run in flight
+        self._done: dict[str, Outcome] = {}  # outcomes of runs that ended, for requests not in the step they ended in
+        self.executions = 0  # requests started (each request id once while in flight)
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Request ids whose run has started and not ended."""
+        return set(self._owner)
 
     def __call__(self, step: Step) -> list[Outcome]:
         outcomes: dict[str, Outcome] = {}
-        ready: list[tuple[PlannedRequest, SampleJob]] = []
+        new: list[PlannedRequest] = []
+        named = {r.request_id for r in step.requests}
         for request in step.requests:
+            if request.request_id in self._done:
+                outcomes[request.request_id] = self._done.pop(request.request_id)
+            elif request.request_id not in self._owner and request.request_id not in {r.request_id for r in new}:
+                new.append(request)
+        outcomes.update(self._start(new))
+        advancing = [f for f in self._runs if any(r.request_id in named for r in f.requests)]
+        budget = None if self.slice_s is None else self.slice_s / max(1, len(advancing))
+        for flight in advancing:
+            self._advance(flight, budget)
+        for request in step.requests:
+            if request.request_id not in outcomes:
+                outcomes[request.request_id] = self._done.pop(request.request_id, None) or Outcome(
+                    request.request_id, unfinished=True
+                )
+        return [outcomes[r.request_id] for r in step.requests]
+
+    def close(self) -> None:
+        """Abandon the runs in flight (their decode caches go back)."""
+        for flight in self._runs:
+            flight.run.close()
+        self._runs.clear()
+        self._owner.clear()
+
+    def _start(self, requests: list[PlannedRequest]) -> dict[str, Outcome]:
+        """Runs for these new requests, while fewer than `max_runs` are in flight; the failed ones' outcomes."""
+        outcomes: dict[str, Outcome] = {}
+        ready: list[tuple[PlannedRequest, SampleJob]] = []
+        for request in requests:
             try:
                 ready.append((request, self._job(request)))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 outcomes[request.request_id] = error_outcome(request, exc)
         for group in self._groups(ready):
+            if len(self._runs) >= self.max_runs:
+                break  # the rest waits for a later step, unstarted
             try:
                 if self.store is not None:
                     self.store.ensure_resident({j.model_id for _, j in group if j.model_id is not None})
@@ -48,13 +108,38 @@ class SampleStep:
             if not valid:
                 continue
             try:
-                results = self.sampler.generate([job for _, job in valid])
+                run = self.sampler.start([job for _, job in valid])
             except Exception as exc:  # noqa: BLE001 - the batch failed: each of its requests gets the error
                 outcomes.update((r.request_id, error_outcome(r, exc)) for r, _ in valid)
                 continue
-            for (request, _), output in zip(valid, results, strict=True):
-                outcomes[request.request_id] = Outcome(request.request_id, result=sample_result(output))
-        return [outcomes[r.request_id] for r in step.requests]
+            flight = _InFlight(run, [r for r, _ in valid])
+            self._runs.append(flight)
+            self._owner.update((r.request_id, flight) for r in flight.requests)
+            self.executions += len(flight.requests)
+            if self.slice_s is None:  # unsliced: each run to its end now, one decode cache at a time
+                self._advance(flight, None)
+        return outcomes
+
+    def _advance(self, flight: _InFlight, budget_s: float | None) -> None:
+        """One slice of a run; when it ends (or fails) its requests' outcomes go to `_done`."""
+        try:
+            if self.store is not None and flight.run.needs_slots:
+                self.store.ensure_resident(flight.run.model_ids)
+            finished = flight.run.advance(budget_s)
+        except Exception as exc:  # noqa: BLE001 - the run failed: each of its requests gets the error
+            flight.run.close()
+            self._end(flight, [error_outcome(r, exc) for r in flight.requests])
+            return
+        if finished:
+            outputs = flight.run.outputs
+            pairs = zip(flight.requests, outputs, strict=True)
+            self._end(flight, [Outcome(r.request_id, result=sample_result(o)) for r, o in pairs])
+
+    def _end(self, flight: _InFlight, outcomes: list[Outcome]) -> None:
+        self._runs.remove(flight)
+        for outcome in outcomes:
+            self._owner.pop(outcome.request_id, None)
+            self._done[outcome.request_id] = outcome
 
     def _job(self, request: PlannedRequest) -> SampleJob:
         p = request.payload

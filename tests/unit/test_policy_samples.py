@@ -1,5 +1,5 @@
 """Sampling requests in the policy: in no chain (any order, no gaps), one SAMPLE step per plan ahead of training, the
-oldest first within a row budget, duplicates by (sampling session, seq_id), nothing recorded as applied."""
+by fair share (then oldest first) within a row budget, runs in flight first, duplicates by (sampling session, seq_id), nothing recorded as applied."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ def test_samples_run_ahead_of_training_in_any_seq_order() -> None:
     pending = [req("a", 1), req("a", 2, OPT), req("s1", 5, SAMPLE), req("s1", 2, SAMPLE), req("s2", 0, SAMPLE)]
     result = run(pending, {"a": 0})
     assert steps(result.plan) == [
-        (StepKind.SAMPLE, [("s1", 5), ("s1", 2), ("s2", 0)]),  # arrival order; seq 5 before 2 is fine: no chain
+        # fair order (s2's tenant has had nothing yet), else arrival; seq 5 before 2 is fine: no chain
+        (StepKind.SAMPLE, [("s1", 5), ("s2", 0), ("s1", 2)]),
         (StepKind.FORWARD_BACKWARD, [("a", 1)]),
         (StepKind.OPTIM_STEP, [("a", 2)]),
     ]
