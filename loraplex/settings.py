@@ -197,6 +197,15 @@ class Settings(BaseSettings):
     celery_broker_url: str = ""
     # The Celery queue the pipeline, report and export tasks go to (workers consume it: `-Q`, default this).
     celery_queue: str = "loraplex-pipelines"
+    # Seconds of native sampling one plan runs (a long generation goes on over the next plans, workers/sampling_step.py):
+    # another tenant's step waits at most about one slice. 25 ms: a small training step is 20-60 ms alone, so it stays
+    # under 2x, and a slice still holds several decode steps (a few ms each) against ~1 ms of per-plan overhead.
+    sample_slice_ms: float = Field(default=25.0, gt=0)
+    # Sample runs in flight at once on a pool (each holds its decode cache and weights); newer requests wait unstarted.
+    sample_runs_in_flight: int = Field(default=4, ge=1)
+    # A request entry left unacknowledged this long by a consumer that is gone is taken over by the dispatcher (its own
+    # entries, held across plans or being finished, are kept fresh and never taken back).
+    stale_claim_ms: int = Field(default=30_000, ge=1)
     # Seconds the Redis broker waits for a task's ack before it hands the task to another worker (acks_late: a worker
     # killed mid-pipeline leaves its task unacked). A running pipeline holds a lease (below), so a task handed out
     # again while its first run lives waits for the lease instead of training twice.
