@@ -136,3 +136,18 @@ def test_the_dockerfile_can_build_the_cuda_image(spec) -> None:
     assert "ARG TORCH_INDEX_URL" in dockerfile and '--index-url "$TORCH_INDEX_URL"' in dockerfile
     args = spec["services"]["pool"]["build"]["args"]
     assert args["TORCH_INDEX_URL"] != spec["services"]["pool-cpu"]["build"]["args"]["TORCH_INDEX_URL"]
+
+
+def test_flower_listens_on_the_loopback_only(spec) -> None:
+    """Flower has no login and can revoke tasks (issue 29, L7): each of its published ports is bound to 127.0.0.1, or
+    it reads basic-auth credentials from the environment."""
+    flower = spec["services"]["flower"]
+    env = flower.get("environment") or {}
+    has_auth = any("basic_auth" in str(a).lower() or "basic-auth" in str(a) for a in flower["command"]) or bool(
+        env.get("FLOWER_BASIC_AUTH")
+    )
+    ports = flower.get("ports") or []
+    assert ports, "flower publishes no port"
+    for port in ports:
+        text = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port.get('published')}"
+        assert has_auth or text.startswith("127.0.0.1:"), f"flower published on every interface without auth: {port}"
