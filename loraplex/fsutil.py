@@ -5,6 +5,9 @@ blob store, checkpoints, the adapter store's spill files and PEFT exports.
 The pattern: write into a hidden temporary sibling (".<name>.tmp-*") in the same folder, fsync it, rename it into
 place, fsync the folder (the rename itself becomes durable). A failure at any point removes the temporary and leaves
 what was there before. Stdlib only, so the worker modules can use it on the GPU image.
+
+Modes: what these write holds tenants' weights and data, so files are owner-only (0600) and the folders they make
+owner-only (0700, `private_dirs`), whatever the process's umask.
 """
 
 from __future__ import annotations
@@ -20,6 +23,29 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dirs(path: str | os.PathLike[str]) -> Path:
+    """`path` and its missing parents made owner-only (0700; `mkdir -p` would give the missing parents the umask's
+    mode). Folders that exist already are left as they are. Returns `path`."""
+    path = Path(path)
+    missing = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:  # another process made it meanwhile
+            continue
+        os.chmod(folder, PRIVATE_DIR_MODE)  # mkdir's mode passes through the umask
+    return path
 
 
 def fsync_path(path: Path) -> None:
@@ -58,15 +84,16 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int |
         handle.write(data)
 
 
-def write_folder_atomic(directory: str | os.PathLike[str], files: Mapping[str, bytes], *, mode: int = 0o755) -> None:
+def write_folder_atomic(
+    directory: str | os.PathLike[str], files: Mapping[str, bytes], *, mode: int = PRIVATE_DIR_MODE
+) -> None:
     """`files` ({file name: bytes}, written in order) as the folder `directory`, all or nothing: into a temporary
     sibling (every file fsynced, then the folder), swapped into place (renameat2(RENAME_EXCHANGE) where the kernel has
     it, else two renames, the old folder put back if the second fails), the previous folder removed after. mode: the
-    folder's permissions (mkdtemp makes it owner-only; the default lets other users read it, e.g. a vLLM sampler).
+    folder's permissions (default owner-only, its files 0600; missing parents are made owner-only).
     NotADirectoryError when `directory` exists and is not a folder (or is a symlink); other OSErrors propagate as is."""
     directory = Path(directory)
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    parent = private_dirs(directory.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, mode)
@@ -99,7 +126,8 @@ def write_folder_atomic(directory: str | os.PathLike[str], files: Mapping[str, b
 
 
 def _write_new_file(path: Path, data: bytes) -> None:
-    with open(path, "xb") as handle:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "wb") as handle:
         view = memoryview(data)
         while view:  # write() may be partial; a hard failure (ENOSPC, EFBIG) raises OSError
             written = handle.write(view)

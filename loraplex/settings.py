@@ -189,6 +189,11 @@ class Settings(BaseSettings):
     max_queued_requests_per_tenant: int = Field(default=4096, ge=0)
     max_queued_tokens_per_tenant: int = Field(default=4 * 2**20, ge=0)
     max_adapters_per_tenant: int = Field(default=256, ge=0)
+    # Checkpoints each tenant keeps (every adapter's, deleted adapters' too) and the bytes they hold, its saves still
+    # queued counted in (api/service/checkpoint_quota.py), so one tenant cannot fill the blob store: a save past either
+    # is a 429 naming it, without Retry-After (deleting checkpoints, or their expiry, frees room). 0: no limit.
+    max_checkpoints_per_tenant: int = Field(default=1000, ge=0)
+    max_checkpoint_bytes_per_tenant: int = Field(default=100 * 2**30, ge=0)
     # Requests per second each tenant may send to one gateway process (api/rate_limit.py: 429 + Retry-After); 0: off.
     tenant_requests_per_second: float = Field(default=200.0, ge=0)
     tenant_request_burst: int = Field(default=400, ge=1)
@@ -219,6 +224,17 @@ class Settings(BaseSettings):
     pipeline_step_timeout_seconds: float = Field(default=900.0, gt=0)
     # Records per dataset split a pipeline accepts (the client uploads them with the config).
     pipeline_max_records: int = Field(default=200_000, ge=1)
+    # Pipelines one tenant may have queued or running (a sweep's points count one each): a submission past it is a 429
+    # naming it, without Retry-After (room frees as they end, or by cancelling). 0: no limit.
+    max_pipelines_per_tenant: int = Field(default=128, ge=0)
+    # Pipelines of one tenant training at once over all Celery workers (pipelines/tenant_slots.py); its others wait
+    # queued, looked at again every `pipeline_slot_wait_seconds` without holding a worker slot, so one tenant's sweep
+    # cannot take every worker slot while another tenant's pipeline waits. 0: no cap.
+    max_running_pipelines_per_tenant: int = Field(default=2, ge=0)
+    pipeline_slot_wait_seconds: float = Field(default=5.0, gt=0)
+    # The folder a pipeline config's `tokenizer` may name a folder under (the operator fills it); empty means
+    # `home/tokenizers`. Otherwise `tokenizer` must be a registered model name: nothing else on the workers is reachable.
+    pipeline_tokenizer_root: Path | None = None
     # Where pipelines write their PEFT exports and sweep reports; empty means `home/pipelines`.
     pipeline_dir: Path | None = None
     # Celery beat: expired checkpoints deleted (storage/retention.py), finished pipelines' missing exports written.

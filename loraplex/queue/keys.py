@@ -140,3 +140,15 @@ def pipeline_runner(pipeline_id: str) -> str:
     """The lease of the Celery task running a pipeline ("<token>"; loraplex/pipelines/lease.py): a task handed out
     again while another run of it lives finds it held and waits."""
     return f"{PREFIX}pipeline:{pipeline_id}:runner"
+
+
+def pipeline_tenant_running(tenant_id: str) -> str:
+    """The tenant's pipelines training now (a sorted set: pipeline id -> when its claim lapses, ms; loraplex/pipelines/
+    tenant_slots.py): at most `max_running_pipelines_per_tenant` at once."""
+    return f"{PREFIX}pipeline:tenant:{tenant_id}:running"
+
+
+def pending_saves(tenant_id: str) -> str:
+    """The tenant's checkpoint saves accepted but not yet recorded (a hash: request id -> estimated bytes;
+    api/service/checkpoint_quota.py), counted against its checkpoint quotas until they finish."""
+    return f"{PREFIX}tenant:{tenant_id}:pending_saves"

@@ -1,25 +1,30 @@
 """Where checkpoint files live on a local (or shared) filesystem, addressed by relative keys like
 "tenant/model/state/step-10": the gateway maps a key to its folder (`path`) and URI, the retention job deletes them.
-The workers write the folders themselves, atomically (`fsutil.write_folder_atomic`). Keys are checked so no key can
-reach outside the root."""
+The workers write the folders themselves, atomically (`fsutil.write_folder_atomic`, owner-only). Keys are checked so no
+key can reach outside the root, and the root is owner-only (0700)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from loraplex.errors import InvalidRequestError
+from loraplex.fsutil import PRIVATE_DIR_MODE, private_dirs
 
 _KEY_CHARS = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 
 
 class BlobStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dirs(Path(root).resolve())
+        # Owner-only: the store holds every tenant's weights (a root made before this rule is tightened once).
+        info = self.root.stat()
+        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != PRIVATE_DIR_MODE:
+            os.chmod(self.root, PRIVATE_DIR_MODE)
 
     def path(self, key: str) -> Path:
         """The file a valid key maps to (it may not exist yet)."""

@@ -9,7 +9,10 @@ SQLite notes (the default backend, shared by several processes: gateway, dispatc
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +27,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
+
+from loraplex.fsutil import PRIVATE_FILE_MODE, private_dirs
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".
@@ -49,7 +54,7 @@ def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
     if in_memory:
         kwargs["poolclass"] = StaticPool  # one shared connection, else every connection sees its own empty database
     elif not database.startswith("file:"):
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        _private_sqlite_files(Path(database))
     engine = create_engine(url, echo=echo, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -69,6 +74,18 @@ def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
         conn.exec_driver_sql(f"BEGIN {mode}")
 
     return engine
+
+
+def _private_sqlite_files(database: Path) -> None:
+    """The database file owner-only (0600) before SQLite opens it, so that it, and its -wal and -shm files, which
+    SQLite creates with the database file's mode, hold every tenant's rows for the owner's eyes only. Files made
+    before this rule (0644 by the umask) are tightened here."""
+    private_dirs(database.parent)
+    os.close(os.open(database, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE))
+    for path in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's file stays as it is
+            if stat.S_IMODE(path.stat().st_mode) != PRIVATE_FILE_MODE:
+                os.chmod(path, PRIVATE_FILE_MODE)
 
 
 def _enable_wal(cursor: Any) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.fsutil import private_dirs
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
 from loraplex.workers.snapshots import (
@@ -124,7 +125,7 @@ class AdapterStore:
         self.engine = engine
         self.host_budget_bytes = int(host_budget_bytes)
         self.spill_dir = Path(spill_dir)
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.spill_dir)  # owner-only, as its files (fsutil.atomic_write)
         self.signature = PoolSignature.of(engine)
         self._pinned = engine.device.type == "cuda"
         self._lru: OrderedDict[str, None] = OrderedDict()  # every known adapter, least recently used first

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import CorruptSnapshotError, InvalidRequestError
+from loraplex.fsutil import private_dirs
 from loraplex.workers.snapshots import ROWS, AdapterSnapshot
 from loraplex.workers.spill_format import read_raw_metadata, read_spill, write_spill
 
@@ -32,7 +33,7 @@ class WrittenSnapshot:
 def write_durable_snapshot(path: Path, snapshot: AdapterSnapshot, *, version: int, applied_seq_id: int) -> WrittenSnapshot:
     """Write (atomically: a failure, e.g. a full disk, leaves no file and raises) and return its hash and size."""
     extra = {"snapshot_version": str(version), "applied_seq_id": str(applied_seq_id)}
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dirs(path.parent)  # owner-only, as the file (fsutil.atomic_write)
     digest = write_spill(path, snapshot, extra)
     return WrittenSnapshot(path, digest, path.stat().st_size)
 

@@ -22,9 +22,10 @@ from loraplex.api.schemas import (
     SaveCheckpointRequest,
     WeightsInfoOut,
 )
+from loraplex.api.service.checkpoint_quota import Reservation, reserve_save
 from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
 from loraplex.api.service.paging import MAX_PAGE_LIMIT, check_page, cursor
-from loraplex.api.service.rejections import filling_rejections
+from loraplex.api.service.rejections import fill_rejected, filling_rejections
 from loraplex.api.service.submit import already_submitted, submit
 from loraplex.checkpoint_paths import (
     MAX_TTL_SECONDS,
@@ -38,8 +39,10 @@ from loraplex.checkpoint_paths import (
     tinker_path,
     validate_checkpoint_name,
 )
-from loraplex.errors import ConflictError, InvalidRequestError
+from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPayload
+from loraplex.queue.keys import request_idempotency_key
+from loraplex.queue.producer import Claim
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 from loraplex.storage.retention import delete_checkpoint_files
@@ -109,10 +112,25 @@ def _save(
             name = validate_checkpoint_name(request.name)
             retry = already_submitted(services, request_kind, model_id, request.seq_id)
             checkpoints = CheckpointRepository(db, tenant.id)
-            if not retry and not request.overwrite and checkpoints.find(model_id, kind, name) is not None:
+            exists = not retry and checkpoints.find(model_id, kind, name) is not None
+            if exists and not request.overwrite:
                 path = tinker_path(model_id, kind, name)
                 raise ConflictError(f"checkpoint {path} already exists (pass overwrite=true)")
             base_model = adapter.base_model
+            if retry:
+                refused = _refused_earlier(services, model_id, request.seq_id)
+                if refused is not None:
+                    return refused
+                reservation: Reservation | None = None
+            else:
+                try:
+                    reservation = reserve_save(services, db, tenant, model_id, kind, overwrites=exists)
+                except QuotaExceededError as exc:
+                    # A 429 is not filled by filling_rejections (a queue quota frees by itself); this one does not,
+                    # so the seq_id is filled here and the chain goes on (a retry gets the refusal's future).
+                    fill_rejected(services, tenant, model_id, request.seq_id, request_kind, type(exc).__name__,
+                                  exc.message)  # fmt: skip
+                    raise
         directory = blob_store(services).path(checkpoint_blob_key(tenant.id, model_id, kind, name))
         payload = SaveCheckpointPayload(
             name=name,
@@ -123,7 +141,27 @@ def _save(
             base_model=base_model,
             overwrite=request.overwrite,
         )
-        return submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
+        try:
+            ref = submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
+        except BaseException:
+            if reservation is not None:
+                reservation.cancel()
+            raise
+        if reservation is not None:
+            reservation.bind(ref.request_id)
+        return ref
+
+
+def _refused_earlier(services: Services, model_id: str, seq_id: int) -> FutureRef | None:
+    """The future of the rejection that fills (model_id, seq_id), if one does: a client that sends a refused save
+    again (the Tinker SDK retries a 429) gets the refusal's future and its error, not a clash over the seq_id."""
+    claim = services.redis.get(request_idempotency_key(RequestKind.REJECTED, model_id, seq_id))
+    if claim is None:
+        return None
+    first = Claim.decode(claim.decode() if isinstance(claim, bytes) else str(claim))
+    if first.kind != RequestKind.REJECTED.value:
+        return None
+    return FutureRef(request_id=first.request_id, model_id=model_id)
 
 
 def load_state(services: Services, tenant: TenantRef, model_id: str, request: LoadStateRequest) -> FutureRef:

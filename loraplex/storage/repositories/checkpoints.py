@@ -103,6 +103,14 @@ class CheckpointRepository:
         stmt = select(func.count()).select_from(Checkpoint).where(Checkpoint.tenant_id == self.tenant_id)
         return int(self.session.execute(stmt).scalar_one())
 
+    def usage(self) -> tuple[int, int]:
+        """(checkpoints, bytes they hold) of this tenant, every adapter's (deleted adapters' too): its quotas' use."""
+        stmt = select(func.count(), func.coalesce(func.sum(Checkpoint.size_bytes), 0)).where(
+            Checkpoint.tenant_id == self.tenant_id
+        )
+        count, size = self.session.execute(stmt).one()
+        return int(count), int(size)
+
     def page(self, limit: int, offset: int) -> builtins.list[Checkpoint]:
         """Checkpoints of this tenant across its adapters, newest first (ties: higher step, then name, then kind)."""
         stmt = (
