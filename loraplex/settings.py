@@ -176,9 +176,24 @@ class Settings(BaseSettings):
     # secret kept in home/admin-secret (made once, mode 0600), which gateways sharing that home share.
     admin_secret: str = ""
     admin_session_seconds: int = Field(default=8 * 3600, gt=0)
-    admin_max_failed_logins: int = Field(default=5, ge=1)  # in a row; the next one locks the account ...
-    admin_lockout_seconds: int = Field(default=15 * 60, gt=0)  # ... for this long
-    admin_cookie_secure: bool = False  # True behind HTTPS: the browser then sends the session cookie over HTTPS only
+    # Wrong passwords in a row; each `admin_max_failed_logins`-th locks the account for `admin_lockout_seconds` against
+    # browsers without its trusted-device cookie (one that logged in to it before): a guesser cannot lock its admin out.
+    admin_max_failed_logins: int = Field(default=5, ge=1)
+    admin_lockout_seconds: int = Field(default=15 * 60, gt=0)
+    admin_trusted_device_days: int = Field(default=30, ge=1)  # how long that cookie vouches for a browser
+    # Login attempts (admin/login_limits.py: 429 + Retry-After past them) per client address and per typed username in
+    # `admin_login_window_seconds`, and scrypt checks at once per gateway process: they bound the CPU a flood of
+    # guesses takes from the tenants' requests (each check is ~30 ms of one core).
+    admin_login_attempts_per_client: int = Field(default=10, ge=1)
+    admin_login_attempts_per_account: int = Field(default=10, ge=1)
+    admin_login_window_seconds: float = Field(default=60.0, gt=0)
+    admin_login_checks_at_once: int = Field(default=1, ge=1)
+    # A login refused by those limits is answered after this delay (no thread held), so a client retrying at once
+    # cannot make the gateway spin on refusals.
+    admin_login_refusal_delay_seconds: float = Field(default=1.0, ge=0, le=30)
+    # The session cookie's Secure flag: None (default) sets it on requests that came over HTTPS (the scheme, or
+    # X-Forwarded-Proto from a proxy uvicorn trusts: its --forwarded-allow-ips); True always; False never.
+    admin_cookie_secure: bool | None = None
     max_tokens_per_datum: int = 32768
     # Admission control (api/admission.py, queue/producer.py). A body over `max_body_bytes` is a 413 as soon as that
     # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the
