@@ -28,6 +28,13 @@ class AuthenticationError(LoraplexError, PermissionError):
     category = "user"
 
 
+class ForbiddenError(LoraplexError, PermissionError):
+    """Known to the server but not served to this caller: /metrics/pools while neither a metrics token is set nor the
+    operator opened it (HTTP 403)."""
+
+    category = "user"
+
+
 class NotFoundError(LoraplexError, LookupError):
     """The thing does not exist, or belongs to another tenant (HTTP 404: we never confirm it exists)."""
 
@@ -166,6 +173,7 @@ def error_from_name(name: str, message: str) -> LoraplexError:
 # The HTTP status of each error the gateway answers with; any other LoraplexError is a 500.
 HTTP_STATUS_BY_ERROR: dict[type[LoraplexError], int] = {
     AuthenticationError: 401,
+    ForbiddenError: 403,
     NotFoundError: 404,
     ConflictError: 409,
     GoneError: 410,

@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     pool_metrics_host: str = "127.0.0.1"
     pool_metrics_publish_seconds: float = Field(default=2.0, gt=0)
     metrics_token: str = ""
+    # /metrics/pools names every tenant's request kinds, tokens and queue depths: with no `metrics_token` it answers
+    # 403 unless this is true (an operator's explicit choice to serve it open, e.g. on a private network). The
+    # gateway's own /metrics holds route templates and status codes only (no tenant), so it stays open without a token.
+    metrics_open: bool = False
     # A plan whose execution took at least this many seconds is logged (INFO, the pool's log) with where the time
     # went: swaps, each step kind, CUDA-graph captures made in it, its tokens and adapters, the garbage collector's
     # seconds since the plan before. 0: never.
@@ -146,6 +150,13 @@ class Settings(BaseSettings):
     openai_wait_seconds: float = Field(default=120.0, gt=0, le=3600)
     # Worker threads per gateway process for its sync routes; each waiting long-poll holds one (and a Redis connection).
     gateway_threads: int = Field(default=512, ge=8)
+    # Long-polls (futures, Tinker retrieve_future, the OpenAI routes' wait) one tenant may hold at once on one gateway
+    # process (api/long_polls.py: 429 + Retry-After past it), so one tenant's outstanding futures cannot hold the
+    # threads and Redis connections every other tenant needs.
+    max_long_polls_per_tenant: int = Field(default=64, ge=1)
+    # Long-polls of all tenants on one gateway process; at most half of `gateway_threads`, so short calls always
+    # find a thread. They wait on a Redis connection pool of their own, this size, apart from the short calls' pool.
+    max_long_polls: int = Field(default=256, ge=1)
     # Ask Tinker SDK clients (client/config's proto_compress_fwdbwd) to zstd-compress forward_backward bodies.
     tinker_compress_fwdbwd: bool = False
     # A Tinker session whose last heartbeat (the SDK beats every 10 s) is older than this is finished by the gateway's
@@ -199,6 +210,12 @@ class Settings(BaseSettings):
     # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the
     # pool runs an accepted large request in plans of at most `plan_tokens`, so it never holds others back long).
     max_body_bytes: int = Field(default=32 * 2**20, ge=1024)
+    # A request without a valid API key (the public routes: healthz, metrics, the admin's forms) may send at most
+    # this many body bytes (413 past it); a route that needs a key answers 401 before reading any (api/door.py).
+    max_anonymous_body_bytes: int = Field(default=64 * 2**10, ge=1024)
+    # The whole body must arrive within this many seconds of the request (408 past it), so a client that trickles
+    # or stops sending its body cannot hold a connection and its request's memory forever.
+    body_read_timeout_seconds: float = Field(default=30.0, gt=0)
     max_tokens_per_request: int = Field(default=262_144, ge=1)
     # Per-tenant quotas on each pool (429; the queue ones with Retry-After). 0: no limit.
     max_queued_requests_per_tenant: int = Field(default=4096, ge=0)

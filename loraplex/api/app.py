@@ -19,7 +19,9 @@ from loraplex.api import tinker
 from loraplex.api.admission import BodyLimit
 from loraplex.api.auth_cache import AuthCache
 from loraplex.api.deps import Services
+from loraplex.api.door import Door
 from loraplex.api.errors import install_error_handlers
+from loraplex.api.long_polls import LongPollSlots, process_long_polls
 from loraplex.api.metrics import RequestMetrics
 from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.rate_limit import TenantRateLimit
@@ -44,17 +46,33 @@ from loraplex.storage.db import make_db_engine, session_factory
 log = logging.getLogger("loraplex.api")
 
 
-def build_services(settings: Settings) -> Services:
-    if not settings.redis_url:
-        raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
+# Redis connections a gateway process uses beyond one per worker thread: code on the event loop (the session reaper's
+# lock, a middleware's check) holds at most one at a time.
+EVENT_LOOP_CONNECTIONS = 8
+
+
+def _redis_client(settings: Settings, max_connections: int) -> redis.Redis:
     # Fail fast while Redis is down (one quick retry, which also replaces a connection a Redis restart broke): the
     # request gets a 503 with Retry-After at once instead of redis-py's default ~5 s of retries (api/errors.py).
-    client = redis.Redis.from_url(
+    return redis.Redis.from_url(
         settings.redis_url,
         decode_responses=False,
         socket_connect_timeout=2.0,
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
+        max_connections=max_connections,
     )
+
+
+def build_services(settings: Settings) -> Services:
+    if not settings.redis_url:
+        raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
+    # Two connection pools, each sized so it never runs out (redis-py's default cap of 100 did, and every call then
+    # failed with 503): the short calls' pool one connection per worker thread (a thread holds at most one at a
+    # time), the long-polls' their own, as many as api/long_polls.py lets wait at once, so waits never take the
+    # connections the short calls need.
+    long_polls = process_long_polls(settings.max_long_polls, settings.gateway_threads)
+    client = _redis_client(settings, settings.gateway_threads + EVENT_LOOP_CONNECTIONS)
+    wait_client = _redis_client(settings, long_polls)
     db_engine = make_db_engine(settings.resolved_database_url)
     return Services(
         settings=settings,
@@ -66,9 +84,10 @@ def build_services(settings: Settings) -> Services:
             max_queued_requests=settings.max_queued_requests_per_tenant,
             max_queued_tokens=settings.max_queued_tokens_per_tenant,
         ),
-        results=ResultStore(client),
+        results=ResultStore(client, wait_redis=wait_client),
         auth=AuthCache(settings.auth_cache_seconds),
         rate_limit=TenantRateLimit(settings.tenant_requests_per_second, settings.tenant_request_burst),
+        long_polls=LongPollSlots(settings.max_long_polls_per_tenant, long_polls),
     )
 
 
@@ -96,11 +115,18 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         yield
         reaper.cancel()
         app.state.services.redis.close()
+        app.state.services.results.wait_redis.close()
 
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(RequestMetrics)  # added last: outermost, so the body limit's 413s are counted too
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        anonymous_limit=settings.max_anonymous_body_bytes,
+        read_timeout_s=settings.body_read_timeout_seconds,
+    )
+    app.add_middleware(Door)  # outside the body limit: it decides which limit a request gets
+    app.add_middleware(RequestMetrics)  # added last: outermost, so the door's 401s and the body limit's 413s count
     app.include_router(health.router)
     app.include_router(adapters.router)
     app.include_router(checkpoints.router)

@@ -9,6 +9,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
 from loraplex.api.service.context import Services, TenantRef
 from loraplex.errors import AuthenticationError
@@ -16,6 +17,11 @@ from loraplex.storage.repositories import TenantRepository
 
 # Services and TenantRef are the service layer's (api/service/context.py); the dependencies hand them to the routes.
 __all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant", "key_of_request", "tenant_for_key"]
+
+# ASGI scope keys api/door.py sets before the body is read: the tenant whose key it checked, or that the check could
+# not be made (the database away) and is left to `get_tenant`.
+AUTHENTICATED_TENANT = "loraplex.tenant"
+AUTH_DEFERRED = "loraplex.auth_deferred"
 
 
 async def get_services(request: Request) -> Services:
@@ -42,14 +48,17 @@ def _key_from_headers(x_api_key: str | None, bearer: HTTPAuthorizationCredential
 
 
 async def get_tenant(
+    request: Request,
     services: Annotated[Services, Depends(get_services)],
     x_api_key: Annotated[str | None, Security(_API_KEY)] = None,
     authorization: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
 ) -> TenantRef:
-    """The key's tenant: from this process's recent checks (api/auth_cache.py), else from SQL in a worker thread and
-    a short session of its own (so a long-polling route holds no connection). Each call spends one of the tenant's
-    requests (api/rate_limit.py: 429 past its rate)."""
-    tenant = await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
+    """The key's tenant: the one api/door.py found before the body was read, else from this process's recent checks
+    (api/auth_cache.py), else from SQL in a worker thread and a short session of its own (so a long-polling route
+    holds no connection). Each call spends one of the tenant's requests (api/rate_limit.py: 429 past its rate)."""
+    tenant = request.scope.get(AUTHENTICATED_TENANT)
+    if not isinstance(tenant, TenantRef):
+        tenant = await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
     services.rate_limit.take(tenant.id, tenant.name)
     return tenant
 
@@ -66,9 +75,18 @@ async def tenant_for_key(services: Services, key: str) -> TenantRef:
 
 def key_of_request(request: Request) -> str | None:
     """The API key a request carries (X-API-Key, else a bearer token), or None; for handlers outside the routes."""
-    key = request.headers.get("x-api-key", "").strip()
+    return key_from_scope(request.scope)
+
+
+def key_from_scope(scope: Scope) -> str | None:
+    """`key_of_request` from an ASGI scope's raw headers (for middleware, before any Request exists)."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in scope.get("headers", ()):
+        if name in (b"x-api-key", b"authorization"):
+            headers.setdefault(name, value)  # the first, as starlette's Headers.get reads it
+    key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
     if not key:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
     return key or None
 

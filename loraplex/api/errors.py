@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.admission import BodyTooLarge, seq_id_header
+from loraplex.api.admission import BodyRefused, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
 from loraplex.api.openai.errors import is_openai_path, openai_error
 from loraplex.api.routes.chain import seq_step_kind
@@ -31,7 +31,6 @@ from loraplex.errors import (
     CapacityError,
     InvalidRequestError,
     LoraplexError,
-    RequestTooLargeError,
     ServiceUnavailableError,
     http_status_for,
 )
@@ -82,15 +81,16 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return JSONResponse(status_code=422, content={"detail": json_safe(errors)})
 
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
-        """413 before the body was parsed: the seq_id, if any, comes from the X-Seq-Id header."""
+    @app.exception_handler(BodyRefused)
+    async def _body_refused(request: Request, exc: BodyRefused) -> JSONResponse:
+        """413 (too large) or 408 (too slow) before the body was parsed: the seq_id, if any, comes from the X-Seq-Id
+        header."""
         if is_openai_path(request.url.path):
-            return openai_error(413, exc.detail, {"Connection": "close"})
-        await _fill_rejected_step(request, seq_id_header(request.headers), RequestTooLargeError.__name__, exc.detail)
-        content = {"detail": exc.detail, "type": RequestTooLargeError.__name__, "category": "user"}
+            return openai_error(exc.status_code, exc.detail, {"Connection": "close"})
+        await _fill_rejected_step(request, seq_id_header(request.headers), exc.error_type, exc.detail)
+        content = {"detail": exc.detail, "type": exc.error_type, "category": "user"}
         # Connection: close, so the server stops reading the rest of the body rather than draining it for keep-alive.
-        return JSONResponse(status_code=413, content=content, headers={"Connection": "close"})
+        return JSONResponse(status_code=exc.status_code, content=content, headers={"Connection": "close"})
 
     outage_log = RateLimitedLog(log, every_s=1.0)
 
@@ -118,6 +118,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _typed(request: Request, exc: LoraplexError) -> JSONResponse:
         path = request.url.path
         return _typed_response(exc, tinker=path.startswith(TINKER_PREFIX), openai=is_openai_path(path))
+
+
+def typed_error_response(exc: LoraplexError, path: str) -> JSONResponse:
+    """The answer to a typed error raised outside any route (api/door.py's 401), shaped for the path's API."""
+    return _typed_response(exc, tinker=path.startswith(TINKER_PREFIX), openai=is_openai_path(path))
 
 
 def _typed_response(exc: LoraplexError, tinker: bool = False, openai: bool = False) -> JSONResponse:

@@ -7,7 +7,8 @@ deposed leader that still finishes a plan cannot publish its results. Still one 
 
 Waiting: `wait` BLPOPs the notify list in short slices (always below the client's socket timeout) and re-pushes the
 token it took, so any number of waiters, and repeated waits on the same id, all wake; it checks the result key first,
-so a finished request answers at once.
+so a finished request answers at once. With `wait_redis` (the gateway's: a client over a connection pool of its own)
+the waits use that client, so however many long-polls wait, the short calls' connections stay free.
 """
 
 from __future__ import annotations
@@ -81,9 +82,17 @@ return 1
 
 
 class ResultStore:
-    def __init__(self, redis: redis_lib.Redis, ttl_s: int = DEFAULT_TTL_S, lease: PoolLease | None = None) -> None:
-        """lease: fence every write with this pool lease's token (the pool leader's store; see the module doc)."""
+    def __init__(
+        self,
+        redis: redis_lib.Redis,
+        ttl_s: int = DEFAULT_TTL_S,
+        lease: PoolLease | None = None,
+        wait_redis: redis_lib.Redis | None = None,
+    ) -> None:
+        """lease: fence every write with this pool lease's token (the pool leader's store; see the module doc);
+        wait_redis: the client `wait` uses (default: `redis`)."""
         self.redis = redis
+        self.wait_redis = wait_redis if wait_redis is not None else redis
         self.ttl_s = ttl_s
         self.lease = lease
         self._fenced_put = redis.register_script(_FENCED_PUT) if lease is not None else None
@@ -135,18 +144,19 @@ class ResultStore:
         """The outcome, waiting up to `timeout_s` for it; None on timeout."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         notify = keys.notify_key(request_id)
+        redis = self.wait_redis
         while True:
-            outcome = self.get(request_id)
-            if outcome is not None:
-                return outcome
+            raw = redis.get(keys.result_key(request_id))
+            if raw is not None:
+                return outcome_from_json(raw)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
             # BLPOP timeout 0 means "forever": never pass less than 10 ms.
-            popped = self.redis.blpop([notify], timeout=max(min(remaining, WAIT_SLICE_S), 0.01))
+            popped = redis.blpop([notify], timeout=max(min(remaining, WAIT_SLICE_S), 0.01))
             if popped is not None:
                 # Put the token back for the next waiter (or the next wait on this id).
-                pipe = self.redis.pipeline(transaction=True)
+                pipe = redis.pipeline(transaction=True)
                 pipe.rpush(notify, _TOKEN)
                 pipe.expire(notify, self.ttl_s)
                 pipe.execute()

@@ -14,7 +14,8 @@ from loraplex.settings import Settings
 def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("stack")
     # The pool serves its metrics on a port of its own (tests/e2e/test_metrics.py scrapes it), publishing them to
-    # Redis twice a second for the gateway's /metrics/pools.
-    settings = Settings(home=home, slots=4, max_rank=16, pool_metrics_port=free_port(), pool_metrics_publish_seconds=0.5)
+    # Redis twice a second for the gateway's /metrics/pools (opened: tests/e2e/test_metrics.py scrapes it tokenless).
+    settings = Settings(home=home, slots=4, max_rank=16, pool_metrics_port=free_port(), pool_metrics_publish_seconds=0.5,
+                        metrics_open=True)  # fmt: skip
     with Stack(settings, api_port=free_port()) as running:
         yield running

@@ -1,6 +1,7 @@
 """The gateway's /metrics and /metrics/pools on real Redis (no pool): requests counted per route template (a made-up
 id and a made-up path add no series), status codes (a body-limit 413 too), the metrics token, every pool's
-published metrics merged, and the pool's own metrics server behind the same token."""
+published metrics merged (served only when opened, without a token), and the pool's own metrics server behind the
+same token."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def test_metrics_pools_merges_every_pools_published_metrics(tmp_path, redis_clie
     one, two = f"m1-{tmp_path.name}", f"m2-{tmp_path.name}"
     for pool, tokens in ((one, 5), (two, 9)):
         metrics_snapshot.publish(redis_client, pool, _pool_with_tokens(pool, "tenant-x", tokens).exposition(), 30)
-    with gateway_app(Settings(home=tmp_path, redis_url=redis_url, pool=one)) as gw:
-        response = gw.client.get("/metrics/pools")  # no token set: open
+    with gateway_app(Settings(home=tmp_path, redis_url=redis_url, pool=one, metrics_open=True)) as gw:
+        response = gw.client.get("/metrics/pools")  # no token set, opened by the operator
         assert response.status_code == 200
         samples = _samples(response.text)
         own = _samples(gw.client.get("/metrics").text)

@@ -242,11 +242,12 @@ def test_each_tenants_request_rate_is_limited_on_every_route(tmp_path, redis_url
 
 def test_many_waiting_long_polls_do_not_hold_up_other_calls(tmp_path, redis_url) -> None:
     """Each retrieve_future waits on a worker thread; 80 of them waiting (more than anyio's default 40 threads) leave
-    room for a submit, which is answered while they all still wait."""
+    room for a submit, which is answered while they all still wait (the tenant's long-poll limit raised to 80 here;
+    tests/security/test_gateway_door.py goes past it)."""
     import threading
 
     settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"lp-{tmp_path.name}", max_rank=16,
-                        tinker_long_poll_seconds=6)  # fmt: skip
+                        tinker_long_poll_seconds=6, max_long_polls_per_tenant=80)  # fmt: skip
     with gateway_app(settings) as gw:
         ref = _create(gw, _session(gw)).json()
         answered: list[float] = []

@@ -73,22 +73,25 @@ def _sample_all(
             requests.append(SampleRequest.model_validate(request_for(prompt)))
         except ValidationError as exc:
             raise InvalidRequestError(validation_summary(exc.errors())) from None
-    sampler_id, first = take_seq_ids(services, tenant, body.model, model_path, len(prompts), idempotency_key)
-    refs = [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}))
-            for i, r in enumerate(requests)]  # fmt: skip
-    deadline = time.monotonic() + settings.openai_wait_seconds
-    results = []
-    for ref in refs:
-        outcome = services.results.wait(ref.request_id, max(deadline - time.monotonic(), 0.0))
-        if outcome is None:
-            pending = ", ".join(r.request_id for r in refs)
-            raise WaitTimeoutError(
-                f"the samples were not done within {settings.openai_wait_seconds:g} s; they stay queued (requests "
-                f"{pending}: their results are at GET /v1/futures/<id>)"
-            )
-        if not outcome.ok:
-            raise error_from_name(outcome.error_type or "LoraplexError", outcome.error or "sampling failed")
-        results.append(outcome.result or {})
+    # The wait holds one of the tenant's long-poll slots (api/long_polls.py), taken before anything is queued, so a
+    # 429 leaves nothing behind.
+    with services.long_polls.hold(tenant.id, tenant.name):
+        sampler_id, first = take_seq_ids(services, tenant, body.model, model_path, len(prompts), idempotency_key)
+        refs = [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}))
+                for i, r in enumerate(requests)]  # fmt: skip
+        deadline = time.monotonic() + settings.openai_wait_seconds
+        results = []
+        for ref in refs:
+            outcome = services.results.wait(ref.request_id, max(deadline - time.monotonic(), 0.0))
+            if outcome is None:
+                pending = ", ".join(r.request_id for r in refs)
+                raise WaitTimeoutError(
+                    f"the samples were not done within {settings.openai_wait_seconds:g} s; they stay queued (requests "
+                    f"{pending}: their results are at GET /v1/futures/<id>)"
+                )
+            if not outcome.ok:
+                raise error_from_name(outcome.error_type or "LoraplexError", outcome.error or "sampling failed")
+            results.append(outcome.result or {})
     return refs[0].request_id, results
 
 

@@ -1,6 +1,7 @@
 """Futures: a long-poll that answers as soon as the result is stored, or its current state after the wait, with a
 `queue_state`: "active", or "paused_capacity" and a reason while this gateway's pool is down (no recent heartbeat,
-or loading its model), so a waiting client learns why nothing happens."""
+or loading its model), so a waiting client learns why nothing happens. A wait takes one of the tenant's long-poll
+slots (api/long_polls.py: 429 past its limit); a poll with timeout=0 takes none."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def get_future(
     if owner_of(services, request_id) != tenant.id:
         raise NotFoundError(f"no request {request_id!r}")
     wait_s = min(timeout, services.settings.long_poll_seconds)
-    outcome = services.results.wait(request_id, wait_s) if wait_s > 0 else None
+    outcome = None
+    if wait_s > 0:
+        with services.long_polls.hold(tenant.id, tenant.name):
+            outcome = services.results.wait(request_id, wait_s)
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
         outcome, state = services.results.snapshot(request_id)
         if outcome is None:

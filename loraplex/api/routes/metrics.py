@@ -1,7 +1,9 @@
 """GET /metrics: this gateway's request metrics (api/metrics.py). GET /metrics/pools: every pool's metrics as it last
 published them to Redis (api/pool_metrics.py). A separate path, so scraping N gateway replicas does not count each
-pool N times: scrape /metrics on every replica and /metrics/pools on one (or each pool's own port). Open unless
-LORAPLEX_METRICS_TOKEN is set, then `Authorization: Bearer <token>` only (401 otherwise). Not in the OpenAPI schema:
+pool N times: scrape /metrics on every replica and /metrics/pools on one (or each pool's own port). With
+LORAPLEX_METRICS_TOKEN set, both answer `Authorization: Bearer <token>` only (401 otherwise). Without one, /metrics is
+open (route templates and status codes: nothing of any tenant), and /metrics/pools, which names every tenant's
+request kinds, tokens and queue depths, answers 403 unless LORAPLEX_METRICS_OPEN is true. Not in the OpenAPI schema:
 it is Prometheus's text format, for scrapers, not a tenant's API."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.metrics import exposition
 from loraplex.api.pool_metrics import pool_exposition
-from loraplex.errors import AuthenticationError
+from loraplex.errors import AuthenticationError, ForbiddenError
 from loraplex.metrics_server import CONTENT_TYPE, token_ok
 
 router = APIRouter(include_in_schema=False)
@@ -22,6 +24,18 @@ def _check_token(request: Request) -> None:
         raise AuthenticationError("the metrics need the metrics token: Authorization: Bearer <LORAPLEX_METRICS_TOKEN>")
 
 
+def _check_tenant_metrics(request: Request) -> None:
+    """The per-tenant series: the token when one is set, else only when the operator opened them."""
+    settings = request.app.state.services.settings
+    if settings.metrics_token:
+        _check_token(request)
+    elif not settings.metrics_open:
+        raise ForbiddenError(
+            "/metrics/pools names every tenant's usage: set LORAPLEX_METRICS_TOKEN (and scrape with "
+            "Authorization: Bearer <token>), or LORAPLEX_METRICS_OPEN=true to serve it to anyone"
+        )
+
+
 @router.get("/metrics")
 async def gateway_metrics(request: Request) -> Response:
     _check_token(request)
@@ -30,6 +44,6 @@ async def gateway_metrics(request: Request) -> Response:
 
 @router.get("/metrics/pools")
 async def pools_metrics(request: Request) -> Response:
-    _check_token(request)
+    _check_tenant_metrics(request)
     body = await run_in_threadpool(pool_exposition, request.app.state.services.redis)
     return Response(body, media_type=CONTENT_TYPE)

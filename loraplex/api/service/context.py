@@ -10,6 +10,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.api.auth_cache import AuthCache
+from loraplex.api.long_polls import LongPollSlots
 from loraplex.api.rate_limit import TenantRateLimit
 from loraplex.api.service.pool_health import PoolView
 from loraplex.queue.producer import Producer
@@ -39,6 +40,8 @@ class Services:
     pool_view: PoolView = field(default_factory=PoolView)
     # Each tenant's request rate on this process (api/rate_limit.py); off unless built with a rate.
     rate_limit: TenantRateLimit = field(default_factory=lambda: TenantRateLimit(0.0, 1))
+    # Each tenant's long-polls waiting on this process (api/long_polls.py); unbounded unless built with limits.
+    long_polls: LongPollSlots = field(default_factory=lambda: LongPollSlots(2**31, 2**31))
 
 
 def write_session(services: Services) -> AbstractContextManager[Session]:

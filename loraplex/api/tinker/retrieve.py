@@ -3,7 +3,8 @@ timeout), then one of: the result (protobuf ForwardBackwardOutput for forward/fo
 asample, JSON for the rest),
 `{error, category}` for a failed request (the SDK raises RequestFailedError with it), or `{type: try_again,
 queue_state}` while it is still queued or running (`paused_capacity` and a reason while the pool is down). Only the
-submitting tenant may read a future: anyone else gets the 404 an unknown id gets."""
+submitting tenant may read a future: anyone else gets the 404 an unknown id gets. The wait takes one of the tenant's
+long-poll slots (api/long_polls.py): past its limit a 429 with Retry-After, which the SDK backs off from."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: Servi
     tag, request_id, extra = parse_future_id(body.request_id)
     if not request_id or owner_of(services, request_id) != tenant.id:
         raise NotFoundError(f"no request {body.request_id!r}")
-    outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds)
+    with services.long_polls.hold(tenant.id, tenant.name):
+        outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds)
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
         outcome, _ = services.results.snapshot(request_id)
     if outcome is None:

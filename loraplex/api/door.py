@@ -1,0 +1,65 @@
+"""Authentication at the door: an ASGI middleware that checks the API key of every request to a route that needs one
+(any route depending on `get_tenant`) before a byte of its body is read. A missing, malformed or unknown key is a 401
+answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
+client's 30 MB or malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
+admin's pages) and unknown paths pass with no key, under the anonymous body limit (api/admission.py).
+
+The check is the routes' own (api/deps.py: the process's auth cache, else SQL in a worker thread), and the tenant it
+found rides in the ASGI scope, so `get_tenant` does not look it up again. When the check itself fails (the database
+away) the request goes on, and the route's own dependency answers it as it always did (503)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi.routing import APIRoute
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT, get_tenant, key_from_scope, tenant_for_key
+from loraplex.api.errors import typed_error_response
+from loraplex.errors import AuthenticationError
+
+log = logging.getLogger("loraplex.api")
+
+
+def _needs_tenant(dependant: object) -> bool:
+    return any(d.call is get_tenant or _needs_tenant(d) for d in getattr(dependant, "dependencies", ()))
+
+
+class Door:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._needs: dict[int, bool] = {}  # id(route) -> whether it needs a key
+
+    def _route_needs_key(self, scope: Scope) -> bool:
+        app = scope.get("app")
+        for route in getattr(getattr(app, "router", None), "routes", ()):
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                if not isinstance(route, APIRoute):
+                    return False  # a mount (the admin) or a docs page: its own rules
+                needs = self._needs.get(id(route))
+                if needs is None:
+                    needs = self._needs[id(route)] = _needs_tenant(route.dependant)
+                return needs
+        return False  # no route (404) or another method (405): nothing is read
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._route_needs_key(scope):
+            await self.app(scope, receive, send)
+            return
+        key = key_from_scope(scope)
+        try:
+            if key is None:
+                raise AuthenticationError("missing API key: send it in the X-API-Key header")
+            scope[AUTHENTICATED_TENANT] = await tenant_for_key(scope["app"].state.services, key)
+        except AuthenticationError as exc:
+            response = typed_error_response(exc, scope.get("path", ""))
+            response.headers["Connection"] = "close"  # the unread body is not drained for keep-alive
+            await response(scope, receive, send)
+            return
+        except Exception as exc:  # noqa: BLE001 - the database or Redis away: the route's dependency answers it
+            log.debug("authentication at the door deferred to the route: %s: %s", type(exc).__name__, exc)
+            scope[AUTH_DEFERRED] = True
+        await self.app(scope, receive, send)
