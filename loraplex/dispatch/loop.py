@@ -151,7 +151,8 @@ class Dispatcher:
         self.consumer = Consumer(redis, pool, consumer_name, self.results, window=read_count)
         self.redis = redis
         self.limits = PolicyLimits(
-            plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan, max_adapters_per_step=settings.slots
+            plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan, max_adapters_per_step=settings.slots,
+            max_sample_batches=settings.sample_runs_in_flight,
         )
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.block_ms = block_ms

@@ -3,7 +3,9 @@ by fair share (then oldest first) within a row budget, runs in flight first, dup
 
 from __future__ import annotations
 
-from loraplex.protocol import StepKind
+from loraplex.dispatch.fair_share import FairShareLedger
+from loraplex.dispatch.policy import PolicyLimits, plan_batch
+from loraplex.protocol import BatchPlan, Step, StepKind
 from tests.helpers.policy import CREATE, OPT, SAMPLE, req, run, steps
 
 
@@ -39,3 +41,31 @@ def test_a_repeated_sample_is_a_duplicate_and_creates_still_come_first() -> None
     result = run([req("a", -1, CREATE), first, again])
     assert steps(result.plan) == [(StepKind.CREATE, [("a", -1)]), (StepKind.SAMPLE, [("s", 3)])]
     assert [d.request_id for d in result.duplicates] == [again.request_id]
+
+
+def test_a_tenant_flooding_the_sampler_does_not_starve_another_tenants_sample() -> None:
+    flood = [req("s-a", i, SAMPLE, tenant="a", datums=8) for i in range(10)]  # queued first, 80 sequences
+    late = req("s-b", 0, SAMPLE, tenant="b", datums=8)
+    first = run([*flood, late], max_sample_rows=16)
+    assert [r.tenant_id for r in first.plan.steps[0].requests] == ["a", "b"]  # b's is second, not eleventh
+
+
+def test_runs_in_flight_always_go_on_and_bound_what_starts() -> None:
+    going = [req("s-a", 0, SAMPLE, tenant="a", datums=64), req("s-c", 0, SAMPLE, tenant="c", datums=2)]
+    new_a, new_b = req("s-a", 1, SAMPLE, tenant="a", datums=1), req("s-b", 0, SAMPLE, tenant="b", datums=4)
+    sampling = {going[0].request_id: 1, going[1].request_id: 2}
+    both = plan_batch([*going, new_a, new_b], {}, PolicyLimits(max_sample_rows=64), sampling=sampling)
+    # a's 64 sequences in flight fill its own share (its new one waits); b starts beside them
+    assert [r.request_id for r in both.plan.steps[0].requests] == [*sampling, new_b.request_id]
+    full = plan_batch([*going, new_b], {}, PolicyLimits(max_sample_batches=2), sampling=sampling)
+    assert [r.request_id for r in full.plan.steps[0].requests] == list(sampling)  # two plans' runs in flight: no more
+
+
+def test_a_sample_is_charged_its_work_once_in_fair_share() -> None:
+    sample = req("s", 0, SAMPLE, tenant="a", tokens=10, datums=4)  # 4 x (10 prompt + 4 new tokens)
+    ledger = FairShareLedger()
+    plan = BatchPlan((Step(StepKind.SAMPLE, (sample,)),))
+    ledger.charge(plan, {}, {"a", "b"})
+    assert ledger.view({"a", "b"}) == {"a": 4 * 14 + 1, "b": 0.0}
+    ledger.charge(plan, {}, {"a", "b"}, charged={sample.request_id})  # its next slice: already paid for
+    assert ledger.view({"a", "b"}) == {"a": 4 * 14 + 1, "b": 0.0}
