@@ -1,0 +1,119 @@
+"""Each request runs once per request id (issue 29, M7), on a real redis-server: a plan (or a sample run held over
+many plans) longer than the stale-entry claim's idle time is never claimed back and run again, by this dispatcher or
+another consumer, and a redelivered twin of a sample being finished is answered by its result, not run again. The
+engine is a stand-in that counts what it starts (the real sampler is tested in tests/unit/test_sampler_slices.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from loraplex.dispatch.loop import Dispatcher
+from loraplex.protocol import BatchPlan, Outcome
+from loraplex.queue import keys
+from loraplex.queue.consumer import Consumer
+from loraplex.queue.envelope import Envelope, encode
+from loraplex.queue.producer import Producer
+from loraplex.queue.results import ResultStore
+from loraplex.settings import Settings
+
+pytestmark = pytest.mark.integration
+CLAIM_IDLE_MS = 100
+
+
+class SlicedSampler:
+    """Answers a sample after `slices` plans of `plan_s` seconds each (unfinished before); counts each start."""
+
+    def __init__(self, slices: int, plan_s: float) -> None:
+        self.slices, self.plan_s = slices, plan_s
+        self.left: dict[str, int] = {}
+        self.starts: list[str] = []
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        time.sleep(self.plan_s)
+        outcomes = []
+        for r in plan.requests:
+            if r.request_id not in self.left:
+                self.starts.append(r.request_id)
+                self.left[r.request_id] = self.slices
+            self.left[r.request_id] -= 1
+            if self.left[r.request_id] > 0:
+                outcomes.append(Outcome(r.request_id, unfinished=True))
+            else:
+                del self.left[r.request_id]
+                outcomes.append(Outcome(r.request_id, result={"sequences": [{"tokens": [1, 2, 3]}]}))
+        return outcomes
+
+
+def _sample(session: str) -> Envelope:
+    payload = {"prompt": [3, 5, 7], "num_samples": 2, "max_tokens": 3}
+    return Envelope.new(tenant_id="t-s", model_id=session, seq_id=0, kind="sample", payload=payload)
+
+
+def _dispatcher(redis_client: redis.Redis, pool: str, engine: SlicedSampler, **kw) -> Dispatcher:
+    return Dispatcher(redis_client, pool, engine, settings=Settings(), block_ms=10, claim_idle_ms=CLAIM_IDLE_MS,
+                      claim_every_s=0.0, pipelined=True, **kw)  # fmt: skip
+
+
+def _until_answered(d: Dispatcher, results: ResultStore, ids: list[str], also: float = 0.5) -> None:
+    """Run the loop until the results are stored, and `also` seconds more (a second run would show then)."""
+    deadline = time.monotonic() + 15
+    while not all(results.has_many(ids)):
+        assert time.monotonic() < deadline, "not answered"
+        d.run_once()
+    end = time.monotonic() + also
+    while time.monotonic() < end:
+        d.run_once()
+    d.close()
+
+
+def test_a_plan_longer_than_the_claim_idle_time_runs_once(redis_client: redis.Redis) -> None:
+    """The issue's 45 s sample plan against a 30 s claim, scaled down: a 0.3 s plan, a 0.1 s claim idle time, and a
+    slow SQL record (0.4 s) keeping the answered entry unacked while the loop claims again."""
+    pool, engine = uuid.uuid4().hex[:8], SlicedSampler(slices=1, plan_s=0.3)
+    env = _sample("sess-1")
+    Producer(redis_client, pool).submit(env)
+    results = ResultStore(redis_client)
+    d = _dispatcher(redis_client, pool, engine, on_outcomes=lambda outcomes, plan: time.sleep(0.4))
+    _until_answered(d, results, [env.request_id])
+    assert engine.starts == [env.request_id]
+    assert redis_client.xlen(keys.request_stream(pool, "t-s")) == 0
+
+
+def test_a_sample_held_over_many_plans_is_never_claimed_by_anyone(redis_client: redis.Redis) -> None:
+    pool, engine = uuid.uuid4().hex[:8], SlicedSampler(slices=30, plan_s=0.02)  # ~0.6 s in flight
+    env = _sample("sess-2")
+    Producer(redis_client, pool).submit(env)
+    results = ResultStore(redis_client)
+    d = _dispatcher(redis_client, pool, engine)
+    other = Consumer(redis_client, pool, "another-node")
+    taken = []
+    deadline = time.monotonic() + 15
+    while not results.has_many([env.request_id])[0]:
+        assert time.monotonic() < deadline, "not answered"
+        d.run_once()
+        taken += other.claim_stale(CLAIM_IDLE_MS)  # another consumer's stale-entry rule, all along
+    _until_answered(d, results, [env.request_id])
+    assert taken == [] and engine.starts == [env.request_id]
+    assert results.get(env.request_id).result == {"sequences": [{"tokens": [1, 2, 3]}]}
+
+
+def test_a_redelivered_twin_of_a_sample_being_finished_runs_once(redis_client: redis.Redis) -> None:
+    pool, engine = uuid.uuid4().hex[:8], SlicedSampler(slices=2, plan_s=0.01)
+    env = _sample("sess-3")
+    Producer(redis_client, pool).submit(env)
+    stream = keys.request_stream(pool, "t-s")
+    results = ResultStore(redis_client)
+
+    def record(outcomes: list[Outcome], plan: BatchPlan) -> None:
+        if any(o.request_id == env.request_id for o in outcomes):
+            redis_client.xadd(stream, encode(env))  # the same request delivered again while its result is on its way
+            time.sleep(0.3)
+
+    d = _dispatcher(redis_client, pool, engine, on_outcomes=record)
+    _until_answered(d, results, [env.request_id], also=1.0)
+    assert engine.starts == [env.request_id]
+    assert redis_client.xlen(stream) == 0  # the twin was answered and acked
