@@ -173,11 +173,39 @@ class Settings(BaseSettings):
     # Sampling limits per request (api/service/sampling.py): samples, new tokens each.
     max_samples_per_request: int = Field(default=64, ge=1)
     max_sample_tokens: int = Field(default=4096, ge=1)
+    # The work of one sample request, num_samples x (prompt tokens + max_tokens), checked before it is queued (413):
+    # one request must not hold the sampler for long. 65,536 takes an RL group of 16 x (1,024 + 3,072) (a usual
+    # group, 16 x (512 + 1,024), is 24,576); larger jobs are several requests, which the pool interleaves.
+    max_sample_tokens_per_request: int = Field(default=65_536, ge=1)
+    # Stop sequences per sample request on every sampling route (native, Tinker, OpenAI; a token id counts as one),
+    # and characters per stop string: the sampler matches each against every new token of every row.
+    max_stop_sequences: int = Field(default=16, ge=0)
+    max_stop_chars: int = Field(default=256, ge=1)
+    # The OpenAI routes' text, bounded in UTF-8 bytes before it is tokenized (413; tokenizing is ~1 s per MB on the
+    # gateway). Unset: 16 bytes per token of max_tokens_per_datum per prompt, of max_sample_tokens_per_request in all
+    # (text past that holds more tokens than a request may sample anyway, unless its tokens are unusually long).
+    max_prompt_bytes: int | None = Field(default=None, ge=1)
+    max_prompt_bytes_per_request: int | None = Field(default=None, ge=1)
+    # Messages in one chat completion (each is rendered through the chat template before tokenizing).
+    max_chat_messages: int = Field(default=1024, ge=1)
+    # The tokenizer Tinker's get_info names (the SDK's get_tokenizer() loads it with AutoTokenizer.from_pretrained):
+    # a Hugging Face id such as Qwen/Qwen3-4B, or a folder the clients share. Empty: the base model's name (a
+    # folder's Hugging Face id from its config.json, else the folder's name), never a path on this server.
+    tokenizer_id: str = ""
     # The pool's sampler: "native" (workers/sampler.py over the training engine; single-process pools), "vllm" (a
     # vLLM server the pool process starts and supervises, samplers/; needs the .[vllm] extra and a base model vLLM can
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"
     sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
+    # Seconds of native sampling one plan runs (a long generation goes on over the next plans, workers/sampling_step.py):
+    # another tenant's step waits at most about one slice. 25 ms: a small training step is 20-60 ms alone, so it stays
+    # under 2x, and a slice still holds several decode steps (a few ms each) against ~1 ms of per-plan overhead.
+    sample_slice_ms: float = Field(default=25.0, gt=0)
+    # Sample runs in flight at once on a pool (each holds its decode cache and weights); newer requests wait unstarted.
+    sample_runs_in_flight: int = Field(default=4, ge=1)
+    # A request entry left unacknowledged this long by a consumer that is gone is taken over by the dispatcher (its own
+    # entries, held across plans or being finished, are kept fresh and never taken back).
+    stale_claim_ms: int = Field(default=30_000, ge=1)
     # Sampler snapshots (save_weights_for_sampler copies) a pool keeps per adapter; older ones reload from their files.
     sampler_snapshots_per_adapter: int = Field(default=4, ge=1)
     vllm_max_loras: int = Field(default=8, ge=2)  # adapters the vLLM server holds at once (one is the zero adapter)
@@ -206,6 +234,9 @@ class Settings(BaseSettings):
     # X-Forwarded-Proto from a proxy uvicorn trusts: its --forwarded-allow-ips); True always; False never.
     admin_cookie_secure: bool | None = None
     max_tokens_per_datum: int = 32768
+    # loss_fn_inputs per datum (the losses read at most four: target_tokens, weights, logprobs, advantages; the
+    # cookbook adds a mask): each is as long as its datum, so a request decodes at most (1 + this) x its tokens.
+    max_loss_inputs_per_datum: int = Field(default=8, ge=1)
     # Admission control (api/admission.py, queue/producer.py). A body over `max_body_bytes` is a 413 as soon as that
     # many bytes were read (before any parsing); a request over `max_tokens_per_request` input tokens a 413 too (the
     # pool runs an accepted large request in plans of at most `plan_tokens`, so it never holds others back long).
@@ -234,15 +265,6 @@ class Settings(BaseSettings):
     celery_broker_url: str = ""
     # The Celery queue the pipeline, report and export tasks go to (workers consume it: `-Q`, default this).
     celery_queue: str = "loraplex-pipelines"
-    # Seconds of native sampling one plan runs (a long generation goes on over the next plans, workers/sampling_step.py):
-    # another tenant's step waits at most about one slice. 25 ms: a small training step is 20-60 ms alone, so it stays
-    # under 2x, and a slice still holds several decode steps (a few ms each) against ~1 ms of per-plan overhead.
-    sample_slice_ms: float = Field(default=25.0, gt=0)
-    # Sample runs in flight at once on a pool (each holds its decode cache and weights); newer requests wait unstarted.
-    sample_runs_in_flight: int = Field(default=4, ge=1)
-    # A request entry left unacknowledged this long by a consumer that is gone is taken over by the dispatcher (its own
-    # entries, held across plans or being finished, are kept fresh and never taken back).
-    stale_claim_ms: int = Field(default=30_000, ge=1)
     # Seconds the Redis broker waits for a task's ack before it hands the task to another worker (acks_late: a worker
     # killed mid-pipeline leaves its task unacked). A running pipeline holds a lease (below), so a task handed out
     # again while its first run lives waits for the lease instead of training twice.
@@ -333,6 +355,14 @@ class Settings(BaseSettings):
     @property
     def host_budget_bytes(self) -> int:
         return int(self.host_budget_mb * 2**20)
+
+    @property
+    def resolved_max_prompt_bytes(self) -> int:
+        return self.max_prompt_bytes or 16 * self.max_tokens_per_datum
+
+    @property
+    def resolved_max_prompt_bytes_per_request(self) -> int:
+        return self.max_prompt_bytes_per_request or 16 * self.max_sample_tokens_per_request
 
 
 @lru_cache(maxsize=1)

@@ -4,6 +4,7 @@ protobuf and zstd bodies, futures while nothing runs them, and admission control
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -141,13 +142,14 @@ def test_create_model_maps_lora_config_and_answers_retries_with_the_first_future
     assert _create(tk, sid, seq=5, who="bob").status_code == 404  # another tenant's session
 
 
-def test_get_info_names_a_local_tokenizer_folder(tk) -> None:
+def test_get_info_names_the_tokenizer_never_a_server_folder(tk) -> None:
     model_id = _create(tk, _session(tk)).json()["model_id"]
     folder = tk.services.settings.resolved_model_cache / "tiny"
     folder.mkdir(parents=True)
     (folder / "tokenizer.json").write_text("{}")
     info = tk.client.post("/api/v1/get_info", json={"model_id": model_id}, headers=_h(tk)).json()
-    assert info["model_data"]["tokenizer_id"] == str(folder.resolve()) and info["lora_rank"] == 4
+    assert info["model_data"]["tokenizer_id"] == "tiny" and info["lora_rank"] == 4  # the base model's name
+    assert str(tk.services.settings.home) not in json.dumps(info)
     assert tk.client.post("/api/v1/get_info", json={"model_id": model_id}, headers=_h(tk, "bob")).status_code == 404
 
 

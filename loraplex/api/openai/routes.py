@@ -24,10 +24,11 @@ from loraplex.api import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
 from loraplex.api.openai import responses
+from loraplex.api.openai.body_bound import BoundedBodyRoute
+from loraplex.api.openai.bounds import check_chat, check_prompt_bytes, check_prompt_count
 from loraplex.api.openai.models import list_models, resolve_model, take_seq_ids
 from loraplex.api.openai.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -35,9 +36,12 @@ from loraplex.api.openai.schemas import (
 from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
 from loraplex.api.schemas import SampleRequest
 from loraplex.api.service.context import Services, TenantRef
+from loraplex.api.service.sampling import check_sample_work, check_stops, sample_work
 from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError, error_from_name
+from loraplex.settings import Settings
 
-router = APIRouter(tags=["openai"])
+# Bodies bounded before they are parsed (body_bound.py).
+router = APIRouter(tags=["openai"], route_class=BoundedBodyRoute)
 
 IdempotencyKey = Annotated[str | None, Header(max_length=256, description="Same key (and body): the first call's samples")]
 
@@ -47,12 +51,10 @@ def _refuse(names: list[str]) -> None:
         raise NotSupportedError(f"not supported by this server's sampler: {', '.join(names)}")
 
 
-def _stops(body: SamplingFields) -> list[str]:
+def _stops(settings: Settings, body: SamplingFields) -> list[str]:
+    """The stop strings, by the rule every sampling route shares (api/service/sampling.py)."""
     stops = body.stops()
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise InvalidRequestError(f"stop: {len(stops)} sequences; at most {MAX_STOP_SEQUENCES}")
-    if any(not s for s in stops):
-        raise InvalidRequestError("stop: an empty string")
+    check_stops(settings, stops)
     return stops
 
 
@@ -62,10 +64,7 @@ def _sample_all(
 ) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
     """Queue one sample request per prompt, wait for all; (the first request id, the results in prompt order)."""
     settings = services.settings
-    if len(prompts) * body.n > settings.max_samples_per_request:
-        raise InvalidRequestError(
-            f"{len(prompts)} prompts x n={body.n} samples; at most {settings.max_samples_per_request} in one request"
-        )
+    check_prompt_count(settings, len(prompts), body.n)
     model_path = resolve_model(services, tenant, body.model)
     requests = []
     for prompt in prompts:
@@ -73,6 +72,9 @@ def _sample_all(
             requests.append(SampleRequest.model_validate(request_for(prompt)))
         except ValidationError as exc:
             raise InvalidRequestError(validation_summary(exc.errors())) from None
+    # The whole call's work (one sample request per prompt), before any of them is queued.
+    work = sum(sample_work(r.num_samples, len(r.prompt), r.max_tokens) for r in requests)
+    check_sample_work(settings, work, f"{len(requests)} prompts x n={body.n}")
     # The wait holds one of the tenant's long-poll slots (api/long_polls.py), taken before anything is queued, so a
     # 429 leaves nothing behind.
     with services.long_polls.hold(tenant.id, tenant.name):
@@ -121,9 +123,13 @@ def completions(body: CompletionRequest, tenant: TenantDep, services: ServicesDe
     """OpenAI's completions: `prompt` a string, a list of token ids, or a list of either (each answered; choice
     index = prompt index * n + sample)."""
     _refuse(body.unsupported())
-    stops = _stops(body)
-    tok = gateway_tokenizer(services.settings)
-    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    settings = services.settings
+    stops = _stops(settings, body)
+    given = body.prompts()
+    check_prompt_count(settings, len(given), body.n)
+    check_prompt_bytes(settings, [p for p in given if isinstance(p, str)])
+    tok = gateway_tokenizer(settings)
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in given]
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     topk = body.logprobs or 0
     rid, results = _sample_all(services, tenant, body, prompts,
@@ -146,8 +152,11 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
     """OpenAI's chat completions: the messages rendered with the model's chat template (or `role: content` lines
     ending in `assistant:` where it has none: tokenizer.py), text content only."""
     _refuse(body.unsupported())
-    stops = _stops(body)
-    tok = gateway_tokenizer(services.settings)
+    settings = services.settings
+    stops = _stops(settings, body)
+    check_prompt_count(settings, 1, body.n)
+    check_chat(settings, body.messages)
+    tok = gateway_tokenizer(settings)
     messages = []
     for i, m in enumerate(body.messages):
         try:
@@ -156,6 +165,7 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
             raise NotSupportedError(f"messages[{i}].content: only text parts are supported") from None
         messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
     text, templated = tok.render_chat(messages)
+    check_prompt_bytes(settings, [text])
     prompt = tok.encode(text, add_special_tokens=not templated)
     with_lp = body.logprobs
     topk = (body.top_logprobs or 0) if with_lp else 0

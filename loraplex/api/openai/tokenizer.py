@@ -106,8 +106,8 @@ def gateway_tokenizer(settings: Settings) -> GatewayTokenizer:
     folder = tokenizer_folder(settings, settings.base_model)
     if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         raise NotSupportedError(
-            f"this gateway has no tokenizer.json for base model {settings.base_model!r} (looked in the model's folder "
-            f"and {settings.resolved_model_cache}); text in and out needs it"
+            "this gateway has no tokenizer.json for the base model (looked in the model's folder and the model "
+            "cache); text in and out needs it"
         )
     config = Path(folder) / "tokenizer_config.json"
     key = (folder, (Path(folder) / "tokenizer.json").stat().st_mtime, config.stat().st_mtime if config.is_file() else 0.0)

@@ -12,10 +12,46 @@ from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.submit import submit
 from loraplex.checkpoint_paths import CheckpointKind, parse_tinker_path
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
+from loraplex.settings import Settings
 from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository
+
+
+def check_stops(settings: Settings, stops: list[str] | list[int]) -> None:
+    """Every sampling route's rule for stop sequences (strings or token ids; an id counts as one): how many
+    (LORAPLEX_MAX_STOP_SEQUENCES), how long each string (LORAPLEX_MAX_STOP_CHARS), none empty, ids in range. The
+    sampler matches each against every new token of every row, so their count and length are work."""
+    if len(stops) > settings.max_stop_sequences:
+        raise RequestTooLargeError(
+            f"stop: {len(stops)} sequences; at most {settings.max_stop_sequences} (LORAPLEX_MAX_STOP_SEQUENCES)"
+        )
+    for i, stop in enumerate(stops):
+        if isinstance(stop, str):
+            if not stop:
+                raise InvalidRequestError(f"stop[{i}]: an empty string")
+            if len(stop) > settings.max_stop_chars:
+                raise RequestTooLargeError(
+                    f"stop[{i}]: {len(stop)} characters; at most {settings.max_stop_chars} (LORAPLEX_MAX_STOP_CHARS)"
+                )
+        elif not 0 <= stop < 2**31:
+            raise InvalidRequestError(f"stop[{i}]: token id {stop} is out of range")
+
+
+def sample_work(num_samples: int, prompt_tokens: int, max_tokens: int) -> int:
+    """What a sample request asks of the sampler, in tokens: every row attends over its prompt and decodes up to
+    max_tokens."""
+    return num_samples * (prompt_tokens + max_tokens)
+
+
+def check_sample_work(settings: Settings, work: int, what: str) -> None:
+    """A request's sample work within LORAPLEX_MAX_SAMPLE_TOKENS_PER_REQUEST (413)."""
+    if work > settings.max_sample_tokens_per_request:
+        raise RequestTooLargeError(
+            f"{what} = {work} tokens of sampling; at most {settings.max_sample_tokens_per_request} per request "
+            "(LORAPLEX_MAX_SAMPLE_TOKENS_PER_REQUEST): fewer samples or max_tokens, or several requests"
+        )
 
 
 def sampler_out(row: SamplingSession) -> SamplerOut:
@@ -70,23 +106,29 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
     stop_reason) and, when asked, the prompt's logprobs."""
     settings = services.settings
     if len(request.prompt) > settings.max_tokens_per_datum:
-        raise InvalidRequestError(f"the prompt has {len(request.prompt)} tokens; at most {settings.max_tokens_per_datum}")
+        raise InvalidRequestError(f"the prompt has {len(request.prompt)} tokens; at most {settings.max_tokens_per_datum} "
+                                  "(LORAPLEX_MAX_TOKENS_PER_DATUM)")
     if request.num_samples > settings.max_samples_per_request:
-        raise InvalidRequestError(f"num_samples {request.num_samples}; at most {settings.max_samples_per_request}")
+        raise InvalidRequestError(f"num_samples {request.num_samples}; at most {settings.max_samples_per_request} "
+                                  "(LORAPLEX_MAX_SAMPLES_PER_REQUEST)")
     if request.max_tokens > settings.max_sample_tokens:
-        raise InvalidRequestError(f"max_tokens {request.max_tokens}; at most {settings.max_sample_tokens}")
+        raise InvalidRequestError(f"max_tokens {request.max_tokens}; at most {settings.max_sample_tokens} "
+                                  "(LORAPLEX_MAX_SAMPLE_TOKENS)")
     if any(t < 0 for t in request.prompt):
         raise InvalidRequestError("the prompt holds a negative token id")
     if any(t >= 2**31 for t in request.prompt):  # no vocabulary is this big; past 2**64 the envelope's JSON fails
         raise InvalidRequestError("the prompt holds a token id of 2**31 or more")
+    stop = request.stop
+    stops: list[str] | list[int] = [stop] if isinstance(stop, str) else list(stop or [])
+    check_stops(settings, stops)
+    n, prompt, new = request.num_samples, len(request.prompt), request.max_tokens
+    check_sample_work(settings, sample_work(n, prompt, new), f"{n} samples x ({prompt} prompt + {new} new) tokens")
     with services.sessions() as db:
         sampler = SamplerRepository(db, tenant.id).get(sampler_id)
         directory = None
         if sampler.model_path is not None:
             checkpoint = resolve_checkpoint(db, tenant.id, sampler.model_path, with_optimizer=False)
             directory = str(checkpoint_dir(services, checkpoint))
-    stop = request.stop
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
     payload = SamplePayload(
         prompt=tuple(request.prompt),
         snapshot=sampler.model_path,

@@ -25,6 +25,7 @@ from loraplex.api.tinker.proto import pb
 if TYPE_CHECKING:  # the SDK's typed stubs, for mypy only (importing `tinker` at run time pulls in torch)
     from tinker.proto import tinker_public_pb2 as pbt
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
+from loraplex.settings import Settings
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
 
@@ -45,6 +46,46 @@ class DecodedForwardBackward:
     seq_id: int
     forward_only: bool
     message: pbt.ForwardBackwardRequest
+
+    def check_sizes(self, settings: Settings) -> None:
+        """The request's sizes as it declares them, before anything is expanded: datums, tokens per datum and in all,
+        loss_fn_inputs per datum, and each tensor's shape (its element count must be its datum's token count). A
+        sparse tensor of 89 bytes may declare millions of zeros; `fields()` builds them only after this passed."""
+        msg = self.message
+        if len(msg.data) > settings.max_datums_per_request:
+            raise RequestTooLargeError(
+                f"data has {len(msg.data)} datums; at most {settings.max_datums_per_request} per request "
+                "(LORAPLEX_MAX_DATUMS_PER_REQUEST)"
+            )
+        total = 0
+        for i, datum in enumerate(msg.data):
+            tokens = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.HasField("encoded_text"))
+            total += tokens
+            if tokens > settings.max_tokens_per_datum:
+                raise RequestTooLargeError(
+                    f"data[{i}] has {tokens} tokens; at most {settings.max_tokens_per_datum} per datum "
+                    "(LORAPLEX_MAX_TOKENS_PER_DATUM)"
+                )
+            if len(datum.loss_fn_inputs) > settings.max_loss_inputs_per_datum:
+                raise RequestTooLargeError(
+                    f"data[{i}] has {len(datum.loss_fn_inputs)} loss_fn_inputs; at most "
+                    f"{settings.max_loss_inputs_per_datum} (LORAPLEX_MAX_LOSS_INPUTS_PER_DATUM)"
+                )
+            for name, tensor in datum.loss_fn_inputs.items():
+                declared = _declared_elements(tensor)
+                where = f"data[{i}].loss_fn_inputs.{name}"
+                if declared > settings.max_tokens_per_datum:
+                    raise RequestTooLargeError(
+                        f"{where} declares {declared} values (shape {list(tensor.shape)}); at most "
+                        f"{settings.max_tokens_per_datum}, one per token (LORAPLEX_MAX_TOKENS_PER_DATUM)"
+                    )
+                if declared != tokens:
+                    raise InvalidRequestError(f"{where} declares {declared} values, model_input has {tokens} tokens")
+        if total > settings.max_tokens_per_request:
+            raise RequestTooLargeError(
+                f"data has {total} tokens; at most {settings.max_tokens_per_request} per request "
+                "(LORAPLEX_MAX_TOKENS_PER_REQUEST): split it into several forward_backward calls"
+            )
 
     def fields(self) -> dict[str, Any]:
         msg = self.message
@@ -111,6 +152,16 @@ def _datum(i: int, datum: pbt.Datum) -> dict[str, Any]:
         tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
     inputs = {name: _tensor(f"data[{i}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
     return {"model_input": tokens, "loss_fn_inputs": inputs}
+
+
+def _declared_elements(tensor: pbt.Tensor) -> int:
+    """How many values a tensor says it holds: its shape's product, else (no shape) its dense bytes' count."""
+    if tensor.shape:
+        return math.prod(max(int(s), 0) for s in tensor.shape)
+    np_dtype = _NUMPY_BY_DTYPE.get(tensor.dtype)
+    if tensor.WhichOneof("encoding") != "dense" or np_dtype is None:
+        return 0
+    return len(tensor.dense) // np_dtype.itemsize
 
 
 def _tensor(where: str, tensor: pbt.Tensor) -> list[float] | list[int]:

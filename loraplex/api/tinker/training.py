@@ -26,10 +26,11 @@ from loraplex.api.schemas import (
     SaveCheckpointRequest,
 )
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.model_files import tokenizer_folder
 from loraplex.api.service.rejections import filling_rejections
+from loraplex.api.service.training import check_live
 from loraplex.api.tinker.codec import decode_forward_backward, decompress
 from loraplex.api.tinker.futures import Tag, future_out
+from loraplex.api.tinker.model_info import tokenizer_id
 from loraplex.api.tinker.schemas import (
     CreateModelBody,
     LoadWeightsBody,
@@ -126,7 +127,7 @@ def get_info(body: ModelBody, tenant: TenantDep, services: ServicesDep) -> dict[
         "model_data": {
             "arch": "qwen3",
             "model_name": adapter.base_model,
-            "tokenizer_id": tokenizer_folder(services.settings, adapter.base_model),
+            "tokenizer_id": tokenizer_id(services.settings, adapter.base_model),
         },
         "is_lora": True,
         "lora_rank": adapter.rank,
@@ -146,7 +147,11 @@ async def forward_backward(request: Request, tenant: TenantDep, services: Servic
 def _forward_backward(services: Services, tenant: TenantRef, raw: bytes, encoding: str | None) -> dict[str, Any]:
     decoded = decode_forward_backward(decompress(raw, encoding, services.settings.max_body_bytes))
     kind = RequestKind.FORWARD if decoded.forward_only else RequestKind.FORWARD_BACKWARD
+    # The owner first (404 for a missing or foreign adapter), then the declared sizes: no tensor is expanded for a
+    # request that would be refused anyway.
+    check_live(services, tenant, decoded.model_id)
     with filling_rejections(services, tenant, decoded.model_id, decoded.seq_id, kind):
+        decoded.check_sizes(services.settings)
         try:
             request = ForwardBackwardRequest.model_validate(decoded.fields())
         except ValidationError as exc:
