@@ -27,12 +27,15 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from sqlalchemy.engine import make_url
+
     from loraplex.storage.db import migrate
 
     settings = _settings(args)
     settings.home.mkdir(parents=True, exist_ok=True)
     migrate(settings.resolved_database_url)
-    print(f"database at head: {settings.resolved_database_url}")
+    shown = make_url(settings.resolved_database_url).render_as_string(hide_password=True)  # never the password
+    print(f"database at head: {shown}")
     return 0
 
 
