@@ -4,7 +4,8 @@ a validation and copies of 31 MB in the event loop every tenant's calls share.""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -26,7 +27,7 @@ class BoundedBodyRoute(APIRoute):
     """A route whose body is read with the bound above: past it the rest is read and dropped (a client still sending
     would see a reset connection, not the 413) and nothing is parsed."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def bounded(request: Request) -> Response:

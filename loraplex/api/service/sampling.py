@@ -7,6 +7,8 @@ freeze_copy), or loads it from the checkpoint's folder when it has none (a resta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from loraplex.api.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
@@ -19,7 +21,7 @@ from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository
 
 
-def check_stops(settings: Settings, stops: list[str] | list[int]) -> None:
+def check_stops(settings: Settings, stops: Sequence[str | int]) -> None:
     """Every sampling route's rule for stop sequences (strings or token ids; an id counts as one): how many
     (LORAPLEX_MAX_STOP_SEQUENCES), how long each string (LORAPLEX_MAX_STOP_CHARS), none empty, ids in range. The
     sampler matches each against every new token of every row, so their count and length are work."""
@@ -35,7 +37,7 @@ def check_stops(settings: Settings, stops: list[str] | list[int]) -> None:
                 raise RequestTooLargeError(
                     f"stop[{i}]: {len(stop)} characters; at most {settings.max_stop_chars} (LORAPLEX_MAX_STOP_CHARS)"
                 )
-        elif not 0 <= stop < 2**31:
+        elif isinstance(stop, int) and not 0 <= stop < 2**31:
             raise InvalidRequestError(f"stop[{i}]: token id {stop} is out of range")
 
 
@@ -119,7 +121,7 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
     if any(t >= 2**31 for t in request.prompt):  # no vocabulary is this big; past 2**64 the envelope's JSON fails
         raise InvalidRequestError("the prompt holds a token id of 2**31 or more")
     stop = request.stop
-    stops: list[str] | list[int] = [stop] if isinstance(stop, str) else list(stop or [])
+    stops: list[str | int] = [stop] if isinstance(stop, str) else list(stop or [])
     check_stops(settings, stops)
     n, prompt, new = request.num_samples, len(request.prompt), request.max_tokens
     check_sample_work(settings, sample_work(n, prompt, new), f"{n} samples x ({prompt} prompt + {new} new) tokens")
