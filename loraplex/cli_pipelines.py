@@ -57,6 +57,8 @@ def detail(pipeline: dict[str, Any]):
     ):
         if pipeline.get(key):
             lines.append(Text(f"{label}: {pipeline[key]}"))  # fmt: skip
+    if pipeline.get("export_path"):
+        lines.append(Text(f"download: loraplex pipelines export {pipeline['id']} --out DIR"))
     if pipeline.get("error"):
         lines.append(Text(f"error: {pipeline['error']}", style="red"))
     return Group(*lines)
@@ -113,6 +115,12 @@ def cmd_pipelines_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pipelines_export(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.pipelines.download_export(args.pipeline_id, args.out))
+    return 0
+
+
 def cmd_pipelines_report(args: argparse.Namespace) -> int:
     with _client(args) as client:
         for path in client.pipelines.download_sweep_report(args.sweep_id, args.out):
@@ -144,6 +152,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pipeline_id")
     connection(p)
     p.set_defaults(func=cmd_pipelines_cancel)
+    p = pipelines.add_parser("export", help="download a succeeded pipeline's PEFT export into a folder")
+    p.add_argument("pipeline_id")
+    p.add_argument("--out", required=True)
+    connection(p)
+    p.set_defaults(func=cmd_pipelines_export)
     p = pipelines.add_parser("report", help="download a finished sweep's report (report.md, report.csv, eval_loss.svg)")
     p.add_argument("sweep_id")
     p.add_argument("--out", required=True)

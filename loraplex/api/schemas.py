@@ -260,7 +260,7 @@ class PipelineOut(BaseModel):
     eval_losses: list[list[float]]  # [[step, mean loss per completion token], ...]
     train_losses: list[list[float]]
     final_checkpoint: str | None  # tinker path of the final sampler weights
-    export_path: str | None  # the PEFT folder, on the workers' filesystem
+    export_path: str | None  # the API path its PEFT export downloads from (a tar), never a server path
     error: str | None
     config: dict[str, Any]
     created_at: Any

@@ -1,16 +1,18 @@
 """Offline fine-tuning pipelines from the client: read a config (YAML or a dict) and its JSONL dataset files, submit
 them (the gateway checks both: a bad config is an InvalidRequestError naming the field), follow, cancel, and download
-a sweep's report. Used by `ServiceClient` (its pipeline methods) and `loraplex finetune`."""
+a pipeline's PEFT export and a sweep's report. Used by `ServiceClient` (its pipeline methods) and `loraplex finetune`."""
 
 from __future__ import annotations
 
 import builtins
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from loraplex.client.training import extract_tar
 from loraplex.client.transport import Transport
 from loraplex.errors import InvalidRequestError
 
@@ -104,6 +106,15 @@ class PipelineCalls:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pipeline {pipeline_id} still {pipeline['state']} after {timeout:g} s")
             time.sleep(poll_s)
+
+    def download_export(self, pipeline_id: str, out_dir: str | os.PathLike[str]) -> Path:
+        """A succeeded pipeline's PEFT export (adapter_model.safetensors, adapter_config.json, the tokenizer) into
+        `out_dir` (created if needed; returned), from the `export_path` its answers name. NotFoundError before it is
+        written."""
+        with tempfile.TemporaryFile() as archive:
+            self._transport.download(f"/v1/pipelines/{pipeline_id}/export", archive)
+            archive.seek(0)
+            return extract_tar(archive, Path(out_dir))
 
     def download_sweep_report(self, sweep_id: str, out_dir: str | os.PathLike[str]) -> builtins.list[Path]:
         """A finished sweep's report files (report.md, report.csv, eval_loss.svg) into `out_dir`."""

@@ -38,11 +38,14 @@ class Example:
         return sum(self.weights[1:])
 
 
-def load_tokenizer(folder: str) -> Any:
-    """A Hugging Face tokenizer from a local folder (offline)."""
+def load_tokenizer(folder: str, shown: str | None = None) -> Any:
+    """A Hugging Face tokenizer from a local folder (offline). shown: how the error names it (the config's value, not
+    the server's path)."""
     path = Path(folder).expanduser()
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
-        raise InvalidRequestError(f"tokenizer: {folder!r} is not a tokenizer folder (no tokenizer.json) on this worker")
+        raise InvalidRequestError(
+            f"tokenizer: {shown or folder!r} is not a tokenizer folder (no tokenizer.json) on this worker"
+        )
     with TRANSFORMERS_IMPORT:
         from transformers import AutoTokenizer
 

@@ -1,7 +1,8 @@
 """One run per pipeline: the Celery task holds a lease in Redis (queue/keys.pipeline_runner) while it trains, renewed
 by a thread every third of its TTL. The broker hands an unacked task out again after its visibility timeout, also
 while the first run still lives; that second delivery finds the lease held and comes back later. A run that loses
-its lease (it stalled past the TTL and another run took over) stops before its next step."""
+its lease (it stalled past the TTL and another run took over) stops before its next step. The tenant's claim to run
+a pipeline at all (tenant_slots.py) rides on the lease: renewed with it, given back with it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 
 import redis
 
+from loraplex.pipelines.tenant_slots import TenantSlots
 from loraplex.queue import keys
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -22,7 +24,9 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 class RunnerLease:
     def __init__(self, client: redis.Redis, pipeline_id: str, ttl_s: float) -> None:
         self._redis = client
+        self._pipeline_id = pipeline_id
         self._key = keys.pipeline_runner(pipeline_id)
+        self._slots: TenantSlots | None = None
         # Who holds it, for operators (and tests) reading the key: host:pid:random.
         self._token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
         self._ttl_ms = max(1, int(ttl_s * 1000))
@@ -38,12 +42,22 @@ class RunnerLease:
         self._thread.start()
         return True
 
+    def hold_slot(self, slots: TenantSlots) -> bool:
+        """Take the tenant's claim for this pipeline (after `acquire`); from then on it is renewed and given back
+        with the lease. False (nothing held) when the tenant's other pipelines hold every claim."""
+        if not slots.take(self._pipeline_id):
+            return False
+        self._slots = slots
+        return True
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self._ttl_ms / 3000):
             try:
                 if not self._redis.eval(_RENEW, 1, self._key, self._token, self._ttl_ms):
                     self.lost = True
                     return
+                if self._slots is not None:
+                    self._slots.renew(self._pipeline_id)
             except redis.RedisError:
                 continue  # Redis briefly away: the next round tries again (the TTL leaves two more)
 
@@ -52,4 +66,6 @@ class RunnerLease:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with contextlib.suppress(redis.RedisError):  # else it lapses by itself
+            if self._slots is not None:
+                self._slots.give_back(self._pipeline_id)
             self._redis.eval(_RELEASE, 1, self._key, self._token)

@@ -11,7 +11,7 @@ from typing import Any
 
 from loraplex.api.service import Services, TenantRef
 from loraplex.api.service.pipelines import sweep_dir
-from loraplex.fsutil import write_bytes_atomic
+from loraplex.fsutil import private_dirs, write_bytes_atomic
 from loraplex.pipelines.svg_plot import line_plot
 from loraplex.storage.models import Pipeline
 from loraplex.storage.repositories import PipelineRepository
@@ -74,11 +74,11 @@ def write_sweep_report(services: Services, tenant: TenantRef, sweep_id: str) -> 
               for p in sorted(points, key=lambda p: p.name)}  # fmt: skip
     name = points[0].name.rpartition("-")[0] if points else sweep_id
     folder = sweep_dir(services, tenant.id, sweep_id)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(folder / "report.md", markdown(keys, rows, f"Sweep {name} ({sweep_id})").encode(), mode=0o644)
-    write_bytes_atomic(folder / "report.csv", csv_text(keys, rows).encode(), mode=0o644)
+    private_dirs(folder)  # owner-only, its files too (fsutil's default): the tenant reads them through the API
+    write_bytes_atomic(folder / "report.md", markdown(keys, rows, f"Sweep {name} ({sweep_id})").encode())
+    write_bytes_atomic(folder / "report.csv", csv_text(keys, rows).encode())
     svg = line_plot(series, f"Eval loss per step: sweep {name}", "step", "eval loss (per completion token)")
-    write_bytes_atomic(folder / "eval_loss.svg", svg.encode(), mode=0o644)
+    write_bytes_atomic(folder / "eval_loss.svg", svg.encode())
     return folder
 
 

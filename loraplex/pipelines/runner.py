@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import redis
 from sqlalchemy.exc import OperationalError
@@ -21,9 +22,11 @@ from loraplex.api.service import Services, TenantRef, delete_adapter, export_pef
 from loraplex.api.service.context import blob_store
 from loraplex.api.service.model_files import tokenizer_folder
 from loraplex.api.service.pipeline_config import PipelineConfig, total_steps
+from loraplex.api.service.pipeline_tokenizer import tokenizer_root, tokenizer_source
 from loraplex.api.service.pipelines import export_dir
 from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
+from loraplex.fsutil import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, private_dirs
 from loraplex.pipelines.dataset import TRANSFORMERS_IMPORT, Example, batch_indices, load_tokenizer, prepare
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.schedule import learning_rate
@@ -86,6 +89,7 @@ class _Run:
         return PipelineRepository(db, self.tenant.id)
 
     def fail(self, message: str) -> PipelineState:
+        message = without_server_paths(self.services, message)
         with write_session(self.services) as db:
             state = self._repo(db).finish(self.row.id, PipelineState.FAILED, message)
         self._drop_adapter()
@@ -96,11 +100,21 @@ class _Run:
             _delete_quietly(self.services, self.tenant, self.trainer.model_id)
 
     def _tokenizer(self):
+        """The config's tokenizer (api/service/pipeline_tokenizer.py: a registered model, or a folder under the
+        tokenizer root), else the base model's."""
         settings = self.services.settings
-        folder = self.config.tokenizer or tokenizer_folder(settings, settings.base_model)
+        kind, where = tokenizer_source(settings, self.config.tokenizer or settings.base_model)
+        if kind == "folder":
+            return load_tokenizer(where, shown=self.config.tokenizer)
+        if where != settings.base_model:  # a preset: the registry builds (or finds) its folder in the model cache
+            with TRANSFORMERS_IMPORT:
+                from loraplex.models.registry import load_tokenizer as preset_tokenizer
+
+                return preset_tokenizer(where, settings.resolved_model_cache)
+        folder = tokenizer_folder(settings, settings.base_model)
         if folder is None:
             raise InvalidRequestError(f"no tokenizer: the base model {settings.base_model!r} has none; set tokenizer")
-        return load_tokenizer(folder)
+        return load_tokenizer(folder, shown=where)
 
     def _start_adapter(self) -> int:
         """This run's adapter, fresh or from the last checkpoint; returns the step it continues after."""
@@ -193,8 +207,31 @@ def export_final(services: Services, tenant: TenantRef, pipeline_id: str, final_
     """The final sampler weights as a PEFT folder under the pipeline folder (the service's export); its path."""
     model_id, _, _ = split_tinker_path(final_checkpoint)
     out = export_dir(services, tenant.id, pipeline_id)
+    private_dirs(out.parent)
     with TRANSFORMERS_IMPORT:  # the export imports the model registry (transformers) on its first call
-        return str(export_peft(services, tenant, model_id, final_checkpoint, out).folder)
+        folder = export_peft(services, tenant, model_id, final_checkpoint, out).folder
+    # Owner-only, as every tenant file on the server: the tenant downloads it through the API (export_url).
+    os.chmod(folder, PRIVATE_DIR_MODE)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, PRIVATE_FILE_MODE)
+    return str(folder)
+
+
+def without_server_paths(services: Services, message: str) -> str:
+    """`message` (a pipeline's error, which its tenant reads) with the server's folders (the state home, blob store,
+    pipelines and tokenizer folders, model cache) named by role instead of by path."""
+    settings = services.settings
+    folders = {
+        str(settings.resolved_blob_root): "<blob store>",
+        str(settings.resolved_pipeline_dir): "<pipeline folder>",
+        str(tokenizer_root(settings)): "<tokenizer root>",
+        str(settings.resolved_model_cache): "<model cache>",
+        str(settings.home): "<server home>",
+    }
+    for folder, role in sorted(folders.items(), key=lambda item: -len(item[0])):  # the longest (innermost) first
+        message = message.replace(folder, role)
+    return message
 
 
 def _scored(examples: list[Example]) -> float:

@@ -29,6 +29,7 @@ from loraplex.pipelines.runner import (
     run_pipeline,
     tenant_of,
 )
+from loraplex.pipelines.tenant_slots import TenantSlots
 from loraplex.settings import get_settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipelines_missing_export
@@ -54,13 +55,25 @@ def shared_services() -> Services:
 @celery_app.task(name=RUN_PIPELINE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
 def run_pipeline_task(self: Task, pipeline_id: str, transient_retries: int = 0) -> str:
     services = shared_services()
-    lease = RunnerLease(services.redis, pipeline_id, services.settings.pipeline_lease_seconds)
+    settings = services.settings
+    lease = RunnerLease(services.redis, pipeline_id, settings.pipeline_lease_seconds)
     if not lease.acquire():
         # Handed out again while another run of it lives: look again once that run's lease could have lapsed.
-        raise self.retry(countdown=services.settings.pipeline_lease_seconds,
+        raise self.retry(countdown=settings.pipeline_lease_seconds,
                          kwargs={"transient_retries": transient_retries})  # fmt: skip
     try:
-        state = run_pipeline(services, pipeline_id, lease)
+        tenant = tenant_of(services, pipeline_id)
+        slots = TenantSlots(services.redis, tenant.id, settings.max_running_pipelines_per_tenant,
+                            settings.pipeline_lease_seconds)  # fmt: skip
+        if lease.hold_slot(slots):
+            state = run_pipeline(services, pipeline_id, lease)
+        elif _finished(services, tenant.id, pipeline_id):  # cancelled while it waited
+            state = None
+        else:
+            # The tenant runs its cap of pipelines already: this worker slot goes to the queue's next task (another
+            # tenant's, say), and this one is looked at again later (the lease is released below).
+            raise self.retry(countdown=settings.pipeline_slot_wait_seconds,
+                             kwargs={"transient_retries": transient_retries})  # fmt: skip
     except TRANSIENT_ERRORS as exc:
         message = f"{type(exc).__name__}: {exc}"
         if transient_retries >= TRANSIENT_RETRIES:
@@ -75,6 +88,11 @@ def run_pipeline_task(self: Task, pipeline_id: str, transient_retries: int = 0) 
         lease.release()
     _report_if_sweep_done(services, pipeline_id)
     return str(state) if state is not None else "already finished"
+
+
+def _finished(services: Services, tenant_id: str, pipeline_id: str) -> bool:
+    with services.sessions() as db:
+        return PipelineRepository(db, tenant_id).get(pipeline_id).state.finished
 
 
 def _report_if_sweep_done(services: Services, pipeline_id: str) -> None:

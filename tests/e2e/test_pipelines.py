@@ -71,6 +71,7 @@ def worker_env(stack) -> dict[str, str]:
     env = stack.child_env()
     env.update({"LORAPLEX_CELERY_VISIBILITY_TIMEOUT_SECONDS": "4", "LORAPLEX_CELERY_RESTORE_INTERVAL_SECONDS": "1",
                 "LORAPLEX_PIPELINE_LEASE_SECONDS": "3", "LORAPLEX_PIPELINE_STEP_TIMEOUT_SECONDS": "120",
+                "LORAPLEX_MAX_RUNNING_PIPELINES_PER_TENANT": "4",  # the 2x2 sweep below runs all at once
                 "PYTHONPATH": str(Path(__file__).resolve().parents[2])})  # fmt: skip
     return env
 
@@ -88,17 +89,19 @@ def workers(stack, worker_env):
 
 
 @pytest.fixture(scope="module")
-def tokenizer_with_chat_template(stack, tmp_path_factory) -> str:
-    """The tiny preset's tokenizer (which has no chat template) with one added, for chat records."""
+def tokenizer_with_chat_template(stack) -> str:
+    """The tiny preset's tokenizer (which has no chat template) with one added, for chat records: a folder under the
+    pipelines' tokenizer root (home/tokenizers), named relative to it."""
     src = stack.settings.resolved_model_cache / "tiny"
-    out = tmp_path_factory.mktemp("chat-tokenizer")
+    out = stack.settings.home / "tokenizers" / "chat"
+    out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (src / name).exists():
             (out / name).write_bytes((src / name).read_bytes())
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return str(out)
+    return "chat"
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
@@ -150,8 +153,10 @@ def tenant_clients_for(stack, key: str) -> ServiceClient:
     return ServiceClient(stack.base_url, key)
 
 
-def exported_weights(pipeline: dict) -> dict:
-    return load_file(str(Path(pipeline["export_path"]) / "adapter_model.safetensors"))
+def exported_weights(client: ServiceClient, pipeline: dict, tmp_path: Path) -> dict:
+    """The pipeline's export, downloaded through the API (its `export_path`)."""
+    folder = client.pipelines.download_export(pipeline["id"], tmp_path / f"export-{pipeline['id']}")
+    return load_file(str(folder / "adapter_model.safetensors"))
 
 
 def test_three_tenants_pipelines_run_to_their_end(stack, workers, tmp_path, tokenizer_with_chat_template):
@@ -182,7 +187,8 @@ def test_three_tenants_pipelines_run_to_their_end(stack, workers, tmp_path, toke
         assert p["state"] == "succeeded", (name, p["error"])
         assert p["step"] == p["total_steps"] and p["attempt"] == 1
         assert [t[0] for t in p["train_losses"]] == list(range(1, p["total_steps"] + 1))
-        assert Path(p["export_path"], "adapter_config.json").is_file()
+        assert p["export_path"] == f"/v1/pipelines/{p['id']}/export"  # no server path
+        assert (clients[name].pipelines.download_export(p["id"], tmp_path / name) / "adapter_config.json").is_file()
         assert p["final_checkpoint"].endswith("/sampler_weights/final")
     assert done["pl-ana"]["total_steps"] == 2 * 3 and [e[0] for e in done["pl-ana"]["eval_losses"]] == [2, 4, 6]
     assert [e[0] for e in done["pl-cy"]["eval_losses"]] == [3, 6]  # every 3 steps; 6 is also the last
@@ -222,7 +228,7 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_weights(stack, work
     assert [t[0] for t in resumed["train_losses"]] == list(range(1, 25))
     assert resumed["eval_losses"] == ref["eval_losses"] and [e[0] for e in ref["eval_losses"]] == list(range(3, 25, 3))
     assert resumed["train_losses"] == ref["train_losses"]
-    a, b = exported_weights(ref), exported_weights(resumed)
+    a, b = exported_weights(client, ref, tmp_path), exported_weights(client, resumed, tmp_path)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     assert client.get_run(f"pipeline-{victim}-1")["status"] == "deleted"  # the interrupted run's adapter
 
@@ -310,7 +316,9 @@ def test_bad_configs_are_clear_errors(stack, workers, tmp_path):
     (tmp_path / "rank.yaml").write_text(json.dumps(config(train, lora={"rank": 64})))
     out = cli(cli_env(stack, key), "finetune", str(tmp_path / "rank.yaml"))
     assert out.returncode == 2 and "maximum rank" in out.stderr and "Traceback" not in out.stderr
-    pid = client.submit_pipeline(config(train, tokenizer=str(tmp_path / "nowhere")))["pipelines"][0]["id"]
+    with pytest.raises(InvalidRequestError, match="LORAPLEX_PIPELINE_TOKENIZER_ROOT"):
+        client.submit_pipeline(config(train, tokenizer=str(tmp_path / "nowhere")))  # no path outside the root
+    pid = client.submit_pipeline(config(train, tokenizer="nowhere"))["pipelines"][0]["id"]
     failed = client.pipelines.wait(pid, timeout=60)
     assert failed["state"] == "failed" and "is not a tokenizer folder" in failed["error"]
     assert "Traceback" not in failed["error"]
@@ -330,11 +338,12 @@ def test_beat_deletes_expired_checkpoints_and_writes_missed_exports(stack, worke
         assert done["state"] == "succeeded" and done["last_checkpoint_step"] == 3
         names = lambda: {c["checkpoint_id"] for c in client.list_checkpoints(done["model_id"])}  # noqa: E731
         wait_for(lambda: names() == {"sampler_weights/final"}, 30, "the expired checkpoints deleted")
-        shutil.rmtree(done["export_path"])
         with unit_of_work(session_factory(make_db_engine(stack.settings.resolved_database_url))) as db:
-            db.get(Pipeline, done["id"]).export_path = None
+            row = db.get(Pipeline, done["id"])
+            shutil.rmtree(row.export_path)
+            row.export_path = None
         again = wait_for(lambda: (p := client.pipelines.get(done["id"]))["export_path"] and p, 30, "the export again")
-        assert Path(again["export_path"], "adapter_model.safetensors").is_file()
+        assert (client.pipelines.download_export(again["id"], tmp_path / "again") / "adapter_model.safetensors").is_file()
     finally:
         beat.stop()
 

@@ -23,13 +23,15 @@ import pytest
 from fastapi.routing import APIRoute
 
 from loraplex.api.app import create_app
-from loraplex.api.service.pipelines import sweep_dir
+from loraplex.api.service import write_session
+from loraplex.api.service.pipelines import export_dir, sweep_dir
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.models.tokenizer import train_tiny_tokenizer
 from loraplex.protocol import RequestKind
 from loraplex.queue import keys
 from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
+from loraplex.storage.repositories import PipelineRepository
 from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.tenant_state import db_state, stream_of
 from tests.helpers.tinker_wire import forward_backward_body
@@ -308,6 +310,9 @@ CALLS: dict[tuple[str, str], list[Variant]] = {
     ("POST", "/v1/pipelines/{pipeline_id}/cancel"): [
         V("cancel", lambda o, x: Call("POST", f"/v1/pipelines/{x.pipeline_id}/cancel")),
     ],
+    ("GET", "/v1/pipelines/{pipeline_id}/export"): [
+        V("export", lambda o, x: Call("GET", f"/v1/pipelines/{x.pipeline_id}/export")),
+    ],
     ("GET", "/v1/sweeps/{sweep_id}/report/{name}"): [
         V("report", lambda o, x: Call("GET", f"/v1/sweeps/{x.sweep_id}/report/report.md")),
     ],
@@ -417,6 +422,12 @@ def _resources(gateway, name: str) -> Owned:
     report = sweep_dir(services, tenant_id, submitted["sweep_id"]) / "report.md"
     report.parent.mkdir(parents=True)
     report.write_text("# a finished sweep's report\n")
+    pipeline_id = submitted["pipelines"][0]["id"]
+    export = export_dir(services, tenant_id, pipeline_id)  # as if its pipeline had succeeded and exported
+    export.mkdir(parents=True)
+    (export / "adapter_config.json").write_text("{}")
+    with write_session(services) as db:
+        PipelineRepository(db, tenant_id).record_export(pipeline_id, str(export))
     return Owned(model_id, tinker_model_id, session_id, request_id, created["request_id"], sampler_id,
                  pipeline_id=submitted["pipelines"][0]["id"], sweep_id=submitted["sweep_id"])  # fmt: skip
 

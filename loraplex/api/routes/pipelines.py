@@ -1,17 +1,33 @@
 """Offline fine-tuning pipelines: submit (a config and its dataset records; a sweep makes one pipeline per grid
-point), list, read, cancel, and a finished sweep's report files. HTTP to service calls only: api/service/pipelines.py."""
+point), list, read, cancel, a finished pipeline's PEFT export (a tar) and a finished sweep's report files. HTTP to
+service calls only: api/service/pipelines.py."""
 
 from __future__ import annotations
 
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.routes.export import TAR_MEDIA_TYPE
 from loraplex.api.schemas import PipelineList, PipelineOut, SubmittedPipelines
 from loraplex.api.service import pipelines as service
 from loraplex.api.service.pipeline_config import SubmitPipelineRequest
 
 router = APIRouter(tags=["pipelines"])
+
+def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Archive members carry no owner or mode of the workers' files."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = 0o644
+    return info
+
 
 MEDIA_TYPES = {"report.md": "text/markdown", "report.csv": "text/csv", "eval_loss.svg": "image/svg+xml"}
 
@@ -40,6 +56,25 @@ def get_pipeline(pipeline_id: str, tenant: TenantDep, services: ServicesDep) -> 
 @router.post("/v1/pipelines/{pipeline_id}/cancel")
 def cancel_pipeline(pipeline_id: str, tenant: TenantDep, services: ServicesDep) -> PipelineOut:
     return service.cancel_pipeline(services, tenant, pipeline_id)
+
+
+@router.get("/v1/pipelines/{pipeline_id}/export", response_class=FileResponse)
+def pipeline_export(pipeline_id: str, tenant: TenantDep, services: ServicesDep) -> FileResponse:
+    """The pipeline's PEFT export (adapter_model.safetensors, adapter_config.json, the tokenizer) as a tar archive of
+    plain files: what `export_path` in its answers names."""
+    folder = service.export_folder(services, tenant, pipeline_id)
+    work = Path(tempfile.mkdtemp(prefix="loraplex-pipeline-export-"))
+    try:
+        archive = work / "peft.tar"
+        with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    tar.add(path, arcname=path.name, recursive=False, filter=_plain_member)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return FileResponse(archive, media_type=TAR_MEDIA_TYPE, filename=f"pipeline-{pipeline_id}-peft.tar",
+                        background=BackgroundTask(shutil.rmtree, work, ignore_errors=True))  # fmt: skip
 
 
 @router.get("/v1/sweeps/{sweep_id}/report/{name}", response_class=FileResponse)

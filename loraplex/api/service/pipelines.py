@@ -6,6 +6,7 @@ layer as the tenant (api/service/training.py and friends), so its steps obey eve
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from loraplex.api.service.pipeline_config import (
     train_count,
 )
 from loraplex.api.service.pipeline_launch import launch_pipeline
-from loraplex.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
-from loraplex.fsutil import write_bytes_atomic
+from loraplex.api.service.pipeline_tokenizer import check_tokenizer
+from loraplex.errors import InvalidRequestError, NotFoundError, QuotaExceededError, ServiceUnavailableError
+from loraplex.fsutil import private_dirs, write_bytes_atomic
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository
 
@@ -35,9 +37,16 @@ def pipeline_out(row: Pipeline) -> PipelineOut:
         state=str(row.state), step=row.step, total_steps=row.total_steps, attempt=row.attempt, model_id=row.model_id,
         last_checkpoint=row.last_checkpoint, last_checkpoint_step=row.last_checkpoint_step,
         eval_losses=list(row.eval_losses or []), train_losses=list(row.train_losses or []),
-        final_checkpoint=row.final_checkpoint, export_path=row.export_path, error=row.error, config=dict(row.config),
+        final_checkpoint=row.final_checkpoint, export_path=export_url(row.id) if row.export_path else None,
+        error=row.error, config=dict(row.config),
         created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
     )  # fmt: skip
+
+
+def export_url(pipeline_id: str) -> str:
+    """Where the tenant downloads a pipeline's PEFT export (a tar archive): the answers name this, never the folder
+    on the workers' filesystem."""
+    return f"/v1/pipelines/{pipeline_id}/export"
 
 
 def dataset_key(tenant_id: str, dataset_id: str) -> str:
@@ -74,10 +83,27 @@ def _check(services: Services, config: PipelineConfig, request: SubmitPipelineRe
     return n_train
 
 
+def _check_pipeline_quota(services: Services, tenant: TenantRef, repo: PipelineRepository, adding: int) -> None:
+    """QuotaExceededError (429, no Retry-After: room frees as pipelines end) when `adding` more pipelines would pass
+    the tenant's `max_pipelines_per_tenant` queued or running. Checked again in the transaction that adds them (on
+    SQLite that transaction holds the write lock; on PostgreSQL two submissions at the same instant may pass it by
+    one submission's points)."""
+    quota = services.settings.max_pipelines_per_tenant
+    if not quota:
+        return
+    unfinished = repo.count_unfinished()
+    if unfinished + adding > quota:
+        raise QuotaExceededError(
+            f"tenant {tenant.name} has {unfinished} pipelines queued or running and submits {adding} more; its quota is "
+            f"{quota} (LORAPLEX_MAX_PIPELINES_PER_TENANT): wait for some to end, or cancel some"
+        )
+
+
 def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipelineRequest) -> SubmittedPipelines:
     """Check the config (each sweep point's too) and the records, store the dataset once in the blob store, create
     one pipeline row per point (QUEUED) and queue a task for each."""
     settings = services.settings
+    check_tokenizer(settings, request.config.tokenizer)  # not a grid key: every point has the same
     points = expand_sweep(request.config)
     plans = []
     for point, config in points:
@@ -86,16 +112,22 @@ def submit_pipeline(services: Services, tenant: TenantRef, request: SubmitPipeli
                 f"lora.rank {config.lora.rank} exceeds this pool's maximum rank {settings.max_rank}"
             )
         plans.append((point, config, total_steps(config, _check(services, config, request))))
+    with services.sessions() as db:
+        _check_pipeline_quota(services, tenant, PipelineRepository(db, tenant.id), len(plans))
     dataset_id = uuid.uuid4().hex
     key = dataset_key(tenant.id, dataset_id)
-    folder = blob_store(services).path(key)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dirs(blob_store(services).path(key))
     write_bytes_atomic(folder / TRAIN_FILE, _jsonl(request.train))
     if request.eval is not None:
         write_bytes_atomic(folder / EVAL_FILE, _jsonl(request.eval))
     sweep_id = uuid.uuid4().hex[:32] if request.config.sweep is not None else None
     with write_session(services) as db:
         repo = PipelineRepository(db, tenant.id)
+        try:
+            _check_pipeline_quota(services, tenant, repo, len(plans))  # again, in the transaction that adds them
+        except QuotaExceededError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         rows = [
             repo.create(
                 name=config.name if not point else f"{config.name}-{i}",
@@ -145,6 +177,17 @@ def cancel_pipeline(services: Services, tenant: TenantRef, pipeline_id: str) -> 
     as the first time."""
     with write_session(services) as db:
         return pipeline_out(PipelineRepository(db, tenant.id).cancel(pipeline_id))
+
+
+def export_folder(services: Services, tenant: TenantRef, pipeline_id: str) -> Path:
+    """The PEFT folder a pipeline of this tenant exported (404 for another tenant's pipeline, or one with no export
+    yet: it is written when the pipeline succeeds, if its config's `export` is on)."""
+    with services.sessions() as db:
+        row = PipelineRepository(db, tenant.id).get(pipeline_id)
+        folder = Path(row.export_path) if row.export_path else None
+    if folder is None or not folder.is_dir():
+        raise NotFoundError(f"pipeline {pipeline_id!r} has no export (yet): it is written when the pipeline succeeds")
+    return folder
 
 
 def sweep_report_file(services: Services, tenant: TenantRef, sweep_id: str, name: str) -> Path:

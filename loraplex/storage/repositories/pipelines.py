@@ -71,6 +71,13 @@ class PipelineRepository:
             stmt = stmt.where(Pipeline.sweep_id == sweep_id)
         return int(self.session.scalar(stmt) or 0)
 
+    def count_unfinished(self) -> int:
+        """This tenant's pipelines queued or running (its quota's use)."""
+        stmt = select(func.count()).select_from(Pipeline).where(
+            Pipeline.tenant_id == self.tenant_id, Pipeline.state.in_([PipelineState.QUEUED, PipelineState.RUNNING])
+        )
+        return int(self.session.scalar(stmt) or 0)
+
     def cancel(self, pipeline_id: str) -> Pipeline:
         """Mark a queued or running pipeline cancelled (its task stops before its next step). Cancelling a cancelled
         one answers it as it is; a succeeded or failed one is a ConflictError."""
