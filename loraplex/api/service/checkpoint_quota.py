@@ -111,7 +111,7 @@ def reserve_save(
         _prune(services, key)
         count, size = checkpoints.usage()
         script = services.redis.register_script(_RESERVE)
-        args = [field, f"{estimate} {int(time.time())}", count, size, max_count, max_bytes, int(not overwrites),
+        args: list[str | int] = [field, f"{estimate} {int(time.time())}", count, size, max_count, max_bytes, int(not overwrites),
                 estimate, DEFAULT_TTL_S]  # fmt: skip
         verdict, pending, pending_bytes = script(keys=[key], args=args)
         if verdict == -1:
