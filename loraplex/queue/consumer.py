@@ -208,7 +208,7 @@ class Consumer:
     def keep(self, refs: Iterable[EntryRef]) -> None:
         """Entries this consumer still works on: their idle time starts again (XCLAIM JUSTID to itself), so the
         stale-entry rule (`claim_stale`, with any consumer name) does not take them while a plan runs them."""
-        by_stream: dict[str, list[str]] = defaultdict(list)
+        by_stream: dict[str, list[Any]] = defaultdict(list)
         for ref in refs:
             by_stream[ref.stream].append(ref.id)
         if not by_stream:

@@ -68,9 +68,8 @@ class SampleStep:
             self._advance(flight, budget)
         for request in step.requests:
             if request.request_id not in outcomes:
-                outcomes[request.request_id] = self._done.pop(request.request_id, None) or Outcome(
-                    request.request_id, unfinished=True
-                )
+                done = self._done.pop(request.request_id, None)
+                outcomes[request.request_id] = done or Outcome(request.request_id, unfinished=True)
         return [outcomes[r.request_id] for r in step.requests]
 
     def close(self) -> None:
