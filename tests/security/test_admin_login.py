@@ -112,7 +112,6 @@ def test_a_flood_of_wrong_passwords_gets_429_holds_no_write_lock_and_spares_the_
 
     victim.alone(5)  # the pool's first steps after start are slower than its steady state
     alone = victim.alone(10)
-    print(f"victim alone (ms): {[round(1000 * s) for s in alone]}")
     statuses: list[int] = []
     refused: list[httpx.Response] = []
     stop = threading.Event()
