@@ -54,6 +54,7 @@ class Stack:
                 "model_cache": self.settings.resolved_model_cache,
                 "spill_dir": self.settings.spill_dir or self.settings.home / "spill",
                 "api_port": self.api_port,
+                "tokenizer_id": self.settings.tokenizer_id or local_tokenizer_folder(self.settings),
             }
         )
         for name in type(s).model_fields:
@@ -163,6 +164,16 @@ def gateway_metrics_env(settings: Settings, port: int, workers: int) -> dict[str
     from loraplex.api.metrics import multiprocess_env
 
     return multiprocess_env(settings.home / "metrics" / f"gateway-{port}", workers)
+
+
+def local_tokenizer_folder(settings: Settings) -> str:
+    """The base model's folder, for Tinker's get_info to name as the tokenizer (so the SDK's `get_tokenizer()` loads it
+    offline), when every client shares this machine: a gateway on a loopback address, whose tenants can read its
+    folders anyway. Anywhere else "" (get_info then answers a name, never a server path: api/tinker/model_info.py)."""
+    if settings.api_host not in ("127.0.0.1", "localhost", "::1"):
+        return ""
+    given = Path(settings.base_model).expanduser()
+    return str(given.resolve() if given.is_dir() else settings.resolved_model_cache / settings.base_model)
 
 
 def ready_file(settings: Settings) -> Path:

@@ -15,9 +15,7 @@ def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("stack")
     # The pool serves its metrics on a port of its own (tests/e2e/test_metrics.py scrapes it), publishing them to
     # Redis twice a second for the gateway's /metrics/pools (opened: tests/e2e/test_metrics.py scrapes it tokenless).
-    # get_info names the tiny preset's folder as its tokenizer (clients share this machine; the tiny tokenizer is on no
-    # hub), so the SDK's get_tokenizer() loads it offline (tests/e2e/test_tinker_sdk.py).
     settings = Settings(home=home, slots=4, max_rank=16, pool_metrics_port=free_port(), pool_metrics_publish_seconds=0.5,
-                        tokenizer_id=str(home / "models" / "tiny"), metrics_open=True)  # fmt: skip
+                        metrics_open=True)
     with Stack(settings, api_port=free_port()) as running:
         yield running

@@ -6,7 +6,7 @@ from it, against the real stack (redis-server, SQLite, the gateway under uvicorn
 - H4: a 31 MB OpenAI prompt (and ones just over the limits) is a 413 at once, never tokenized; the victim trains on.
 - H2: stop sequences (count, length) and sample work (samples x (prompt + max_tokens)) bounded alike on the native,
   Tinker and OpenAI sampling routes; a usual RL group still passes.
-- L6: get_info's tokenizer_id is the base model's name, no folder of the server."""
+- L6: get_info's tokenizer_id is the base model's name, never a server folder, except on a loopback-only stack."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import httpx
 import numpy as np
 import pytest
 
+from loraplex.api.tinker.model_info import tokenizer_id
 from loraplex.api.tinker.proto import pb
+from loraplex.embedded import local_tokenizer_folder
 from tests.security.harness import check_victim, tenant_key
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -235,9 +237,14 @@ def test_a_usual_rl_group_still_samples(stack, attacker, tinker_ids) -> None:
 # --- L6 -------------------------------------------------------------------------------------------------------------
 
 
-def test_get_info_names_no_server_path(stack, attacker, tinker_ids) -> None:
+def test_get_info_names_no_server_path_unless_every_client_shares_the_machine(stack, attacker, tinker_ids) -> None:
+    """A gateway on a non-loopback address answers a name (tests/integration/test_tinker_routes.py checks the route
+    itself); the embedded stack on the loopback names the local folder, which its clients can read anyway, so the
+    SDK's get_tokenizer() works offline."""
     model_id, _ = tinker_ids
     info = attacker.post("/api/v1/get_info", json={"model_id": model_id})
     assert info.status_code == 200, info.text
-    assert info.json()["model_data"]["tokenizer_id"] == "tiny"
-    assert str(stack.settings.home) not in info.text and "/" not in info.json()["model_data"]["tokenizer_id"]
+    assert info.json()["model_data"]["tokenizer_id"] == str(stack.settings.resolved_model_cache / "tiny")
+    served = stack.settings.model_copy(update={"api_host": "0.0.0.0", "tokenizer_id": ""})
+    assert local_tokenizer_folder(served) == ""
+    assert tokenizer_id(served, served.base_model) == "tiny"
