@@ -281,7 +281,8 @@ def _lead(
     writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
     # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.
     cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None
-    executor = PlanExecutor(engine, store, native_sampling(settings, engine, store, group), writes,
+    sampling = native_sampling(settings, engine, store, group)
+    executor = PlanExecutor(engine, store, sampling, writes,
                             on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
     notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
@@ -302,7 +303,7 @@ def _lead(
 
     def build_dispatcher() -> Dispatcher:
         client = redis.Redis.from_url(settings.redis_url)
-        return Dispatcher(
+        dispatcher = Dispatcher(
             client,
             settings.pool,
             recording,
@@ -315,6 +316,9 @@ def _lead(
             tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
             observer=metrics,
         )
+        if hasattr(sampling, "yield_now"):  # the native sampler's slices end early when others' requests arrive
+            sampling.yield_now = dispatcher.others_waiting
+        return dispatcher
 
     dispatcher = _dispatcher_when_redis_answers(
         build_dispatcher,

@@ -197,10 +197,12 @@ class Settings(BaseSettings):
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"
     sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
-    # Seconds of native sampling one plan runs (a long generation goes on over the next plans, workers/sampling_step.py):
-    # another tenant's step waits at most about one slice. 25 ms: a small training step is 20-60 ms alone, so it stays
-    # under 2x, and a slice still holds several decode steps (a few ms each) against ~1 ms of per-plan overhead.
-    sample_slice_ms: float = Field(default=25.0, gt=0)
+    # Longest slice of native sampling one plan runs (a long generation goes on over the next plans,
+    # workers/sampling_step.py). A slice runs after its plan's training is answered, for at most as long as that
+    # training took, and ends after the current decode step once requests other than samples arrive; so this bounds
+    # only how often an otherwise idle pool re-plans (new samples start, finished ones are answered): ~1 ms of
+    # per-plan overhead against 100 ms of decoding.
+    sample_slice_ms: float = Field(default=100.0, gt=0)
     # Sample runs in flight at once on a pool (each holds its decode cache and weights); newer requests wait unstarted.
     sample_runs_in_flight: int = Field(default=4, ge=1)
     # A request entry left unacknowledged this long by a consumer that is gone is taken over by the dispatcher (its own

@@ -232,7 +232,7 @@ class Dispatcher:
         busy = 0.0
         if decision.plan.steps:
             self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0], self._sampling)
-            answered, busy = self._execute(decision.plan, by_obj)
+            answered, busy = self._execute_samples_last(decision.plan, by_obj)
             self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, self.clock())
@@ -398,6 +398,22 @@ class Dispatcher:
             self._held_ids.add(sid)
         self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
+
+    def others_waiting(self) -> bool:
+        """Whether requests other than samples were read and not planned yet (a sample slice then ends early)."""
+        return self._prefetcher is not None and self._prefetcher.others_waiting.is_set()
+
+    def _execute_samples_last(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
+        """The plan's SAMPLE step runs after the rest of it is executed and handed to the finisher (so their results do
+        not wait for the slice), for at most as long as the rest took: beside training, sampling takes at most half
+        the pool's time, and a training tenant waits for at most one slice. Returns (answered, executor seconds)."""
+        sample = [s for s in plan.steps if s.kind == StepKind.SAMPLE]
+        rest = tuple(s for s in plan.steps if s.kind != StepKind.SAMPLE)
+        if not sample or not rest:
+            return self._execute(plan, by_obj)
+        answered, busy = self._execute(BatchPlan(rest), by_obj)
+        sampled, sampling = self._execute(BatchPlan(tuple(replace(s, seconds=busy) for s in sample)), by_obj)
+        return answered + sampled, busy + sampling
 
     def _execute(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """Run the plan and finish its requests; returns (requests answered, seconds the executor took)."""

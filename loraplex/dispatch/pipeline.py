@@ -25,6 +25,7 @@ import redis as redis_lib
 
 from loraplex.errors import LeaseLostError
 from loraplex.logutil import Backoff, RateLimitedLog
+from loraplex.protocol import RequestKind
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.storage.db import database_unavailable
 
@@ -107,6 +108,8 @@ class Prefetcher:
         self._count = count
         self._queue: queue.Queue[list[Entry]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        # set when entries other than samples were read and not taken yet: a sample slice then ends early
+        self.others_waiting = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dispatch-prefetch", daemon=True)
         self._thread.start()
 
@@ -136,6 +139,8 @@ class Prefetcher:
             while entries and not self._stop.is_set():
                 try:
                     self._queue.put(entries, timeout=0.1)
+                    if any(env.kind != RequestKind.SAMPLE for _, env in entries):
+                        self.others_waiting.set()
                     break
                 except queue.Full:
                     continue
@@ -143,6 +148,7 @@ class Prefetcher:
     def take(self, wait_s: float | None) -> list[Entry]:
         """Everything read so far; when there is nothing, wait up to `wait_s` (None: don't wait) for the next read."""
         out: list[Entry] = []
+        self.others_waiting.clear()  # before taking: entries put from now on set it again
         try:
             if wait_s:
                 out += self._queue.get(timeout=wait_s)

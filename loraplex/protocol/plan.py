@@ -51,6 +51,9 @@ class Step:
 
     kind: StepKind
     requests: tuple[PlannedRequest, ...]
+    # SAMPLE only: the most seconds of sampling this step may run (the dispatcher sets it to the seconds its plan's
+    # training took, so sampling beside training takes at most half the pool's time); None: the sampler's own slice.
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)

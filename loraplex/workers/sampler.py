@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -280,13 +280,13 @@ class SampleRun:
         read the slot banks (the fused path gathered its weights when it started)."""
         return self._run is not None and self._run.banks is None and bool(self.model_ids)
 
-    def advance(self, budget_s: float | None) -> bool:
-        """Run for about `budget_s` seconds (None: to the end), at least one admission or decode step; True when done
-        (its decoder then goes back to the sampler)."""
+    def advance(self, budget_s: float | None, yield_now: Callable[[], bool] | None = None) -> bool:
+        """Run for about `budget_s` seconds (None: to the end), at least one admission or decode step, and stop early
+        once `yield_now()` says other work waits; True when done (its decoder then goes back to the sampler)."""
         if self._run is None:
             return True
         with torch.inference_mode():
-            finished = self._run.advance(budget_s)
+            finished = self._run.advance(budget_s, yield_now)
         if finished:
             self.close()
         return finished
@@ -390,8 +390,9 @@ class _Run:
     def done(self) -> bool:
         return not (self.waiting or self.live)
 
-    def advance(self, budget_s: float | None) -> bool:
-        """Admit and decode until done or `budget_s` seconds have passed (at least one round); True when done."""
+    def advance(self, budget_s: float | None, yield_now: Callable[[], bool] | None = None) -> bool:
+        """Admit and decode until done, `budget_s` seconds have passed or `yield_now()` (at least one round); True
+        when done."""
         stats = self.stats
         self._rebind()
         deadline = None if budget_s is None else time.perf_counter() + budget_s
@@ -402,6 +403,8 @@ class _Run:
                 stats.peak_rows = max(stats.peak_rows, len(self.live))
                 self._decode_step()  # reads its tokens back to the host: the time includes the device's work
             if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if yield_now is not None and yield_now():
                 break
         return self.done
 

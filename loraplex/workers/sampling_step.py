@@ -11,10 +11,15 @@ wait for a later step, unstarted) and advances every run in flight for about `sl
 between them. A request whose run is not done yet gets an unfinished Outcome (no result: the dispatcher keeps it
 pending, dispatch/loop.py) and goes on in the next step that names it; so one tenant's long generation holds the
 pool for one slice per plan, and other tenants' training runs in between. A request id already in flight is never
-started again (a redelivered entry). Without `slice_s`, every run goes to its end within the step."""
+started again (a redelivered entry). A step's `seconds` (the training its plan ran just before) lowers the slice to
+that (sampling takes about half the pool's time while others train), and a slice on an otherwise idle pool ends after
+its current decode step once `yield_now()` says requests wait (so an arriving step waits for one decode step, not a
+whole slice). Without `slice_s`, every run goes to its
+end within the step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,9 @@ class SampleStep:
         self._owner: dict[str, _InFlight] = {}  # request_id -> its run in flight
         self._done: dict[str, Outcome] = {}  # outcomes of runs that ended, for requests not in the step they ended in
         self.executions = 0  # requests started (each request id once while in flight)
+        # Says whether other requests wait for the pool (the dispatcher's `others_waiting`, wired by the pool process):
+        # a slice then ends after its current decode step.
+        self.yield_now: Callable[[], bool] | None = None
 
     @property
     def in_flight(self) -> set[str]:
@@ -63,9 +71,12 @@ class SampleStep:
                 new.append(request)
         outcomes.update(self._start(new))
         advancing = [f for f in self._runs if any(r.request_id in named for r in f.requests)]
-        budget = None if self.slice_s is None else self.slice_s / max(1, len(advancing))
+        budget = None if self.slice_s is None else min(self.slice_s, step.seconds if step.seconds is not None else 1e9)
+        budget = None if budget is None else budget / max(1, len(advancing))
+        # A slice beside training runs its share whole; one on an otherwise idle pool yields to what arrives.
+        yield_now = self.yield_now if step.seconds is None else None
         for flight in advancing:
-            self._advance(flight, budget)
+            self._advance(flight, budget, yield_now)
         for request in step.requests:
             if request.request_id not in outcomes:
                 done = self._done.pop(request.request_id, None)
@@ -116,15 +127,15 @@ class SampleStep:
             self._owner.update((r.request_id, flight) for r in flight.requests)
             self.executions += len(flight.requests)
             if self.slice_s is None:  # unsliced: each run to its end now, one decode cache at a time
-                self._advance(flight, None)
+                self._advance(flight, None, None)
         return outcomes
 
-    def _advance(self, flight: _InFlight, budget_s: float | None) -> None:
+    def _advance(self, flight: _InFlight, budget_s: float | None, yield_now: Callable[[], bool] | None) -> None:
         """One slice of a run; when it ends (or fails) its requests' outcomes go to `_done`."""
         try:
             if self.store is not None and flight.run.needs_slots:
                 self.store.ensure_resident(flight.run.model_ids)
-            finished = flight.run.advance(budget_s)
+            finished = flight.run.advance(budget_s, yield_now)
         except Exception as exc:  # noqa: BLE001 - the run failed: each of its requests gets the error
             flight.run.close()
             self._end(flight, [error_outcome(r, exc) for r in flight.requests])

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from loraplex.dispatch.loop import Dispatcher
-from loraplex.protocol import BatchPlan, Outcome
+from loraplex.protocol import BatchPlan, Outcome, StepKind
 from loraplex.queue import keys
 from loraplex.queue.consumer import Consumer
 from loraplex.queue.envelope import Envelope, encode
@@ -117,3 +117,55 @@ def test_a_redelivered_twin_of_a_sample_being_finished_runs_once(redis_client: r
     _until_answered(d, results, [env.request_id], also=1.0)
     assert engine.starts == [env.request_id]
     assert redis_client.xlen(stream) == 0  # the twin was answered and acked
+
+
+class TrainingThenSampling:
+    """Trains in `train_s`; a SAMPLE step notes the seconds it was given and whether the training's result was
+    already stored when it began (it waits for it at most 2 s: the finisher writes it in the background)."""
+
+    def __init__(self, results: ResultStore, train_s: float) -> None:
+        self.results, self.train_s = results, train_s
+        self.calls: list[tuple[str, ...]] = []
+        self.sample_seconds: list[float | None] = []
+        self.trained_first: list[bool] = []
+        self.trained: list[str] = []
+
+    def execute(self, plan: BatchPlan) -> list[Outcome]:
+        self.calls.append(tuple(str(s.kind) for s in plan.steps))
+        outcomes = []
+        for step in plan.steps:
+            if step.kind == StepKind.SAMPLE:
+                self.sample_seconds.append(step.seconds)
+                deadline = time.monotonic() + 2
+                while self.trained and not all(self.results.has_many(self.trained)) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                self.trained_first.append(all(self.results.has_many(self.trained)))
+                outcomes += [Outcome(r.request_id, result={"sequences": []}) for r in step.requests]
+            else:
+                time.sleep(self.train_s)
+                self.trained += [r.request_id for r in step.requests]
+                outcomes += [Outcome(r.request_id, result={"loss": 0.0}) for r in step.requests]
+        return outcomes
+
+
+def test_a_plan_answers_its_training_before_its_sample_slice_which_gets_the_training_s_time(
+    redis_client: redis.Redis,
+) -> None:
+    """A plan with training and a sample runs the training first, hands its results to the finisher, then the slice,
+    for at most as long as the training took (Step.seconds): beside training, sampling takes half the pool."""
+    pool = uuid.uuid4().hex[:8]
+    results = ResultStore(redis_client)
+    engine = TrainingThenSampling(results, train_s=0.05)
+    data = [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4], "weights": [1.0] * 3}}]
+    fb = Envelope.new(tenant_id="t-a", model_id="a", seq_id=1, kind="forward_backward",
+                      payload={"data": data, "loss_fn": "cross_entropy", "loss_fn_config": {}})  # fmt: skip
+    sample = _sample("sess-4")
+    for env in (fb, sample):
+        Producer(redis_client, pool).submit(env)
+    d = _dispatcher(redis_client, pool, engine)
+    d.seed_applied({"a": 0})
+    _until_answered(d, results, [fb.request_id, sample.request_id], also=0.0)
+    assert ("forward_backward",) in engine.calls and ("sample",) in engine.calls
+    assert not any(len(c) > 1 and "sample" in c for c in engine.calls)  # never a slice inside a training plan
+    assert engine.trained_first == [True]
+    assert engine.sample_seconds[0] is not None and 0.04 <= engine.sample_seconds[0] < 0.5

@@ -5,6 +5,7 @@ request only when its run ends, starting each request id once."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,24 @@ def test_a_request_id_in_flight_is_not_started_again(tiny_dir: Path, tmp_path: P
         outs = step(Step(StepKind.SAMPLE, (twin,)))
     assert outs[0].ok and [len(s["tokens"]) for s in outs[0].result["sequences"]] == [16] * 3
     assert step.executions == 1
+
+
+def test_a_slice_beside_training_runs_its_seconds_and_an_idle_one_yields_to_arrivals(tiny_dir: Path, tmp_path: Path) -> None:
+    """Step.seconds caps the slice below `slice_s` (and `yield_now` does not cut it); a slice with no seconds (an
+    otherwise idle pool) stops after one round once `yield_now()` is true."""
+    engine = _engine(tiny_dir, True, slots=2)
+    sampler = Sampler(engine, max_rows=2)
+    step = SampleStep(sampler, AdapterStore(engine, 1 << 30, tmp_path / "spill"), slice_s=60.0)
+    asked: list[int] = []
+    step.yield_now = lambda: asked.append(1) is None  # always: requests wait
+    payload = {"prompt": [3, 5], "max_tokens": 40, "num_samples": 2, "seed": 1, "stop_at_eos": False}
+    request = PlannedRequest("r", "t", "sess", 0, RequestKind.SAMPLE, payload)
+    started = time.perf_counter()
+    assert step(Step(StepKind.SAMPLE, (request,), seconds=0.0))[0].unfinished  # one round: admission, no more
+    assert asked == [] and time.perf_counter() - started < 5
+    before = sampler.stats.decode_steps
+    assert step(Step(StepKind.SAMPLE, (request,)))[0].unfinished  # idle pool, but requests wait: one decode step
+    assert asked == [1] and sampler.stats.decode_steps == before + 1
+    step.yield_now = None
+    out = step(Step(StepKind.SAMPLE, (request,)))[0]  # nobody waits: to the end within the 60 s slice
+    assert out.ok and [len(s["tokens"]) for s in out.result["sequences"]] == [40, 40]
