@@ -138,6 +138,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
     return EngineSpec(
         load_model=model_loader(settings),
         device=settings.device,
+        cpu_threads=settings.resolved_pool_cpu_threads,
         engine_kwargs={
             "num_slots": settings.slots,
             "max_rank": settings.max_rank,

@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     host_budget_mb: float = Field(default=2048, ge=0)
     spill_dir: Path | None = None
     device: str = "cpu"
+    # torch's threads per rank of a CPU pool. 0: the machine's cores less one, shared by the ranks (at least 1), so the
+    # gateway, Redis and clients on the same machine keep a core: torch's OpenMP threads wait for each other at every
+    # op, and with every core taken one descheduled thread held a 23-token step for 1.4 s (tests/security).
+    pool_cpu_threads: int = Field(default=0, ge=0)
     # The base model's weights and activations on every rank: auto = bf16 on CUDA, fp32 on CPU. The LoRA banks keep
     # fp32 master weights (and Adam state) whatever this is; they are cast to it per microbatch.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
@@ -323,6 +327,10 @@ class Settings(BaseSettings):
     def resolved_api_workers(self) -> int:
 
         return self.api_workers or max(1, min(4, (os.cpu_count() or 1) // 4))
+
+    @property
+    def resolved_pool_cpu_threads(self) -> int:
+        return self.pool_cpu_threads or max(1, ((os.cpu_count() or 1) - 1) // self.world_size)
 
     @property
     def resolved_database_url(self) -> str:

@@ -55,11 +55,14 @@ class EngineSpec:
     load_model: ModelLoader
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL; each rank takes cuda:LOCAL_RANK)
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # num_slots, max_rank, target_modules, microbatch_tokens
+    cpu_threads: int = 0  # torch's intra-op threads on a CPU rank (0: torch's default)
 
 
 def build_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:
     """The engine of this rank: with a group of several ranks, base weights sharded and rows split (distributed.py)."""
     device = group.device if group is not None else torch.device(spec.device)
+    if device.type == "cpu" and spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
     model = spec.load_model(device)
     engine = Engine(model, device=device, dist=group, **dict(spec.engine_kwargs))
     if group is not None:

@@ -45,3 +45,13 @@ def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.Monk
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "ring")
     with pytest.raises(ValueError, match="pool_layout"):
         Settings()
+
+
+def test_a_cpu_pool_leaves_a_core_to_the_gateway_and_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.pool_process import engine_spec
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert engine_spec(Settings()).cpu_threads == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert Settings().resolved_pool_cpu_threads == 15 and Settings(world_size=2).resolved_pool_cpu_threads == 7
+    assert Settings(pool_cpu_threads=3).resolved_pool_cpu_threads == 3
