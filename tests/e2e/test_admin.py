@@ -28,6 +28,7 @@ from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pipeline, Residency, Tenant
 from loraplex.storage.types import utcnow
+from tests.helpers.admin_pages import revoke_key_in_list
 from tests.helpers.stack import create_tenants
 
 pytestmark = pytest.mark.e2e
@@ -177,12 +178,7 @@ def test_actions_change_the_database_through_the_service(stack, world, browser) 
     # Revoke it through the list page's action menu (select the row, pick the action, confirm).
     with sessions() as db:
         key_id = db.query(ApiKey).filter_by(tenant_id=tenant_id, prefix=new_key[:8]).one().id
-    page.goto(f"{stack.base_url}/admin/api-key/list?search={new_key[:8]}")
-    page.locator(f"tr:has(input[type=hidden][value='{key_id}']) input.select-box").check()
-    page.click("#dropdownMenuButton")
-    page.click("#action-customconfirm-revoke")
-    with page.expect_navigation():
-        page.click("#action-custom-modal-revoke")
+    revoke_key_in_list(page, stack.base_url, key_id, f"?search={new_key[:8]}")
     assert _row(world, ApiKey, id=key_id).revoked_at is not None
     deadline = time.monotonic() + 10  # the gateway trusts a checked key for auth_cache_seconds
     while httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": new_key}).status_code != 401:

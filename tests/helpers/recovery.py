@@ -14,6 +14,7 @@ import torch
 from loraplex.client import Datum, ServiceClient
 from loraplex.embedded import Stack
 from loraplex.models import load_base_model
+from loraplex.settings import Settings
 from loraplex.workers.checkpoint import CheckpointState, read_checkpoint
 from loraplex.workers.checkpoint_state import state_from_engine
 from loraplex.workers.engine import Engine
@@ -74,6 +75,15 @@ def reference(stack: Stack, plans: list[Plan]) -> tuple[dict[int, CheckpointStat
     """The plans on a local engine built like the pool's (same model, slots, max rank, modules), each request alone,
     no fault: each tenant's final state and its losses."""
     s = stack.settings
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.resolved_pool_cpu_threads)  # as the pool's rank: the sums' order follows the threads
+    try:
+        return _reference(s, plans)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(s: Settings, plans: list[Plan]) -> tuple[dict[int, CheckpointState], dict[int, list[float]]]:
     model, _ = load_base_model(s.base_model, s.resolved_model_cache, dtype=torch.float32)
     engine = Engine(model, num_slots=len(plans), max_rank=s.max_rank, target_modules=tuple(s.target_modules),
                     microbatch_tokens=s.microbatch_tokens)  # fmt: skip

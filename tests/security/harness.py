@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,18 @@ class Victim:
 
     def close(self) -> None:
         self.client.close()
+
+
+def run_attackers(attack: Callable[..., None], args: list[tuple[Any, ...]], seconds: float, stop: threading.Event) -> None:
+    """One thread per `args` tuple running `attack(*args)` (each watches `stop`), for `seconds`; then `stop` is set and
+    they are joined."""
+    threads = [threading.Thread(target=attack, args=a, daemon=True) for a in args]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
 
 
 def check_victim(

@@ -18,6 +18,7 @@ from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pipeline, Tenant
 from loraplex.storage.repositories import AdminRepository, unit_of_work
+from tests.helpers.admin_pages import revoke_key_in_list
 from tests.helpers.stack import create_tenants
 
 PASSWORD = "correct horse battery staple"
@@ -111,12 +112,7 @@ def test_the_buttons_post_their_actions_in_a_real_browser(stack, world) -> None:
         with page.expect_navigation():
             page.click("button[type=submit]")
         # The list page's menu: select the key's row, pick Revoke, confirm.
-        page.goto(f"{stack.base_url}/admin/api-key/list")
-        page.locator(f"tr:has(input[type=hidden][value='{world['key']}']) input.select-box").check()
-        page.click("#dropdownMenuButton")
-        page.click("#action-customconfirm-revoke")
-        with page.expect_navigation():
-            page.click("#action-custom-modal-revoke")
+        revoke_key_in_list(page, stack.base_url, world["key"])
         assert dict(_state(world)["keys"])[world["key"]] is not None  # revoked
         # The details page's button, then its confirmation.
         page.goto(f"{stack.base_url}/admin/pipeline/details/{world['pipeline']}")

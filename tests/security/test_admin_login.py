@@ -31,7 +31,7 @@ from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.models import AdminAccount
 from loraplex.storage.repositories import AdminRepository, unit_of_work
 from loraplex.storage.types import utcnow
-from tests.security.harness import check_victim
+from tests.security.harness import check_victim, run_attackers
 
 PASSWORD = "correct horse battery staple"
 ERROR_RE = re.compile(r'<div class="invalid-feedback">([^<]*)</div>')
@@ -124,13 +124,7 @@ def test_a_flood_of_wrong_passwords_gets_429_holds_no_write_lock_and_spares_the_
                 refused.append(r)
 
     with victim.training(min_steps=20) as during:
-        attackers = [threading.Thread(target=attacker, args=(c,), daemon=True) for c in attack_clients]
-        for t in attackers:
-            t.start()
-        time.sleep(4.0)
-        stop.set()
-        for t in attackers:
-            t.join(timeout=30)
+        run_attackers(attacker, [(c,) for c in attack_clients], 4.0, stop)
     check_victim(alone, during, label="admin login flood")
     limit = settings.admin_login_attempts_per_client
     assert statuses.count(400) <= limit and statuses.count(429) >= 16, statuses  # the rest were refused before a hash

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from loraplex.client import ServiceClient
-from tests.security.harness import Victim, check_victim, running_stack, tenant_key
+from tests.security.harness import Victim, check_victim, run_attackers, running_stack, tenant_key
 
 BODY_READ_TIMEOUT_S = 1.5  # small, so the L5 test waits little; every honest body here arrives in milliseconds
 LONG_POLLS = 150  # the issue's H1 attack
@@ -202,14 +202,8 @@ def test_anonymous_floods_leave_the_victim_alone(stack, victim: Victim) -> None:
     alone = victim.alone(10)
     stop = threading.Event()
     answers: Counter[str] = Counter()
-    senders = [threading.Thread(target=_flood, args=(host, port, stop, answers), daemon=True) for _ in range(2)]
     with victim.training() as during:
-        for t in senders:
-            t.start()
-        time.sleep(6.0)
-        stop.set()
-    for t in senders:
-        t.join(timeout=30)
+        run_attackers(_flood, [(host, port, stop, answers)] * 2, 6.0, stop)
     print(f"the anonymous senders' answers: {dict(answers)}")
     assert answers and set(answers) == {"401"}, answers
     check_victim(alone, during, label="beside two anonymous floods")
