@@ -32,7 +32,7 @@ services:
 	@scripts/ensure-services.sh
 
 demo: setup
-	$(PY) -m loraplex.cli demo --report demo-report.json
+	$(PY) -m loraplex.launch.cli demo --report demo-report.json
 
 test: setup
 	$(PY) -m pytest -q

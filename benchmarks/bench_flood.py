@@ -25,10 +25,10 @@ import httpx
 import redis
 
 from loraplex.client import Datum, ServiceClient
-from loraplex.embedded import Stack
 from loraplex.errors import LoraplexError
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
 from loraplex.queue import stats
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import TenantRepository, unit_of_work

@@ -158,8 +158,8 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
     """A whole save_weights_for_sampler plan as the pool runs it (PlanExecutor with background writes): the plan's
     time on the training path (host time and the compute stream: the snapshot and the weights' device copy; the
     device-to-host copy runs on a side stream beside it), and the file write beside it."""
-    from loraplex.background_writes import BackgroundWrites
     from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+    from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.workers.executor import PlanExecutor
 
     folder = Path(tempfile.mkdtemp(prefix="bench-sampler-save-"))

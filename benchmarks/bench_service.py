@@ -43,12 +43,12 @@ from loraplex.client import ServiceClient  # noqa: E402
 from loraplex.dispatch.cost_calibration import OnlineCostModel  # noqa: E402
 from loraplex.dispatch.cost_model import default_cost  # noqa: E402
 from loraplex.dispatch.policy import PolicyLimits, plan_batch  # noqa: E402
-from loraplex.embedded import Stack  # noqa: E402
+from loraplex.launch.embedded import Stack  # noqa: E402
 from loraplex.models import SHAPE_PRESETS, load_base_model, torch_dtype  # noqa: E402
-from loraplex.netutil import free_port  # noqa: E402
-from loraplex.pool_process import engine_spec  # noqa: E402
+from loraplex.pool.process import engine_spec  # noqa: E402
 from loraplex.protocol import PlannedRequest, RequestKind  # noqa: E402
 from loraplex.queue import stats as plan_stats  # noqa: E402
+from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from loraplex.storage.db import make_db_engine, session_factory  # noqa: E402
 from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402

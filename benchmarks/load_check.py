@@ -24,9 +24,9 @@ import redis
 
 from benchmarks.bench_flood import tenant_keys
 from loraplex.client import AdamParams, Datum, ServiceClient
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
 from loraplex.queue import stats
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 
 

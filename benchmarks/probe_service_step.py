@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_tenant import tenant_datums  # noqa: E402
 from loraplex.client import AdamParams, ServiceClient  # noqa: E402
-from loraplex.embedded import Stack  # noqa: E402
-from loraplex.netutil import free_port  # noqa: E402
+from loraplex.launch.embedded import Stack  # noqa: E402
+from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from loraplex.storage.db import make_db_engine, session_factory  # noqa: E402
 from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402

@@ -25,9 +25,9 @@ from typing import Any
 
 from benchmarks.bench_flood import tenant_keys
 from loraplex.client import AdamParams, Datum, ServiceClient
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
-from loraplex.redis_child import RedisChild
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
+from loraplex.runtime.redis_child import RedisChild
 from loraplex.settings import Settings
 
 

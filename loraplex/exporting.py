@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
-from loraplex.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.models import Adapter, Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository

@@ -36,7 +36,7 @@ from loraplex.admin.passwords import verify_password
 from loraplex.admin.secure_cookies import cookie_secure
 from loraplex.admin.trusted_devices import TrustedDevices
 from loraplex.errors import CapacityError
-from loraplex.logutil import RateLimitedLog
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.settings import Settings
 from loraplex.storage.repositories import AdminRepository, unit_of_work
 

@@ -34,7 +34,7 @@ from loraplex.errors import (
     ServiceUnavailableError,
     http_status_for,
 )
-from loraplex.logutil import RateLimitedLog
+from loraplex.runtime.logutil import RateLimitedLog
 
 log = logging.getLogger("loraplex.api")
 RETRY_AFTER_S = 1  # what a 503 asks the caller to wait (seconds)

@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from loraplex.checkpoint_paths import MAX_TTL_SECONDS
-from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.protocol.checkpoint_paths import MAX_TTL_SECONDS
+from loraplex.protocol.defaults import ADAM_DEFAULTS
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 

@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import DEFAULT_RESULT_TIMEOUT_S, APIFuture
 from loraplex.client.pipelines import PipelineCalls
 from loraplex.client.sampling import SamplingClient
 from loraplex.client.training import TrainingClient
 from loraplex.client.transport import Transport, raise_for_status
 from loraplex.errors import AuthenticationError
+from loraplex.protocol.checkpoint_paths import split_tinker_path
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8700"
 

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.client.futures import APIFuture
 from loraplex.client.sampling import SamplingClient
 from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol.checkpoint_paths import split_tinker_path
 
 SEQ_ID_HEADER = "X-Seq-Id"  # read by the gateway (api/admission.py) when it refuses a body unread
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.protocol.defaults import ADAM_DEFAULTS
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Datum:
 
 @dataclass
 class AdamParams:
-    """AdamW settings of one optim_step; each default is Tinker's (loraplex.protocol_defaults)."""
+    """AdamW settings of one optim_step; each default is Tinker's (loraplex.protocol.defaults)."""
 
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     beta1: float = ADAM_DEFAULTS["beta1"]

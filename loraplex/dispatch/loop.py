@@ -47,7 +47,6 @@ from loraplex.dispatch.fair_share import FairShareLedger
 from loraplex.dispatch.pipeline import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
 from loraplex.dispatch.tenant_weights import TenantWeights
-from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
@@ -68,6 +67,7 @@ from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Claim
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
+from loraplex.runtime.logutil import Backoff, RateLimitedLog
 from loraplex.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import threading
 import redis as redis_lib
 
 from loraplex.dispatch.pool_metrics import PoolMetrics
-from loraplex.logutil import RateLimitedLog
 from loraplex.queue import metrics_snapshot
+from loraplex.runtime.logutil import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import redis as redis_lib
 
 from loraplex.errors import LeaseLostError
-from loraplex.logutil import Backoff, RateLimitedLog
 from loraplex.protocol import RequestKind
 from loraplex.queue.consumer import Consumer, Entry
+from loraplex.runtime.logutil import Backoff, RateLimitedLog
 from loraplex.storage.db import database_unavailable
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ seconds, the adapter store's cumulative swap counts and its tier sizes (workers/
 labels are documented in ARCHITECTURE.md ("Metrics"). Every series carries the pool's name; per-tenant series carry the
 tenant id and nothing else of the tenant's.
 
-The registry is served on the pool's own port (loraplex/metrics_server.py) and published to Redis for the gateways
+The registry is served on the pool's own port (loraplex/runtime/metrics_server.py) and published to Redis for the gateways
 (dispatch/metrics_publisher.py)."""
 
 from __future__ import annotations

@@ -22,12 +22,9 @@ from datetime import timedelta
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.background_writes import BackgroundWrites
-from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.dispatch.pipeline import retry_database
 from loraplex.dispatch.records import PlanNotes, TierChanges, check_leader
 from loraplex.errors import LoraplexError
-from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import (
     KINDS,
     SAVE_KINDS,
@@ -38,7 +35,10 @@ from loraplex.protocol import (
     RequestKind,
     SaveCheckpointPayload,
 )
+from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.queue.lease import PoolLease
+from loraplex.runtime.background_writes import BackgroundWrites
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.types import utcnow

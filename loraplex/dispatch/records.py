@@ -26,7 +26,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.dispatch.pipeline import retry_database
 from loraplex.errors import LeaseLostError, NotFoundError
-from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import (
     UNCHAINED_KINDS,
     BatchPlan,
@@ -34,6 +33,7 @@ from loraplex.protocol import (
     RequestKind,
 )
 from loraplex.queue.lease import PoolLease
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable
 from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import (

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.logutil import RateLimitedLog
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.repositories import TenantRepository
 
 log = logging.getLogger(__name__)

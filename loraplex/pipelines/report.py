@@ -11,8 +11,8 @@ from typing import Any
 
 from loraplex.api.service import Services, TenantRef
 from loraplex.api.service.pipelines import sweep_dir
-from loraplex.fsutil import private_dirs, write_bytes_atomic
 from loraplex.pipelines.svg_plot import line_plot
+from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
 from loraplex.storage.models import Pipeline
 from loraplex.storage.repositories import PipelineRepository
 

@@ -24,13 +24,13 @@ from loraplex.api.service.model_files import tokenizer_folder
 from loraplex.api.service.pipeline_config import PipelineConfig, total_steps
 from loraplex.api.service.pipeline_tokenizer import tokenizer_root, tokenizer_source
 from loraplex.api.service.pipelines import export_dir
-from loraplex.checkpoint_paths import split_tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
-from loraplex.fsutil import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, private_dirs
 from loraplex.pipelines.dataset import TRANSFORMERS_IMPORT, Example, batch_indices, load_tokenizer, prepare
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.schedule import learning_rate
 from loraplex.pipelines.trainer import ServiceTrainer
+from loraplex.protocol.checkpoint_paths import split_tinker_path
+from loraplex.runtime.fsutil import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, private_dirs
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipeline_tenant
 

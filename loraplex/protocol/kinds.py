@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from loraplex.checkpoint_paths import CheckpointKind
+from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.protocol.payloads import (
     CreateAdapterPayload,
     DeleteAdapterPayload,

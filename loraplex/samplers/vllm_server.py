@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 
 from loraplex.errors import InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
-from loraplex.logutil import Backoff, RateLimitedLog
-from loraplex.netutil import free_port
+from loraplex.runtime.logutil import Backoff, RateLimitedLog
+from loraplex.runtime.netutil import free_port
 from loraplex.samplers.zero_adapter import write_zero_adapter
 
 log = logging.getLogger(__name__)

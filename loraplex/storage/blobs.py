@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from loraplex.errors import InvalidRequestError
-from loraplex.fsutil import PRIVATE_DIR_MODE, private_dirs
+from loraplex.runtime.fsutil import PRIVATE_DIR_MODE, private_dirs
 
 _KEY_CHARS = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 

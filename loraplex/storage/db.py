@@ -28,7 +28,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from loraplex.fsutil import PRIVATE_FILE_MODE, private_dirs
+from loraplex.runtime.fsutil import PRIVATE_FILE_MODE, private_dirs
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from loraplex.checkpoint_paths import CheckpointKind  # the one vocabulary of checkpoint kinds, stored by value here
+from loraplex.protocol.checkpoint_paths import (
+    CheckpointKind,  # the one vocabulary of checkpoint kinds, stored by value here
+)
 
 __all__ = ["AdapterStatus", "CheckpointKind", "PipelineState", "PoolState", "ResidencyTier"]
 

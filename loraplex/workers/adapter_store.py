@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
-from loraplex.fsutil import private_dirs
+from loraplex.runtime.fsutil import private_dirs
 from loraplex.workers.distributed import barrier
 from loraplex.workers.engine import AdapterRecord, Engine
 from loraplex.workers.snapshots import (
@@ -282,7 +282,7 @@ class AdapterStore:
         self._enforce_budget(prefer_keep=(snapshot_id,))
 
     def adopt(self, snapshot: AdapterSnapshot) -> None:
-        """Take an adapter's whole state from a durable snapshot (a restarting pool, loraplex/durable/recovery.py)
+        """Take an adapter's whole state from a durable snapshot (a restarting pool, loraplex/pool/durable/recovery.py)
         into the host tier (spilled past the budget); the next step that needs it swaps it in bit for bit."""
         self._check_new(snapshot.model_id)
         if snapshot.signature != self.signature:

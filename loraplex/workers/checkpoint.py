@@ -46,11 +46,12 @@ from typing import Any
 import safetensors.torch
 import torch
 
-# The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); re-exported for callers here.
-from loraplex.checkpoint_paths import SAVED_KINDS
-from loraplex.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
 from loraplex.errors import InvalidRequestError, NotFoundError
-from loraplex.fsutil import write_folder_atomic
+
+# The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); re-exported for callers here.
+from loraplex.protocol.checkpoint_paths import SAVED_KINDS
+from loraplex.protocol.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
+from loraplex.runtime.fsutil import write_folder_atomic
 
 CHECKPOINT_FORMAT_VERSION = 1
 FORMAT_NAME = "loraplex-checkpoint"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import CorruptSnapshotError, InvalidRequestError
-from loraplex.fsutil import private_dirs
+from loraplex.runtime.fsutil import private_dirs
 from loraplex.workers.snapshots import ROWS, AdapterSnapshot
 from loraplex.workers.spill_format import read_raw_metadata, read_spill, write_spill
 

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from loraplex.background_writes import BackgroundWrites
-from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotSupportedError
 from loraplex.protocol import (
     KINDS,
@@ -27,6 +25,8 @@ from loraplex.protocol import (
     Step,
     StepKind,
 )
+from loraplex.protocol.checkpoint_paths import CheckpointKind
+from loraplex.runtime.background_writes import BackgroundWrites
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.batching import PreparedItem
 from loraplex.workers.distributed import lost_a_rank

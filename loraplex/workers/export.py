@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.errors import InvalidRequestError
-from loraplex.fsutil import write_bytes_atomic
+from loraplex.runtime.fsutil import write_bytes_atomic
 from loraplex.workers.checkpoint import (
     CheckpointState,
     peft_tensors,

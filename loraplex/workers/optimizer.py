@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.protocol.defaults import ADAM_DEFAULTS
 
 # The banks are strided views into one flat buffer, so autograd warns that their gradients are not laid out like a
 # dense tensor; it still accumulates into them in place, which is all we need (checked by the optimizer tests).
@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 
 @dataclass(frozen=True)
 class AdamParams:
-    """Tinker's AdamParams; the defaults are the protocol's (loraplex/protocol_defaults.py)."""
+    """Tinker's AdamParams; the defaults are the protocol's (loraplex/protocol/defaults.py)."""
 
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     beta1: float = ADAM_DEFAULTS["beta1"]

@@ -23,8 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from loraplex.netutil import free_port
 from loraplex.protocol import BatchPlan, Outcome
+from loraplex.runtime.netutil import free_port
 from loraplex.workers.distributed import (
     RankEnv,
     RankGroup,

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.fsutil import atomic_write
+from loraplex.runtime.fsutil import atomic_write
 from loraplex.workers.snapshots import AdapterSnapshot, PoolSignature
 
 SPILL_FORMAT = "loraplex-adapter-spill"

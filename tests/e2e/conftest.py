@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.client import AdamParams, Datum, ServiceClient
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import ResidencyRepository, TenantRepository, unit_of_work

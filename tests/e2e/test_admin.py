@@ -40,7 +40,7 @@ SHOTS = os.environ.get("LORAPLEX_TEST_SCREENSHOTS")
 
 def _cli(stack, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **stack.child_env()}
-    return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], input=stdin, env=env,
+    return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", *args], input=stdin, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 

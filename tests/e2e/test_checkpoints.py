@@ -88,7 +88,7 @@ def test_sampler_weights_export_to_peft_with_the_engines_logprobs(stack, clients
     env = stack.child_env()
     out = tmp_path / "peft"
     done = subprocess.run(
-        [sys.executable, "-m", "loraplex.cli", "export", trainer.model_id, "--out", str(out), "--tenant", "ck-one"],
+        [sys.executable, "-m", "loraplex.launch.cli", "export", trainer.model_id, "--out", str(out), "--tenant", "ck-one"],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -109,7 +109,7 @@ def test_sampler_weights_export_to_peft_with_the_engines_logprobs(stack, clients
     # An adapter with nothing saved: a clear error, exit 1.
     bare = clients["ck-one"].create_lora_training_client(rank=4, seed=1)
     done = subprocess.run(
-        [sys.executable, "-m", "loraplex.cli", "export", bare.model_id, "--out", str(tmp_path / "none")],
+        [sys.executable, "-m", "loraplex.launch.cli", "export", bare.model_id, "--out", str(tmp_path / "none")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 1 and "save one first" in done.stderr

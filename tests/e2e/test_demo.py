@@ -32,7 +32,7 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_demo_trains_four_tenants_and_cleans_up(tmp_path):
     report = tmp_path / "report.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "demo", "--report", str(report), "--home", str(tmp_path / "home")],
+        [sys.executable, "-m", "loraplex.launch.cli", "demo", "--report", str(report), "--home", str(tmp_path / "home")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     output, _ = proc.communicate(timeout=300)

@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from loraplex.client import AdamParams, Datum, ServiceClient
-from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.launch.embedded import Stack
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 from tests.helpers.stack import create_tenants
@@ -90,7 +90,7 @@ def test_bad_step_fails_alone_and_training_continues(stack, keys):
 def test_cli_tenant_create_prints_the_key_last(stack):
     env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home))
     out = subprocess.run(
-        [sys.executable, "-m", "loraplex.cli", "tenant", "create", "cli-tenant"],
+        [sys.executable, "-m", "loraplex.launch.cli", "tenant", "create", "cli-tenant"],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     key = out.stdout.strip().splitlines()[-1]
@@ -108,7 +108,7 @@ def test_cli_rotates_and_revokes_a_tenants_keys(stack):
     env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home))
 
     def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "loraplex.cli", "tenant", *args], env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "tenant", *args], env=env, capture_output=True,
                               text=True, check=check)  # fmt: skip
 
     old_key = cli("create", "cli-rotor").stdout.strip().splitlines()[-1]
@@ -148,7 +148,7 @@ def test_cli_tenant_delete_refuses_live_adapters_then_deletes_them_through_the_q
     env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home), LORAPLEX_REDIS_URL=stack.settings.redis_url)
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "loraplex.cli", "tenant", *args], env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "tenant", *args], env=env, capture_output=True,
                               text=True)  # fmt: skip
 
     key = cli("create", "cli-leaver").stdout.strip().splitlines()[-1]

@@ -14,8 +14,8 @@ import torch
 
 from loraplex.client import AdamParams, Datum, TrainingClient
 from loraplex.client.training import extract_tar
-from loraplex.embedded import Stack
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.launch.embedded import Stack
 from tests.helpers.stack import tenant_clients
 
 pytestmark = pytest.mark.e2e

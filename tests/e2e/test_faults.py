@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from loraplex.client import Datum, ServiceClient
-from loraplex.embedded import Stack, ready_file
 from loraplex.errors import FutureTimeoutError
-from loraplex.netutil import free_port
-from loraplex.redis_child import RedisChild
+from loraplex.launch.embedded import Stack, ready_file
+from loraplex.runtime.netutil import free_port
+from loraplex.runtime.redis_child import RedisChild
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 

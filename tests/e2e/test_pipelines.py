@@ -141,7 +141,7 @@ def kill_past_a_checkpoint(stack, pipeline_id: str, total: int, kill) -> tuple[i
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", *args], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
 
 

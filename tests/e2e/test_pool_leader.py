@@ -1,4 +1,4 @@
-"""One leader per pool, end to end (tiny model, CPU): a second `python -m loraplex.pool_process` for the same pool waits
+"""One leader per pool, end to end (tiny model, CPU): a second `python -m loraplex.pool.process` for the same pool waits
 while the first leads (before: both read the stream, "not resident" errors, gap timeouts, and the second overwrote and
 then deleted the first's ready file). SIGKILL the leader: the waiting one takes over within about the lease TTL and
 training goes on. A pool process whose lease is taken from it stops at once, exit status 1; with
@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from loraplex.client import AdamParams, Datum, ServiceClient, TrainingClient
-from loraplex.embedded import Stack, ready_file
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.pool.ready import ready_file
 from loraplex.queue import keys
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 
@@ -41,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def _pool_process(stack: Stack, name: str, **env: str) -> tuple[subprocess.Popen, Path]:
     log = stack.log_dir / f"{name}.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "loraplex.pool_process"], env=stack.child_env() | env,
+        proc = subprocess.Popen([sys.executable, "-m", "loraplex.pool.process"], env=stack.child_env() | env,
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     return proc, log
 
@@ -72,7 +73,7 @@ def _train(trainer: TrainingClient, steps: int, offset: int = 1) -> list[float]:
 
 
 def _first_pool(stack: Stack) -> subprocess.Popen:
-    return next(p for p in stack.children if "loraplex.pool_process" in p.args)
+    return next(p for p in stack.children if "loraplex.pool.process" in p.args)
 
 
 def test_a_second_pool_process_waits_then_takes_over_when_the_leader_is_killed(stack: Stack) -> None:
@@ -108,7 +109,7 @@ def test_a_second_pool_process_waits_then_takes_over_when_the_leader_is_killed(s
         assert "Traceback" not in second_log.read_text()
 
         # A third pool process told not to wait exits at once, naming the holder.
-        third = subprocess.run([sys.executable, "-m", "loraplex.pool_process"], capture_output=True, text=True,
+        third = subprocess.run([sys.executable, "-m", "loraplex.pool.process"], capture_output=True, text=True,
                                env=stack.child_env() | {"LORAPLEX_LEADER_WAIT": "false"}, timeout=120)  # fmt: skip
         assert third.returncode != 0
         assert f"pool leader: another pool process (holder {os.uname().nodename}:{second.pid}:" in third.stderr

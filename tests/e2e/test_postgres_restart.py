@@ -37,8 +37,8 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.enums import AdapterStatus

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
-from loraplex.redis_child import RedisChild
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
+from loraplex.runtime.redis_child import RedisChild
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import SnapshotRepository
@@ -257,8 +257,8 @@ def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before_it(stack: Stack
 STACK_SCRIPT = """
 import json, sys, time
 from pathlib import Path
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 stack = Stack(Settings(home=Path(sys.argv[1]), slots=1, max_rank=16), api_port=free_port()).start()
 print(json.dumps([p.pid for p in stack.children] + [stack.redis._proc.pid]), flush=True)
@@ -316,7 +316,7 @@ def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_p
     import subprocess
     import sys
 
-    from loraplex.embedded import ready_file
+    from loraplex.launch.embedded import ready_file
 
     settings = Settings(home=tmp_path, slots=1, max_rank=16, pool="worker-test", leader_lease_seconds=2.0)
     with RedisChild(workdir=tmp_path / "redis") as server:
@@ -325,7 +325,7 @@ def test_loraplex_worker_restarts_its_pool_process_and_stops_it_on_sigterm(tmp_p
                             "LORAPLEX_LEADER_LEASE_SECONDS": "2"}  # fmt: skip
         log_path = tmp_path / "worker.log"  # the worker's and its pool processes' log: shown when this fails
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in the finally below
-        worker = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "worker"], env=env, stdout=log_file,
+        worker = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", "worker"], env=env, stdout=log_file,
                                   stderr=subprocess.STDOUT)  # fmt: skip
         ready = ready_file(settings)
 

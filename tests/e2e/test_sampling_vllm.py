@@ -13,8 +13,8 @@ pytest.importorskip("vllm")
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from loraplex.embedded import Stack  # noqa: E402
-from loraplex.netutil import free_port  # noqa: E402
+from loraplex.launch.embedded import Stack  # noqa: E402
+from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from tests.helpers.stack import create_tenants  # noqa: E402
 

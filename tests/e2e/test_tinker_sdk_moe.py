@@ -10,8 +10,8 @@ import pytest
 import tinker
 from tinker import types
 
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from tests.helpers.sdk import LR, train
 from tests.helpers.stack import create_tenants

@@ -3,7 +3,7 @@ dispatcher's recorder adds after a worker's save."""
 
 from __future__ import annotations
 
-from loraplex.checkpoint_paths import checkpoint_blob_key, tinker_path
+from loraplex.protocol.checkpoint_paths import checkpoint_blob_key, tinker_path
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from loraplex.netutil import free_port
+from loraplex.runtime.netutil import free_port
 
 
 @contextmanager

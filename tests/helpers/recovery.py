@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from loraplex.client import Datum, ServiceClient
-from loraplex.embedded import Stack
+from loraplex.launch.embedded import Stack
 from loraplex.models import load_base_model
 from loraplex.settings import Settings
 from loraplex.workers.checkpoint import CheckpointState, read_checkpoint

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loraplex.client import ServiceClient
-from loraplex.embedded import Stack
+from loraplex.launch.embedded import Stack
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 

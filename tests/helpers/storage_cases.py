@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
-from loraplex.checkpoint_paths import TinkerPath
+from loraplex.protocol.checkpoint_paths import TinkerPath
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import AdapterStatus, CheckpointKind, PoolState
 from loraplex.storage.models import Adapter, ApiKey, Tenant

@@ -16,9 +16,9 @@ from loraplex.api.schemas import (
     SaveCheckpointRequest,
 )
 from loraplex.api.service import TenantRef
-from loraplex.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
-from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.protocol.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
+from loraplex.protocol.defaults import ADAM_DEFAULTS
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, unit_of_work
 from tests.helpers.queued import queued as _queued

@@ -1,4 +1,4 @@
-"""The worker pool launched with world size 2 on CPU: `python -m loraplex.pool_process` is rank 0 (dispatcher + leader)
+"""The worker pool launched with world size 2 on CPU: `python -m loraplex.pool.process` is rank 0 (dispatcher + leader)
 and spawns rank 1 itself; a tenant trains through the real gateway, queue and dispatcher, the pool reports world size 2,
 and on SIGTERM every rank process exits."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.client import AdamParams, Datum, ServiceClient
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import PoolRepository, TenantRepository, unit_of_work
@@ -37,7 +37,7 @@ def test_pool_with_two_ranks_trains_and_stops_cleanly(tmp_path, monkeypatch: pyt
     settings = Settings(home=tmp_path, slots=2, max_rank=8, world_size=2)
     stack = Stack(settings, api_port=free_port()).start()
     try:
-        pool = next(p for p in stack.children if "loraplex.pool_process" in p.args)
+        pool = next(p for p in stack.children if "loraplex.pool.process" in p.args)
         ranks = rank_processes(pool.pid)
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the pool process itself
         with unit_of_work(session_factory(make_db_engine(settings.resolved_database_url))) as session:

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.durable.recovery import recover_pool
-from loraplex.durable.snapshotter import Snapshotter
 from loraplex.errors import CorruptSnapshotError
 from loraplex.models import load_base_model
+from loraplex.pool.durable.recovery import recover_pool
+from loraplex.pool.durable.snapshotter import Snapshotter
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.models import AdapterStatus

@@ -9,9 +9,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.dispatch.pool_metrics import PoolMetrics
-from loraplex.metrics_server import MetricsServer
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
 from loraplex.queue import metrics_snapshot
+from loraplex.runtime.metrics_server import MetricsServer
 from loraplex.settings import Settings
 from tests.helpers.policy import FB, req
 from tests.integration.conftest import gateway_app

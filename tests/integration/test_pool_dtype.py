@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.pool_process import engine_spec
+from loraplex.pool.process import engine_spec
 from loraplex.settings import Settings
 from loraplex.workers.distributed import RankGroup
 from loraplex.workers.rank_loop import EngineSpec, build_engine, spawn_ranks

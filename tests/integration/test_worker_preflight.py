@@ -24,7 +24,7 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def test_without_a_redis_url_the_worker_exits_naming_the_setting(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "loraplex.cli", "worker"], env=_env(tmp_path), capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "worker"], env=_env(tmp_path), capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0 and "LORAPLEX_REDIS_URL is not set" in done.stderr
     assert "Traceback" not in done.stderr
@@ -33,7 +33,7 @@ def test_without_a_redis_url_the_worker_exits_naming_the_setting(tmp_path: Path)
 def test_on_an_unmigrated_database_the_worker_migrates_and_starts(tmp_path: Path, redis_url: str) -> None:
     database = tmp_path / "fresh.sqlite"
     env = _env(tmp_path, LORAPLEX_REDIS_URL=redis_url, LORAPLEX_DATABASE_URL=f"sqlite:///{database}")
-    worker = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "worker"], env=env, stdout=subprocess.PIPE,
+    worker = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", "worker"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         ready = tmp_path / f"pool-pre-{tmp_path.name}.ready"

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.client import Datum, ServiceClient
-from loraplex.embedded import Stack
-from loraplex.netutil import free_port
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 

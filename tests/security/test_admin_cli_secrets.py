@@ -17,7 +17,7 @@ def test_migrate_prints_the_database_url_with_the_password_masked(tmp_path) -> N
         server.create_database("migrated")
         url = server.database_url("migrated").replace("postgres@", f"postgres:{PASSWORD}@")
         env = {**os.environ, "LORAPLEX_HOME": str(tmp_path), "LORAPLEX_DATABASE_URL": url}
-        done = subprocess.run([sys.executable, "-m", "loraplex.cli", "migrate"], env=env,
+        done = subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "migrate"], env=env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert PASSWORD not in done.stdout and PASSWORD not in done.stderr

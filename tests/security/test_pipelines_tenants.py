@@ -156,10 +156,10 @@ def test_answers_name_no_server_path_and_the_export_downloads(pipe_stack, tmp_pa
     folder = client.pipelines.download_export(pid, tmp_path / "peft")
     assert (folder / "adapter_model.safetensors").is_file() and (folder / "adapter_config.json").is_file()
     env = {**os.environ, "LORAPLEX_BASE_URL": pipe_stack.base_url, "LORAPLEX_API_KEY": key, "COLUMNS": "200"}
-    status = subprocess.run([sys.executable, "-m", "loraplex.cli", "pipelines", "status", pid], env=env,
+    status = subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "pipelines", "status", pid], env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert status.returncode == 0 and "export:" in status.stdout and home not in status.stdout, status.stderr
-    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "pipelines", "export", pid, "--out",
+    out = subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "pipelines", "export", pid, "--out",
                           str(tmp_path / "cli")], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and (tmp_path / "cli" / "adapter_model.safetensors").is_file(), out.stderr
     server = [p for p in (Path(home) / "pipelines").rglob("*") if p.is_file()]

@@ -22,7 +22,7 @@ import pytest
 
 from loraplex.api.tinker.model_info import tokenizer_id
 from loraplex.api.tinker.proto import pb
-from loraplex.embedded import local_tokenizer_folder
+from loraplex.launch.embedded import local_tokenizer_folder
 from tests.security.harness import check_victim, tenant_key
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}

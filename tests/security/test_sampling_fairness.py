@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from loraplex.client import ServiceClient
-from loraplex.netutil import free_port
+from loraplex.runtime.netutil import free_port
 from tests.security.harness import Victim, check_victim, running_stack, tenant_key
 
 SAMPLES, NEW_TOKENS = 64, 200

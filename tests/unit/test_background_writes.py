@@ -1,4 +1,4 @@
-"""A sampler save's files are written beside the training path (loraplex/background_writes.py): the plan only copies
+"""A sampler save's files are written beside the training path (loraplex/runtime/background_writes.py): the plan only copies
 the weights; the file, written later from that copy, holds the weights at the save even when the adapter trained on
 before the write ran; a later plan reading the same folder waits for the write; a failed write is the save's error."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.background_writes import BackgroundWrites
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.runtime.background_writes import BackgroundWrites
 from loraplex.workers.adapter_store import AdapterStore
 from loraplex.workers.checkpoint import read_checkpoint
 from loraplex.workers.engine import Engine

@@ -126,7 +126,7 @@ def test_overwrite_without_rename_exchange(
     state: CheckpointState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where renameat2(RENAME_EXCHANGE) is unavailable: two renames, and a failed second one puts the old one back."""
-    from loraplex import fsutil as checkpoint  # write_checkpoint's folder swap lives in fsutil
+    from loraplex.runtime import fsutil as checkpoint  # write_checkpoint's folder swap lives in fsutil
 
     monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
     directory = tmp_path / "ckpt"

@@ -1,4 +1,4 @@
-"""Checkpoint addressing (loraplex.checkpoint_paths): the name rule, the tinker path codec and its rejections, the REST
+"""Checkpoint addressing (loraplex.protocol.checkpoint_paths): the name rule, the tinker path codec and its rejections, the REST
 references, the blob key, the one vocabulary of kinds, and that the gateway and client load neither torch nor workers."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from loraplex import checkpoint_paths as paths
-from loraplex.checkpoint_paths import CheckpointKind, TinkerPath
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.protocol import checkpoint_paths as paths
+from loraplex.protocol.checkpoint_paths import CheckpointKind, TinkerPath
 from loraplex.storage import enums
 
 
@@ -116,7 +116,7 @@ def test_one_vocabulary_of_kinds() -> None:
 def test_the_gateway_and_the_client_load_neither_torch_nor_workers() -> None:
     code = (
         "import sys\n"
-        "import loraplex.api.app, loraplex.client, loraplex.checkpoint_paths\n"
+        "import loraplex.api.app, loraplex.client, loraplex.protocol.checkpoint_paths\n"
         "loaded = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'loraplex.workers'))]\n"
         "assert not loaded, loaded\n"
     )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from loraplex.cli import build_parser
+from loraplex.launch.cli import build_parser
 from loraplex.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

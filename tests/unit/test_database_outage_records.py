@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.dispatch.pipeline import retry_database
 from loraplex.dispatch.recording_executor import RecordingExecutor
 from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
-from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable, unit_of_work
 from loraplex.storage.models import Checkpoint, Usage
 from loraplex.storage.repositories import AdapterRepository, TenantRepository

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.fsutil import atomic_write, write_bytes_atomic
+from loraplex.runtime.fsutil import atomic_write, write_bytes_atomic
 
 
 def test_overwrite_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""loraplex/gcutil.py: the pool's garbage-collector clock and the startup freeze, against the real collector."""
+"""loraplex/runtime/gcutil.py: the pool's garbage-collector clock and the startup freeze, against the real collector."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from loraplex.gcutil import GcClock, freeze_startup_objects
+from loraplex.runtime.gcutil import GcClock, freeze_startup_objects
 
 
 def test_the_clock_adds_each_collection_and_stops_when_closed() -> None:
@@ -47,7 +47,7 @@ def test_what_was_frozen_is_unfrozen_at_exit() -> None:
     code = (
         "import atexit, gc\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
-        "from loraplex.gcutil import freeze_startup_objects\n"
+        "from loraplex.runtime.gcutil import freeze_startup_objects\n"
         "assert freeze_startup_objects() > 0 and freeze_startup_objects() > 0  # twice: one unfreeze registered\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loraplex"
-BOTTOM = ("loraplex.protocol", "loraplex.errors", "loraplex.fsutil", "loraplex.checkpoint_paths",
-          "loraplex.protocol_defaults", "loraplex.netutil", "loraplex.logutil", "loraplex.background_writes")  # fmt: skip
+# What the workers (torch) may import besides themselves: the contract, the errors and domain-free process plumbing.
+BOTTOM = ("loraplex.protocol", "loraplex.errors", "loraplex.runtime")
 
 # package -> prefixes of modules it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -22,9 +22,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
     "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
     # Pipelines train through the service layer like a tenant: never the pool's internals.
-    "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool_process", "loraplex.embedded", "torch"),
-    # Durable state joins workers/, storage/ and queue/ in the pool process (a composition-root helper): never the API.
-    "durable": ("loraplex.api", "loraplex.client"),
+    "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool", "loraplex.launch", "torch"),
+    # The pool process joins workers/, dispatch/, storage/ and queue/: never the gateway's HTTP side or the client.
+    "pool": ("loraplex.api", "loraplex.client", "loraplex.admin", "loraplex.pipelines", "loraplex.launch"),
+    # Process plumbing with no domain: nothing of the service's own packages.
+    "runtime": ("loraplex.api", "loraplex.client", "loraplex.admin", "loraplex.pipelines", "loraplex.launch",
+                "loraplex.pool", "loraplex.dispatch", "loraplex.workers", "loraplex.queue", "loraplex.storage",
+                "loraplex.samplers", "loraplex.models", "torch"),
     # The vLLM backend drives a server process over HTTP: no torch, no vllm import (the gateway may load it).
     "samplers": ("loraplex.workers", "loraplex.api", "loraplex.dispatch", "loraplex.queue", "loraplex.storage",
                  "torch", "transformers", "vllm"),

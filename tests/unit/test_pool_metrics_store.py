@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.models import load_base_model
-from loraplex.pool_process import pool_metrics
+from loraplex.pool.process import pool_metrics
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import Settings
 from loraplex.workers.adapter_store import AdapterStore

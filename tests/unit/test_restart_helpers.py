@@ -14,7 +14,7 @@ import pytest
 
 from loraplex.client import transport as transport_module
 from loraplex.client.transport import Transport
-from loraplex.leadership import holder_is_dead
+from loraplex.pool.leadership import holder_is_dead
 
 
 def _transport(handler, retry_wait_s: float = 5.0) -> Transport:

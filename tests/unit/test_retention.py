@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from loraplex.checkpoint_paths import checkpoint_blob_key
+from loraplex.protocol.checkpoint_paths import checkpoint_blob_key
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.enums import CheckpointKind

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.embedded import Stack
+from loraplex.launch.embedded import Stack
 from loraplex.settings import Settings
 
 
@@ -31,7 +31,7 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraplex.pool_process import engine_spec
+    from loraplex.pool.process import engine_spec
 
     switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base")
     assert {k: engine_spec(Settings()).engine_kwargs[k] for k in switches} == dict.fromkeys(switches, True)
@@ -48,7 +48,7 @@ def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.Monk
 
 
 def test_a_cpu_pool_leaves_a_core_to_the_gateway_and_redis(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraplex.pool_process import engine_spec
+    from loraplex.pool.process import engine_spec
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert engine_spec(Settings()).cpu_threads == 1

@@ -1,4 +1,4 @@
-"""loraplex/stop_signals.py: a SIGTERM that arrives while the main thread is inside the stop event's set() (holding its
+"""loraplex/runtime/stop_signals.py: a SIGTERM that arrives while the main thread is inside the stop event's set() (holding its
 lock, as during an earlier signal's handler) still stops the process, instead of deadlocking it. Run in a child
 process, so a regression fails on a timeout instead of hanging the suite."""
 
@@ -11,7 +11,7 @@ import textwrap
 CHILD = textwrap.dedent(
     """
     import os, signal, threading
-    from loraplex.stop_signals import stop_on_signals
+    from loraplex.runtime.stop_signals import stop_on_signals
 
     stop = threading.Event()
     {install}

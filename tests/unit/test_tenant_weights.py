@@ -55,7 +55,7 @@ def test_the_cache_reads_once_per_ttl_and_keeps_what_it_knows_when_the_database_
 
 def test_the_cli_shows_and_sets_a_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    from loraplex import cli
+    from loraplex.launch import cli
     from loraplex.settings import get_settings
 
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))

@@ -22,8 +22,8 @@ from typing import Any
 from loraplex.api import service
 from loraplex.api.schemas import CreateSamplerRequest
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.checkpoint_paths import parse_tinker_path
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.protocol.checkpoint_paths import parse_tinker_path
 from loraplex.queue import keys
 from loraplex.queue.redis_text import text
 

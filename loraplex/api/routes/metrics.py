@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.api.metrics import exposition
 from loraplex.api.pool_metrics import pool_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError
-from loraplex.metrics_server import CONTENT_TYPE, token_ok
+from loraplex.runtime.metrics_server import CONTENT_TYPE, token_ok
 
 router = APIRouter(include_in_schema=False)
 

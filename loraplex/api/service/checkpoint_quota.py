@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.checkpoint_paths import CheckpointKind
 from loraplex.errors import QuotaExceededError
+from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import DEFAULT_TTL_S

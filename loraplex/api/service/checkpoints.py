@@ -27,7 +27,9 @@ from loraplex.api.service.context import Services, TenantRef, blob_store, write_
 from loraplex.api.service.paging import MAX_PAGE_LIMIT, check_page, cursor
 from loraplex.api.service.rejections import fill_rejected, filling_rejections
 from loraplex.api.service.submit import already_submitted, submit
-from loraplex.checkpoint_paths import (
+from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
+from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPayload
+from loraplex.protocol.checkpoint_paths import (
     MAX_TTL_SECONDS,
     SEGMENT_BY_KIND,
     TYPE_BY_KIND,
@@ -39,8 +41,6 @@ from loraplex.checkpoint_paths import (
     tinker_path,
     validate_checkpoint_name,
 )
-from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
-from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPayload
 from loraplex.queue.keys import request_idempotency_key
 from loraplex.queue.producer import Claim
 from loraplex.storage.models import Checkpoint

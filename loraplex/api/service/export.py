@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.api.service.context import Services, TenantRef
-from loraplex.checkpoint_paths import CheckpointKind, tinker_path
 from loraplex.errors import InvalidRequestError
 from loraplex.exporting import find_export_checkpoint, write_peft_folder
+from loraplex.protocol.checkpoint_paths import CheckpointKind, tinker_path
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from loraplex.api.schemas import Strict
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol_defaults import ADAM_DEFAULTS
+from loraplex.protocol.defaults import ADAM_DEFAULTS
 
 RecordFormat = Literal["chat", "prompt_completion"]
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

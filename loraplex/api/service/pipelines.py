@@ -23,7 +23,7 @@ from loraplex.api.service.pipeline_config import (
 from loraplex.api.service.pipeline_launch import launch_pipeline
 from loraplex.api.service.pipeline_tokenizer import check_tokenizer
 from loraplex.errors import InvalidRequestError, NotFoundError, QuotaExceededError, ServiceUnavailableError
-from loraplex.fsutil import private_dirs, write_bytes_atomic
+from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository
 

@@ -7,7 +7,7 @@ from loraplex.api.schemas import RunOut, RunPage
 from loraplex.api.service.checkpoints import checkpoint_out
 from loraplex.api.service.context import Services, TenantRef
 from loraplex.api.service.paging import check_page, cursor
-from loraplex.checkpoint_paths import CheckpointKind
+from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.storage.models import Adapter, Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 

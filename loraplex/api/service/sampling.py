@@ -13,9 +13,9 @@ from loraplex.api.schemas import CreateSamplerRequest, FutureRef, SampleRequest,
 from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.api.service.context import Services, TenantRef, write_session
 from loraplex.api.service.submit import submit
-from loraplex.checkpoint_paths import CheckpointKind, parse_tinker_path
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
+from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
 from loraplex.settings import Settings
 from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository

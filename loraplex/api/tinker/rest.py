@@ -19,7 +19,7 @@ from loraplex.api.routes.export import peft_tar_response
 from loraplex.api.schemas import CheckpointOut, RunOut
 from loraplex.api.service.paging import DEFAULT_PAGE_LIMIT, cursor
 from loraplex.api.tinker.schemas import Body, TtlBody, WeightsInfoBody
-from loraplex.checkpoint_paths import parse_kind, tinker_path
+from loraplex.protocol.checkpoint_paths import parse_kind, tinker_path
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 

@@ -41,9 +41,9 @@ from loraplex.api.tinker.schemas import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
-from loraplex.checkpoint_paths import CheckpointKind, tinker_path
 from loraplex.errors import InvalidRequestError, NotSupportedError
 from loraplex.protocol import RequestKind
+from loraplex.protocol.checkpoint_paths import CheckpointKind, tinker_path
 from loraplex.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])

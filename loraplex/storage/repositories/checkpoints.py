@@ -1,5 +1,5 @@
 """Checkpoint records of one tenant's adapters (the files themselves live in the blob store). How checkpoints are
-addressed (tinker paths, blob keys) is `loraplex.checkpoint_paths`."""
+addressed (tinker paths, blob keys) is `loraplex.protocol.checkpoint_paths`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from loraplex.checkpoint_paths import TinkerPath
 from loraplex.errors import NotFoundError
+from loraplex.protocol.checkpoint_paths import TinkerPath
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories._common import add_or_conflict

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.netutil import free_port
+from loraplex.runtime.netutil import free_port
 
 PG_BIN = Path(os.environ.get("LORAPLEX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from loraplex.netutil import free_port
-from loraplex.redis_child import RedisChild
+from loraplex.runtime.netutil import free_port
+from loraplex.runtime.redis_child import RedisChild
 
 
 @contextmanager

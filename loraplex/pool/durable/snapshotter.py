@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 from loraplex.dispatch.loop import STATE_KINDS
 from loraplex.dispatch.records import check_leader
 from loraplex.errors import LeaseLostError
-from loraplex.logutil import RateLimitedLog
 from loraplex.protocol import BatchPlan, RequestKind
 from loraplex.queue import replay_log
+from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.repositories import SnapshotRepository, unit_of_work
 from loraplex.storage.repositories.snapshots import live_status
 from loraplex.workers.durable_snapshot import write_durable_snapshot
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from loraplex.workers.adapter_store import AdapterStore
     from loraplex.workers.snapshots import AdapterSnapshot
 
-log = logging.getLogger("loraplex.durable")
+log = logging.getLogger("loraplex.pool.durable")
 
 CREATION_ONLY = -1  # the applied seq_id of a snapshot taken before the adapter's first step
 

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from loraplex.netutil import free_port
-from loraplex.supervisor import die_with_parent
+from loraplex.runtime.netutil import free_port
+from loraplex.runtime.supervisor import die_with_parent
 
 INSTALL_HINT = "redis-server is not installed: run `apt-get install -y redis-server` (make demo/test do it as root)"
 

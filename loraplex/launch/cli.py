@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from loraplex.runtime.stop_signals import stop_on_signals
 from loraplex.settings import Settings, get_settings
-from loraplex.stop_signals import stop_on_signals
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -226,17 +226,17 @@ def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | N
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from loraplex.embedded import Stack
+    from loraplex.launch.embedded import Stack
 
     settings = _settings(args)
     if not args.embedded:
         import uvicorn
 
-        from loraplex.embedded import gateway_metrics_env
+        from loraplex.launch.embedded import gateway_metrics_env
 
         workers = settings.resolved_api_workers
         os.environ.update(gateway_metrics_env(settings, settings.api_port, workers))  # before the workers start
-        uvicorn.run("loraplex.gateway:app", host=settings.api_host, port=settings.api_port, workers=workers)
+        uvicorn.run("loraplex.launch.gateway:app", host=settings.api_host, port=settings.api_port, workers=workers)
         return 0
     stop = threading.Event()
     stop_on_signals(stop)
@@ -255,12 +255,12 @@ def cmd_worker(_: argparse.Namespace) -> int:
     settings = get_settings()
     # Unsupervised: asked for; under torchrun (torchrun supervises); or a standby that must exit instead of waiting.
     if not settings.supervise or os.environ.get("RANK") is not None or not settings.leader_wait:
-        from loraplex.pool_process import main
+        from loraplex.pool.process import main
 
         main()
         return 0
-    from loraplex.pool_process import preflight
-    from loraplex.supervisor import Child, Supervisor
+    from loraplex.pool.process import preflight
+    from loraplex.runtime.supervisor import Child, Supervisor
 
     preflight(settings)  # what no restart can fix (no Redis URL) exits here, naming it
 
@@ -268,7 +268,7 @@ def cmd_worker(_: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     env = dict(os.environ) | {"LORAPLEX_SUPERVISE": "false", "PYTHONUNBUFFERED": "1"}
-    pool = Child("pool", [sys.executable, "-m", "loraplex.pool_process"], env)
+    pool = Child("pool", [sys.executable, "-m", "loraplex.pool.process"], env)
     pool.start()
     supervisor = Supervisor([pool], backoff_s=settings.restart_backoff_seconds).start()
     try:
@@ -293,9 +293,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, home: Path, console) -> int:
     from loraplex.admin.passwords import hash_password
-    from loraplex.demo import TASKS, load_tokenizer, print_table, run_demo, write_report
-    from loraplex.embedded import Stack
-    from loraplex.netutil import free_port
+    from loraplex.launch.demo import TASKS, load_tokenizer, print_table, run_demo, write_report
+    from loraplex.launch.embedded import Stack
+    from loraplex.runtime.netutil import free_port
     from loraplex.storage.repositories import AdminRepository, TenantRepository, unit_of_work
 
     settings = get_settings().model_copy(
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", help="the adapter's tenant name (default: whichever tenant owns it)")
     p.set_defaults(func=cmd_export)
 
-    from loraplex.cli_pipelines import add_parsers as add_pipeline_parsers
+    from loraplex.launch.cli_pipelines import add_parsers as add_pipeline_parsers
 
     add_pipeline_parsers(sub)
 

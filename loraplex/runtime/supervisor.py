@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-log = logging.getLogger("loraplex.supervisor")
+log = logging.getLogger("loraplex.runtime.supervisor")
 
 STABLE_S = 60.0
 MAX_BACKOFF_S = 30.0

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import httpx
 
-from loraplex.redis_child import RedisChild
+from loraplex.pool.ready import ready_file
+from loraplex.runtime.redis_child import RedisChild
+from loraplex.runtime.supervisor import Child, Supervisor
 from loraplex.settings import Settings
 from loraplex.storage.db import migrate
-from loraplex.supervisor import Child, Supervisor
 
 
 class Stack:
@@ -79,12 +80,12 @@ class Stack:
                                         appendfsync=self.settings.redis_appendfsync).start()  # fmt: skip
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             migrate(self.settings.resolved_database_url)
-            pool = self._spawn("pool", ["-m", "loraplex.pool_process"])
+            pool = self._spawn("pool", ["-m", "loraplex.pool.process"])
             if self.api_in_child:
                 workers = self.settings.resolved_api_workers
                 self._spawn(
                     "api",
-                    ["-m", "uvicorn", "loraplex.gateway:app", "--host", self.settings.api_host,
+                    ["-m", "uvicorn", "loraplex.launch.gateway:app", "--host", self.settings.api_host,
                      "--port", str(self.api_port), "--log-level", "warning", "--workers", str(workers)],
                     gateway_metrics_env(self.settings, self.api_port, workers),
                 )  # fmt: skip
@@ -176,6 +177,3 @@ def local_tokenizer_folder(settings: Settings) -> str:
     return str(given.resolve() if given.is_dir() else settings.resolved_model_cache / settings.base_model)
 
 
-def ready_file(settings: Settings) -> Path:
-    """Written by the pool process (its pid) once the model is loaded and the dispatcher is reading."""
-    return settings.home / f"pool-{settings.pool}.ready"

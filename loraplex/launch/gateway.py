@@ -1,4 +1,4 @@
-"""The gateway process's ASGI app, for uvicorn: `uvicorn loraplex.gateway:app` (settings from LORAPLEX_* env vars).
+"""The gateway process's ASGI app, for uvicorn: `uvicorn loraplex.launch.gateway:app` (settings from LORAPLEX_* env vars).
 
 The composition root of the gateway: the API (loraplex/api/app.py) with the web admin mounted at /admin
 (loraplex/admin/, which sits above the API's service layer and so cannot be mounted from inside it)."""

@@ -1,4 +1,4 @@
-"""The worker pool process (`python -m loraplex.pool_process`), the pool's composition root: it wires the engine
+"""The worker pool process (`python -m loraplex.pool.process`), the pool's composition root: it wires the engine
 (`workers/`, torch only) to the dispatcher (`dispatch/`), Redis (`queue/`) and SQL (`storage/`), and runs the
 dispatcher as pool leader on rank 0. Service dependencies (redis, SQL) are imported in the leader only, so the rank
 processes stay importable on a machine without them.
@@ -8,7 +8,7 @@ World size N > 1 (setting `world_size`, or torchrun's WORLD_SIZE): this process 
 rank (workers/rank_loop.py); base weights are FSDP2-sharded and rows split across ranks (workers/distributed.py).
 World size 1 makes no process group at all.
 
-One leader per pool (loraplex/leadership.py): before anything is loaded, rank 0 takes the pool's lease in Redis, waiting
+One leader per pool (loraplex/pool/leadership.py): before anything is loaded, rank 0 takes the pool's lease in Redis, waiting
 while another pool process holds it; every plan's writes carry its fencing token, and a lost lease stops the pool
 (exit status 1). The ready file (`HOME/pool-<name>.ready`, its pid) is written by the lease holder only, once the
 model is loaded, and removed only by the process whose pid it holds.
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from loraplex.gcutil import GcClock, freeze_startup_objects
+from loraplex.runtime.gcutil import GcClock, freeze_startup_objects
+from loraplex.runtime.stop_signals import stop_on_signals
 from loraplex.settings import Settings, get_settings
-from loraplex.stop_signals import stop_on_signals
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -166,7 +166,7 @@ def store_spec(settings: Settings) -> AdapterStoreSpec:
 def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:
     """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
     rank 0, so it makes the same swaps."""
-    from loraplex.supervisor import die_with_parent
+    from loraplex.runtime.supervisor import die_with_parent
     from loraplex.workers.executor import PlanExecutor
     from loraplex.workers.rank_loop import build_engine, follow
 
@@ -175,19 +175,6 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
     freeze_startup_objects()  # as rank 0 does (gcutil.py): a follower's pause would hold every rank's collective
     executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
     log.info("rank %d stopped after %d plans", group.rank, executed)
-
-
-def write_ready_file(ready: Path) -> None:
-    ready.write_text(str(os.getpid()))
-
-
-def remove_ready_file(ready: Path) -> None:
-    """Remove the ready file if it holds this process's pid (another pool process's file is left alone)."""
-    try:
-        if ready.read_text().strip() == str(os.getpid()):
-            ready.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
 
 
 def run_pool(settings: Settings, stop: threading.Event, lease: PoolLease | None = None) -> None:
@@ -240,16 +227,16 @@ def _lead(
     """lease: the pool's lease (leadership.acquire_leadership), fencing every write; None only outside a pool process."""
     import redis
 
-    from loraplex.background_writes import BackgroundWrites
     from loraplex.dispatch.cost_calibration import OnlineCostModel
     from loraplex.dispatch.cost_model import default_cost
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.recording_executor import RecordingExecutor
     from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
     from loraplex.dispatch.tenant_weights import TenantWeights, sql_weights
-    from loraplex.embedded import ready_file
-    from loraplex.logutil import RateLimitedLog
+    from loraplex.pool.ready import ready_file, remove_ready_file, write_ready_file
     from loraplex.queue.results import ResultStore
+    from loraplex.runtime.background_writes import BackgroundWrites
+    from loraplex.runtime.logutil import RateLimitedLog
     from loraplex.storage.db import make_db_engine, session_factory
     from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
@@ -425,7 +412,7 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
     """Publish the metrics to Redis every `pool_metrics_publish_seconds` (the gateways' /metrics/pools), and serve
     them on `pool_metrics_port` unless it is 0 (a port in use is logged: the pool serves on without it)."""
     from loraplex.dispatch.metrics_publisher import MetricsPublisher
-    from loraplex.metrics_server import MetricsServer
+    from loraplex.runtime.metrics_server import MetricsServer
 
     publisher = MetricsPublisher(redis_client, metrics, settings.pool_metrics_publish_seconds).start()
     server = None
@@ -448,8 +435,8 @@ def _durability(settings: Settings, dispatcher: Any, store: Any, executor: Any, 
     LoRA state is replicated: rank 0's copy is the one the snapshots are written from)."""
     if not settings.durable_snapshots:
         return None
-    from loraplex.durable.recovery import adopt_into, recover_pool
-    from loraplex.durable.snapshotter import build_snapshotter
+    from loraplex.pool.durable.recovery import adopt_into, recover_pool
+    from loraplex.pool.durable.snapshotter import build_snapshotter
 
     recovery = recover_pool(pool=settings.pool, store=store, executor=executor, sessions=sessions,
                             redis=dispatcher.redis, adopt=getattr(executor, "adopt", store.adopt))  # fmt: skip
@@ -477,7 +464,7 @@ def _dispatcher_when_redis_answers(build: Callable[[], T], stop: threading.Event
     None when stopped first."""
     import redis
 
-    from loraplex.logutil import Backoff, RateLimitedLog
+    from loraplex.runtime.logutil import Backoff, RateLimitedLog
 
     backoff, warn = Backoff(), RateLimitedLog(log, every_s=10.0)
     while not stop.is_set():
@@ -495,7 +482,7 @@ def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
     missing. A database that does not answer yet is waited for (up to 10 minutes, as the pool's records do), not
     exited on: a pool restarted during an outage serves as soon as it is back (`stop` ends the wait)."""
     from loraplex.dispatch.pipeline import retry_database
-    from loraplex.logutil import RateLimitedLog
+    from loraplex.runtime.logutil import RateLimitedLog
     from loraplex.storage.db import migrate
 
     def wait(seconds: float) -> None:
@@ -520,7 +507,7 @@ def main() -> None:
     settings = get_settings()
     lease: PoolLease | None = None
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 talks to Redis and SQL
-        from loraplex.leadership import acquire_leadership
+        from loraplex.pool.leadership import acquire_leadership
 
         preflight(settings, stop)
         lease = acquire_leadership(settings, stop)  # waits while another pool process leads this pool

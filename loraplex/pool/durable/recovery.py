@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from loraplex.workers.adapter_store import AdapterStore
     from loraplex.workers.snapshots import AdapterSnapshot
 
-log = logging.getLogger("loraplex.durable")
+log = logging.getLogger("loraplex.pool.durable")
 
 
 @dataclass(frozen=True)
