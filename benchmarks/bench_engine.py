@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lengths import lognormal_lengths  # noqa: E402
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
-from loraplex.workers import fused_elementwise as kernels_module  # noqa: E402
-from loraplex.workers.batching import layout, split_microbatches  # noqa: E402
-from loraplex.workers.engine import Engine  # noqa: E402
-from loraplex.workers.lm_head import target_logprobs  # noqa: E402
+from loraplex.workers.engine.batching import layout, split_microbatches  # noqa: E402
+from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.engine.lm_head import target_logprobs  # noqa: E402
+from loraplex.workers.kernels import fused_elementwise as kernels_module  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -205,7 +205,7 @@ def bench_cost_model(engine: Engine, args) -> dict[str, Any]:
     from loraplex.dispatch.cost_calibration import OnlineCostModel
     from loraplex.dispatch.cost_model import default_cost
     from loraplex.dispatch.policy import PolicyLimits
-    from loraplex.workers.executor import PlanExecutor
+    from loraplex.workers.engine.executor import PlanExecutor
 
     cost = OnlineCostModel(default_cost(args.device), args.cap)
     mixed_exec = PlanExecutor(engine, on_step=cost.observe_step)
@@ -294,7 +294,7 @@ def cost_workload(engine: Engine, args, workload: str, cost, mixed_exec, alone_e
 def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """--mode long: one sequence of each --long-lengths tokens, one forward_backward, with the layers' activations kept
     (checkpointing "never") and recomputed ("always"): seconds, tokens/s and peak GB, or "out of memory"."""
-    from loraplex.workers.layer_checkpointing import CheckpointPolicy
+    from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy
 
     engine.create_adapter("long", rank=args.rank, alpha=2 * args.rank, seed=0)
     engine.microbatch_tokens = max(engine.microbatch_tokens, max(int(n) for n in args.long_lengths.split(",")))

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
-from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
-from loraplex.workers.engine import Engine  # noqa: E402
-from loraplex.workers.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
+from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
+from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
 
 
 def give_b_weights(engine: Engine, model_id: str, seed: int) -> None:
@@ -160,7 +160,7 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
     device-to-host copy runs on a side stream beside it), and the file write beside it."""
     from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
     from loraplex.runtime.background_writes import BackgroundWrites
-    from loraplex.workers.executor import PlanExecutor
+    from loraplex.workers.engine.executor import PlanExecutor
 
     folder = Path(tempfile.mkdtemp(prefix="bench-sampler-save-"))
     writes = BackgroundWrites()
@@ -189,8 +189,8 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
 def breakdown(engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams) -> dict[str, Any]:
     """Where a decode step's time goes: a graph replay alone (base / 1 / 4 adapters), choosing the tokens from [B, V]
     logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time)."""
-    from loraplex.workers.sampling_choice import choose_tokens
-    from loraplex.workers.static_decoder import StaticDecoder
+    from loraplex.workers.sampling.choice import choose_tokens
+    from loraplex.workers.sampling.static_decoder import StaticDecoder
 
     rows, out = len(prompts), {}
     width = 1 << (len(prompts[0]) + params.max_tokens - 1).bit_length()

@@ -52,8 +52,8 @@ from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from loraplex.storage.db import make_db_engine, session_factory  # noqa: E402
 from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402
-from loraplex.workers.engine import Engine  # noqa: E402
-from loraplex.workers.executor import PlanExecutor  # noqa: E402
+from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.engine.executor import PlanExecutor  # noqa: E402
 
 ADAM = {"learning_rate": 1e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
-from loraplex.workers.adapter_store import AdapterStore  # noqa: E402
-from loraplex.workers.engine import Engine  # noqa: E402
-from loraplex.workers.snapshots import restore_snapshot, take_snapshot  # noqa: E402
+from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
+from loraplex.workers.state.snapshots import restore_snapshot, take_snapshot  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, datums, frozen_base_step, sync, timed  # noqa: E402
 from loraplex.models import build_preset_model  # noqa: E402
-from loraplex.workers.engine import Engine  # noqa: E402
+from loraplex.workers.engine.engine import Engine  # noqa: E402
 
 
 def main() -> None:
@@ -88,7 +88,7 @@ def categories(prof: profile) -> str:
 
 def profile_frozen(model: torch.nn.Module, args: argparse.Namespace) -> None:
     """The frozen base's 8x512 forward + backward with the engine's kernels (bench_engine's frozen_base_fused)."""
-    from loraplex.workers import fused_elementwise
+    from loraplex.workers.kernels import fused_elementwise
 
     model.requires_grad_(False)
     fused_elementwise.install(model)  # as bench_engine's frozen_base_fused: the Triton norms, RoPE and activation

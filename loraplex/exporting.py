@@ -59,8 +59,8 @@ def write_peft_folder(
     `base_model_path`, by default that resolved local folder. A tampered or truncated checkpoint: InvalidRequestError,
     nothing written."""
     from loraplex.models import resolve
-    from loraplex.workers.checkpoint import read_checkpoint
-    from loraplex.workers.export import export_peft
+    from loraplex.workers.state.checkpoint import read_checkpoint
+    from loraplex.workers.state.export import export_peft
 
     blobs = BlobStore(settings.resolved_blob_root)
     try:

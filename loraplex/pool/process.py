@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from torch.multiprocessing import ProcessContext
 
     from loraplex.queue.lease import PoolLease
-    from loraplex.workers.adapter_store import AdapterStoreSpec
-    from loraplex.workers.distributed import RankGroup
-    from loraplex.workers.rank_loop import EngineSpec
+    from loraplex.workers.ranks.distributed import RankGroup
+    from loraplex.workers.ranks.rank_loop import EngineSpec
+    from loraplex.workers.state.adapter_store import AdapterStoreSpec
 
 log = logging.getLogger("loraplex.pool")
 T = TypeVar("T")
@@ -80,8 +80,8 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
         return None
     from loraplex.errors import LoraplexError, NotSupportedError
     from loraplex.models import load_tokenizer
-    from loraplex.workers.sampler import Sampler
-    from loraplex.workers.sampling_step import SampleStep
+    from loraplex.workers.sampling.sampler import Sampler
+    from loraplex.workers.sampling.step import SampleStep
 
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
@@ -106,8 +106,8 @@ def vllm_sampling(settings: Settings) -> Any:
     from loraplex.samplers.vllm import VllmSampler
     from loraplex.samplers.vllm_server import VllmServer
     from loraplex.samplers.vllm_step import VllmSampleStep
-    from loraplex.workers.checkpoint import read_checkpoint
-    from loraplex.workers.export import export_peft
+    from loraplex.workers.state.checkpoint import read_checkpoint
+    from loraplex.workers.state.export import export_peft
 
     folder = resolve(settings.base_model, settings.resolved_model_cache)
     logs = settings.home / "logs"
@@ -132,8 +132,8 @@ def model_loader(settings: Settings) -> BaseModelLoader:
 
 
 def engine_spec(settings: Settings) -> EngineSpec:
-    from loraplex.workers.layer_checkpointing import CheckpointPolicy
-    from loraplex.workers.rank_loop import EngineSpec
+    from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy
+    from loraplex.workers.ranks.rank_loop import EngineSpec
 
     return EngineSpec(
         load_model=model_loader(settings),
@@ -156,7 +156,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
 
 def store_spec(settings: Settings) -> AdapterStoreSpec:
     """Each rank's tiered adapter store: host budget, and its spill folder (`resolved_spill_root`/rank<k>)."""
-    from loraplex.workers.adapter_store import AdapterStoreSpec
+    from loraplex.workers.state.adapter_store import AdapterStoreSpec
 
     return AdapterStoreSpec(
         settings.host_budget_bytes, str(settings.resolved_spill_root), settings.sampler_snapshots_per_adapter
@@ -167,8 +167,8 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
     """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
     rank 0, so it makes the same swaps."""
     from loraplex.runtime.supervisor import die_with_parent
-    from loraplex.workers.executor import PlanExecutor
-    from loraplex.workers.rank_loop import build_engine, follow
+    from loraplex.workers.engine.executor import PlanExecutor
+    from loraplex.workers.ranks.rank_loop import build_engine, follow
 
     die_with_parent(signal.SIGKILL)  # a SIGKILLed leader leaves no follower behind (the restarted pool spawns anew)
     engine = build_engine(spec, group)
@@ -178,8 +178,8 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
 
 
 def run_pool(settings: Settings, stop: threading.Event, lease: PoolLease | None = None) -> None:
-    from loraplex.workers.distributed import RankEnv, destroy_rank_group, init_rank_group, torchrun_env
-    from loraplex.workers.rank_loop import spawn_ranks
+    from loraplex.workers.ranks.distributed import RankEnv, destroy_rank_group, init_rank_group, torchrun_env
+    from loraplex.workers.ranks.rank_loop import spawn_ranks
 
     spec = engine_spec(settings)
     stores = store_spec(settings)
@@ -240,8 +240,8 @@ def _lead(
     from loraplex.storage.db import make_db_engine, session_factory
     from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
-    from loraplex.workers.executor import PlanExecutor
-    from loraplex.workers.rank_loop import LeaderExecutor, build_engine
+    from loraplex.workers.engine.executor import PlanExecutor
+    from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_engine
 
     sessions = session_factory(make_db_engine(settings.resolved_database_url))
     # The heartbeat runs from the start: LOADING while the engine is built (gateways answer 503 and paused_capacity),
@@ -385,7 +385,7 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     captures and the memory they hold, this process's garbage-collection seconds and its CUDA allocator's events;
     plans slower than `slow_plan_log_seconds` are logged."""
     from loraplex.dispatch.pool_metrics import PoolMetrics
-    from loraplex.workers.allocator_events import allocator_events
+    from loraplex.workers.engine.allocator_events import allocator_events
 
     def swaps() -> dict[str, tuple[int, float]]:
         s = store.stats

@@ -1,2 +1,6 @@
-"""Worker side: the training engine and what it runs on. Imports only torch, transformers, safetensors, tokenizers,
-numpy, the stdlib and the bottom layers (loraplex.protocol, loraplex.errors, loraplex.runtime.fsutil, loraplex.protocol.checkpoint_paths), so it runs on a GPU machine without the service stack."""
+"""The worker side, torch only, by job: engine/ (the multi-LoRA training engine: trunk, batching, losses, optimizer,
+CUDA graphs, the plan executor), kernels/ (Triton and packed-attention fast paths, each with its plain-torch
+reference), lora/ (slot banks and the grouped LoRA ops), state/ (the adapter store's tiers, checkpoints, snapshots,
+exports), sampling/ (the native sampler), ranks/ (process groups and the follower ranks' loop). Imports only torch,
+transformers, safetensors, tokenizers, numpy, the stdlib, loraplex.protocol, loraplex.errors and loraplex.runtime, so
+it runs on a GPU machine without the service stack (tests/unit/test_layers.py)."""

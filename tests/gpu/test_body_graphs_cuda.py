@@ -18,7 +18,7 @@ from loraplex.workers.lora import lora_delta_reference
 from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
 if TYPE_CHECKING:
-    from loraplex.workers.engine import Engine
+    from loraplex.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 def _engines(tmp_path_factory: pytest.TempPathFactory, **graphed_kw: object) -> tuple[Engine, Engine, Engine]:
     """The fp32 oracle, the bf16 reference op and the bf16 engine replaying graphs, each with adapters a-d."""
     from loraplex.models import load_base_model, resolve
-    from loraplex.workers.engine import Engine
+    from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 

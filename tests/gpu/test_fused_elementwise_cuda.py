@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.workers.fused_elementwise import active, install, rms_norm
+from loraplex.workers.kernels.fused_elementwise import active, install, rms_norm
 
-triton_elementwise = pytest.importorskip("loraplex.workers.triton_elementwise")
+triton_elementwise = pytest.importorskip("loraplex.workers.kernels.triton_elementwise")
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -73,7 +73,7 @@ def test_triton_rope_matches_hf_apply_rotary_pos_emb(tokens: int) -> None:
     as the other kernels (on the H200 a few elements differ from HF's eager ops by one bf16 ulp)."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-    from loraplex.workers.fused_elementwise import _rope_dispatch
+    from loraplex.workers.kernels.fused_elementwise import _rope_dispatch
 
     g = torch.Generator(device="cuda").manual_seed(tokens)
     q = torch.randn(1, tokens, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_()

@@ -58,7 +58,7 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(
     tmp_path_factory: pytest.TempPathFactory, siblings: bool
 ) -> None:
     from loraplex.models import load_base_model, resolve
-    from loraplex.workers.engine import Engine
+    from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 

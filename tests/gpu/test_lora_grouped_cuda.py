@@ -93,7 +93,7 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
     to the fp32 engine (reference op) as the bf16 engine with the reference op does (error <= 2x that of the bf16
     reference + 1e-3): grouped_mm adds no error beyond bf16 rounding."""
     from loraplex.models import load_base_model, resolve
-    from loraplex.workers.engine import Engine
+    from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 

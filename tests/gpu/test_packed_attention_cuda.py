@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from loraplex.models.presets import build_from_config, qwen3_config
-from loraplex.workers import packed_attention as pa
-from loraplex.workers.batching import packed_layout
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.batching import packed_layout
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.kernels import packed_attention as pa
 from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
 
 pytestmark = pytest.mark.gpu

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
-from loraplex.workers.pinned_staging import PinnedStaging
-from loraplex.workers.slot_rows import SLOT_ROWS
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.pinned_staging import PinnedStaging
+from loraplex.workers.state.slot_rows import SLOT_ROWS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

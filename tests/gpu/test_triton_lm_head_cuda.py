@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.workers.lm_head import _target_logprobs, target_logprobs
+from loraplex.workers.engine.lm_head import _target_logprobs, target_logprobs
 
-pytest.importorskip("loraplex.workers.triton_lm_head")
+pytest.importorskip("loraplex.workers.kernels.triton_lm_head")
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

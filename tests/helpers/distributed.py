@@ -14,10 +14,10 @@ import torch
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.distributed import RankGroup, is_sharded
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.ranks.distributed import RankGroup, is_sharded
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
 ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import (
     BankLayout,
     MicrobatchBanks,

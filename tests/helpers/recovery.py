@@ -15,9 +15,9 @@ from loraplex.client import Datum, ServiceClient
 from loraplex.launch.embedded import Stack
 from loraplex.models import load_base_model
 from loraplex.settings import Settings
-from loraplex.workers.checkpoint import CheckpointState, read_checkpoint
-from loraplex.workers.checkpoint_state import state_from_engine
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.state.checkpoint import CheckpointState, read_checkpoint
+from loraplex.workers.state.checkpoint_state import state_from_engine
 
 # Every AdamW field given, so the gateway fills in nothing the reference would not know.
 ADAM = {"learning_rate": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 1.0}

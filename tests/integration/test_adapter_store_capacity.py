@@ -13,9 +13,9 @@ import torch
 
 from loraplex.models import load_base_model, resolve
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state.adapter_store import AdapterStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -12,10 +12,10 @@ import torch
 
 from loraplex.models import resolve
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStoreSpec
-from loraplex.workers.distributed import RankGroup
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.ranks.distributed import RankGroup
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.state.adapter_store import AdapterStoreSpec
 from tests.helpers.distributed import TinyLoader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -23,10 +23,10 @@ import torch
 from loraplex.models import resolve
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import DEFAULT_TARGET_MODULES
-from loraplex.workers.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_checkpoint
-from loraplex.workers.distributed import RankGroup
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.ranks.distributed import RankGroup
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.state.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_checkpoint
 from tests.helpers.distributed import TinyLoader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -105,7 +105,7 @@ def _report(engine: Any, model_ids: tuple[str, ...]) -> dict[str, Any]:
 
 def _scenario(group: RankGroup, spec: EngineSpec, plans: list[BatchPlan], out_dir: str) -> None:
     """Each spawned rank: rank 0 leads, rank 1 follows; both count the checkpoint writes they made."""
-    from loraplex.workers import checkpoint
+    from loraplex.workers.state import checkpoint
 
     writes: list[str] = []
     write = checkpoint.write_checkpoint

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from loraplex.protocol import BatchPlan
-from loraplex.workers.rank_loop import EngineSpec
+from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import (
     ENGINE_KWARGS,
     TinyLoader,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.workers.rank_loop import EngineSpec
+from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import ENGINE_KWARGS, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

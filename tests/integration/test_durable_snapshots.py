@@ -30,11 +30,11 @@ from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, Step
 from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import AdapterRepository, SnapshotRepository, TenantRepository, unit_of_work
-from loraplex.workers import spill_format
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.durable_snapshot import read_durable_snapshot
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state import spill_format
+from loraplex.workers.state.adapter_store import AdapterStore
+from loraplex.workers.state.durable_snapshot import read_durable_snapshot
 
 ADAM = {"learning_rate": 2e-2}
 

@@ -10,8 +10,8 @@ import pytest
 
 from loraplex.pool.process import engine_spec
 from loraplex.settings import Settings
-from loraplex.workers.distributed import RankGroup
-from loraplex.workers.rank_loop import EngineSpec, build_engine, spawn_ranks
+from loraplex.workers.ranks.distributed import RankGroup
+from loraplex.workers.ranks.rank_loop import EngineSpec, build_engine, spawn_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

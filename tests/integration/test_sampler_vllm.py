@@ -37,9 +37,9 @@ from loraplex.errors import InvalidRequestError, NotFoundError, ServiceUnavailab
 from loraplex.models import load_base_model, resolve
 from loraplex.samplers.vllm import BASE_ADAPTER, VllmSampler, VllmServer
 from loraplex.samplers.vllm_server import process_group_members
-from loraplex.workers.checkpoint_state import state_from_engine
-from loraplex.workers.engine import Engine
-from loraplex.workers.export import export_peft
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.state.checkpoint_state import state_from_engine
+from loraplex.workers.state.export import export_peft
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from loraplex.errors import CapacityError, ConflictError, NotFoundError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStore, TierChange
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.snapshots import AdapterSnapshot
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state.adapter_store import AdapterStore, TierChange
+from loraplex.workers.state.snapshots import AdapterSnapshot
 
 ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 

@@ -13,7 +13,7 @@ from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, S
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import ResidencyTier
 from loraplex.storage.repositories import AdapterRepository, ResidencyRepository, TenantRepository
-from loraplex.workers.adapter_store import TierChange
+from loraplex.workers.state.adapter_store import TierChange
 
 FB, OPT = RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP
 _ids = itertools.count()

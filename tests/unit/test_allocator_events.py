@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.workers.allocator_events import EVENTS, allocator_events
+from loraplex.workers.engine.allocator_events import EVENTS, allocator_events
 
 
 def test_the_cpu_has_no_allocator_events() -> None:

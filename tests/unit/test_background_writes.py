@@ -14,10 +14,10 @@ from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.runtime.background_writes import BackgroundWrites
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.checkpoint import read_checkpoint
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state.adapter_store import AdapterStore
+from loraplex.workers.state.checkpoint import read_checkpoint
 
 DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13]}}]
 

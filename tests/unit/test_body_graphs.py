@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.workers.body_graphs import GraphKey, capture_fits, pad_microbatch
+from loraplex.workers.engine.body_graphs import GraphKey, capture_fits, pad_microbatch
 
 
 def test_pad_tokens_form_their_own_sequence_and_zero_scale_group() -> None:

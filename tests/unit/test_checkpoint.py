@@ -13,9 +13,9 @@ import torch
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import OPTIMIZER_FILE, CheckpointState, read_checkpoint, write_checkpoint
-from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.state.checkpoint import OPTIMIZER_FILE, CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
 
 ADAM = {"learning_rate": 1e-2, "beta2": 0.99, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 RANK, ALPHA, SEED = 4, 8.0, 7

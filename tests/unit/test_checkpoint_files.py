@@ -19,7 +19,8 @@ import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import (
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.state.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     MANIFEST_FILE,
     OPTIMIZER_FILE,
@@ -30,8 +31,7 @@ from loraplex.workers.checkpoint import (
     validate_checkpoint_name,
     write_checkpoint,
 )
-from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
-from loraplex.workers.engine import Engine
+from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -252,7 +252,7 @@ def test_inconsistent_state_is_not_written(state: CheckpointState, tmp_path: Pat
 SAVE_UNDER_LIMIT = """
 import dataclasses, errno, resource, signal, sys
 from pathlib import Path
-from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
+from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
 
 directory = Path(sys.argv[1])
 state = read_checkpoint(directory)

@@ -26,7 +26,7 @@ def test_bad_names_are_invalid_requests_naming_the_rule(name: object) -> None:
 
 
 def test_workers_reexport_the_same_name_rule() -> None:
-    from loraplex.workers.checkpoint import validate_checkpoint_name
+    from loraplex.workers.state.checkpoint import validate_checkpoint_name
 
     assert validate_checkpoint_name is paths.validate_checkpoint_name
 

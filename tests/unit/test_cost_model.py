@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from loraplex.dispatch.cost_calibration import OnlineCostModel
 from loraplex.dispatch.cost_model import CostParams, StepShape, default_cost, shape_of, shape_of_lengths
 from loraplex.protocol import Outcome, Step, StepKind
-from loraplex.workers.batching import SeqRef, split_microbatches
+from loraplex.workers.engine.batching import SeqRef, split_microbatches
 from tests.helpers.policy import OPT, req
 
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from loraplex.settings import Settings
-from loraplex.workers.batching import SeqRef, split_microbatches
-from loraplex.workers.distributed import split_rows, torchrun_env
+from loraplex.workers.engine.batching import SeqRef, split_microbatches
+from loraplex.workers.ranks.distributed import split_rows, torchrun_env
 
 
 def seqs(lengths: list[int]) -> list[SeqRef]:

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
-from loraplex.workers.lm_head import target_logprobs
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.lm_head import target_logprobs
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -7,9 +7,9 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
-from loraplex.workers.engine import Engine
-from loraplex.workers.lm_head import target_logprobs
-from loraplex.workers.losses import LOSSES, segments_of
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.lm_head import target_logprobs
+from loraplex.workers.engine.losses import LOSSES, segments_of
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from loraplex.errors import NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 from tests.helpers.lora import make_data
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
@@ -107,7 +107,7 @@ def test_twins_with_identical_data_stay_bit_identical(tiny_dir: Path) -> None:
 def test_microbatching_equals_one_big_batch(tiny_dir: Path) -> None:
     small, big = with_adapters(make_engine(tiny_dir, microbatch_tokens=12)), with_adapters(make_engine(tiny_dir))
     items = [(m, DATA[m], "cross_entropy", None, False) for m in ("a", "b", "c")]
-    from loraplex.workers.batching import layout, split_microbatches
+    from loraplex.workers.engine.batching import layout, split_microbatches
 
     # Lengths 5, 9 | 13, 2, 7 | 6 packed at 12 tokens: [5] [9] [13] (longer than the cap: alone) [2, 7] [6].
     assert len(split_microbatches(layout([small.prepare(*it) for it in items]), 12)) >= 4

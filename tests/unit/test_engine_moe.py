@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, SlotBankExperts
 from tests.helpers.lora import make_data
@@ -81,8 +81,8 @@ def test_mixed_moe_training_equals_each_adapter_alone_on_the_reference(moe_dir: 
 
 
 def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_path: Path) -> None:
-    from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
-    from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
+    from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
+    from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
 
     engine = _engine(moe_dir)
     data = [engine.prepare("b", DATA["b"], "cross_entropy", None, False)]
@@ -113,8 +113,8 @@ def test_peft_loads_the_exported_moe_adapter_and_computes_what_the_engine_does(
     """PEFT's target_parameters LoRA on the fused experts (workers/export_moe.py), gate and up fused at rank 2r."""
     from peft import PeftModel
 
-    from loraplex.workers.checkpoint_state import state_from_engine
-    from loraplex.workers.export import export_peft
+    from loraplex.workers.state.checkpoint_state import state_from_engine
+    from loraplex.workers.state.export import export_peft
 
     model, _ = load_base_model(str(moe_dir), moe_dir.parent)
     engine = Engine(model, num_slots=2, max_rank=8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.optimizer import AdamParams, SlotAdamW
+from loraplex.workers.engine.optimizer import AdamParams, SlotAdamW
 
 SLOTS, R_MAX = 6, 8
 SHAPES = [(10, 12), (7, 5)]  # (in, out) of two wrapped modules

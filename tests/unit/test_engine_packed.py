@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.workers.batching import layout, split_microbatches
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.batching import layout, split_microbatches
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from tests.helpers.lora import ADAPTERS, make_engine
 

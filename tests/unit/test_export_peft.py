@@ -13,11 +13,11 @@ from transformers import AutoTokenizer
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint import CheckpointState, read_checkpoint, write_checkpoint
-from loraplex.workers.checkpoint_state import state_from_engine
-from loraplex.workers.engine import Engine
-from loraplex.workers.export import export_peft
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing
+from loraplex.workers.state.checkpoint import CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.state.checkpoint_state import state_from_engine
+from loraplex.workers.state.export import export_peft
 
 ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2)}  # model_id: (rank, alpha, seed); alpha 12.5 is not an integer
 

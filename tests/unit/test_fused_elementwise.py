@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from loraplex.workers import fused_elementwise
-from loraplex.workers.fused_elementwise import active, install
+from loraplex.workers.kernels import fused_elementwise
+from loraplex.workers.kernels.fused_elementwise import active, install
 
 
 def _model() -> Qwen3ForCausalLM:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
-from loraplex.workers.layer_checkpointing import CheckpointPolicy
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy
 from tests.helpers.gpu import flat_logprobs, random_data
 
 

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:

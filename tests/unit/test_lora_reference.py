@@ -9,7 +9,7 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing, lora_delta_reference, siblings, slot_bank
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from loraplex.protocol import PlannedRequest, RequestKind
-from loraplex.workers.distributed import lost_a_rank
-from loraplex.workers.executor import error_outcome
+from loraplex.workers.engine.executor import error_outcome
+from loraplex.workers.ranks.distributed import lost_a_rank
 
 GLOO_RESET = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9389: Connection "

@@ -27,7 +27,7 @@ def test_tiny_same_weights_across_processes_without_service_deps(cache: Path, tm
         "import sys\n"
         "for name in ('redis', 'sqlalchemy', 'fastapi', 'pydantic', 'pydantic_settings', 'celery', 'peft'):\n"
         "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
-        "import loraplex.workers.executor, loraplex.workers.engine\n"
+        "import loraplex.workers.engine.executor, loraplex.workers.engine.engine\n"
         "from loraplex.models import load_base_model, weights_digest\n"
         "m, _ = load_base_model('tiny', sys.argv[1])\n"
         "print(weights_digest(m))\n"

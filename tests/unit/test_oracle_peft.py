@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 
 STEPS = 5
 TOL = 1e-5

@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from loraplex.models import load_base_model
-from loraplex.workers import packed_attention as pa
-from loraplex.workers.batching import SeqRef, packed_layout, split_microbatches
+from loraplex.workers.engine.batching import SeqRef, packed_layout, split_microbatches
+from loraplex.workers.kernels import packed_attention as pa
 
 
 def dense_reference(

@@ -12,9 +12,9 @@ from loraplex.models import load_base_model
 from loraplex.pool.process import pool_metrics
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import Settings
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state.adapter_store import AdapterStore
 
 
 def _fb(model_id: str, seq: int) -> PlannedRequest:

@@ -14,11 +14,11 @@ from peft import PeftModel
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.checkpoint_state import state_from_engine
-from loraplex.workers.engine import Engine
-from loraplex.workers.export import export_peft
-from loraplex.workers.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
-from loraplex.workers.sampling_choice import choose_tokens, draw_uniform, row_generator
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator
+from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
+from loraplex.workers.state.checkpoint_state import state_from_engine
+from loraplex.workers.state.export import export_peft
 
 # model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {

@@ -13,12 +13,12 @@ import torch
 
 from loraplex.models import load_base_model, load_tokenizer
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.lora import lora_delta_reference
-from loraplex.workers.sampler import SampleJob, SampleParams, Sampler
-from loraplex.workers.sampling_step import SampleStep
+from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.step import SampleStep
+from loraplex.workers.state.adapter_store import AdapterStore
 
 DATA = [{"model_input": [3, 5, 7, 9, 11, 13], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13, 15]}}]
 

@@ -12,11 +12,11 @@ import torch
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStore, is_snapshot_id
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.sampler import Sampler
-from loraplex.workers.sampling_step import SampleStep
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.sampling.sampler import Sampler
+from loraplex.workers.sampling.step import SampleStep
+from loraplex.workers.state.adapter_store import AdapterStore, is_snapshot_id
 
 SNAP = "tinker://a/sampler_weights/s1"
 DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13]}}]

@@ -66,6 +66,6 @@ def test_adam_defaults_are_one_table() -> None:
 
 
 def test_the_workers_adam_defaults_agree() -> None:
-    from loraplex.workers.optimizer import AdamParams as WorkerAdamParams
+    from loraplex.workers.engine.optimizer import AdamParams as WorkerAdamParams
 
     assert dataclasses.asdict(WorkerAdamParams()) == dict(ADAM_DEFAULTS)

@@ -15,12 +15,12 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, CreateAdapterPayload, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
-from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.export import export_peft
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.state.adapter_store import AdapterStore
+from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
+from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
+from loraplex.workers.state.export import export_peft
 from tests.helpers.lora import make_data
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -30,14 +30,14 @@ from loraplex.queue import replay_log
 from loraplex.queue.envelope import to_planned
 from loraplex.storage.repositories import SnapshotRepository
 from loraplex.storage.repositories.snapshots import SnapshotInfo, live_status
-from loraplex.workers.durable_snapshot import read_durable_snapshot
+from loraplex.workers.state.durable_snapshot import read_durable_snapshot
 
 if TYPE_CHECKING:
     import redis as redis_lib
     from sqlalchemy.orm import Session, sessionmaker
 
-    from loraplex.workers.adapter_store import AdapterStore
-    from loraplex.workers.snapshots import AdapterSnapshot
+    from loraplex.workers.state.adapter_store import AdapterStore
+    from loraplex.workers.state.snapshots import AdapterSnapshot
 
 log = logging.getLogger("loraplex.pool.durable")
 

@@ -43,7 +43,7 @@ from loraplex.queue import replay_log
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.repositories import SnapshotRepository, unit_of_work
 from loraplex.storage.repositories.snapshots import live_status
-from loraplex.workers.durable_snapshot import write_durable_snapshot
+from loraplex.workers.state.durable_snapshot import write_durable_snapshot
 
 if TYPE_CHECKING:
     import redis as redis_lib
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.queue.lease import PoolLease
-    from loraplex.workers.adapter_store import AdapterStore
-    from loraplex.workers.snapshots import AdapterSnapshot
+    from loraplex.workers.state.adapter_store import AdapterStore
+    from loraplex.workers.state.snapshots import AdapterSnapshot
 
 log = logging.getLogger("loraplex.pool.durable")
 

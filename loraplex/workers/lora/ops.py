@@ -1,6 +1,6 @@
 """Which LoRA delta op a worker uses for its device and compute dtype.
 
-CPU decision, measured with `python -m loraplex.workers.lora.microbench --threads 1` (torch 2.13.0 CPU, the project's 2-core
+CPU decision, measured with `python -m benchmarks.lora_microbench --threads 1` (torch 2.13.0 CPU, the project's 2-core
 CPU machine, forward + backward of one layer with x and both banks requiring grad, T = 2048 rows split evenly into G groups,
 r = 16; minimum of 20 runs, ms; 2 threads gave the same ratios but noisier numbers while other jobs ran):
 

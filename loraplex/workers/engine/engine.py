@@ -24,21 +24,26 @@ import torch
 from torch import nn
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
-from loraplex.workers.batching import PreparedItem, SeqRef, layout, packed_layout, prepare_item, split_microbatches
-from loraplex.workers.body_graphs import BodyGraph, BodyGraphs, PaddedMicrobatch, pad_microbatch
-from loraplex.workers.distributed import (
-    RankGroup,
-    all_gather_varlen,
-    all_reduce_slot_grads,
-    shard_base_model,
-    split_rows,
+from loraplex.workers.engine.batching import (
+    PreparedItem,
+    SeqRef,
+    layout,
+    packed_layout,
+    prepare_item,
+    split_microbatches,
 )
-from loraplex.workers.fused_elementwise import active as fused_elementwise_active
-from loraplex.workers.fused_elementwise import available as fused_elementwise_available
-from loraplex.workers.fused_elementwise import install as install_fused_elementwise
-from loraplex.workers.layer_checkpointing import CheckpointPolicy, wrap_layers
-from loraplex.workers.layer_checkpointing import checkpointing as checkpointing_layers
-from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS, target_logprobs
+from loraplex.workers.engine.body_graphs import BodyGraph, BodyGraphs, PaddedMicrobatch, pad_microbatch
+from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy, wrap_layers
+from loraplex.workers.engine.layer_checkpointing import checkpointing as checkpointing_layers
+from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS, target_logprobs
+from loraplex.workers.engine.losses import segments_of
+from loraplex.workers.engine.optimizer import AdamParams, SlotAdamW
+from loraplex.workers.engine.pinned_staging import PinnedStaging
+from loraplex.workers.engine.trunk import Trunk
+from loraplex.workers.kernels.fused_elementwise import active as fused_elementwise_active
+from loraplex.workers.kernels.fused_elementwise import available as fused_elementwise_available
+from loraplex.workers.kernels.fused_elementwise import install as install_fused_elementwise
+from loraplex.workers.kernels.packed_attention import install_packed_attention
 from loraplex.workers.lora import (
     DEFAULT_TARGET_MODULES,
     BankLayout,
@@ -55,12 +60,14 @@ from loraplex.workers.lora import (
 )
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, install_expert_banks
 from loraplex.workers.lora.init import init_lora_a
-from loraplex.workers.losses import segments_of
-from loraplex.workers.optimizer import AdamParams, SlotAdamW
-from loraplex.workers.packed_attention import install_packed_attention
-from loraplex.workers.pinned_staging import PinnedStaging
-from loraplex.workers.slot_rows import SlotRows
-from loraplex.workers.trunk import Trunk
+from loraplex.workers.ranks.distributed import (
+    RankGroup,
+    all_gather_varlen,
+    all_reduce_slot_grads,
+    shard_base_model,
+    split_rows,
+)
+from loraplex.workers.state.slot_rows import SlotRows
 
 # A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
 

@@ -25,7 +25,9 @@ from torch import nn
 
 from loraplex.protocol import BatchPlan, Outcome
 from loraplex.runtime.netutil import free_port
-from loraplex.workers.distributed import (
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.executor import PlanExecutor
+from loraplex.workers.ranks.distributed import (
     RankEnv,
     RankGroup,
     barrier,
@@ -34,9 +36,7 @@ from loraplex.workers.distributed import (
     init_rank_group,
     lost_a_rank,
 )
-from loraplex.workers.engine import Engine
-from loraplex.workers.executor import PlanExecutor
-from loraplex.workers.snapshots import AdapterSnapshot
+from loraplex.workers.state.snapshots import AdapterSnapshot
 
 log = logging.getLogger(__name__)
 

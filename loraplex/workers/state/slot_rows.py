@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from loraplex.workers.optimizer import SlotAdamW
-from loraplex.workers.pinned_staging import PinnedStaging
+from loraplex.workers.engine.optimizer import SlotAdamW
+from loraplex.workers.engine.pinned_staging import PinnedStaging
 
 SLOT_ROWS = ("weights", "grads", "exp_avg", "exp_avg_sq")
 

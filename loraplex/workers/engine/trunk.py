@@ -16,8 +16,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from loraplex.workers.lm_head import target_logprobs
-from loraplex.workers.packed_attention import packed_forward_kwargs
+from loraplex.workers.engine.lm_head import target_logprobs
+from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 
 
 class Trunk(nn.Module):

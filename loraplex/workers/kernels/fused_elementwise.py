@@ -137,7 +137,7 @@ def install(model: nn.Module, kernels: Kernels | None = None) -> int:
     kernels: (rms_norm, silu_mul, rope) to use (default the Triton ones; tests pass this module's plain-torch ones to
     check the dispatch on CPU). Returns the number of modules changed."""
     if kernels is None:
-        from loraplex.workers import triton_elementwise
+        from loraplex.workers.kernels import triton_elementwise
 
         kernels = (triton_elementwise.rms_norm, triton_elementwise.silu_mul, triton_elementwise.rope)
     norm, gated, rotary = kernels

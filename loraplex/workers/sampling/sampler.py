@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from loraplex.errors import EngineError, InvalidRequestError
-from loraplex.workers.engine import Engine
-from loraplex.workers.lm_head import LOSS_CHUNK_TOKENS
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
-from loraplex.workers.sampling_choice import choose_tokens, draw_uniform, row_generator, top_logprobs
-from loraplex.workers.static_decoder import StaticDecoder, check_decodable
+from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decodable
 
 STOP = "stop"
 LENGTH = "length"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.workers.checkpoint import PEFT_PREFIX, CheckpointState
+from loraplex.workers.state.checkpoint import PEFT_PREFIX, CheckpointState
 
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 

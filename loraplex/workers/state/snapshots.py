@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.engine import AdapterRecord, Engine
-from loraplex.workers.slot_rows import SLOT_ROWS
+from loraplex.workers.engine.engine import AdapterRecord, Engine
+from loraplex.workers.state.slot_rows import SLOT_ROWS
 
 ROWS = SLOT_ROWS  # a snapshot holds all four of a slot's rows
 

@@ -1,7 +1,7 @@
 """Micro-benchmark of the LoRA delta ops (forward + backward of one layer): reference loop vs grouped_mm.
 
-    python -m loraplex.workers.lora.microbench                      # CPU fp32, the shapes behind select_lora_op's choice
-    python -m loraplex.workers.lora.microbench --device cuda --dtype bfloat16 --dims 2560x9728 --rank 32 --rows 4096
+    python -m benchmarks.lora_microbench                      # CPU fp32, the shapes behind select_lora_op's choice
+    python -m benchmarks.lora_microbench --device cuda --dtype bfloat16 --dims 2560x9728 --rank 32 --rows 4096
 
 Each case: T rows split evenly into G adapter groups (the last group takes the remainder), every group a different slot
 of an S = max(G, 8) slot bank, rank r, x and both banks requiring grad (a layer in the middle of the model). The time is

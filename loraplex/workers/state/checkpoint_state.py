@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.checkpoint import KINDS, CheckpointState, Moments, Weights, validate_state
-from loraplex.workers.engine import AdapterRecord, Engine
+from loraplex.workers.engine.engine import AdapterRecord, Engine
+from loraplex.workers.state.checkpoint import KINDS, CheckpointState, Moments, Weights, validate_state
 
 WEIGHT_ROWS = ("weights",)
 OPTIMIZER_ROWS = ("weights", "exp_avg", "exp_avg_sq")  # weights and AdamW's moments, in that order

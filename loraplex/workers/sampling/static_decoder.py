@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.errors import EngineError
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.routing import _to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 

@@ -16,14 +16,14 @@ from typing import Any
 
 from loraplex.errors import InvalidRequestError
 from loraplex.runtime.fsutil import write_bytes_atomic
-from loraplex.workers.checkpoint import (
+from loraplex.workers.state.checkpoint import (
     CheckpointState,
     peft_tensors,
     tensors_file_bytes,
     validate_state,
     weights_file_bytes,
 )
-from loraplex.workers.export_moe import expert_modules, moe_config, moe_tensors
+from loraplex.workers.state.export_moe import expert_modules, moe_config, moe_tensors
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -17,8 +17,8 @@ import torch
 
 from loraplex.errors import CorruptSnapshotError, InvalidRequestError
 from loraplex.runtime.fsutil import private_dirs
-from loraplex.workers.snapshots import ROWS, AdapterSnapshot
-from loraplex.workers.spill_format import read_raw_metadata, read_spill, write_spill
+from loraplex.workers.state.snapshots import ROWS, AdapterSnapshot
+from loraplex.workers.state.spill_format import read_raw_metadata, read_spill, write_spill
 
 HASH_CHUNK = 1 << 20
 

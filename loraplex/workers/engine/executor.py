@@ -27,10 +27,10 @@ from loraplex.protocol import (
 )
 from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.runtime.background_writes import BackgroundWrites
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.batching import PreparedItem
-from loraplex.workers.distributed import lost_a_rank
-from loraplex.workers.engine import Engine
+from loraplex.workers.engine.batching import PreparedItem
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.ranks.distributed import lost_a_rank
+from loraplex.workers.state.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def restore_checkpoint(
     """A new adapter `model_id` restored from a checkpoint folder (checked in full before a slot is claimed; through
     the store when there is one), training the checkpoint's target modules; target modules given with it must be
     those. Also how a pool adopts a sampler snapshot it does not hold (workers/sampling_step.py)."""
-    from loraplex.workers.checkpoint import read_checkpoint
-    from loraplex.workers.checkpoint_state import check_signature, load_into_engine
+    from loraplex.workers.state.checkpoint import read_checkpoint
+    from loraplex.workers.state.checkpoint_state import check_signature, load_into_engine
 
     state = read_checkpoint(directory)
     with_optimizer = True if with_optimizer is None else bool(with_optimizer)
@@ -343,8 +343,8 @@ class PlanExecutor:
         return self._one_by_one(step, self._checkpoint_one)
 
     def _checkpoint_one(self, request: PlannedRequest) -> dict[str, Any]:
-        from loraplex.workers.checkpoint import read_checkpoint, write_checkpoint
-        from loraplex.workers.checkpoint_state import load_into_engine, state_from_engine, state_from_rows
+        from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
+        from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine, state_from_rows
 
         p = request.payload
         if not isinstance(p, LoadStatePayload | SaveCheckpointPayload):

@@ -26,9 +26,9 @@ from typing import Any
 
 from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
-from loraplex.workers.adapter_store import AdapterStore
-from loraplex.workers.executor import error_outcome, restore_checkpoint
-from loraplex.workers.sampler import SampleJob, SampleOutput, SampleParams, Sampler, SampleRun
+from loraplex.workers.engine.executor import error_outcome, restore_checkpoint
+from loraplex.workers.sampling.sampler import SampleJob, SampleOutput, SampleParams, Sampler, SampleRun
+from loraplex.workers.state.adapter_store import AdapterStore
 
 
 @dataclass

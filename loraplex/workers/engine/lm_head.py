@@ -53,7 +53,7 @@ def target_logprobs(
 
 def _fused_chunk() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     try:
-        from loraplex.workers.triton_lm_head import target_logprobs_chunk
+        from loraplex.workers.kernels.triton_lm_head import target_logprobs_chunk
     except ImportError:  # no triton (the CPU venv)
         return None
     return target_logprobs_chunk

@@ -37,9 +37,9 @@ import torch
 
 from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
 from loraplex.runtime.fsutil import private_dirs
-from loraplex.workers.distributed import barrier
-from loraplex.workers.engine import AdapterRecord, Engine
-from loraplex.workers.snapshots import (
+from loraplex.workers.engine.engine import AdapterRecord, Engine
+from loraplex.workers.ranks.distributed import barrier
+from loraplex.workers.state.snapshots import (
     ROWS,
     AdapterSnapshot,
     PoolSignature,
@@ -47,7 +47,7 @@ from loraplex.workers.snapshots import (
     take_snapshot,
     take_snapshot_async,
 )
-from loraplex.workers.spill_format import SPILL_SUFFIX, read_spill, read_spill_metadata, write_spill
+from loraplex.workers.state.spill_format import SPILL_SUFFIX, read_spill, read_spill_metadata, write_spill
 
 GPU, CPU, DISK = "gpu", "cpu", "disk"
 SPARE_BUFFERS = 2  # host buffers kept for reuse beyond the cpu tier's own

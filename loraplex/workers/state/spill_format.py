@@ -19,7 +19,7 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.runtime.fsutil import atomic_write
-from loraplex.workers.snapshots import AdapterSnapshot, PoolSignature
+from loraplex.workers.state.snapshots import AdapterSnapshot, PoolSignature
 
 SPILL_FORMAT = "loraplex-adapter-spill"
 SPILL_VERSION = "1"

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.workers.losses import LossSpec, check_clip_thresholds, get_loss, resolve_loss_config
+from loraplex.workers.engine.losses import LossSpec, check_clip_thresholds, get_loss, resolve_loss_config
 
 
 @dataclass(frozen=True)
