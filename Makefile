@@ -35,7 +35,7 @@ demo: setup
 	$(PY) -m loraplex.launch.cli demo --report demo-report.json
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

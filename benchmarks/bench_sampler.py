@@ -1,4 +1,4 @@
-"""Native sampler benchmark (issue 11, item 6): decode throughput of workers/sampler.py on a random-init Qwen3-shaped
+"""Native sampler benchmark (issue 11, item 6): decode throughput of workers/sampling/sampler.py on a random-init Qwen3-shaped
 model, and HF `generate` with PEFT on the same work, in one process:
 
     python3 benchmarks/bench_sampler.py --model qwen3-4b-shape --rank 32 --prompts 32 --prompt-len 128 --new 128

@@ -39,14 +39,14 @@ class Settings(BaseSettings):
     target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
-    # Activation checkpointing per decoder layer (workers/layer_checkpointing.py): "auto" recomputes the layers of a
+    # Activation checkpointing per decoder layer (workers/engine/layer_checkpointing.py): "auto" recomputes the layers of a
     # microbatch of more than `checkpoint_above_tokens` tokens in its backward (only a datum longer than
     # microbatch_tokens makes one that large), "always", or "never".
     activation_checkpointing: Literal["auto", "always", "never"] = "auto"
     checkpoint_above_tokens: int = Field(default=16384, ge=1)
     # CUDA only (no effect on the CPU): the decoder body of one-rank training microbatches replayed as CUDA graphs
-    # (workers/body_graphs.py), and the base model's norms, rotary embedding and MLP activation as Triton kernels
-    # (workers/fused_elementwise.py), and the LM head's log-softmax too (workers/triton_lm_head.py). false: HF's eager
+    # (workers/engine/body_graphs.py), and the base model's norms, rotary embedding and MLP activation as Triton kernels
+    # (workers/kernels/fused_elementwise.py), and the LM head's log-softmax too (workers/kernels/triton_lm_head.py). false: HF's eager
     # code and the chunked torch log-softmax.
     cuda_graphs: bool = True
     fused_kernels: bool = True
@@ -196,13 +196,13 @@ class Settings(BaseSettings):
     # a Hugging Face id such as Qwen/Qwen3-4B, or a folder the clients share. Empty: the base model's name (a
     # folder's Hugging Face id from its config.json, else the folder's name), never a path on this server.
     tokenizer_id: str = ""
-    # The pool's sampler: "native" (workers/sampler.py over the training engine; single-process pools), "vllm" (a
+    # The pool's sampler: "native" (workers/sampling/sampler.py over the training engine; single-process pools), "vllm" (a
     # vLLM server the pool process starts and supervises, samplers/; needs the .[vllm] extra and a base model vLLM can
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"
     sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
     # Longest slice of native sampling one plan runs (a long generation goes on over the next plans,
-    # workers/sampling_step.py). A slice runs after its plan's training is answered, for at most as long as that
+    # workers/sampling/step.py). A slice runs after its plan's training is answered, for at most as long as that
     # training took, and ends after the current decode step once requests other than samples arrive; so this bounds
     # only how often an otherwise idle pool re-plans (new samples start, finished ones are answered): ~1 ms of
     # per-plan overhead against 100 ms of decoding.

@@ -12,6 +12,18 @@ from loraplex.models import resolve
 # must run before anything imports them.
 pytest.register_assert_rewrite("tests.helpers")
 
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = ("unit", "integration", "e2e", "security", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before tests/gpu/conftest.py's hook, which skips gpu-marked tests without CUDA
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test is marked by its folder (`-m integration`, `-m "not e2e"`), so no module sets its own."""
+    for item in items:
+        folder = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(folder)
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

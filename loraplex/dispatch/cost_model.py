@@ -1,6 +1,6 @@
 """What a FORWARD_BACKWARD step costs, predicted from its shape (pure: no I/O, no torch).
 
-The engine (workers/engine.py) lays a step's datums out adapter-contiguous (adapters in order of first appearance) and
+The engine (workers/engine/engine.py) lays a step's datums out adapter-contiguous (adapters in order of first appearance) and
 cuts them into consecutive microbatches of at most `microbatch_tokens` real tokens (a longer datum alone), each packed
 into one row without padding (workers/batching.split_microbatches, packed: mirrored here and tested against it). Each
 microbatch is one pass through every layer: a plain matmul for its LoRA part when it holds one adapter, the grouped op

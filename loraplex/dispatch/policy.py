@@ -10,7 +10,7 @@ is reported in `blocked` (model_id -> missing seq_id) so the loop can time it ou
 
 The plan's steps, in order:
   1. one CREATE step with every pending create_adapter; then one SAMPLE step: every sampling request in flight
-     (`sampling`: started by an earlier plan, it runs one more slice in this one, workers/sampling_step.py), then
+     (`sampling`: started by an earlier plan, it runs one more slice in this one, workers/sampling/step.py), then
      new ones by fair share (least virtual time, then arrival; each charged num_samples x (prompt + max_tokens)), up
      to `max_sample_rows` new sequences, while fewer than `max_sample_batches` plans' samples are in flight and as
      long as the tenant's sequences in flight stay within `max_sample_rows`. Samples sit in no chain (any order), so

@@ -30,7 +30,7 @@ EXECUTE_PHASES = ("swap", *(k.value for k in StepKind), "execute_other")
 MOVES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_gpu")
 TIERS = ("gpu", "cpu", "disk")
 # The CUDA caching allocator's device-synchronizing events (loraplex_pool_cuda_allocator_events_total{event};
-# workers/allocator_events.py).
+# workers/engine/allocator_events.py).
 ALLOCATOR_EVENTS = ("device_alloc", "device_free", "alloc_retry")
 TRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.step == StepKind.FORWARD_BACKWARD)
 
@@ -77,7 +77,7 @@ class PoolMetrics:
         totals; tiers: adapters per tier now; graph_captures: the engine's CUDA-graph captures so far; graph_memory: the
         bytes they hold on the device; gc_seconds: the process's seconds in Python's garbage collector so far
         (gcutil.GcClock); allocator_events: rank 0's CUDA allocator events so far, per name in ALLOCATOR_EVENTS
-        (workers/allocator_events.py). All are called on the loop
+        (workers/engine/allocator_events.py). All are called on the loop
         thread, right after each plan. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
         with where its seconds went, its tokens and adapters, the captures it made, the collector's seconds and the
         allocator events in it (0: none logged)."""

@@ -2,7 +2,7 @@
 file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0), and the gateway under
 uvicorn. Once up, a supervisor thread (supervisor.py; setting `supervise`) restarts the pool or the gateway when it
 dies, while the rest keeps running: a restarted pool adopts its adapters from their durable snapshots and request logs
-(durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group)."""
+(pool/durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group)."""
 
 from __future__ import annotations
 

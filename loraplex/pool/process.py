@@ -5,7 +5,7 @@ processes stay importable on a machine without them.
 
 World size N > 1 (setting `world_size`, or torchrun's WORLD_SIZE): this process is rank 0 and spawns ranks 1..N-1
 (under torchrun every rank runs this module and the non-zero ranks only follow). Each plan goes from rank 0 to every
-rank (workers/rank_loop.py); base weights are FSDP2-sharded and rows split across ranks (workers/distributed.py).
+rank (workers/ranks/rank_loop.py); base weights are FSDP2-sharded and rows split across ranks (workers/ranks/distributed.py).
 World size 1 makes no process group at all.
 
 One leader per pool (loraplex/pool/leadership.py): before anything is loaded, rank 0 takes the pool's lease in Redis, waiting
@@ -71,7 +71,7 @@ class BaseModelLoader:
 
 
 def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> Any:
-    """The SAMPLE step over this engine (workers/sampling_step.py), or None (no sampler: its requests fail saying so):
+    """The SAMPLE step over this engine (workers/sampling/step.py), or None (no sampler: its requests fail saying so):
     settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now); for a model it does
     not support (an MoE), a step whose requests fail with the reason (logged too)."""
     if settings.sampler == "vllm" and group is None:
@@ -429,8 +429,8 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
 
 
 def _durability(settings: Settings, dispatcher: Any, store: Any, executor: Any, sessions: Any, lease: Any) -> Any:
-    """Adopt this pool's adapters from their durable snapshots and request logs (durable/recovery.py), start the
-    snapshot cadence (durable/snapshotter.py) and the request log; None when durable snapshots are off. `executor`:
+    """Adopt this pool's adapters from their durable snapshots and request logs (pool/durable/recovery.py), start the
+    snapshot cadence (pool/durable/snapshotter.py) and the request log; None when durable snapshots are off. `executor`:
     with several ranks the LeaderExecutor, so every rank adopts each snapshot and replays each logged request (the
     LoRA state is replicated: rank 0's copy is the one the snapshots are written from)."""
     if not settings.durable_snapshots:

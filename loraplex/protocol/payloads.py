@@ -123,7 +123,7 @@ class DeleteAdapterPayload(Payload):
 @dataclass(frozen=True)
 class DatumPayload(Payload):
     """One sequence: input tokens, and the loss inputs per position (target_tokens, weights, logprobs, advantages...).
-    The lists are kept as sent; the engine checks their elements (workers/batching.py)."""
+    The lists are kept as sent; the engine checks their elements (workers/engine/batching.py)."""
 
     KIND_NAME: ClassVar[str] = "datum"
     model_input: list[int]
@@ -147,7 +147,7 @@ class ForwardBackwardPayload(Payload):
     KIND_NAME: ClassVar[str] = "forward_backward"
     data: tuple[DatumPayload, ...] = ()
     loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, Any] | None = None  # checked by the loss (workers/losses.py)
+    loss_fn_config: dict[str, Any] | None = None  # checked by the loss (workers/engine/losses.py)
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> ForwardBackwardPayload:

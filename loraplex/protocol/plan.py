@@ -73,7 +73,7 @@ class Outcome:
     result: dict[str, Any] | None = None
     error_type: str | None = None
     error: str | None = None
-    # Not answered yet: the work goes on in later plans (a sample run in slices, workers/sampling_step.py); the
+    # Not answered yet: the work goes on in later plans (a sample run in slices, workers/sampling/step.py); the
     # request stays pending (no result stored, no ack) until an outcome without it comes.
     unfinished: bool = False
 

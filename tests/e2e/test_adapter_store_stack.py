@@ -8,16 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.launch.embedded import Stack
 from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import ResidencyRepository, TenantRepository, unit_of_work
-
-pytestmark = pytest.mark.e2e
 
 
 def _data(offset: int) -> list[Datum]:

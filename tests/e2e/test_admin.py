@@ -31,7 +31,6 @@ from loraplex.storage.types import utcnow
 from tests.helpers.admin_pages import revoke_key_in_list
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium")
 PASSWORD = "correct horse battery staple"
 # Where the dashboard screenshot goes (to look at after a run); a temp folder otherwise.

@@ -17,8 +17,6 @@ from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
 from tests.helpers.stack import tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def clients(stack):

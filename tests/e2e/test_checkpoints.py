@@ -19,8 +19,6 @@ from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
 from tests.helpers.stack import tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 ADAM = AdamParams(learning_rate=2e-2)
 
 

@@ -15,8 +15,6 @@ from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.queue import stats
 from tests.helpers.stack import create_tenants, tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_a_non_finite_number_fails_at_the_call_and_the_next_call_runs(stack, bad: float) -> None:

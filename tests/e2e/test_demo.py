@@ -8,10 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.e2e
-
 
 def _processes_mentioning(text: str) -> list[str]:
     """Live processes whose command line or environment contains `text` (the demo's state folder)."""

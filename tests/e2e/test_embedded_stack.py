@@ -17,8 +17,6 @@ from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def keys(stack):

@@ -18,8 +18,6 @@ from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.launch.embedded import Stack
 from tests.helpers.stack import tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 ADAM = AdamParams(learning_rate=2e-2)
 
 

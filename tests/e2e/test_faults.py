@@ -25,8 +25,6 @@ from loraplex.runtime.redis_child import RedisChild
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 DATA = [Datum.for_next_token([1, 2, 3, 4, 5])]
 
 

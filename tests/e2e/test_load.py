@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from benchmarks.load_check import load_check
-
-pytestmark = pytest.mark.e2e
 
 
 def test_32_tenants_train_50_steps_at_once_and_nothing_is_lost_or_applied_twice(stack) -> None:

@@ -10,15 +10,12 @@ import time
 from collections.abc import Callable
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import TenantRepository
 from tests.helpers.stack import create_tenants
-
-pytestmark = pytest.mark.e2e
 
 FB_ROUTE = "/v1/adapters/{model_id}/forward_backward"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -16,8 +16,6 @@ from loraplex.api.openai.tokenizer import GatewayTokenizer, plain_chat_prompt
 from loraplex.client import Datum, ServiceClient
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 TEXT = "The cat sat on the"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is the cat?"}]
 NEW = 8

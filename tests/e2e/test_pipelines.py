@@ -32,8 +32,6 @@ from loraplex.storage.repositories import unit_of_work
 from tests.helpers.celery_workers import CeleryBeat, CeleryWorker
 from tests.helpers.stack import create_tenants, tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "candle", "forest", "silver"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip

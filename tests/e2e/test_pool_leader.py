@@ -25,8 +25,6 @@ from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 TTL_S = 1.5
 WAITING = "leads it; waiting for its lease to lapse"
 

@@ -49,8 +49,6 @@ from tests.helpers.recovery import Plan, Trained, assert_same_state, reference, 
 from tests.helpers.services.postgres import PostgresServer, postgres_server
 from tests.helpers.stack import tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 OUTAGE_S = 2.5  # seconds the database stays down each time
 
 

@@ -18,8 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -45,8 +45,6 @@ from tests.helpers.recovery import (
 )
 from tests.helpers.stack import tenant_clients
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:

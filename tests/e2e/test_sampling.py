@@ -13,8 +13,6 @@ from loraplex.client import Datum, ServiceClient
 from loraplex.errors import NotFoundError
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 PROMPT = [11, 12, 13, 14, 15]
 GREEDY = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
 

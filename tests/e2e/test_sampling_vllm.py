@@ -18,8 +18,6 @@ from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from tests.helpers.stack import create_tenants  # noqa: E402
 
-pytestmark = pytest.mark.e2e
-
 PROMPT = [11, 12, 13, 14, 15]
 
 

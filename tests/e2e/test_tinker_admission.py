@@ -17,8 +17,6 @@ from loraplex.runtime.netutil import free_port
 from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory):

@@ -15,8 +15,6 @@ from transformers import AutoTokenizer
 from loraplex.client import ServiceClient
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 CONVERSATIONS = 16
 BATCH = 4  # 4 steps per epoch
 

@@ -13,8 +13,6 @@ import pytest
 
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 pytest.importorskip("tinker_cookbook")
 from tests.helpers.cookbook_rl import BATCHES, run_rl_loop  # noqa: E402
 

@@ -18,8 +18,6 @@ from loraplex.errors import NotFoundError
 from tests.helpers.sdk import LR, train
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def keys(stack):

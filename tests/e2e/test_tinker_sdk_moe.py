@@ -16,8 +16,6 @@ from loraplex.settings import Settings
 from tests.helpers.sdk import LR, train
 from tests.helpers.stack import create_tenants
 
-pytestmark = pytest.mark.e2e
-
 
 @pytest.fixture(scope="module")
 def moe_stack(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""workers/allocator_events.py on CUDA: a cudaMalloc, a cudaFree and a retry are each counted when they happen."""
+"""workers/engine/allocator_events.py on CUDA: a cudaMalloc, a cudaFree and a retry are each counted when they happen."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from loraplex.workers.engine.allocator_events import allocator_events
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_malloc_free_and_a_retry_are_counted() -> None:

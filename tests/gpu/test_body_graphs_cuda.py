@@ -1,4 +1,4 @@
-"""The engine's CUDA-graph body (workers/body_graphs.py) on CUDA: a bf16 engine replaying graphs computes what the
+"""The engine's CUDA-graph body (workers/engine/body_graphs.py) on CUDA: a bf16 engine replaying graphs computes what the
 bf16 engine on the plain-torch reference op computes, as measured against the fp32 reference engine (logprobs and
 adapter gradients within 2x the bf16 reference's own error), over steps that capture buckets, replay them with other
 adapters, ranks, lengths and data, and run one-off shapes eagerly; the optimizer steps in between (the graphs read the
@@ -20,7 +20,6 @@ from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 if TYPE_CHECKING:
     from loraplex.workers.engine.engine import Engine
 
-pytestmark = pytest.mark.gpu
 
 
 def _engines(tmp_path_factory: pytest.TempPathFactory, **graphed_kw: object) -> tuple[Engine, Engine, Engine]:

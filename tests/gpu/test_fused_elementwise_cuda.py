@@ -1,4 +1,4 @@
-"""The Triton RMSNorm, silu(gate) * up and rotary embedding (workers/triton_elementwise.py, installed by workers/fused_elementwise.py) on
+"""The Triton RMSNorm, silu(gate) * up and rotary embedding (workers/kernels/triton_elementwise.py, installed by workers/kernels/fused_elementwise.py) on
 CUDA against HF's eager modules, at Qwen3-4B's shapes in bf16, forward and backward: each within 2x the eager module's
 own distance from an fp32 evaluation of the same maths (+ a bf16 ulp), so fusing adds no error beyond bf16 rounding."""
 
@@ -12,7 +12,6 @@ from loraplex.workers.kernels.fused_elementwise import active, install, rms_norm
 
 triton_elementwise = pytest.importorskip("loraplex.workers.kernels.triton_elementwise")
 
-pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 

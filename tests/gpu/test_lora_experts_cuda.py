@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from loraplex.workers.lora import Routing
 from loraplex.workers.lora.experts import ExpertBanks, experts_grouped, experts_reference
 
-pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 E, H, INTER, K, S, R = 16, 2048, 768, 4, 4, 16
 

@@ -1,6 +1,6 @@
 """The fused per-microbatch LoRA path on CUDA in bf16 against the fp32 plain-torch reference: one layer at real Qwen3-4B
 shapes (grouped_mm reading strided views of the gathered bank buffer in place, and the single-group matmul path), and the
-whole engine in bf16 (with the Triton norms and MLP activation of workers/fused_elementwise.py too, against the eager
+whole engine in bf16 (with the Triton norms and MLP activation of workers/kernels/fused_elementwise.py too, against the eager
 modules).
 
 Tolerances: per layer, the elementwise bound of `check_against_fp32_reference`, |fused_bf16 - reference_fp32| <=
@@ -22,7 +22,7 @@ from loraplex.workers.lora import lora_delta_grouped, lora_delta_reference, sele
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_fused
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
+pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
 
 

@@ -19,7 +19,7 @@ from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delt
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_op
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
+pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
 
 

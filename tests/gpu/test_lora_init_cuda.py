@@ -11,7 +11,7 @@ import torch
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_cuda_init_is_seeded_bounded_and_slot_independent(tiny_dir: Path) -> None:

@@ -14,7 +14,7 @@ import torch
 from loraplex.workers.lora import Routing
 from tests.helpers.lora import flat_sibling_banks, make_banks, run_siblings
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
+pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 CUDA = torch.device("cuda")
 SIBLINGS = {"q/k/v": (4096, 1024, 1024), "gate/up": (9728, 9728)}
 

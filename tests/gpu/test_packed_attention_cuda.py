@@ -23,8 +23,6 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.kernels import packed_attention as pa
 from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
 
-pytestmark = pytest.mark.gpu
-
 RAGGED = [37, 900, 128, 2048, 64, 511, 300, 108, 1, 17]
 
 

@@ -20,7 +20,7 @@ from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from loraplex.workers.state.export import export_peft
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmul")]
+pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 GREEDY = SampleParams(max_tokens=16, temperature=0.0)
 ADAPTERS = {"r4": (4, 8.0, 1), "r16": (16, 16.0, 2), "r8": (8, 16.0, 3)}
 

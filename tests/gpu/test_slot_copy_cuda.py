@@ -15,7 +15,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.pinned_staging import PinnedStaging
 from loraplex.workers.state.slot_rows import SLOT_ROWS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ADAM = {"learning_rate": 1e-2}
 

@@ -1,4 +1,4 @@
-"""The fused LM-head log-softmax (workers/triton_lm_head.py) on CUDA at Qwen3-4B's head (151,936 x 2,560, bf16)
+"""The fused LM-head log-softmax (workers/kernels/triton_lm_head.py) on CUDA at Qwen3-4B's head (151,936 x 2,560, bf16)
 against the eager chunk it replaces (lm_head._target_logprobs, the same bf16 logits then fp32 maths): target logprobs
 within 1e-4 (only the logsumexp's summation order differs), the hidden states' gradient within bf16 rounding of it,
 through lm_head.target_logprobs' chunking (a last, shorter chunk)."""
@@ -12,7 +12,6 @@ from loraplex.workers.engine.lm_head import _target_logprobs, target_logprobs
 
 pytest.importorskip("loraplex.workers.kernels.triton_lm_head")
 
-pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 

@@ -1,4 +1,4 @@
-"""The FSDP2 scenario of tests/integration/test_distributed.py, shared with tests/unit/test_distributed_cuda.py and the
+"""The FSDP2 scenario of tests/integration/test_distributed.py, shared with tests/gpu/test_distributed_cuda.py and the
 other multi-rank tests: a picklable tiny-model loader, the plans (5 mixed steps of 3 adapters, then edge cases), the
 spawned ranks' scenario and its world-size-1 reference, and the comparison of two runs."""
 

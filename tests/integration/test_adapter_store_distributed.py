@@ -18,7 +18,7 @@ from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_e
 from loraplex.workers.state.adapter_store import AdapterStoreSpec
 from tests.helpers.distributed import TinyLoader
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 IDS = ("a", "b", "c")
 DATA = [{"model_input": [3, 14, 15, 92, 65], "loss_fn_inputs": {"target_tokens": [14, 15, 92, 65, 35]}}]

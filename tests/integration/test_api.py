@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def stack(gateway):

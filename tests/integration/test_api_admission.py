@@ -11,8 +11,6 @@ from loraplex.settings import Settings
 from tests.helpers.queued import rejections
 from tests.integration.conftest import gateway_app
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def small(tmp_path, redis_url):

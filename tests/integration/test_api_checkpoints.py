@@ -9,8 +9,6 @@ from loraplex.storage.enums import CheckpointKind
 from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.queued import queued, queued_work, rejections
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def stack(gateway):

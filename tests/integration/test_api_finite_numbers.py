@@ -10,8 +10,6 @@ import pytest
 
 from tests.helpers.queued import queued_work, rejections
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def alice(gateway):

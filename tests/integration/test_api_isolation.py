@@ -37,8 +37,6 @@ from tests.helpers.tenant_state import db_state, stream_of
 from tests.helpers.tinker_wire import forward_backward_body
 from tests.integration.conftest import gateway_app
 
-pytestmark = pytest.mark.integration
-
 PREFIXES = ("/v1/", "/api/v1/")
 ID_PATH_PARAMS = ("{model_id}", "{training_run_id}", "{session_id}", "{request_id}", "{sampler_id}", "{pipeline_id}",
                   "{sweep_id}")  # fmt: skip

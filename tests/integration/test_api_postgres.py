@@ -11,8 +11,6 @@ from tests.helpers.services.postgres import postgres_server
 from tests.helpers.tinker_wire import forward_backward_body
 from tests.integration.conftest import gateway_app
 
-pytestmark = pytest.mark.integration
-
 NUL = "a\x00b"
 NUL_IN_URL = "a%00b"  # the same, as a URL carries it
 
@@ -52,6 +50,7 @@ def test_values_postgresql_cannot_hold_are_4xx_and_the_next_call_works(pg) -> No
         ("POST", "/api/v1/weights_info", {"tinker_path": f"tinker://{model_id}/weights/{NUL}"}),
         ("GET", f"/api/v1/training_runs/{NUL_IN_URL}/checkpoints", None),
         ("GET", "/api/v1/training_runs?offset=9223372036854775808", None),
+        ("GET", "/v1/pipelines?offset=9223372036854775808", None),
     ]  # fmt: skip
     for method, path, body in calls:
         response = pg.client.request(method, path, json=body, headers=h)

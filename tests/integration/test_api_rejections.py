@@ -9,8 +9,6 @@ import pytest
 
 from tests.helpers.queued import queued_work, rejections
 
-pytestmark = pytest.mark.integration
-
 KIND_OF_ROUTE = {"save_weights_for_sampler": "save_sampler"}
 DATUM = {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}
 

@@ -19,8 +19,6 @@ from loraplex.storage.retention import delete_expired
 from loraplex.storage.types import utcnow
 from tests.helpers.checkpoint_rows import checkpoint_folder, saved_checkpoint
 
-pytestmark = pytest.mark.integration
-
 STATE, SAMPLER = CheckpointKind.STATE, CheckpointKind.SAMPLER
 
 

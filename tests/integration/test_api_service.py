@@ -24,8 +24,6 @@ from loraplex.storage.repositories import AdapterRepository, CheckpointRepositor
 from tests.helpers.queued import queued as _queued
 from tests.helpers.queued import queued_work, rejections
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def ctx(gateway):

@@ -29,7 +29,7 @@ from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_e
 from loraplex.workers.state.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_checkpoint
 from tests.helpers.distributed import TinyLoader
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
 RANK, ALPHA, SEED = 4, 8.0, 11

@@ -8,7 +8,6 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
-import pytest
 import redis
 
 from loraplex.dispatch.cost_model import CostParams, FixedCost
@@ -19,8 +18,6 @@ from loraplex.queue.envelope import Envelope
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
-
-pytestmark = pytest.mark.integration
 
 
 class RecordingEngine:

@@ -21,8 +21,6 @@ from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
 from tests.helpers.queued import queue_length
 
-pytestmark = pytest.mark.integration
-
 
 class ArithmeticEngine:
     """Each adapter is a weight w and a gradient g. forward_backward adds w * sum(tokens) to g; optim_step does

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
 import redis
 
 from loraplex.dispatch.loop import Dispatcher
@@ -20,7 +19,6 @@ from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
 
-pytestmark = pytest.mark.integration
 CLAIM_IDLE_MS = 100
 
 

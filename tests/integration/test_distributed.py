@@ -28,7 +28,7 @@ from tests.helpers.distributed import (
     run_ranks,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 WORLD = 2
 

@@ -14,7 +14,7 @@ import torch
 from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import ENGINE_KWARGS, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 
 def test_two_ranks_train_moe_adapters_as_one(tiny_moe_dir: Path, tmp_path: Path) -> None:

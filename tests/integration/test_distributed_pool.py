@@ -17,7 +17,7 @@ from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import PoolRepository, TenantRepository, unit_of_work
 from tests.helpers.processes import rank_processes
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ import torch
 from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import ENGINE_KWARGS, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 REPLICATE = {**ENGINE_KWARGS, "shard_base": False}
 

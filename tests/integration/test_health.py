@@ -6,14 +6,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
-
 from loraplex.api.service.pool_health import PoolView
 from loraplex.storage.models import Pool, PoolState
 from loraplex.storage.repositories import PoolRepository, unit_of_work
 from loraplex.storage.types import utcnow
-
-pytestmark = pytest.mark.integration
 
 
 def _beat(services, state: PoolState, age_s: float = 0.0) -> None:

@@ -20,8 +20,6 @@ from loraplex.storage.db import ALEMBIC_INI, alembic_config, current_revision, d
 from loraplex.storage.models import Base
 from tests.helpers.services.postgres import PostgresServer, postgres_server
 
-pytestmark = pytest.mark.integration
-
 APP_TABLES = {"tenants", "api_keys", "adapters", "checkpoints", "residency", "pools", "sessions", "usage"}
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()  # the newest migration
 _db_numbers = count()

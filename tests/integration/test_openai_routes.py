@@ -20,8 +20,6 @@ from tests.helpers.checkpoint_rows import saved_checkpoint
 from tests.helpers.queued import queued
 from tests.integration.conftest import Gateway, gateway_app
 
-pytestmark = pytest.mark.integration
-
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

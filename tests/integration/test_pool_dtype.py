@@ -13,7 +13,7 @@ from loraplex.settings import Settings
 from loraplex.workers.ranks.distributed import RankGroup
 from loraplex.workers.ranks.rank_loop import EngineSpec, build_engine, spawn_ranks
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180)]
 
 
 def _report(group: RankGroup, spec: EngineSpec, out_dir: str) -> None:

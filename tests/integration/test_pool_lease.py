@@ -26,8 +26,6 @@ from loraplex.storage.db import make_db_engine, migrate, session_factory, unit_o
 from loraplex.storage.models import Checkpoint, Usage
 from loraplex.storage.repositories import AdapterRepository, PoolRepository, TenantRepository
 
-pytestmark = pytest.mark.integration
-
 TTL_S = 0.3
 _pools = itertools.count()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
 import redis
 
 from loraplex.queue import keys
@@ -14,8 +13,6 @@ from loraplex.queue.consumer import Consumer
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
-
-pytestmark = pytest.mark.integration
 
 
 def _pool() -> str:

@@ -14,8 +14,6 @@ from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 
-pytestmark = pytest.mark.integration
-
 
 def _pool() -> str:
     return f"p-{uuid.uuid4().hex[:8]}"

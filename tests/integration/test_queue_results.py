@@ -7,15 +7,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import redis
 
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import ResultStore
-
-pytestmark = pytest.mark.integration
 
 
 def _rid() -> str:

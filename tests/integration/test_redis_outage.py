@@ -29,8 +29,6 @@ from loraplex.storage.db import migrate
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 from tests.helpers.services.redis import KillableRedis
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def killable(tmp_path: Path) -> Iterator[KillableRedis]:

@@ -41,8 +41,6 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from loraplex.workers.state.export import export_peft
 
-pytestmark = pytest.mark.integration
-
 BASE = "tiny-vllm"
 MAX_RANK = 8
 ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2), "c": (8, 16.0, 3)}  # name: (rank, alpha, seed)

@@ -46,8 +46,6 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_wrong_key_is_rejected,
 )
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:

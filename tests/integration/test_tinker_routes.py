@@ -25,8 +25,6 @@ from tests.helpers.queued import queued, rejections
 from tests.helpers.tinker_wire import forward_backward_body, text_datum
 from tests.integration.conftest import gateway_app
 
-pytestmark = pytest.mark.integration
-
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 

@@ -15,8 +15,6 @@ from loraplex.storage.db import migrate
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 from tests.helpers.http_server import serving
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture()
 def server(tmp_path, redis_url):

@@ -11,11 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from loraplex.storage.db import current_revision
-
-pytestmark = pytest.mark.integration
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     """A migrated SQLite database in the test's folder: its session factory. (Imported here: the GPU image collects
-    tests/unit/test_distributed_cuda.py without SQLAlchemy.)"""
+    tests/gpu/test_distributed_cuda.py without SQLAlchemy.)"""
     from loraplex.storage.db import make_db_engine, migrate, session_factory
 
     url = f"sqlite:///{tmp_path / 'loraplex.db'}"

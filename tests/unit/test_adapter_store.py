@@ -1,4 +1,4 @@
-"""The tiered adapter store (workers/adapter_store.py): exact swaps through host memory and disk, LRU, deletes, limits,
+"""The tiered adapter store (workers/state/adapter_store.py): exact swaps through host memory and disk, LRU, deletes, limits,
 the change log, spill files, recovery, and the executor going through it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""workers/allocator_events.py where there is no CUDA allocator: every event reads zero (its CUDA counts are checked
+"""workers/engine/allocator_events.py where there is no CUDA allocator: every event reads zero (its CUDA counts are checked
 in tests/gpu/test_allocator_events_cuda.py)."""
 
 from __future__ import annotations

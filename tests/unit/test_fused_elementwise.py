@@ -1,4 +1,4 @@
-"""workers/fused_elementwise.py on the CPU: its plain-torch functions are HF's maths (bit for bit in fp32), and installed
+"""workers/kernels/fused_elementwise.py on the CPU: its plain-torch functions are HF's maths (bit for bit in fp32), and installed
 on a model the kernels run only inside `active()` (the Triton kernels are CUDA's: tests/gpu/test_fused_elementwise_cuda.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder layer (workers/layer_checkpointing.py): a checkpointed step is the plain step
+"""Activation checkpointing per decoder layer (workers/engine/layer_checkpointing.py): a checkpointed step is the plain step
 (fp32, CPU: logprobs, LoRA gradients and the weights after an optim_step, several adapters in one microbatch), the
 engine turns it on only above its token threshold, and a bad mode is refused."""
 

@@ -1,4 +1,4 @@
-"""workers/packed_attention.py and the packed layout (workers/batching.py): the per-sequence loop equals dense
+"""workers/kernels/packed_attention.py and the packed layout (workers/engine/batching.py): the per-sequence loop equals dense
 block-causal attention (grouped-query heads included, gradients too), the varlen path's argument mapping (with a
 stand-in varlen_attn: the real one is CUDA-only, tests/gpu/test_packed_attention_cuda.py), the AttentionInterface
 function, and a model switched to it: without cu_seqlens bit-identical to sdpa, packed equal to each sequence alone."""

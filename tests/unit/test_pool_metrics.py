@@ -121,7 +121,7 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     captures = [2]  # the engine's running total; captures before the metrics existed are not counted
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.125, 1.5)]
     collected = [10.0]  # the process's garbage-collection seconds so far (gcutil.GcClock)
-    allocator = {"device_alloc": 100, "device_free": 7, "alloc_retry": 0}  # workers/allocator_events.py's totals
+    allocator = {"device_alloc": 100, "device_free": 7, "alloc_retry": 0}  # workers/engine/allocator_events.py's totals
     metrics = PoolMetrics("p", step_times=lambda: timings, graph_captures=lambda: captures[0],
                           graph_memory=lambda: 3 << 30, gc_seconds=lambda: collected[0],
                           allocator_events=lambda: allocator, slow_plan_s=1.0)  # fmt: skip

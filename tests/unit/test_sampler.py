@@ -1,4 +1,4 @@
-"""The native sampler (workers/sampler.py) on the tiny model, fp32 CPU: greedy decoding equals transformers + PEFT
+"""The native sampler (workers/sampling/sampler.py) on the tiny model, fp32 CPU: greedy decoding equals transformers + PEFT
 `generate` on the exported adapter (and the bare base model); a mixed batch of adapters of different ranks and base rows
 gives each row what it gets alone; seeded sampling is reproducible whatever else is in the batch; stops; prompt logprobs
 equal the engine's forward; continuous batching with few rows gives the results of one big batch."""

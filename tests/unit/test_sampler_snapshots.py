@@ -1,4 +1,4 @@
-"""Sampler snapshots (workers/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
+"""Sampler snapshots (workers/state/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
 the adapter's weights as an adapter of its own (in a free slot: a device-to-device copy; else in host memory), which
 stays as it was while the adapter trains on, survives swaps through host memory and disk bit for bit, and never
 reaches the SQL residency records."""

@@ -1,4 +1,4 @@
-"""The SAMPLE step on the pool (workers/sampling_step.py through the PlanExecutor): it samples the frozen snapshot a
+"""The SAMPLE step on the pool (workers/sampling/step.py through the PlanExecutor): it samples the frozen snapshot a
 named sampler save took, not the adapter that trained on; a pool without the snapshot loads it from the checkpoint
 folder; a request that cannot run fails alone; more snapshots than slots run in groups."""
 

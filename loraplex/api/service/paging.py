@@ -1,4 +1,4 @@
-"""Offset pagination of the listings (runs, checkpoints): one rule for every front end."""
+"""Offset pagination of the listings (runs, checkpoints, pipelines): one rule for every front end."""
 
 from __future__ import annotations
 

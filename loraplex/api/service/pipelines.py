@@ -12,6 +12,7 @@ from pathlib import Path
 
 from loraplex.api.schemas import PipelineList, PipelineOut, SubmittedPipelines
 from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
+from loraplex.api.service.paging import check_page
 from loraplex.api.service.pipeline_config import (
     PipelineConfig,
     SubmitPipelineRequest,
@@ -163,8 +164,7 @@ def get_pipeline(services: Services, tenant: TenantRef, pipeline_id: str) -> Pip
 def list_pipelines(
     services: Services, tenant: TenantRef, sweep_id: str | None = None, limit: int = 100, offset: int = 0
 ) -> PipelineList:
-    if not 1 <= limit <= 1000 or offset < 0:
-        raise InvalidRequestError("limit must be 1-1000 and offset at least 0")
+    check_page(limit, offset)
     with services.sessions() as db:
         repo = PipelineRepository(db, tenant.id)
         rows = repo.list(sweep_id, limit, offset)

@@ -10,7 +10,7 @@ goes on:
 0. copy the state to host memory (a side stream's device-to-host copy, so the training kernels never queue behind it;
    the device clones of one round are bounded by `copy_budget_bytes`, adapters past it stay due for a later plan; a
    state larger than the budget by itself is copied synchronously instead, never cloned);
-1. write the file (workers/durable_snapshot.py: atomic, fsynced, hashed);
+1. write the file (workers/state/durable_snapshot.py: atomic, fsynced, hashed);
 2. wait until the dispatcher's finisher has stored the results of every plan up to this one (`after_finished`): a
    snapshot may only become the one a restart adopts once everything it covers was answered, or a restart would
    find requests it covers with no result to send;

@@ -194,7 +194,7 @@ class PackedLayout:
     """One packed microbatch's sequence structure, all from the same lengths (host tensors)."""
 
     positions: torch.Tensor  # int64 [N]: RoPE positions, restarting at 0 for each sequence
-    cu_seqlens: torch.Tensor  # int32 [S+1]: cumulative lengths, 0 .. N (workers/packed_attention.py reads them)
+    cu_seqlens: torch.Tensor  # int32 [S+1]: cumulative lengths, 0 .. N (workers/kernels/packed_attention.py reads them)
     max_length: int  # the longest sequence
 
     @property

@@ -8,7 +8,7 @@ default when an explicit `lora_op` is given) runs the op per layer on the master
 
 Layout (issue 14): by default a microbatch is packed, its sequences (all adapters', adapter-contiguous) concatenated
 into one [1, N] row of real tokens, no padding (`batching.packed_layout`: RoPE positions restart per sequence, cu_seqlens
-for the packed attention, workers/packed_attention.py); microbatches are cut by real tokens. `packed=False` keeps the
+for the packed attention, workers/kernels/packed_attention.py); microbatches are cut by real tokens. `packed=False` keeps the
 padded layout: [B, T_max] rows padded on the right, cut by count x longest. Both give the same results (to fp32
 rounding on the CPU: tests/unit/test_engine_packed.py)."""
 
@@ -124,13 +124,13 @@ class Engine(SlotRows):
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
         else through the reference loop. checkpointing: when a microbatch's decoder layers keep only their inputs and
-        recompute in the backward (workers/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
+        recompute in the backward (workers/engine/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
         microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
-        as Triton kernels in training microbatches (workers/fused_elementwise.py; default: where triton and CUDA are;
+        as Triton kernels in training microbatches (workers/kernels/fused_elementwise.py; default: where triton and CUDA are;
         False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
-        decoder body replayed as CUDA graphs (workers/body_graphs.py; default: on one CUDA rank on the fused grouped
+        decoder body replayed as CUDA graphs (workers/engine/body_graphs.py; default: on one CUDA rank on the fused grouped
         LoRA path; may be flipped between calls). fused_head: the LM head's log-softmax as Triton kernels
-        (workers/triton_lm_head.py; only on CUDA where triton is, so no effect on the CPU; may be flipped).
+        (workers/kernels/triton_lm_head.py; only on CUDA where triton is, so no effect on the CPU; may be flipped).
         fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
         alike). shard_base: with a process group, the base model's weights sharded per decoder layer with FSDP2 (True)
         or a whole copy on every rank (False: plain data parallelism over rows, for a base that fits one device; the
@@ -569,7 +569,7 @@ class Engine(SlotRows):
         self, graph: BodyGraph, padded: PaddedMicrobatch, tokens: torch.Tensor, positions: torch.Tensor,
         targets: torch.Tensor,
     ) -> tuple[torch.Tensor, Routing, MicrobatchBanks]:  # fmt: skip
-        """A packed microbatch's body replayed as CUDA graphs (workers/body_graphs.py): its tokens and positions (host
+        """A packed microbatch's body replayed as CUDA graphs (workers/engine/body_graphs.py): its tokens and positions (host
         int64 [N]) go into the graph's static inputs, padded to its bucket; the LM head runs eagerly on the real rows.
         Returns the target logprobs, the padded routing and the graph's banks (their gradients fold as eager ones)."""
         pad = padded.pad_tokens
@@ -617,7 +617,7 @@ class Engine(SlotRows):
     def _elementwise_on(self) -> bool:
         return bool(self.fused_elementwise and self.fused_modules)
 
-    # ---- several ranks (workers/distributed.py) ------------------------------------------------------------------------
+    # ---- several ranks (workers/ranks/distributed.py) ------------------------------------------------------------------------
     def _run_dummy_microbatch(self, trainable: bool) -> None:
         """This rank has no rows left in a microbatch other ranks run: one pad token through every layer (LoRA scale 0,
         loss x 0), with a backward when they do one, so that every FSDP all-gather happens on every rank."""

@@ -74,7 +74,7 @@ def restore_checkpoint(
 ) -> None:
     """A new adapter `model_id` restored from a checkpoint folder (checked in full before a slot is claimed; through
     the store when there is one), training the checkpoint's target modules; target modules given with it must be
-    those. Also how a pool adopts a sampler snapshot it does not hold (workers/sampling_step.py)."""
+    those. Also how a pool adopts a sampler snapshot it does not hold (workers/sampling/step.py)."""
     from loraplex.workers.state.checkpoint import read_checkpoint
     from loraplex.workers.state.checkpoint_state import check_signature, load_into_engine
 
@@ -381,7 +381,7 @@ class PlanExecutor:
             files = write_checkpoint(state, directory)
             result.update(size_bytes=int(files.total_size), sha256=files.sha256)
         if saves == CheckpointKind.SAMPLER and self.store is not None and p.path:
-            # The frozen copy sampling reads (workers/adapter_store.py: freeze_copy): a slot-row copy, no file read
+            # The frozen copy sampling reads (workers/state/adapter_store.py: freeze_copy): a slot-row copy, no file read
             # back; every rank keeps one (the banks are replicated).
             self.store.freeze_copy(request.model_id, p.path)
         return result

@@ -32,7 +32,7 @@ def target_logprobs(
     chunk's logits, uses them and frees them before the next chunk): never [N, V]. Checked in test_engine_chunked_loss.
 
     fused (CUDA, where triton is, frozen head): each chunk's log-softmax as two Triton kernels over the logits in their
-    own dtype, no fp32 [chunk, V] (workers/triton_lm_head.py; the same maths, this module's function the reference)."""
+    own dtype, no fp32 [chunk, V] (workers/kernels/triton_lm_head.py; the same maths, this module's function the reference)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     pieces = []

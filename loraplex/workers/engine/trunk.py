@@ -1,12 +1,12 @@
 """The model's trunk as one module: decoder body -> real (unpadded) rows -> chunked LM-head target logprobs.
 
-One module, so that under FSDP2 (workers/distributed.py) it is the single root unit whose forward all-gathers the
+One module, so that under FSDP2 (workers/ranks/distributed.py) it is the single root unit whose forward all-gathers the
 embeddings, final norm and LM head, and whose backward reshards them; the decoder layers are units of their own.
 With one rank it is a plain module and computes exactly what the engine computed inline before.
 
-Two layouts (workers/engine.py chooses): padded, [B, T] rows padded on the right, whose real rows are picked out after
+Two layouts (workers/engine/engine.py chooses): padded, [B, T] rows padded on the right, whose real rows are picked out after
 the body; packed, one [1, N] row of sequences back to back (every row real), whose boundaries (`cu_seqlens`, the longest
-length) go to the packed attention (workers/packed_attention.py) through the body's forward kwargs.
+length) go to the packed attention (workers/kernels/packed_attention.py) through the body's forward kwargs.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Trunk(nn.Module):
         max_length: int | None = None,
     ) -> torch.Tensor:
         """The body alone: the final norm's output [B*T, H] (arguments as `forward`'s). With one rank the engine's
-        CUDA graphs capture this (workers/body_graphs.py); under FSDP only `forward` runs (the root unit's hooks)."""
+        CUDA graphs capture this (workers/engine/body_graphs.py); under FSDP only `forward` runs (the root unit's hooks)."""
         extra: dict[str, Any] = {}
         if cu_seqlens is not None:
             if max_length is None:

@@ -1,5 +1,5 @@
 """The decoder's RMSNorms and gated-MLP activations as fused kernels in the engine's training microbatches (issue 14,
-item 3): workers/triton_elementwise.py on CUDA where triton is.
+item 3): workers/kernels/triton_elementwise.py on CUDA where triton is.
 
 HF's RMSNorm is about seven kernels forward and more backward over every token of every layer (four norms a layer with
 Qwen3's q/k norms), the MLP's activation two more: memory-bound work that took a large share of the H200's device time

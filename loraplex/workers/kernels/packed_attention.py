@@ -1,6 +1,6 @@
 """Attention over packed rows: one [1, N] token stream holding S sequences back to back, no padding.
 
-The engine's packed microbatch (workers/engine.py, layout in `batching.packed_layout`) concatenates its sequences into
+The engine's packed microbatch (workers/engine/engine.py, layout in `batching.packed_layout`) concatenates its sequences into
 one row; RoPE positions restart at 0 for each sequence, and the sequences' boundaries travel as `cu_seqlens` (int32
 [S+1], cumulative lengths from 0 to N) and the longest length. They reach every attention call through the body's
 forward: transformers (5.x) passes the model forward's **kwargs down to each attention function, under the names of its
@@ -19,7 +19,7 @@ reference loop.
 
 `install_packed_attention(model)` registers the function with transformers' AttentionInterface (and sdpa's mask
 function under the same name with AttentionMaskInterface) and switches the model to it. A call without `cu_seq_lens_q`
-(the sampler's prefill, workers/sampler.py; anything else using the model) is handed to transformers' own sdpa
+(the sampler's prefill, workers/sampling/sampler.py; anything else using the model) is handed to transformers' own sdpa
 function with its arguments unchanged, and gets sdpa's masks: exactly what the model computed before. The packed
 forward passes the mask mapping itself, every entry None (`packed_forward_kwargs`), so transformers builds no [N, N]
 mask and does not run its packed-sequence detection on the restarting position ids (a device-to-host sync)."""

@@ -7,7 +7,7 @@ input dtype before the weight multiplies it, as HF's. The base weights are froze
 (the kernels refuse a weight that requires grad). The plain-torch reference is HF's eager module itself
 (tests/gpu/test_triton_elementwise_cuda.py).
 
-Imported only where triton is (the GPU image): workers/fused_elementwise.py decides.
+Imported only where triton is (the GPU image): workers/kernels/fused_elementwise.py decides.
 """
 
 from __future__ import annotations

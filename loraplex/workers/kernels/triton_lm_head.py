@@ -11,7 +11,7 @@ for 1,024 rows of Qwen3's 151,936-token vocabulary) and runs several kernels ove
 The head weight is frozen (no gradient for it: refused if it requires one). The plain-torch reference is
 `lm_head._target_logprobs`; tests/gpu/test_triton_lm_head_cuda.py compares them.
 
-Imported only where triton is (the GPU image): workers/lm_head.py decides.
+Imported only where triton is (the GPU image): workers/engine/lm_head.py decides.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class MicrobatchBanks:
     [G, P] fp32 (None when the microbatch does not train) and the `trigger` leaf that makes every LoRA output require
     grad. `grouped`: several groups run through grouped_mm (else the reference's loop). `single`: one group runs plain
     matmuls with its rank and scale as host numbers (False: over r_max with the scale read on the device, for a CUDA
-    graph that replays with other adapters: workers/body_graphs.py)."""
+    graph that replays with other adapters: workers/engine/body_graphs.py)."""
 
     def __init__(self, compute: torch.Tensor, grads: torch.Tensor | None, grouped: bool, single: bool = True) -> None:
         self.compute = compute

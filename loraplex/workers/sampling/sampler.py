@@ -18,7 +18,7 @@ next call of the same shape).
 
 Slices: `start` makes a resumable run (`SampleRun`) and `advance(budget_s)` runs it for about that many seconds (at
 least one admission or decode step), so the pool interleaves a long generation with other tenants' training plans
-(workers/sampling_step.py). A run owns its decode cache while it is in flight (the decoder goes back to the kept ones
+(workers/sampling/step.py). A run owns its decode cache while it is in flight (the decoder goes back to the kept ones
 when it ends) and froze its weights when it started (the decoder's LoRA buffers and, on the fused path, the gathered
 banks), so training between slices changes nothing it reads: a sliced run gives exactly the tokens of an unsliced one.
 

@@ -1,5 +1,5 @@
 """A SAMPLE step on the pool: each request's frozen sampler snapshot (or the bare base model) made resident, then
-batched generation (workers/sampler.py) over all of them, rows of different snapshots mixed, run in bounded slices.
+batched generation (workers/sampling/sampler.py) over all of them, rows of different snapshots mixed, run in bounded slices.
 
 A snapshot is the copy a named save_weights_for_sampler left in the adapter store (adapter_store.freeze_copy), named
 by its tinker path. A pool that does not hold it (it restarted since, or another pool saved it) loads it from the

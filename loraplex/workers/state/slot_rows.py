@@ -1,6 +1,6 @@
 """The engine's slot rows: a slot's four fp32 rows of the optimizer's flat buffers (weights, gradients, Adam's two
 moments), copied to and from host memory as snapshots, swaps and checkpoints share them. A mixin of `Engine`
-(workers/engine.py), kept apart so the engine's file holds its training path."""
+(workers/engine/engine.py), kept apart so the engine's file holds its training path."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The multi-rank code path on CUDA with NCCL (run on the GPU machine: `pytest -m gpu tests/unit/test_distributed_cuda.py`).
+"""The multi-rank code path on CUDA with NCCL (run on the GPU machine: `pytest -m gpu tests/gpu/test_distributed_cuda.py`).
 
 One GPU allows one rank, so this runs the integration scenario (tests/integration/test_distributed.py) as a process
 group of one on cuda:0: FSDP2 sharding (trivial), the NCCL all-reduce of bank gradients and all-gather of outputs, and
@@ -25,7 +25,6 @@ from tests.helpers.distributed import (
 )
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
