@@ -207,7 +207,8 @@ class Consumer:
 
     def keep(self, refs: Iterable[EntryRef]) -> None:
         """Entries this consumer still works on: their idle time starts again (XCLAIM JUSTID to itself), so the
-        stale-entry rule (`claim_stale`, with any consumer name) does not take them while a plan runs them."""
+        stale-entry rule (`claim_stale`, with any consumer name) does not take them while a plan runs them. A stream
+        whose group is gone (Redis restarted empty: NOGROUP) holds nothing to keep, and is passed over."""
         by_stream: dict[str, list[Any]] = defaultdict(list)
         for ref in refs:
             by_stream[ref.stream].append(ref.id)
@@ -216,7 +217,9 @@ class Consumer:
         pipe = self.redis.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, self.group, self.name, 0, ids, justid=True)
-        pipe.execute()
+        for answer in pipe.execute(raise_on_error=False):
+            if isinstance(answer, redis_lib.ResponseError) and not str(answer).startswith("NOGROUP"):
+                raise answer
 
     def pending_count(self) -> int:
         """Entries delivered to any consumer of the group and not yet acked, over every tenant's stream."""

@@ -113,6 +113,21 @@ def test_the_group_is_recreated_if_the_stream_vanishes(redis_client: redis.Redis
     assert ids != first and [env.request_id for _, env in consumer.read(count=5)] == ids
 
 
+def test_keeping_entries_whose_group_is_gone_passes_them_over(redis_client: redis.Redis) -> None:
+    """Redis restarted empty while the dispatcher held entries: keeping them finds no group (NOGROUP), and that is
+    no error (it killed the pool's loop), while the entries of a stream that still has its group are kept."""
+    pool = _pool()
+    consumer = Consumer(redis_client, pool, "c")
+    _submit(redis_client, pool, 1)
+    Producer(redis_client, pool).submit(Envelope.new(tenant_id="other", model_id="m", seq_id=0, kind="optim_step"))
+    held = [sid for sid, _ in consumer.read(count=5)]
+    assert len(held) == 2
+    redis_client.delete(keys.request_stream(pool, "t"))  # its group with it
+    consumer.keep(held)
+    other = keys.request_stream(pool, "other")
+    assert redis_client.xpending(other, consumer.group)["pending"] == 1
+
+
 def test_an_entry_whose_payload_does_not_fit_its_kind_fails_as_undecodable(redis_client: redis.Redis) -> None:
     """The codec checks each payload against its kind's model (loraplex/protocol): a bad one fails alone, named."""
     pool = _pool()
