@@ -13,7 +13,7 @@ py=${PY:-.venv/bin/python}
 names=(pydantic pydantic_core pydantic-settings python-dotenv typing-inspection annotated-types fastapi starlette
        uvicorn httptools sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore
        tinker protobuf zstandard  # the Tinker routes: the SDK's protobuf messages (the package is not imported), zstd
-       prometheus_client  # the pool's and the gateway's metrics (dispatch/pool_metrics.py, api/metrics.py)
+       prometheus_client  # the pool's and the gateway's metrics (pool/metrics.py, api/metrics.py)
        sqladmin wtforms itsdangerous python-multipart jinja2 markupsafe  # the web admin on the gateway (loraplex/admin/)
        celery kombu billiard vine amqp click-didyoumean click-plugins click-repl prompt_toolkit wcwidth python-dateutil
        six tzlocal tzdata)  # the gateway sends pipeline tasks (api/service/pipeline_launch.py imports celery)

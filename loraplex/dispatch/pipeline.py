@@ -6,8 +6,8 @@
 
 Both ride out a Redis outage: the reader retries with backoff and recreates a consumer group that a Redis restart
 lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
-The plan's SQL writes (dispatch/records.py, dispatch/recording_executor.py) ride out a database outage the same way
-(`retry_database`, up to DATABASE_OUTAGE_S), so a result is still stored only after its SQL record.
+The plan's SQL writes (pool/records.py, pool/recording_executor.py) ride out a database outage the same way
+(storage/outage.retry_database), so a result is still stored only after its SQL record.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -27,16 +26,13 @@ from loraplex.errors import LeaseLostError
 from loraplex.protocol import RequestKind
 from loraplex.queue.consumer import Consumer, Entry
 from loraplex.runtime.logutil import Backoff, RateLimitedLog
-from loraplex.storage.db import database_unavailable
+from loraplex.runtime.retry import retry_while_unreachable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # How long a finisher write waits for Redis to come back before giving up (the entries stay in the stream unacked).
 REDIS_OUTAGE_S = 600.0
-# How long a plan's SQL write waits for the database to come back before giving up (then the caller's own error
-# handling: records logged as lost, a save failed with "not recorded").
-DATABASE_OUTAGE_S = 600.0
 
 
 def lost_group(exc: redis_lib.ResponseError) -> bool:
@@ -52,53 +48,7 @@ def retry_redis(call: Callable[[], object], what: str, warn: RateLimitedLog, out
             return f"redis unavailable while {what} ({exc}); retrying"
         return None
 
-    _retry(call, unreachable, warn, outage_s, Backoff())
-
-
-def retry_database(
-    call: Callable[[], T], what: str, warn: RateLimitedLog, outage_s: float = DATABASE_OUTAGE_S,
-    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-) -> T:  # fmt: skip
-    """`call()` (one whole transaction: it is run again from its start), retried with backoff while the database is
-    unreachable (storage/db.database_unavailable: a server stopped, crashed or restarting), for up to `outage_s`
-    seconds; then that error is raised. Any other error is raised at once."""
-
-    def unreachable(exc: Exception) -> str | None:
-        if not database_unavailable(exc):
-            return None
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return f"database unavailable while {what} ({type(exc).__name__}: {first_line}); retrying"
-
-    def back(seconds: float) -> None:
-        log.info("database available again: %s done after %.1f s", what, seconds)
-
-    return _retry(call, unreachable, warn, outage_s, Backoff(cap_s=1.0), clock, sleep, back)
-
-
-def _retry(
-    call: Callable[[], T], unreachable: Callable[[Exception], str | None], warn: RateLimitedLog, outage_s: float,
-    backoff: Backoff, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-    back: Callable[[float], None] | None = None,
-) -> T:  # fmt: skip
-    """`call()`, again after a backoff while `unreachable(exc)` names the outage (its warning), for up to `outage_s`;
-    any other error, or the outage outlasting that, is raised. `back(seconds)` is told when a call succeeds after
-    an outage."""
-    deadline = clock() + outage_s
-    failed_at: float | None = None
-    while True:
-        try:
-            value = call()
-        except Exception as exc:
-            message = unreachable(exc)
-            if message is None or clock() >= deadline:
-                raise
-            failed_at = clock() if failed_at is None else failed_at
-            warn.warning("%s", message)
-            sleep(backoff.next())
-            continue
-        if failed_at is not None and back is not None:
-            back(clock() - failed_at)
-        return value
+    retry_while_unreachable(call, unreachable, warn, outage_s, Backoff())
 
 
 class Prefetcher:

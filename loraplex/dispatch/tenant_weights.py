@@ -1,7 +1,8 @@
 """The tenants' fair-share weights as the dispatcher reads them: the `tenants.weight` column through a cache, so a plan
 costs no SQL (one SELECT for the tenants whose entry is older than `ttl_s`, at most once per `ttl_s` each). A weight
 change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A failed read (the database away)
-keeps the weights known so far (1 for a tenant never read) and is retried on the next plan after `retry_s`."""
+keeps the weights known so far (1 for a tenant never read) and is retried on the next plan after `retry_s`. The
+fetch is the pool's (pool/records.sql_weights): this module knows no SQL."""
 
 from __future__ import annotations
 
@@ -9,10 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from loraplex.runtime.logutil import RateLimitedLog
-from loraplex.storage.repositories import TenantRepository
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +46,3 @@ class TenantWeights:
                     self._weights[t] = float(fresh.get(t, 1.0))
                     self._read_at[t] = now
         return {t: self._weights.get(t, 1.0) for t in wanted}
-
-
-def sql_weights(sessions: sessionmaker[Session]) -> Fetch:
-    """Fetch weights from the `tenants` table."""
-
-    def fetch(tenant_ids: Collection[str]) -> Mapping[str, float]:
-        with sessions() as session:
-            return TenantRepository(session).weights(tenant_ids)
-
-    return fetch

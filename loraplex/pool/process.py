@@ -230,10 +230,10 @@ def _lead(
     from loraplex.dispatch.cost_calibration import OnlineCostModel
     from loraplex.dispatch.cost_model import default_cost
     from loraplex.dispatch.loop import Dispatcher
-    from loraplex.dispatch.recording_executor import RecordingExecutor
-    from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
-    from loraplex.dispatch.tenant_weights import TenantWeights, sql_weights
+    from loraplex.dispatch.tenant_weights import TenantWeights
     from loraplex.pool.ready import ready_file, remove_ready_file, write_ready_file
+    from loraplex.pool.recording_executor import RecordingExecutor
+    from loraplex.pool.records import OutcomeRecorder, PlanNotes, applied_seq_lookup, sql_weights
     from loraplex.queue.results import ResultStore
     from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.runtime.logutil import RateLimitedLog
@@ -380,11 +380,11 @@ def _lead(
 
 
 def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
-    """The pool's Prometheus metrics (dispatch/pool_metrics.py) fed from rank 0's executor and adapter store: its
+    """The pool's Prometheus metrics (pool/metrics.py) fed from rank 0's executor and adapter store: its
     per-step seconds, cumulative swaps (workers/adapter_store.SwapStats), adapters per tier, the engine's CUDA-graph
     captures and the memory they hold, this process's garbage-collection seconds and its CUDA allocator's events;
     plans slower than `slow_plan_log_seconds` are logged."""
-    from loraplex.dispatch.pool_metrics import PoolMetrics
+    from loraplex.pool.metrics import PoolMetrics
     from loraplex.workers.engine.allocator_events import allocator_events
 
     def swaps() -> dict[str, tuple[int, float]]:
@@ -411,7 +411,7 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
 def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[Any, Any]:
     """Publish the metrics to Redis every `pool_metrics_publish_seconds` (the gateways' /metrics/pools), and serve
     them on `pool_metrics_port` unless it is 0 (a port in use is logged: the pool serves on without it)."""
-    from loraplex.dispatch.metrics_publisher import MetricsPublisher
+    from loraplex.pool.metrics_publisher import MetricsPublisher
     from loraplex.runtime.metrics_server import MetricsServer
 
     publisher = MetricsPublisher(redis_client, metrics, settings.pool_metrics_publish_seconds).start()
@@ -481,9 +481,9 @@ def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
     there now: migrations are idempotent and serialised, so a fresh database just works). Exits naming what is
     missing. A database that does not answer yet is waited for (up to 10 minutes, as the pool's records do), not
     exited on: a pool restarted during an outage serves as soon as it is back (`stop` ends the wait)."""
-    from loraplex.dispatch.pipeline import retry_database
     from loraplex.runtime.logutil import RateLimitedLog
     from loraplex.storage.db import migrate
+    from loraplex.storage.outage import retry_database
 
     def wait(seconds: float) -> None:
         if stop is None:

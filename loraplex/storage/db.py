@@ -159,7 +159,7 @@ def current_revision(url: str | URL) -> str | None:
 def database_unavailable(exc: BaseException) -> bool:
     """`exc` says the database could not be reached or dropped the connection (a server stopped, crashed, restarting,
     in recovery; SQLite's lock wait exhausted): the same transaction can succeed once it is back. The pool waits
-    for the database on these (dispatch/pipeline.retry_database); the gateway answers an OperationalError with 503
+    for the database on these (storage/outage.retry_database); the gateway answers an OperationalError with 503
     (api/errors.py)."""
     return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 

@@ -12,7 +12,7 @@ started again on the same data folder and port, three times:
 3. at a random moment under load (transactions cut mid-flight).
 
 The service rides through: no client sees an error, and neither the pool nor the gateway restarts. The pool waits
-for the database before it stores a plan's results (dispatch/pipeline.retry_database), so a result is never visible
+for the database before it stores a plan's results (storage/outage.retry_database), so a result is never visible
 before its SQL record (DESIGN, Durability). Before that fix a save run while the database was away failed with
 "checkpoint saved but not recorded", and a plan whose record failed was answered anyway with its record lost (usage
 rows missing; an adapter whose last plans met the outage kept a stale applied_seq_id for good).

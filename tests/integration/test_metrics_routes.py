@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.dispatch.pool_metrics import PoolMetrics
+from loraplex.pool.metrics import PoolMetrics
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
 from loraplex.queue import metrics_snapshot
 from loraplex.runtime.metrics_server import MetricsServer

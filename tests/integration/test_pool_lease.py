@@ -14,9 +14,9 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.recording_executor import RecordingExecutor
-from loraplex.dispatch.records import OutcomeRecorder, PlanNotes
 from loraplex.errors import LeaseLostError
+from loraplex.pool.recording_executor import RecordingExecutor
+from loraplex.pool.records import OutcomeRecorder, PlanNotes
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState

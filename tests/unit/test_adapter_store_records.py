@@ -8,7 +8,7 @@ import itertools
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
-from loraplex.dispatch.records import OutcomeRecorder
+from loraplex.pool.records import OutcomeRecorder
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import ResidencyTier
@@ -141,8 +141,8 @@ def test_the_pool_drains_tier_moves_on_the_loop_thread_and_records_them_with_the
 ) -> None:
     """The RecordingExecutor drains the store right after each plan (the thread that moves adapters), and the recorder
     (the finisher thread) writes each plan's moves with that plan, even when the next plan ran in between."""
-    from loraplex.dispatch.recording_executor import RecordingExecutor
-    from loraplex.dispatch.records import PlanNotes
+    from loraplex.pool.recording_executor import RecordingExecutor
+    from loraplex.pool.records import PlanNotes
 
     tenant = _adapters(factory, "a", "b")
     store = _FakeStore([])

@@ -12,13 +12,13 @@ from sqlalchemy import event, func, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.pipeline import retry_database
-from loraplex.dispatch.recording_executor import RecordingExecutor
-from loraplex.dispatch.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
+from loraplex.pool.recording_executor import RecordingExecutor
+from loraplex.pool.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable, unit_of_work
 from loraplex.storage.models import Checkpoint, Usage
+from loraplex.storage.outage import retry_database
 from loraplex.storage.repositories import AdapterRepository, TenantRepository
 
 WARN = RateLimitedLog(logging.getLogger("test"), every_s=0.0)

@@ -20,7 +20,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "storage": ("loraplex.dispatch", "loraplex.workers", "loraplex.queue", "loraplex.api", "torch"),
     "api": ("loraplex.workers", "loraplex.dispatch", "torch"),
     "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
-    "dispatch": ("loraplex.workers", "loraplex.api", "torch"),
+    # The policy and the loop over the queue: no SQL (the pool's records and lookups are pool/'s), no pool, no torch.
+    "dispatch": ("loraplex.workers", "loraplex.api", "loraplex.pool", "loraplex.storage", "sqlalchemy", "torch"),
     # Pipelines train through the service layer like a tenant: never the pool's internals.
     "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool", "loraplex.launch", "torch"),
     # The pool process joins workers/, dispatch/, storage/ and queue/: never the gateway's HTTP side or the client.
@@ -73,7 +74,7 @@ def test_workers_import_torch_side_packages_and_the_bottom_layers_only() -> None
 
 @pytest.mark.parametrize("package", ["workers", "protocol", "queue", "storage", "client", "samplers"])
 def test_metrics_are_defined_above_the_engine_and_the_stores(package: str) -> None:
-    """prometheus-client belongs to the processes' sides (dispatch/pool_metrics.py, api/metrics.py): the workers
+    """prometheus-client belongs to the processes' sides (pool/metrics.py, api/metrics.py): the workers
     report plain numbers, and the queue carries the pool's metrics as bytes."""
     bad = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"

@@ -1,4 +1,4 @@
-"""The pool's metrics (dispatch/pool_metrics.py) from hand-made plans and outcomes: what a plan holds (steps per kind,
+"""The pool's metrics (pool/metrics.py) from hand-made plans and outcomes: what a plan holds (steps per kind,
 mixed vs single forward_backward steps, adapters, rows and tokens per step), tokens and requests per tenant, sampled
 tokens, parts, the time split, swaps as deltas of the store's totals, tiers and queue depths."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.dispatch.pool_metrics import PoolMetrics
+from loraplex.pool.metrics import PoolMetrics
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
 from tests.helpers.policy import FB, FWD, OPT, SAMPLE, req
 
@@ -129,7 +129,7 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a, b)),))
     captures[0], collected[0] = 4, 10.25
     allocator.update(device_alloc=103, device_free=9, alloc_retry=1)
-    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+    with caplog.at_level("INFO", logger="loraplex.pool.metrics"):
         metrics.executed(plan, [_ok(a), _ok(b)], busy_s=2.0)
     assert _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
     assert _get(_values(metrics), "loraplex_pool_gc_seconds_total") == 0.25
@@ -144,18 +144,18 @@ def test_graph_captures_count_and_a_slow_plan_is_logged_with_its_split(caplog: p
 
     caplog.clear()  # under the threshold: counted, not logged; a total that did not move adds nothing
     timings = [_Timing(StepKind.FORWARD_BACKWARD, 0.0, 0.5)]
-    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+    with caplog.at_level("INFO", logger="loraplex.pool.metrics"):
         metrics.executed(plan, [_ok(a), _ok(b)], busy_s=0.5)
     assert not caplog.records and _get(_values(metrics), "loraplex_pool_graph_captures_total") == 2
     quiet = PoolMetrics("p", step_times=lambda: timings, slow_plan_s=0.0)  # 0: never logged
-    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+    with caplog.at_level("INFO", logger="loraplex.pool.metrics"):
         quiet.executed(plan, [_ok(a), _ok(b)], busy_s=60.0)
     assert not caplog.records
 
 
 def test_a_slow_finish_is_logged_with_its_record_and_publish_seconds(caplog: pytest.LogCaptureFixture) -> None:
     metrics = PoolMetrics("p", slow_plan_s=1.0)
-    with caplog.at_level("INFO", logger="loraplex.dispatch.pool_metrics"):
+    with caplog.at_level("INFO", logger="loraplex.pool.metrics"):
         metrics.timed({"record": 0.2, "publish": 0.1})  # under the threshold: counted only
         metrics.timed({"read": 5.0, "coalesce": 2.0})  # the loop's waits are no finish
         metrics.timed({"record": 1.25, "publish": 0.05})

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex import errors
-from loraplex.dispatch.tenant_weights import TenantWeights, sql_weights
+from loraplex.dispatch.tenant_weights import TenantWeights
+from loraplex.pool.records import sql_weights
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.dispatch.loop import STATE_KINDS
-from loraplex.dispatch.records import check_leader
 from loraplex.errors import LeaseLostError
+from loraplex.pool.records import check_leader
 from loraplex.protocol import BatchPlan, RequestKind
 from loraplex.queue import replay_log
 from loraplex.runtime.logutil import RateLimitedLog

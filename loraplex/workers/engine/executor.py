@@ -128,7 +128,7 @@ class PlanExecutor:
         sampling: runs a SAMPLE step (the native sampler over this engine); None: this pool does not sample, and each
         sampling request fails with a NotSupportedError saying so. writes: where a sampler save's files are written
         off the training path (the plan copies the weights, the file write runs beside the next plans; whoever
-        publishes the result waits for it: dispatch/recording_executor.py); None: written in the plan. on_step: told
+        publishes the result waits for it: pool/recording_executor.py); None: written in the plan. on_step: told
         (step, its outcomes, seconds) after each step ran (the pool's cost model calibrates from it,
         dispatch/cost_calibration.py)."""
         self.on_step = on_step

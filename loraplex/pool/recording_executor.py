@@ -3,7 +3,7 @@ OutcomeRecorder), with a `checkpoints` row added for each successful save BEFORE
 client that sees a save's result can load it at once. (A crash before the result is stored redelivers the save: it
 runs again, rewrites its files and replaces the row.) A save whose row cannot be written fails. The database away
 (stopped, crashed, restarting) is no reason to fail it: the rows' transaction is run again until the database is back
-(dispatch/pipeline.retry_database, up to DATABASE_OUTAGE_S; replacing a row is idempotent), the save failing only
+(storage/outage.retry_database, up to DATABASE_OUTAGE_S; replacing a row is idempotent), the save failing only
 after that. With a lease, the rows' transaction is fenced like the OutcomeRecorder's (dispatch/records.check_leader):
 a deposed leader writes no row, and its plan fails with LeaseLostError.
 
@@ -22,9 +22,8 @@ from datetime import timedelta
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.pipeline import retry_database
-from loraplex.dispatch.records import PlanNotes, TierChanges, check_leader
 from loraplex.errors import LoraplexError
+from loraplex.pool.records import PlanNotes, TierChanges, check_leader
 from loraplex.protocol import (
     KINDS,
     SAVE_KINDS,
@@ -40,6 +39,7 @@ from loraplex.queue.lease import PoolLease
 from loraplex.runtime.background_writes import BackgroundWrites
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable
+from loraplex.storage.outage import retry_database
 from loraplex.storage.repositories import CheckpointRepository, unit_of_work
 from loraplex.storage.types import utcnow
 

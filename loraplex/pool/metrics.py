@@ -6,7 +6,7 @@ labels are documented in ARCHITECTURE.md ("Metrics"). Every series carries the p
 tenant id and nothing else of the tenant's.
 
 The registry is served on the pool's own port (loraplex/runtime/metrics_server.py) and published to Redis for the gateways
-(dispatch/metrics_publisher.py)."""
+(pool/metrics_publisher.py)."""
 
 from __future__ import annotations
 

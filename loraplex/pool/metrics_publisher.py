@@ -9,7 +9,7 @@ import threading
 
 import redis as redis_lib
 
-from loraplex.dispatch.pool_metrics import PoolMetrics
+from loraplex.pool.metrics import PoolMetrics
 from loraplex.queue import metrics_snapshot
 from loraplex.runtime.logutil import RateLimitedLog
 

@@ -1,14 +1,14 @@
 """What the dispatcher writes to SQL after each plan (its `on_outcomes`): adapter status, the applied seq_id per adapter
 (so a restarted pool continues in order), usage per tenant, and where the pool's adapter store moved adapters
 (`residency`), one transaction per plan; and the lookup of an adapter's applied seq_id. The `checkpoints` rows of
-saves are written earlier, before the results (dispatch/recording_executor.py).
+saves are written earlier, before the results (pool/recording_executor.py).
 
 Fencing (`lease=`, the pool's way): each of these transactions first checks that the pools row still holds this
 process's fencing token (`check_leader`: one SELECT ... FOR UPDATE); when another pool process took the pool over,
 the transaction rolls back, the lease is marked lost, and LeaseLostError propagates: a deposed leader records nothing.
 
 The database away (stopped, crashed, restarting: storage/db.database_unavailable): the plan's transaction is run
-again from its start until it commits (dispatch/pipeline.retry_database, up to DATABASE_OUTAGE_S), and the finisher
+again from its start until it commits (storage/outage.retry_database, up to DATABASE_OUTAGE_S), and the finisher
 stores the plan's results only after that, so a result never shows before its record. A retry after a failed COMMIT
 cannot know whether that COMMIT went through: it first reads the plan's adapters' applied seq_ids, and when they
 already cover the plan (plans are recorded one at a time, in order, so only this plan's COMMIT can have put them
@@ -17,14 +17,14 @@ there) it writes nothing again, so usage is never counted twice. The applied seq
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.dispatch.pipeline import retry_database
+from loraplex.dispatch.tenant_weights import Fetch
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.protocol import (
     UNCHAINED_KINDS,
@@ -36,10 +36,12 @@ from loraplex.queue.lease import PoolLease
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable
 from loraplex.storage.models import AdapterStatus
+from loraplex.storage.outage import retry_database
 from loraplex.storage.repositories import (
     AdapterRepository,
     PoolRepository,
     ResidencyRepository,
+    TenantRepository,
     UsageRepository,
     unit_of_work,
 )
@@ -191,3 +193,13 @@ def _covered(session: Session, applied: dict[tuple[str, str], int]) -> bool:
         if current is None or current < seq_id:
             return False
     return True
+
+
+def sql_weights(sessions: sessionmaker[Session]) -> Fetch:
+    """Fetch weights from the `tenants` table."""
+
+    def fetch(tenant_ids: Collection[str]) -> Mapping[str, float]:
+        with sessions() as session:
+            return TenantRepository(session).weights(tenant_ids)
+
+    return fetch
