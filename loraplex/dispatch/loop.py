@@ -18,7 +18,7 @@ plans) or being finished (its result not stored yet): the stale-entry claim skip
 idle time it refreshes meanwhile (so no other consumer takes them either), and a redelivered twin of a request being
 finished waits for its result. A sample run in slices (an unfinished Outcome) stays held, unanswered, until it ends.
 
-Pipelined (`pipelined=True`, the pool's mode; dispatch/pipeline.py): a prefetch thread reads and decodes the streams
+Pipelined (`pipelined=True`, the pool's mode; dispatch/stages.py): a prefetch thread reads and decodes the streams
 while a plan runs, and a finisher thread writes each plan's SQL records (`on_outcomes`), stores its results and acks
 its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
 the next plan never waits for the finisher. An underfilled plan waits a moment for the tenants it just answered
@@ -44,8 +44,8 @@ import redis as redis_lib
 from loraplex.dispatch.coalescing import Coalescer, full_microbatch_tokens
 from loraplex.dispatch.cost_model import StepCost
 from loraplex.dispatch.fair_share import FairShareLedger
-from loraplex.dispatch.pipeline import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
+from loraplex.dispatch.stages import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.dispatch.tenant_weights import TenantWeights
 from loraplex.protocol import (
     CONTROL_KINDS,
@@ -574,7 +574,7 @@ class Dispatcher:
                 except Exception:  # recording them must not stall every tenant: the results still go out
                     log.exception("on_outcomes failed for %d outcomes", len(outcomes))
             recorded = time.monotonic()
-            # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/pipeline.py).
+            # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/stages.py).
             # publish: the outcomes to store (a silent rerun's first result stays as it was delivered)
             shown = outcomes if publish is None else publish
             retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
