@@ -127,6 +127,7 @@ class Dispatcher:
         observer: PlanObserver | None = None,
         request_log: bool = False,
         after_plan: Callable[[BatchPlan, Dispatcher], None] | None = None,
+        others_waiting: threading.Event | None = None,
     ) -> None:
         """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
         coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
@@ -134,6 +135,8 @@ class Dispatcher:
         cost_model: splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from
         its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1).
         observer: told about each executed plan and the seconds of each phase (the pool's metrics).
+        others_waiting: set by the prefetch thread while requests other than samples wait unplanned (the pool's
+        native sampler reads it to end a slice early).
 
         request_log: move each answered request into its adapter's durable request log when it is acked
         (queue/replay_log.py), for a restarted pool to replay after the adapter's snapshot.
@@ -180,6 +183,7 @@ class Dispatcher:
         # an underfilled plan runs the whole microbatches it fills without waiting (0: never; dispatch/coalescing.py)
         self.microbatch_tokens = settings.microbatch_tokens if settings.coalesce_early_full_microbatches else 0
         self.pipelined = pipelined
+        self._others_waiting = others_waiting
         self._finisher = Finisher(background=pipelined)
         self._prefetcher: Prefetcher | None = None  # started by the first read
         self.request_log = request_log
@@ -298,7 +302,8 @@ class Dispatcher:
             block = None if wait_s is None else max(1, round(wait_s * 1000))
             return self.consumer.read(block, self.read_count)
         if self._prefetcher is None:
-            self._prefetcher = Prefetcher(self.consumer, self.block_ms, self.read_count)
+            self._prefetcher = Prefetcher(self.consumer, self.block_ms, self.read_count,
+                                          others_waiting=self._others_waiting)  # fmt: skip
         return self._prefetcher.take(wait_s)
 
     def _plan(self, limits: PolicyLimits | None = None, adapters: set[str] | None = None) -> PolicyResult:
@@ -398,10 +403,6 @@ class Dispatcher:
             self._held_ids.add(sid)
         self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
-
-    def others_waiting(self) -> bool:
-        """Whether requests other than samples were read and not planned yet (a sample slice then ends early)."""
-        return self._prefetcher is not None and self._prefetcher.others_waiting.is_set()
 
     def _execute_samples_last(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """The plan's SAMPLE step runs after the rest of it is executed and handed to the finisher (so their results do

@@ -52,14 +52,16 @@ def retry_redis(call: Callable[[], object], what: str, warn: RateLimitedLog, out
 
 
 class Prefetcher:
-    def __init__(self, consumer: Consumer, block_ms: int, count: int, depth: int = 4) -> None:
+    def __init__(
+        self, consumer: Consumer, block_ms: int, count: int, depth: int = 4, others_waiting: threading.Event | None = None
+    ) -> None:
         self._consumer = consumer
         self._block_ms = block_ms
         self._count = count
         self._queue: queue.Queue[list[Entry]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         # set when entries other than samples were read and not taken yet: a sample slice then ends early
-        self.others_waiting = threading.Event()
+        self.others_waiting = others_waiting if others_waiting is not None else threading.Event()
         self._thread = threading.Thread(target=self._run, name="dispatch-prefetch", daemon=True)
         self._thread.start()
 

@@ -70,7 +70,9 @@ class BaseModelLoader:
         return model
 
 
-def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> Any:
+def native_sampling(
+    settings: Settings, engine: Any, store: Any, group: Any, others_waiting: threading.Event | None = None
+) -> Any:
     """The SAMPLE step over this engine (workers/sampling/step.py), or None (no sampler: its requests fail saying so):
     settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now); for a model it does
     not support (an MoE), a step whose requests fail with the reason (logged too)."""
@@ -86,7 +88,8 @@ def native_sampling(settings: Settings, engine: Any, store: Any, group: Any) -> 
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
         sampler = Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows)
-        return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight)
+        return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight,
+                          others_waiting.is_set if others_waiting is not None else None)  # fmt: skip
     except (LoraplexError, OSError) as exc:
         log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
         reason = NotSupportedError(f"this pool has no native sampler: {exc}")
@@ -269,7 +272,9 @@ def _lead(
     writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
     # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.
     cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None
-    sampling = native_sampling(settings, engine, store, group)
+    # Set by the dispatcher's prefetch thread while training waits unplanned; the sampler's idle slices end on it.
+    others_waiting = threading.Event()
+    sampling = native_sampling(settings, engine, store, group, others_waiting)
     executor = PlanExecutor(engine, store, sampling, writes,
                             on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
@@ -291,7 +296,7 @@ def _lead(
 
     def build_dispatcher() -> Dispatcher:
         client = redis.Redis.from_url(settings.redis_url)
-        dispatcher = Dispatcher(
+        return Dispatcher(
             client,
             settings.pool,
             recording,
@@ -303,10 +308,8 @@ def _lead(
             cost_model=cost,
             tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
             observer=metrics,
+            others_waiting=others_waiting,
         )
-        if hasattr(sampling, "yield_now"):  # the native sampler's slices end early when others' requests arrive
-            sampling.yield_now = dispatcher.others_waiting
-        return dispatcher
 
     dispatcher = _dispatcher_when_redis_answers(
         build_dispatcher,

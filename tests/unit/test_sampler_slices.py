@@ -149,9 +149,9 @@ def test_a_slice_beside_training_runs_its_seconds_and_an_idle_one_yields_to_arri
     otherwise idle pool) stops after one round once `yield_now()` is true."""
     engine = _engine(tiny_dir, True, slots=2)
     sampler = Sampler(engine, max_rows=2)
-    step = SampleStep(sampler, AdapterStore(engine, 1 << 30, tmp_path / "spill"), slice_s=60.0)
     asked: list[int] = []
-    step.yield_now = lambda: asked.append(1) is None  # always: requests wait
+    step = SampleStep(sampler, AdapterStore(engine, 1 << 30, tmp_path / "spill"), slice_s=60.0,
+                      yield_now=lambda: asked.append(1) is None)  # always: requests wait  # fmt: skip
     payload = {"prompt": [3, 5], "max_tokens": 40, "num_samples": 2, "seed": 1, "stop_at_eos": False}
     request = PlannedRequest("r", "t", "sess", 0, RequestKind.SAMPLE, payload)
     started = time.perf_counter()

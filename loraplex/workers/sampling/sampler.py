@@ -238,8 +238,7 @@ class Sampler:
         """One output per job, in order (see the module docstring). Every job is checked first (`check`)."""
         run = self.start(jobs)
         try:
-            while not run.advance(None):
-                pass
+            run.advance(None)  # no budget: to the end
         finally:
             run.close()
         return run.outputs

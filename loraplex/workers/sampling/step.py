@@ -39,10 +39,16 @@ class _InFlight:
 
 class SampleStep:
     def __init__(
-        self, sampler: Sampler, store: AdapterStore | None, slice_s: float | None = None, max_runs: int = 4
+        self,
+        sampler: Sampler,
+        store: AdapterStore | None,
+        slice_s: float | None = None,
+        max_runs: int = 4,
+        yield_now: Callable[[], bool] | None = None,
     ) -> None:
         """slice_s: the seconds of sampling one step runs (None: every run to its end); max_runs: the runs in flight
-        at once (each holds its decode cache and gathered weights)."""
+        at once (each holds its decode cache and gathered weights); yield_now: whether other requests wait for the
+        pool (the dispatcher's arrivals event), so a slice on an otherwise idle pool ends after its decode step."""
         self.sampler = sampler
         self.store = store
         self.slice_s = slice_s
@@ -51,9 +57,7 @@ class SampleStep:
         self._owner: dict[str, _InFlight] = {}  # request_id -> its run in flight
         self._done: dict[str, Outcome] = {}  # outcomes of runs that ended, for requests not in the step they ended in
         self.executions = 0  # requests started (each request id once while in flight)
-        # Says whether other requests wait for the pool (the dispatcher's `others_waiting`, wired by the pool process):
-        # a slice then ends after its current decode step.
-        self.yield_now: Callable[[], bool] | None = None
+        self.yield_now = yield_now
 
     @property
     def in_flight(self) -> set[str]:
