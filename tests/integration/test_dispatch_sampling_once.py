@@ -1,4 +1,4 @@
-"""Each request runs once per request id (issue 29, M7), on a real redis-server: a plan (or a sample run held over
+"""Each request runs once per request id, on a real redis-server: a plan (or a sample run held over
 many plans) longer than the stale-entry claim's idle time is never claimed back and run again, by this dispatcher or
 another consumer, and a redelivered twin of a sample being finished is answered by its result, not run again. The
 engine is a stand-in that counts what it starts (the real sampler is tested in tests/unit/test_sampler_slices.py)."""
@@ -69,7 +69,7 @@ def _until_answered(d: Dispatcher, results: ResultStore, ids: list[str], also: f
 
 
 def test_a_plan_longer_than_the_claim_idle_time_runs_once(redis_client: redis.Redis) -> None:
-    """The issue's 45 s sample plan against a 30 s claim, scaled down: a 0.3 s plan, a 0.1 s claim idle time, and a
+    """A plan far longer than the claim's idle time: a 0.3 s plan, a 0.1 s claim idle time, and a
     slow SQL record (0.4 s) keeping the answered entry unacked while the loop claims again."""
     pool, engine = uuid.uuid4().hex[:8], SlicedSampler(slices=1, plan_s=0.3)
     env = _sample("sess-1")

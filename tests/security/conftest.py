@@ -1,4 +1,4 @@
-"""Fixtures of the security suite (issue 29): one stack per test module with default settings (a module that needs
+"""Fixtures of the security suite: one stack per test module with default settings (a module that needs
 other limits starts its own with harness.running_stack), and the Victim tenant on it."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ model) with the settings a test needs, and a Victim: a second tenant training in
 shows whether an attack took the service away from it.
 
 A scenario measures the victim alone first, then while the attack runs, and checks its median and p90 stay under
-`factor` x its median alone (issue 29's bound: 2x), its p90 a looser bound. Latency is a closed-loop step (forward_backward + optim_step of a
+`factor` x its median alone (the bound: 2x), its p90 a looser bound. Latency is a closed-loop step (forward_backward + optim_step of a
 small datum, both results awaited), as a researcher's training loop sees it."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run_attackers(attack: Callable[..., None], args: list[tuple[Any, ...]], seco
 def check_victim(
     alone: list[float], during: list[float], factor: float = 2.0, tail_factor: float = 3.0, label: str = ""
 ) -> dict[str, float]:
-    """Assert the victim's median step during an attack stays under `factor` x its median alone (the issue's bound),
+    """Assert the victim's median step during an attack stays under `factor` x its median alone (the bound),
     and its p90 under `tail_factor` x (the attack's clients share this machine's two cores with the stack, which
     alone moves the p90 of an idle stack to ~1.9x); returns (and prints) the figures, milliseconds."""
     base = statistics.median(alone)

@@ -1,4 +1,4 @@
-"""Issue 29's L1: every state-changing admin route takes POST only, behind the origin check. A GET of each action
+"""Every state-changing admin route takes POST only, behind the origin check. A GET of each action
 (and of the logout) is a 405 that changes nothing, even with a valid admin session (a link or an <img> on another
 site); a POST from a foreign Origin is a 403 that changes nothing; the pages' real buttons (POST forms) still work in
 a real Chromium, as tests/e2e/test_admin.py drives them."""

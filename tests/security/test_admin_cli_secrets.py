@@ -1,4 +1,4 @@
-"""Issue 29's L3 (part): `loraplex migrate` names the database it brought to head without its password (the output
+"""`loraplex migrate` names the database it brought to head without its password (the output
 of a deploy script lands in CI logs and terminals)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 29's M2: wrong passwords tried in parallel must each count toward the lockout, on a real PostgreSQL (where
+"""Wrong passwords tried in parallel must each count toward the lockout, on a real PostgreSQL (where
 a read-modify-write of the count without a row lock lost updates: 39 wrong passwords never locked the account) and
 on SQLite. Each attempt runs as the login does, in its own transaction on its own connection; a barrier lines them up
 after they read the account on PostgreSQL, so every one of them writes the count while the others are in flight

@@ -1,13 +1,13 @@
-"""Issue 29's admin-login rows against the real embedded stack (gateway, SQLite, pool, Victim tenant):
+"""Admin login against the real embedded stack (gateway, SQLite, pool, Victim tenant):
 
-- M1: 16 clients posting wrong passwords get 429 (Retry-After, the message on the login page) past the per-client
+- 16 clients posting wrong passwords get 429 (Retry-After, the message on the login page) past the per-client
   limit, a write transaction completes quickly while passwords are being hashed (no scrypt inside the write lock),
   and the Victim's steps stay under 2x alone.
-- L2: an unknown user, a locked account and a wrong password take comparable time and read the same; a browser
+- an unknown user, a locked account and a wrong password take comparable time and read the same; a browser
   that logged in to an account before keeps logging in while guessers have it locked (the rule against locking
   anyone out), a fresh client with the right password does not.
-- L3 (part): a failed login's log lines never carry the typed username.
-- L7 (part): the cookies are Secure when the request came over HTTPS (X-Forwarded-Proto from a trusted proxy).
+- a failed login's log lines never carry the typed username.
+- the cookies are Secure when the request came over HTTPS (X-Forwarded-Proto from a trusted proxy).
 
 The gateway trusts X-Forwarded-For from 127.0.0.1 (uvicorn's proxy headers, --forwarded-allow-ips): tests stand for
 distinct client addresses that way, as a reverse proxy on the host would report them."""
@@ -118,7 +118,7 @@ def test_a_flood_of_wrong_passwords_gets_429_holds_no_write_lock_and_spares_the_
 
     def attacker(http: httpx.Client) -> None:
         while not stop.is_set():
-            r = login(base, "flooded", "not the password", http=http)  # all from 127.0.0.1, as in the issue
+            r = login(base, "flooded", "not the password", http=http)  # all from one address, 127.0.0.1
             statuses.append(r.status_code)
             if r.status_code == 429:
                 refused.append(r)

@@ -1,14 +1,13 @@
-"""Issue 29, the gateway's door, replayed against a real embedded stack (redis-server, SQLite, uvicorn gateway, CPU
+"""The gateway's door, replayed against a real embedded stack (redis-server, SQLite, uvicorn gateway, CPU
 pool), with the Victim tenant training beside each attack:
 
-- H1: one tenant's 150 concurrent long-polls (GET /v1/futures/{id}?timeout=20) once held every Redis connection of
-  the gateway (redis-py's default pool of 100), and every other tenant got 503. Now past its limit of long-polls the
-  tenant gets 429 + Retry-After, the waits use a connection pool of their own, and the others' calls all succeed.
-- M3: /metrics/pools (every tenant's kinds, tokens and queue depths) is closed without a metrics token.
-- M4: an anonymous client's 30 MB or malformed body is refused with 401 before it is read (it was parsed: 422), and
+- one tenant's 150 concurrent long-polls (GET /v1/futures/{id}?timeout=20): past its limit of long-polls the tenant
+  gets 429 + Retry-After, the waits use a Redis connection pool of their own, and the others' calls all succeed.
+- /metrics/pools (every tenant's kinds, tokens and queue depths) is closed without a metrics token.
+- an anonymous client's 30 MB or malformed body is refused with 401 before it is read, and
   two anonymous senders flooding such bodies leave the victim's step time alone.
-- L5: a client that sends its headers and then trickles (or stops sending) its body gets 408 once the body-read
-  timeout passes (it held its connection forever).
+- a client that sends its headers and then trickles (or stops sending) its body gets 408 once the body-read
+  timeout passes, so it cannot hold its connection.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import pytest
 from loraplex.client import ServiceClient
 from tests.security.harness import Victim, check_victim, run_attackers, running_stack, tenant_key
 
-BODY_READ_TIMEOUT_S = 1.5  # small, so the L5 test waits little; every honest body here arrives in milliseconds
-LONG_POLLS = 150  # the issue's H1 attack
+BODY_READ_TIMEOUT_S = 1.5  # small, so the body-timeout test waits little; every honest body here arrives in milliseconds
+LONG_POLLS = 150  # more than redis-py's default pool of 100 connections
 FB_BODY = {"data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4]}}],
            "loss_fn": "cross_entropy"}  # fmt: skip
 
@@ -63,7 +62,7 @@ def _headers(path: str, length: int, extra: str = "") -> bytes:
             f"Content-Length: {length}\r\n{extra}\r\n").encode()  # fmt: skip
 
 
-# --- H1 -------------------------------------------------------------------------------------------------------------
+# --- long-polls -------------------------------------------------------------------------------------------------------------
 
 
 def test_one_tenants_long_polls_leave_the_others_served(stack, victim: Victim) -> None:
@@ -140,7 +139,7 @@ def test_a_long_poll_past_the_tenants_limit_is_429_naming_the_setting(stack) -> 
         assert http.get(f"/v1/futures/{rid['request_id']}", params={"timeout": 0.1}).status_code == 200  # freed
 
 
-# --- M3 -------------------------------------------------------------------------------------------------------------
+# --- metrics ----------------------------------------------------------------------------------------------------------
 
 
 def test_pool_metrics_need_the_token_unless_opened(stack, victim: Victim) -> None:
@@ -155,7 +154,7 @@ def test_pool_metrics_need_the_token_unless_opened(stack, victim: Victim) -> Non
     assert own.status_code == 200 and "tenant" not in own.text
 
 
-# --- M4 -------------------------------------------------------------------------------------------------------------
+# --- anonymous bodies -------------------------------------------------------------------------------------------------
 
 
 def test_anonymous_bodies_are_refused_before_they_are_read(stack) -> None:
@@ -209,7 +208,7 @@ def test_anonymous_floods_leave_the_victim_alone(stack, victim: Victim) -> None:
     check_victim(alone, during, label="beside two anonymous floods")
 
 
-# --- L5 -------------------------------------------------------------------------------------------------------------
+# --- body-read timeout -------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("trickle", [False, True], ids=["stalled", "trickled"])

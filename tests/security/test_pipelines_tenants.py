@@ -1,13 +1,13 @@
-"""Issue 29, M6, L4 and L6 (part): pipelines shared fairly between tenants, and answering no server paths. A real
+"""Pipelines shared fairly between tenants, and answering no server paths. A real
 embedded stack (redis-server, SQLite, the gateway, a CPU pool on the tiny model) and a real Celery worker (threads,
 two slots: `celery -A loraplex.pipelines.app:celery_app worker`), with a cap of one running pipeline per tenant.
 
-M6: a tenant's sweep queued first took every worker slot (one FIFO Celery queue), so another tenant's one-step
+A tenant's sweep queued first must not take every worker slot (one FIFO Celery queue) while another tenant's one-step
 pipeline waited for whole pipelines to end. Now each tenant trains at most `max_running_pipelines_per_tenant` at
 once (its others wait without holding a slot), and may have at most `max_pipelines_per_tenant` queued or running.
-L4: `tokenizer` named any folder on the workers (an existence oracle); now a registered model or a folder under the
+`tokenizer` is a registered model or a folder under the
 tokenizer root, else a 400 that reads the same whether the path exists or not.
-L6: `export_path` was the export's folder on the workers; now the API path the tenant downloads it from."""
+`export_path` is the API path the tenant downloads the export from, never a folder of the workers."""
 
 from __future__ import annotations
 
@@ -67,11 +67,11 @@ def stamp(value: str) -> float:
 
 def test_a_sweep_does_not_hold_back_another_tenants_pipeline(pipe_stack) -> None:
     """Tenant B's one-step pipeline alone, then again right after tenant A queued a 4-point sweep of 200 steps per
-    point (two worker slots, so before the fix A's points took both and B's task waited behind A's two others): B's
+    point (two worker slots: without the per-tenant cap A's points would take both and B's task would wait behind A's others): B's
     pipeline ends before any of A's points, within 2x its time alone (+1 s of queue polling)."""
     a = ServiceClient(pipe_stack.base_url, tenant_key(pipe_stack, "sweeper"))
     b = ServiceClient(pipe_stack.base_url, tenant_key(pipe_stack, "small"))
-    one_step = submission("one-step", 1, 1, tokenizer="tiny")  # L4: a registered model name is a tokenizer
+    one_step = submission("one-step", 1, 1, tokenizer="tiny")  # a registered model name is a tokenizer
 
     def b_run() -> tuple[float, dict]:
         start = time.monotonic()
@@ -144,7 +144,7 @@ def test_tokenizer_must_be_a_model_or_under_the_root_with_one_answer(pipe_stack)
 def test_answers_name_no_server_path_and_the_export_downloads(pipe_stack, tmp_path) -> None:
     """A succeeded pipeline's answer (the client's, `loraplex pipelines status ID`) holds no path of the server; its
     export_path is the API path its PEFT export downloads from (the client and `loraplex pipelines export`); on the
-    server the export and the dataset are owner-only files (L7)."""
+    server the export and the dataset are owner-only files."""
     key = tenant_key(pipe_stack, "exporter")
     client = ServiceClient(pipe_stack.base_url, key)
     pid = submit(client, submission("exported", 2, 1, export=True))["pipelines"][0]["id"]

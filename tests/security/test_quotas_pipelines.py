@@ -1,10 +1,10 @@
-"""Issue 29, M5 and L7 (part): per-tenant checkpoint quotas and owner-only files, against a real embedded stack
+"""Per-tenant checkpoint quotas and owner-only files, against a real embedded stack
 (redis-server, SQLite, the gateway, a CPU pool on the tiny model) with small quotas.
 
-M5: 300 save_state calls by one tenant were all accepted. Now a tenant keeps at most `max_checkpoints_per_tenant`
+A tenant keeps at most `max_checkpoints_per_tenant`
 checkpoints and `max_checkpoint_bytes_per_tenant` bytes, saves still queued counted in; a save past either is a 429
 naming the quota and its setting, with no Retry-After, and its seq_id is filled so the adapter's next step runs.
-L7: the SQLite file was 0644; the database and blob files are now owner-only."""
+The database and blob files are owner-only (0600)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_a_save_past_the_bytes_quota_is_429(quota_stack) -> None:
 
 
 def test_database_and_blob_files_are_owner_only(quota_stack) -> None:
-    """L7: after the stack wrote its database, a checkpoint and a durable snapshot: the SQLite file and its -wal and
+    """After the stack wrote its database, a checkpoint and a durable snapshot: the SQLite file and its -wal and
     -shm are 0600, the blob store's root and the checkpoint's folders 0700, their files 0600."""
     client = client_for(quota_stack, "modes")
     trainer = client.create_lora_training_client(rank=4, seed=4)

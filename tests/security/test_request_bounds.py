@@ -1,12 +1,12 @@
-"""Issue 29, rows H3, H4, H2 (the request part) and L6 (get_info): a request's size is checked before anything is built
+"""A request's size is checked before anything is built
 from it, against the real stack (redis-server, SQLite, the gateway under uvicorn, one CPU pool on the tiny model).
 
-- H3: 89- and 201-byte Tinker forward_backward bodies declaring sparse tensors of 2^24 zeros: a 404 for an adapter that
+- 89- and 201-byte Tinker forward_backward bodies declaring sparse tensors of 2^24 zeros: a 404 for an adapter that
   is not the caller's and a 413 naming the limit for its own, at once, the gateway's peak memory unmoved.
-- H4: a 31 MB OpenAI prompt (and ones just over the limits) is a 413 at once, never tokenized; the victim trains on.
-- H2: stop sequences (count, length) and sample work (samples x (prompt + max_tokens)) bounded alike on the native,
+- a 31 MB OpenAI prompt (and ones just over the limits) is a 413 at once, never tokenized; the victim trains on.
+- stop sequences (count, length) and sample work (samples x (prompt + max_tokens)) bounded alike on the native,
   Tinker and OpenAI sampling routes; a usual RL group still passes.
-- L6: get_info's tokenizer_id is the base model's name, never a server folder, except on a loopback-only stack."""
+- get_info's tokenizer_id is the base model's name, never a server folder, except on a loopback-only stack."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from loraplex.launch.embedded import local_tokenizer_folder
 from tests.security.harness import check_victim, tenant_key
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
-# The H4 attacker: argv[3] OpenAI prompts of 31 MB (the issue's one, again every second, as a client retrying it);
+# The prompt attacker: argv[3] OpenAI prompts of 31 MB (again every second, as a client retrying it);
 # one JSON line per answer. A flood of such bodies at the loopback's rate is the body limit's matter, not this row's.
 ATTACK = """
 import json, sys, time, httpx
@@ -51,7 +51,7 @@ def _sparse_zeros(tensor, n: int) -> None:
 
 def sparse_bomb(model_id: str, tensors: int) -> bytes:
     """A ForwardBackwardRequest (the SDK's own protobuf schema) of one 1-token datum whose loss inputs each declare
-    2^24 zeros: 89 bytes with one tensor (the issue's body), 175 with three (its 201-byte body declared as much)."""
+    2^24 zeros: 89 bytes with one tensor, 175 with three (as much as a 201-byte body can declare)."""
     msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=0, loss_fn="cross_entropy")
     datum = msg.data.add()
     datum.model_input.add().encoded_text.tokens = np.array([5], dtype="<i4").tobytes()
@@ -110,13 +110,13 @@ def _expect(response: httpx.Response, status: int, *words: str) -> None:
     assert "Traceback" not in text
 
 
-# --- H3 -------------------------------------------------------------------------------------------------------------
+# --- sparse tensors ---------------------------------------------------------------------------------------------------
 
 
 def test_sparse_tensor_bombs_are_refused_before_they_are_expanded(stack, attacker, tinker_ids) -> None:
     model_id, _ = tinker_ids
     small, large = sparse_bomb("no-such:tr:0", 1), sparse_bomb("no-such:tr:0", 3)
-    assert len(small) == 89 and len(large) <= 201  # the issue's bodies
+    assert len(small) == 89 and len(large) <= 201
     before = gateway_peak_mb(stack)
     for body in (small, large):  # an adapter that does not exist: 404 before any tensor is looked at
         start = time.perf_counter()
@@ -134,7 +134,7 @@ def test_sparse_tensor_bombs_are_refused_before_they_are_expanded(stack, attacke
     assert grown < 50, f"the gateway's peak memory grew by {grown:.0f} MiB"
 
 
-# --- H4 -------------------------------------------------------------------------------------------------------------
+# --- OpenAI prompts ---------------------------------------------------------------------------------------------------
 
 
 def test_a_31_mb_openai_prompt_is_refused_before_tokenizing_and_the_victim_trains_on(stack, attacker, victim) -> None:
@@ -167,7 +167,7 @@ def test_openai_prompts_and_chats_over_their_limits_are_413_naming_them(stack, a
     _expect(attacker.post("/v1/chat/completions", json=long_chat), 413, "LORAPLEX_MAX_PROMPT_BYTES")
 
 
-# --- H2 (the request part) ------------------------------------------------------------------------------------------
+# --- sample work and stops --------------------------------------------------------------------------------------------
 
 
 def _native_sampler(client: httpx.Client) -> str:
@@ -179,7 +179,7 @@ def _native_sampler(client: httpx.Client) -> str:
 def test_a_million_stop_strings_are_refused_at_once(stack, attacker) -> None:
     sampler_id = _native_sampler(attacker)
     body = json.dumps({"seq_id": 0, "prompt": [1, 2, 3], "stop": [f"st{i:07d}" for i in range(1_000_000)]}).encode()
-    assert len(body) > 12 * MB  # the issue's 12.9 MB
+    assert len(body) > 12 * MB  # a million stop strings
     start = time.perf_counter()
     response = attacker.post(f"/v1/samplers/{sampler_id}/sample", content=body,
                              headers={"Content-Type": "application/json"})  # fmt: skip
@@ -192,7 +192,7 @@ def test_stop_and_sample_work_bounds_hold_on_every_sampling_route(stack, attacke
     too_many = [f"x{i}" for i in range(s.max_stop_sequences + 1)]
     too_long = ["y" * (s.max_stop_chars + 1)]
     too_many_ids = list(range(s.max_stop_sequences + 1))
-    big = {"num_samples": 64, "max_tokens": 4000}  # the issue's 64 x 4,000: 256,000 tokens of sampling
+    big = {"num_samples": 64, "max_tokens": 4000}  # 256,000 tokens of sampling
 
     sampler_id = _native_sampler(attacker)
     native = f"/v1/samplers/{sampler_id}/sample"
@@ -234,7 +234,7 @@ def test_a_usual_rl_group_still_samples(stack, attacker, tinker_ids) -> None:
     assert len(response.json()["sample_sequence_ids"]) == 16
 
 
-# --- L6 -------------------------------------------------------------------------------------------------------------
+# --- server paths -----------------------------------------------------------------------------------------------------
 
 
 def test_get_info_names_no_server_path_unless_every_client_shares_the_machine(stack, attacker, tinker_ids) -> None:

@@ -1,4 +1,4 @@
-"""Issue 29, H2 (the pool's part) and M7, replayed through the real stack: a tenant's big sample request (64 samples x
+"""Through the real stack: a tenant's big sample request (64 samples x
 hundreds of tokens, seconds of the CPU pool) while tenant B trains. The sampler runs it in slices between training
 plans, so B's step stays under 2x its alone latency; and the request, held over many plans for longer than the
 stale-entry claim's idle time (made short here), runs once, with every token counted once."""
@@ -31,7 +31,7 @@ def _metric(port: int, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def sampling_stack(tmp_path_factory):
     port = free_port()
-    # A claim idle time far below the request's seconds in flight: the issue's second execution would show. Eight rows
+    # A claim idle time far below the request's seconds in flight: a second execution would show. Eight rows
     # per decode step: on this CPU a step of 32 rows (~75 ms) is longer than the victim's whole step (one slice runs
     # at least one decode step; on a GPU a step of 32 rows is a few ms).
     with running_stack(tmp_path_factory.mktemp("sampling"), pool_metrics_port=port, stale_claim_ms=300,

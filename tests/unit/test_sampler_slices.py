@@ -1,4 +1,4 @@
-"""The native sampler in slices (issue 29, H2): a run advanced a little at a time gives exactly the tokens of one
+"""The native sampler in slices: a run advanced a little at a time gives exactly the tokens of one
 whole generate call, training and swaps between its slices change nothing it reads, and the SAMPLE step answers a
 request only when its run ends, starting each request id once."""
 
