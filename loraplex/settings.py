@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     tinker_compress_fwdbwd: bool = False
     # A Tinker session whose last heartbeat (the SDK beats every 10 s) is older than this is finished by the gateway's
     # session reaper (every `session_reap_seconds`, one gateway at a time), which frees its adapters the way
-    # `sessions/{id}/finish` does (api/service/sessions.py). 0: sessions never expire.
+    # `sessions/{id}/finish` does (service/sessions.py). 0: sessions never expire.
     session_expiry_seconds: float = Field(default=600.0, ge=0)
     session_reap_seconds: float = Field(default=60.0, gt=0)
     # How often the pool process writes its heartbeat (and state) to the `pools` table. A gateway counts a pool as
@@ -174,7 +174,7 @@ class Settings(BaseSettings):
     pool_heartbeat_seconds: float = Field(default=5.0, gt=0)
     # Largest forward_backward body (datums per request) the gateway accepts.
     max_datums_per_request: int = 1024
-    # Sampling limits per request (api/service/sampling.py): samples, new tokens each.
+    # Sampling limits per request (service/sampling.py): samples, new tokens each.
     max_samples_per_request: int = Field(default=64, ge=1)
     max_sample_tokens: int = Field(default=4096, ge=1)
     # The work of one sample request, num_samples x (prompt tokens + max_tokens), checked before it is queued (413):
@@ -259,7 +259,7 @@ class Settings(BaseSettings):
     max_queued_tokens_per_tenant: int = Field(default=4 * 2**20, ge=0)
     max_adapters_per_tenant: int = Field(default=256, ge=0)
     # Checkpoints each tenant keeps (every adapter's, deleted adapters' too) and the bytes they hold, its saves still
-    # queued counted in (api/service/checkpoint_quota.py), so one tenant cannot fill the blob store: a save past either
+    # queued counted in (service/checkpoint_quota.py), so one tenant cannot fill the blob store: a save past either
     # is a 429 naming it, without Retry-After (deleting checkpoints, or their expiry, frees room). 0: no limit.
     max_checkpoints_per_tenant: int = Field(default=1000, ge=0)
     max_checkpoint_bytes_per_tenant: int = Field(default=100 * 2**30, ge=0)

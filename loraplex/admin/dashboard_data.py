@@ -12,10 +12,10 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 
-from loraplex.api.deps import Services
-from loraplex.api.pool_metrics import pool_metric_families
 from loraplex.queue import stats
 from loraplex.queue.depth import queue_depths
+from loraplex.service.context import Services
+from loraplex.service.pool_metrics_reader import pool_metric_families
 from loraplex.storage.enums import PipelineState, ResidencyTier
 from loraplex.storage.models import Pipeline, Pool, Residency, Tenant, Usage
 from loraplex.storage.types import utcnow

@@ -17,12 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from loraplex.api.deps import Services
-from loraplex.api.service import adapters as adapter_service
-from loraplex.api.service import checkpoints as checkpoint_service
-from loraplex.api.service import pipelines as pipeline_service
-from loraplex.api.service.context import TenantRef
 from loraplex.errors import LoraplexError
+from loraplex.service import adapters as adapter_service
+from loraplex.service import checkpoints as checkpoint_service
+from loraplex.service import pipelines as pipeline_service
+from loraplex.service.context import Services, TenantRef
 from loraplex.storage.models import Adapter, ApiKey, Checkpoint, Pipeline, Pool, Residency, Tenant, Usage
 from loraplex.storage.repositories import TenantRepository, unit_of_work
 

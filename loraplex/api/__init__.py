@@ -1,2 +1,2 @@
 """HTTP gateway: stateless FastAPI app. Routes authenticate and translate HTTP to calls of the service layer
-(api/service/), which holds the gateway's rules, writes through repositories and enqueues to Redis."""
+(service/), which holds the gateway's rules, writes through repositories and enqueues to Redis."""

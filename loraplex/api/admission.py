@@ -4,12 +4,12 @@ hold the gateway's event loop or memory. A request without a valid API key (api/
 runs) gets `max_anonymous_body_bytes` instead; a body that has not fully arrived `body_read_timeout_seconds` after the
 request began is refused with 408, so a client trickling its body (or sending none) cannot hold its connection and
 memory forever. The other limits live where their facts are: tokens per request and datums
-in the service layer (api/service/training.py), queue quotas in the producer's script (queue/producer.py), the
-adapter quota in api/service/adapters.py.
+in the service layer (service/training.py), queue quotas in the producer's script (queue/producer.py), the
+adapter quota in service/adapters.py.
 
 A chain step refused here has taken its seq_id on the client; when the request names it in the `X-Seq-Id` header
 (our client always does: the body is not read, so its seq_id is unknown), the rejection is queued in its place like
-any other (api/service/rejections.py)."""
+any other (service/rejections.py)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
-from loraplex.api.service.context import Services, TenantRef
 from loraplex.errors import AuthenticationError
+from loraplex.service.context import Services, TenantRef
 from loraplex.storage.repositories import TenantRepository
 
-# Services and TenantRef are the service layer's (api/service/context.py); the dependencies hand them to the routes.
+# Services and TenantRef are the service layer's (service/context.py); the dependencies hand them to the routes.
 __all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant", "key_of_request", "tenant_for_key"]
 
 # ASGI scope keys api/door.py sets before the body is read: the tenant whose key it checked, or that the check could
@@ -29,7 +29,7 @@ async def get_services(request: Request) -> Services:
 
 
 def get_db(services: Annotated[Services, Depends(get_services)]) -> Iterator[Session]:
-    """A read session for the request. Writes go through `write_session` (api/service/context.py) instead."""
+    """A read session for the request. Writes go through `write_session` (service/context.py) instead."""
     with services.sessions() as session:
         yield session
 

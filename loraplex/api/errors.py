@@ -26,7 +26,6 @@ from loraplex.api.admission import BodyRefused, seq_id_header
 from loraplex.api.deps import key_of_request, tenant_for_key
 from loraplex.api.openai.errors import is_openai_path, openai_error
 from loraplex.api.routes.chain import seq_step_kind
-from loraplex.api.service.rejections import fill_rejected
 from loraplex.errors import (
     CapacityError,
     InvalidRequestError,
@@ -35,6 +34,7 @@ from loraplex.errors import (
     http_status_for,
 )
 from loraplex.runtime.logutil import RateLimitedLog
+from loraplex.service.rejections import fill_rejected
 
 log = logging.getLogger("loraplex.api")
 RETRY_AFTER_S = 1  # what a 503 asks the caller to wait (seconds)
@@ -70,7 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         """FastAPI's 422 body (loc, msg, type, input, ctx per error), rendered so that it cannot fail. A chain step's
-        seq_id is queued as rejected first (api/service/rejections.py), so the caller's next step does not wait."""
+        seq_id is queued as rejected first (service/rejections.py), so the caller's next step does not wait."""
         errors = list(exc.errors())
         if is_openai_path(request.url.path):
             loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]

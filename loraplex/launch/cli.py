@@ -123,7 +123,7 @@ def cmd_tenant_delete(args: argparse.Namespace) -> int:
     if live:
         import redis
 
-        from loraplex.api.app import build_services
+        from loraplex.service.build import build_services
 
         services = build_services(settings)
         try:
@@ -154,7 +154,7 @@ def cmd_tenant_delete(args: argparse.Namespace) -> int:
 def _delete_adapters_through_the_queue(services, tenant_id: str, tenant_name: str, live: list[str], wait_s: float):
     """Queue a delete_adapter for each adapter (the gateway's own rule: row marked deleted, request queued), wait up
     to `wait_s` for the pool's answers; returns the adapters whose delete was not answered."""
-    from loraplex.api.service import TenantRef, delete_adapter
+    from loraplex.service import TenantRef, delete_adapter
 
     try:
         ref = TenantRef(tenant_id, tenant_name)

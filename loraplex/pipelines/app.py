@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from loraplex.api.service.pipeline_launch import (
+from loraplex.service.pipeline_launch import (
     EXPORT_SWEEP_TASK,
     RETENTION_TASK,
     broker_transport_options,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.api.service.pipeline_config import PipelineConfig, record_format, split_indices
 from loraplex.errors import InvalidRequestError
+from loraplex.service.pipeline_config import PipelineConfig, record_format, split_indices
 
 # transformers' lazy module import is not thread-safe: a threads-pool worker imports it (tokenizers here, the export's
 # model registry in runner.export_final) under this lock.

@@ -1,6 +1,6 @@
 """A sweep's report, written when its last point ends: a comparison table (report.md, report.csv: one row per grid
 point with its final and best eval loss and final train loss) and eval_loss.svg (eval loss per step, one line per
-point), in the sweep's folder (api/service/pipelines.sweep_dir), from the points' rows in the database."""
+point), in the sweep's folder (service/pipelines.sweep_dir), from the points' rows in the database."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import io
 from pathlib import Path
 from typing import Any
 
-from loraplex.api.service import Services, TenantRef
-from loraplex.api.service.pipelines import sweep_dir
 from loraplex.pipelines.svg_plot import line_plot
 from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
+from loraplex.service import Services, TenantRef
+from loraplex.service.pipelines import sweep_dir
 from loraplex.storage.models import Pipeline
 from loraplex.storage.repositories import PipelineRepository
 

@@ -18,12 +18,6 @@ import os
 import redis
 from sqlalchemy.exc import OperationalError
 
-from loraplex.api.service import Services, TenantRef, delete_adapter, export_peft, write_session
-from loraplex.api.service.context import blob_store
-from loraplex.api.service.model_files import tokenizer_folder
-from loraplex.api.service.pipeline_config import PipelineConfig, total_steps
-from loraplex.api.service.pipeline_tokenizer import tokenizer_root, tokenizer_source
-from loraplex.api.service.pipelines import export_dir
 from loraplex.errors import ConflictError, InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
 from loraplex.pipelines.dataset import TRANSFORMERS_IMPORT, Example, batch_indices, load_tokenizer, prepare
 from loraplex.pipelines.lease import RunnerLease
@@ -31,6 +25,12 @@ from loraplex.pipelines.schedule import learning_rate
 from loraplex.pipelines.trainer import ServiceTrainer
 from loraplex.protocol.checkpoint_paths import split_tinker_path
 from loraplex.runtime.fsutil import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, private_dirs
+from loraplex.service import Services, TenantRef, delete_adapter, export_peft, write_session
+from loraplex.service.context import blob_store
+from loraplex.service.model_files import tokenizer_folder
+from loraplex.service.pipeline_config import PipelineConfig, total_steps
+from loraplex.service.pipeline_tokenizer import tokenizer_root, tokenizer_source
+from loraplex.service.pipelines import export_dir
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipeline_tenant
 
@@ -100,7 +100,7 @@ class _Run:
             _delete_quietly(self.services, self.tenant, self.trainer.model_id)
 
     def _tokenizer(self):
-        """The config's tokenizer (api/service/pipeline_tokenizer.py: a registered model, or a folder under the
+        """The config's tokenizer (service/pipeline_tokenizer.py: a registered model, or a folder under the
         tokenizer root), else the base model's."""
         settings = self.services.settings
         kind, where = tokenizer_source(settings, self.config.tokenizer or settings.base_model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from loraplex.api.service.pipeline_config import OptimizerConfig
+from loraplex.service.pipeline_config import OptimizerConfig
 
 
 def learning_rate(optimizer: OptimizerConfig, step: int, total_steps: int) -> float:

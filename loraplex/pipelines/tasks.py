@@ -1,6 +1,6 @@
 """The Celery tasks (thin: the work is in runner.py, report.py and the service layer): run a pipeline, write a
 sweep's report, and the beat's two, delete expired checkpoints and write missed exports. Their names are fixed in
-api/service/pipeline_launch.py, which the gateway sends them by."""
+service/pipeline_launch.py, which the gateway sends them by."""
 
 from __future__ import annotations
 
@@ -9,15 +9,6 @@ import threading
 
 from celery import Task
 
-from loraplex.api.app import build_services
-from loraplex.api.service import Services, TenantRef, write_session
-from loraplex.api.service.pipeline_launch import (
-    EXPORT_SWEEP_TASK,
-    RETENTION_TASK,
-    RUN_PIPELINE_TASK,
-    SWEEP_REPORT_TASK,
-    send_task,
-)
 from loraplex.pipelines.app import celery_app
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.report import sweep_finished, write_sweep_report
@@ -30,6 +21,15 @@ from loraplex.pipelines.runner import (
     tenant_of,
 )
 from loraplex.pipelines.tenant_slots import TenantSlots
+from loraplex.service import Services, TenantRef, write_session
+from loraplex.service.build import build_services
+from loraplex.service.pipeline_launch import (
+    EXPORT_SWEEP_TASK,
+    RETENTION_TASK,
+    RUN_PIPELINE_TASK,
+    SWEEP_REPORT_TASK,
+    send_task,
+)
 from loraplex.settings import get_settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipelines_missing_export

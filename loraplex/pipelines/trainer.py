@@ -1,5 +1,5 @@
 """One pipeline adapter trained through the service layer, as a tenant's client would through the gateway: the same
-calls (api/service: create, forward_backward, forward, optim_step, save, delete) with the same checks and quotas, so
+calls (service/: create, forward_backward, forward, optim_step, save, delete) with the same checks and quotas, so
 its steps are queued with every other tenant's and coalesce with them. It numbers its steps itself (seq_id from 1,
 the idempotency key: a call sent twice is answered once) and waits for each result on the result store."""
 
@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.api import service
-from loraplex.api.schemas import (
+from loraplex import service
+from loraplex.errors import FutureTimeoutError, error_from_name
+from loraplex.service import Services, TenantRef
+from loraplex.service.schemas import (
     CreateAdapterRequest,
     ForwardBackwardRequest,
     FutureRef,
     OptimStepRequest,
     SaveCheckpointRequest,
 )
-from loraplex.api.service import Services, TenantRef
-from loraplex.errors import FutureTimeoutError, error_from_name
 
 
 class ServiceTrainer:

@@ -122,7 +122,7 @@ def request_owner(request_id: str) -> str:
 
 
 def session_reaper_lock() -> str:
-    """Held (SET NX EX) by the one gateway that expires idle sessions this round (api/service/sessions.py)."""
+    """Held (SET NX EX) by the one gateway that expires idle sessions this round (service/sessions.py)."""
     return f"{PREFIX}session_reaper"
 
 
@@ -150,5 +150,5 @@ def pipeline_tenant_running(tenant_id: str) -> str:
 
 def pending_saves(tenant_id: str) -> str:
     """The tenant's checkpoint saves accepted but not yet recorded (a hash: request id -> estimated bytes;
-    api/service/checkpoint_quota.py), counted against its checkpoint quotas until they finish."""
+    service/checkpoint_quota.py), counted against its checkpoint quotas until they finish."""
     return f"{PREFIX}tenant:{tenant_id}:pending_saves"

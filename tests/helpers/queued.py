@@ -26,7 +26,7 @@ def queued(services) -> dict[str, Envelope]:
 
 
 def queued_work(services) -> dict[str, Envelope]:
-    """`queued` less the rejections held in rejected requests' seq_ids (api/service/rejections.py)."""
+    """`queued` less the rejections held in rejected requests' seq_ids (service/rejections.py)."""
     return {rid: env for rid, env in queued(services).items() if env.kind != RequestKind.REJECTED}
 
 

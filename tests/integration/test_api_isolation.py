@@ -23,12 +23,12 @@ import pytest
 from fastapi.routing import APIRoute
 
 from loraplex.api.app import create_app
-from loraplex.api.service import write_session
-from loraplex.api.service.pipelines import export_dir, sweep_dir
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.models.tokenizer import train_tiny_tokenizer
 from loraplex.protocol import RequestKind
 from loraplex.queue import keys
+from loraplex.service import write_session
+from loraplex.service.pipelines import export_dir, sweep_dir
 from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import PipelineRepository

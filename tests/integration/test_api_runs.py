@@ -9,9 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from loraplex.api import service
-from loraplex.api.service import TenantRef
+from loraplex import service
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.service import TenantRef
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import AdapterRepository, unit_of_work

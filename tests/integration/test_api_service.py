@@ -1,4 +1,4 @@
-"""The gateway's service layer (loraplex.api.service) called directly, as the Tinker routes, the admin and the
+"""The gateway's service layer (loraplex.service) called directly, as the Tinker routes, the admin and the
 pipelines will call it: real Redis and SQLite, no worker pool. Each rule raises its typed error and a rejected call
 leaves nothing behind (no row, no queued request)."""
 
@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.api import service
-from loraplex.api.schemas import (
+from loraplex import service
+from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.protocol.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
+from loraplex.protocol.defaults import ADAM_DEFAULTS
+from loraplex.service import TenantRef
+from loraplex.service.schemas import (
     CreateAdapterRequest,
     Datum,
     ForwardBackwardRequest,
@@ -15,10 +19,6 @@ from loraplex.api.schemas import (
     OptimStepRequest,
     SaveCheckpointRequest,
 )
-from loraplex.api.service import TenantRef
-from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
-from loraplex.protocol.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
-from loraplex.protocol.defaults import ADAM_DEFAULTS
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, unit_of_work
 from tests.helpers.queued import queued as _queued

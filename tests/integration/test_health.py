@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from loraplex.api.service.pool_health import PoolView
+from loraplex.service.pool_health import PoolView
 from loraplex.storage.models import Pool, PoolState
 from loraplex.storage.repositories import PoolRepository, unit_of_work
 from loraplex.storage.types import utcnow

@@ -12,9 +12,9 @@ import zstandard
 from sqlalchemy import update
 from tinker import types
 
-from loraplex.api.service import reap_idle_sessions
 from loraplex.api.tinker.training import ATTENTION_MODULES
 from loraplex.protocol import RequestKind
+from loraplex.service import reap_idle_sessions
 from loraplex.settings import Settings
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.models import Adapter, TrainingSession

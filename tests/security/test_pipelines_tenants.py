@@ -171,7 +171,7 @@ def test_answers_name_no_server_path_and_the_export_downloads(pipe_stack, tmp_pa
 
 def test_the_gateways_preset_names_are_the_registrys() -> None:
     """The gateway names the model presets without importing torch; they are the registry's."""
-    from loraplex.api.service.pipeline_tokenizer import PRESET_NAMES
     from loraplex.models.presets import SHAPE_PRESETS, TINY_SHAPES
+    from loraplex.service.pipeline_tokenizer import PRESET_NAMES
 
     assert frozenset({*TINY_SHAPES, *SHAPE_PRESETS}) == PRESET_NAMES

@@ -3,7 +3,7 @@ plaintext key is kept."""
 
 from __future__ import annotations
 
-from loraplex.api.auth_cache import AuthCache
+from loraplex.service.auth_cache import AuthCache
 
 
 class Clock:

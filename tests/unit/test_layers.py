@@ -18,12 +18,17 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                  "pydantic", "torch", "redis", "sqlalchemy"),
     "queue": ("loraplex.dispatch", "loraplex.workers", "loraplex.api", "torch"),
     "storage": ("loraplex.dispatch", "loraplex.workers", "loraplex.queue", "loraplex.api", "torch"),
-    "api": ("loraplex.workers", "loraplex.dispatch", "torch"),
+    "api": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool", "torch"),
+    # The application layer: the gateway's rules as plain calls, under every front end (api, admin, pipelines, CLI).
+    "service": ("loraplex.api", "loraplex.admin", "loraplex.pipelines", "loraplex.launch", "loraplex.workers",
+                "loraplex.dispatch", "loraplex.pool", "fastapi", "starlette", "torch"),
+    # The operators' console sits on the application layer, never on the HTTP package.
+    "admin": ("loraplex.api", "loraplex.workers", "loraplex.dispatch", "loraplex.pool", "torch"),
     "client": ("loraplex.api", "loraplex.queue", "loraplex.storage", "loraplex.workers", "loraplex.dispatch", "torch"),
     # The policy and the loop over the queue: no SQL (the pool's records and lookups are pool/'s), no pool, no torch.
     "dispatch": ("loraplex.workers", "loraplex.api", "loraplex.pool", "loraplex.storage", "sqlalchemy", "torch"),
     # Pipelines train through the service layer like a tenant: never the pool's internals.
-    "pipelines": ("loraplex.workers", "loraplex.dispatch", "loraplex.pool", "loraplex.launch", "torch"),
+    "pipelines": ("loraplex.api", "loraplex.workers", "loraplex.dispatch", "loraplex.pool", "loraplex.launch", "torch"),
     # The pool process joins workers/, dispatch/, storage/ and queue/: never the gateway's HTTP side or the client.
     "pool": ("loraplex.api", "loraplex.client", "loraplex.admin", "loraplex.pipelines", "loraplex.launch"),
     # Process plumbing with no domain: nothing of the service's own packages.

@@ -9,7 +9,11 @@ import xml.etree.ElementTree as ET
 import pytest
 from pydantic import ValidationError
 
-from loraplex.api.service.pipeline_config import (
+from loraplex.errors import InvalidRequestError
+from loraplex.pipelines.dataset import batch_indices, encode
+from loraplex.pipelines.schedule import learning_rate
+from loraplex.pipelines.svg_plot import line_plot
+from loraplex.service.pipeline_config import (
     OptimizerConfig,
     PipelineConfig,
     check_records,
@@ -17,10 +21,6 @@ from loraplex.api.service.pipeline_config import (
     split_indices,
     total_steps,
 )
-from loraplex.errors import InvalidRequestError
-from loraplex.pipelines.dataset import batch_indices, encode
-from loraplex.pipelines.schedule import learning_rate
-from loraplex.pipelines.svg_plot import line_plot
 
 
 def test_warmup_then_cosine_or_linear_down_to_the_floor():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.api.rate_limit import TenantRateLimit
 from loraplex.errors import QuotaExceededError
+from loraplex.service.rate_limit import TenantRateLimit
 
 
 class Clock:

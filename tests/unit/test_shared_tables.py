@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from loraplex import errors
-from loraplex.api.schemas import AdamParams as SchemaAdamParams
 from loraplex.client.transport import raise_for_status
 from loraplex.client.types import AdamParams as ClientAdamParams
 from loraplex.protocol.defaults import ADAM_DEFAULTS
+from loraplex.service.schemas import AdamParams as SchemaAdamParams
 
 
 def test_each_error_has_one_status_and_the_client_maps_it_back() -> None:

@@ -19,13 +19,13 @@ import hashlib
 from datetime import datetime
 from typing import Any
 
-from loraplex.api import service
-from loraplex.api.schemas import CreateSamplerRequest
-from loraplex.api.service.context import Services, TenantRef
+from loraplex import service
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.protocol.checkpoint_paths import parse_tinker_path
 from loraplex.queue import keys
 from loraplex.queue.redis_text import text
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.schemas import CreateSamplerRequest
 
 SAMPLER_TTL_S = 24 * 3600
 SEQ_LIMIT = 2**31  # SampleRequest.seq_id < 2**31: a counter that reaches it starts a fresh sampler

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
 from loraplex.api.openai import responses
@@ -34,10 +34,10 @@ from loraplex.api.openai.schemas import (
     SamplingFields,
 )
 from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
-from loraplex.api.schemas import SampleRequest
-from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.sampling import check_sample_work, check_stops, sample_work
 from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError, error_from_name
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.sampling import check_sample_work, check_stops, sample_work
+from loraplex.service.schemas import SampleRequest
 from loraplex.settings import Settings
 
 # Bodies bounded before they are parsed (body_bound.py).
@@ -52,7 +52,7 @@ def _refuse(names: list[str]) -> None:
 
 
 def _stops(settings: Settings, body: SamplingFields) -> list[str]:
-    """The stop strings, by the rule every sampling route shares (api/service/sampling.py)."""
+    """The stop strings, by the rule every sampling route shares (service/sampling.py)."""
     stops = body.stops()
     check_stops(settings, stops)
     return stops

@@ -1,5 +1,5 @@
 """The pool's tokenizer on the gateway, without torch: the base model's `tokenizer.json` loaded with the `tokenizers`
-library (the folder `api/service/model_files.tokenizer_folder` finds: the model's own, or the one the pool built the
+library (the folder `service/model_files.tokenizer_folder` finds: the model's own, or the one the pool built the
 preset in), and its `tokenizer_config.json` `chat_template` rendered with jinja2 (sandboxed, as transformers does).
 
 Chat without a template (the tiny preset has none): each message as a line `"<role>: <content>"`, then `"assistant:"`
@@ -20,8 +20,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from loraplex.api.service.model_files import tokenizer_folder
 from loraplex.errors import InvalidRequestError, NotSupportedError
+from loraplex.service.model_files import tokenizer_folder
 from loraplex.settings import Settings
 
 PLAIN_CHAT_FORMAT = "role: content lines, then 'assistant:'"

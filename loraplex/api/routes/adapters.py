@@ -1,4 +1,4 @@
-"""Adapters: create, list, read, delete, and the training calls that return futures (rules: api/service/).
+"""Adapters: create, list, read, delete, and the training calls that return futures (rules: service/).
 
 The training calls take no DbDep: the service checks the adapter in a short session of its own."""
 
@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.routes.chain import seq_step
-from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, ForwardBackwardRequest, FutureRef, OptimStepRequest
 from loraplex.protocol import RequestKind
+from loraplex.service.schemas import (
+    AdapterOut,
+    CreateAdapterRequest,
+    ForwardBackwardRequest,
+    FutureRef,
+    OptimStepRequest,
+)
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 

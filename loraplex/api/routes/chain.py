@@ -1,5 +1,5 @@
 """Which routes are steps in an adapter's seq_id chain: their rejections are queued in the seq_id's place
-(api/service/rejections.py), also when the body fails validation before the route runs (api/errors.py)."""
+(service/rejections.py), also when the body fails validation before the route runs (api/errors.py)."""
 
 from __future__ import annotations
 

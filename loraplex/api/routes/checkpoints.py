@@ -1,21 +1,21 @@
 """Checkpoints of an adapter: save (state or sampler weights), load into the adapter, list, delete. The rules (names,
-409 on an existing name, the folder in the blob store, tenant isolation) are api/service/checkpoints.py."""
+409 on an existing name, the folder in the blob store, tenant isolation) are service/checkpoints.py."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.routes.chain import seq_step
-from loraplex.api.schemas import (
+from loraplex.protocol import RequestKind
+from loraplex.service.schemas import (
     CheckpointListOut,
     CheckpointOut,
     FutureRef,
     LoadStateRequest,
     SaveCheckpointRequest,
 )
-from loraplex.protocol import RequestKind
 
 router = APIRouter(prefix="/v1/adapters", tags=["checkpoints"])
 

@@ -1,6 +1,6 @@
 """PEFT export over HTTP: `GET /v1/adapters/{model_id}/export?checkpoint=...` answers a tar archive of the PEFT folder
 (adapter_model.safetensors, adapter_config.json, the base model's tokenizer) of one of the tenant's checkpoints, the
-latest sampler or state checkpoint by default. The folder is built by the service layer (api/service/export.py, with
+latest sampler or state checkpoint by default. The folder is built by the service layer (service/export.py, with
 `loraplex.exporting`, the code `loraplex export` runs) in a temporary directory, removed once the archive is sent.
 
 The checkpoint is read from the blob store with every file's sha256 verified: a tampered one is a 400 saying so.
@@ -18,7 +18,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import Services, ServicesDep, TenantDep, TenantRef
 
 router = APIRouter(prefix="/v1/adapters", tags=["export"])

@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.schemas import ErrorOut, FutureOut
-from loraplex.api.service import owner_of
 from loraplex.errors import USER_ERRORS, NotFoundError
+from loraplex.service import owner_of
+from loraplex.service.schemas import ErrorOut, FutureOut
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"])
 

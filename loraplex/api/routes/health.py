@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from loraplex.api.deps import ServicesDep
-from loraplex.api.service.health import health_report
+from loraplex.service.health import health_report
 
 router = APIRouter(tags=["health"])
 

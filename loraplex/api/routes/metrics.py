@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.metrics import exposition
-from loraplex.api.pool_metrics import pool_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError
 from loraplex.runtime.metrics_server import CONTENT_TYPE, token_ok
+from loraplex.service.pool_metrics_reader import pool_exposition
 
 router = APIRouter(include_in_schema=False)
 

@@ -1,6 +1,6 @@
 """Offline fine-tuning pipelines: submit (a config and its dataset records; a sweep makes one pipeline per grid
 point), list, read, cancel, a finished pipeline's PEFT export (a tar) and a finished sweep's report files. HTTP to
-service calls only: api/service/pipelines.py."""
+service calls only: service/pipelines.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from starlette.background import BackgroundTask
 
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.routes.export import TAR_MEDIA_TYPE
-from loraplex.api.schemas import PipelineList, PipelineOut, SubmittedPipelines
-from loraplex.api.service import pipelines as service
-from loraplex.api.service.pipeline_config import SubmitPipelineRequest
+from loraplex.service import pipelines as service
+from loraplex.service.pipeline_config import SubmitPipelineRequest
+from loraplex.service.schemas import PipelineList, PipelineOut, SubmittedPipelines
 
 router = APIRouter(tags=["pipelines"])
 

@@ -1,14 +1,14 @@
 """Training runs (Tinker's TrainingRun view of an adapter): list, paged and newest first, and read one. Deleted
-adapters stay listed, `status` "deleted". Rules: api/service/runs.py."""
+adapters stay listed, `status` "deleted". Rules: service/runs.py."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.schemas import RunOut, RunPage
-from loraplex.api.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
+from loraplex.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
+from loraplex.service.schemas import RunOut, RunPage
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 

@@ -1,13 +1,13 @@
 """Samplers and sampling (native): a sampler over one of the tenant's sampler checkpoints or the base model, then
-sampling requests under its id with the client's counter as seq_id (api/service/sampling.py)."""
+sampling requests under its id with the client's counter as seq_id (service/sampling.py)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
+from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 
 router = APIRouter(prefix="/v1/samplers", tags=["sampling"])
 

@@ -1,14 +1,15 @@
 """The tenant's checkpoints across its adapters, by tinker path: list (paged, newest first), bulk delete (all or
-none), time to live, weights_info. Rules: api/service/checkpoints.py. (Per-adapter saves, loads, listing and delete:
+none), time to live, weights_info. Rules: service/checkpoints.py. (Per-adapter saves, loads, listing and delete:
 routes/checkpoints.py.)"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.schemas import (
+from loraplex.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
+from loraplex.service.schemas import (
     CheckpointListOut,
     CheckpointOut,
     CheckpointPage,
@@ -17,7 +18,6 @@ from loraplex.api.schemas import (
     WeightsInfoOut,
     WeightsInfoRequest,
 )
-from loraplex.api.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from loraplex.api.schemas import FutureRef
 from loraplex.api.tinker.codec import encode_forward_backward_output, encode_sample_response
 from loraplex.errors import NotFoundError
+from loraplex.service.schemas import FutureRef
 
 
 class Tag(StrEnum):

@@ -13,13 +13,13 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import FileResponse
 from pydantic import Field
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.routes.export import peft_tar_response
-from loraplex.api.schemas import CheckpointOut, RunOut
-from loraplex.api.service.paging import DEFAULT_PAGE_LIMIT, cursor
 from loraplex.api.tinker.schemas import Body, TtlBody, WeightsInfoBody
 from loraplex.protocol.checkpoint_paths import parse_kind, tinker_path
+from loraplex.service.paging import DEFAULT_PAGE_LIMIT, cursor
+from loraplex.service.schemas import CheckpointOut, RunOut
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 

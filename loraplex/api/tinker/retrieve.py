@@ -12,11 +12,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.service import owner_of
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.api.tinker.futures import PROTO_TAGS, json_result, parse_future_id, proto_result
 from loraplex.api.tinker.schemas import RetrieveFutureBody
 from loraplex.errors import USER_ERRORS, NotFoundError
+from loraplex.service import owner_of
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 

@@ -1,5 +1,5 @@
 """Tinker sampling routes: create_sampling_session, samplers/{id}, asample (a future with `sample_sequence_ids`; its
-result a protobuf SampleResponse). Over the same service calls as `/v1/samplers` (api/service/sampling.py)."""
+result a protobuf SampleResponse). Over the same service calls as `/v1/samplers` (service/sampling.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ValidationError
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
-from loraplex.api.schemas import CreateSamplerRequest, SampleRequest
 from loraplex.api.tinker.futures import sample_future_out
 from loraplex.api.tinker.schemas import AsampleBody, CreateSamplingSessionBody
 from loraplex.errors import InvalidRequestError, NotSupportedError
+from loraplex.service.schemas import CreateSamplerRequest, SampleRequest
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 

@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.api.service.health import health_report
 from loraplex.api.tinker.schemas import CreateSessionBody, FinishBody, SessionBody
 from loraplex.errors import NotSupportedError
+from loraplex.service.health import health_report
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 log = logging.getLogger("loraplex.api.tinker")

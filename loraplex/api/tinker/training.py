@@ -1,6 +1,6 @@
 """Tinker training routes: create_model, get_info, forward_backward (protobuf), optim_step, save_weights,
 save_weights_for_sampler, load_weights. Each translates the SDK's body and calls the same service function as the
-native route (api/service/), so admission control, limits, tenant isolation and rejections that fill their seq_id
+native route (service/), so admission control, limits, tenant isolation and rejections that fill their seq_id
 are one set of rules. Submit routes answer an UntypedAPIFuture whose id `retrieve_future` understands
 (api/tinker/futures.py)."""
 
@@ -12,22 +12,10 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api import service
+from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
 from loraplex.api.routes.chain import seq_step
-from loraplex.api.schemas import (
-    CreateAdapterRequest,
-    CreateSamplerRequest,
-    ForwardBackwardRequest,
-    FutureRef,
-    LoadStateRequest,
-    OptimStepRequest,
-    SaveCheckpointRequest,
-)
-from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.rejections import filling_rejections
-from loraplex.api.service.training import check_live
 from loraplex.api.tinker.codec import decode_forward_backward, decompress
 from loraplex.api.tinker.futures import Tag, future_out
 from loraplex.api.tinker.model_info import tokenizer_id
@@ -44,6 +32,18 @@ from loraplex.api.tinker.schemas import (
 from loraplex.errors import InvalidRequestError, NotSupportedError
 from loraplex.protocol import RequestKind
 from loraplex.protocol.checkpoint_paths import CheckpointKind, tinker_path
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.rejections import filling_rejections
+from loraplex.service.schemas import (
+    CreateAdapterRequest,
+    CreateSamplerRequest,
+    ForwardBackwardRequest,
+    FutureRef,
+    LoadStateRequest,
+    OptimStepRequest,
+    SaveCheckpointRequest,
+)
+from loraplex.service.training import check_live
 from loraplex.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])

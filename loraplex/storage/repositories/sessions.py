@@ -72,7 +72,7 @@ class SessionRepository:
 
 def idle_sessions(session: Session, before: datetime, limit: int = 100) -> list[TrainingSession]:
     """Every tenant's unfinished sessions whose last heartbeat is older than `before` (operator-side: the session
-    reaper, api/service/sessions.py)."""
+    reaper, service/sessions.py)."""
     stmt = select(TrainingSession).where(
         TrainingSession.finished_at.is_(None), TrainingSession.last_heartbeat_at < before
     )

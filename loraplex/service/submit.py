@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.api.schemas import FutureRef
-from loraplex.api.service.context import Services, TenantRef
 from loraplex.protocol import Payload, RequestKind, parse_payload
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.schemas import FutureRef
 
 OWNER_TTL_SECONDS = 7 * 24 * 3600
 

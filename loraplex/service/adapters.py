@@ -6,13 +6,13 @@ import secrets
 import uuid
 from collections.abc import Sequence
 
-from loraplex.api.schemas import AdapterOut, CreateAdapterRequest, FutureRef
-from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
-from loraplex.api.service.context import Services, TenantRef, write_session
-from loraplex.api.service.free_text import check_storable
-from loraplex.api.service.submit import existing_request_id, submit
 from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
+from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
+from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.free_text import check_storable
+from loraplex.service.schemas import AdapterOut, CreateAdapterRequest, FutureRef
+from loraplex.service.submit import existing_request_id, submit
 from loraplex.storage.models import Adapter, AdapterStatus
 from loraplex.storage.repositories import AdapterRepository
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.submit import submit
 from loraplex.errors import ConflictError, LoraplexError, NotFoundError, http_status_for
 from loraplex.protocol import CONTROL_KINDS, RejectedPayload, RequestKind
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.submit import submit
 from loraplex.storage.repositories import AdapterRepository
 
 FILLED_STATUSES = frozenset({400, 404, 409, 413, 422})

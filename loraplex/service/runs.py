@@ -3,11 +3,11 @@ Runs stay readable and listed after their adapter is deleted (`status` says so),
 
 from __future__ import annotations
 
-from loraplex.api.schemas import RunOut, RunPage
-from loraplex.api.service.checkpoints import checkpoint_out
-from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.paging import check_page, cursor
 from loraplex.protocol.checkpoint_paths import CheckpointKind
+from loraplex.service.checkpoints import checkpoint_out
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.paging import check_page, cursor
+from loraplex.service.schemas import RunOut, RunPage
 from loraplex.storage.models import Adapter, Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 

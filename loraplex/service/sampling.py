@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loraplex.api.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
-from loraplex.api.service.checkpoints import checkpoint_dir, resolve_checkpoint
-from loraplex.api.service.context import Services, TenantRef, write_session
-from loraplex.api.service.submit import submit
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
+from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
+from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
+from loraplex.service.submit import submit
 from loraplex.settings import Settings
 from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository

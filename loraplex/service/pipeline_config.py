@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from loraplex.api.schemas import Strict
 from loraplex.errors import InvalidRequestError
 from loraplex.protocol.defaults import ADAM_DEFAULTS
+from loraplex.service.schemas import Strict
 
 RecordFormat = Literal["chat", "prompt_completion"]
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.api.auth_cache import AuthCache
-from loraplex.api.long_polls import LongPollSlots
-from loraplex.api.rate_limit import TenantRateLimit
-from loraplex.api.service.pool_health import PoolView
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
+from loraplex.service.auth_cache import AuthCache
+from loraplex.service.long_polls import LongPollSlots
+from loraplex.service.pool_health import PoolView
+from loraplex.service.rate_limit import TenantRateLimit
 from loraplex.settings import Settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.repositories import unit_of_work

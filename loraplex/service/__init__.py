@@ -14,8 +14,8 @@ routes, the admin and the pipelines, only translate their wire format to these c
     pipelines    offline fine-tuning pipelines and sweeps: submit, get, list, cancel, a sweep's report files
 """
 
-from loraplex.api.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
-from loraplex.api.service.checkpoints import (
+from loraplex.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
+from loraplex.service.checkpoints import (
     delete_checkpoint,
     delete_checkpoints,
     get_checkpoint,
@@ -27,20 +27,20 @@ from loraplex.api.service.checkpoints import (
     set_checkpoint_ttl,
     weights_info,
 )
-from loraplex.api.service.context import Services, TenantRef, write_session
-from loraplex.api.service.export import PeftExport, export_peft
-from loraplex.api.service.pipelines import cancel_pipeline, get_pipeline, list_pipelines, submit_pipeline
-from loraplex.api.service.runs import get_run, list_runs
-from loraplex.api.service.sampling import create_sampler, get_sampler, sample
-from loraplex.api.service.sessions import (
+from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.export import PeftExport, export_peft
+from loraplex.service.pipelines import cancel_pipeline, get_pipeline, list_pipelines, submit_pipeline
+from loraplex.service.runs import get_run, list_runs
+from loraplex.service.sampling import create_sampler, get_sampler, sample
+from loraplex.service.sessions import (
     check_active,
     create_session,
     finish_session,
     heartbeat,
     reap_idle_sessions,
 )
-from loraplex.api.service.submit import owner_of
-from loraplex.api.service.training import forward, forward_backward, optim_step
+from loraplex.service.submit import owner_of
+from loraplex.service.training import forward, forward_backward, optim_step
 
 __all__ = [
     "PeftExport",

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from loraplex.api.service.adapters import delete_adapter
-from loraplex.api.service.context import Services, TenantRef, write_session
-from loraplex.api.service.free_text import check_storable
 from loraplex.errors import NotFoundError
 from loraplex.queue import keys
+from loraplex.service.adapters import delete_adapter
+from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.free_text import check_storable
 from loraplex.storage.repositories import AdapterRepository, SessionRepository, idle_sessions
 from loraplex.storage.types import utcnow
 

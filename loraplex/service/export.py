@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.api.service.context import Services, TenantRef
 from loraplex.errors import InvalidRequestError
 from loraplex.exporting import find_export_checkpoint, write_peft_folder
 from loraplex.protocol.checkpoint_paths import CheckpointKind, tinker_path
+from loraplex.service.context import Services, TenantRef
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@ returns a future. They are the hot path: the adapter check is one column read in
 
 from __future__ import annotations
 
-from loraplex.api.schemas import ForwardBackwardRequest, FutureRef, OptimStepRequest
-from loraplex.api.service.context import Services, TenantRef
-from loraplex.api.service.rejections import filling_rejections
-from loraplex.api.service.submit import submit
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload, RequestKind
+from loraplex.service.context import Services, TenantRef
+from loraplex.service.rejections import filling_rejections
+from loraplex.service.schemas import ForwardBackwardRequest, FutureRef, OptimStepRequest
+from loraplex.service.submit import submit
 from loraplex.settings import Settings
 from loraplex.storage.repositories import AdapterRepository
 

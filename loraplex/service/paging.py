@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loraplex.api.schemas import Cursor
 from loraplex.errors import InvalidRequestError
+from loraplex.service.schemas import Cursor
 
 MAX_PAGE_LIMIT = 1000
 DEFAULT_PAGE_LIMIT = 20

@@ -1,6 +1,6 @@
 """Each tenant's checkpoint quotas: how many checkpoints it keeps (`max_checkpoints_per_tenant`) and the bytes they
 hold (`max_checkpoint_bytes_per_tenant`), checked when a save is submitted (native, Tinker, pipelines: every save goes
-through api/service/checkpoints._save).
+through service/checkpoints._save).
 
 What counts: the tenant's rows in SQL (every adapter's, deleted adapters' too) plus its saves accepted but not yet
 recorded, so a burst of saves queued before any completes cannot pass the quota. Those pending saves sit in a Redis
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from loraplex.api.service.context import Services, TenantRef
 from loraplex.errors import QuotaExceededError
 from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import DEFAULT_TTL_S
+from loraplex.service.context import Services, TenantRef
 from loraplex.storage.repositories import CheckpointRepository
 
 # A reservation not yet swapped for its request id is dropped after this long (the gateway died between the two).

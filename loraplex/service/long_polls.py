@@ -2,7 +2,7 @@
 gateway process holds at once: at most `max_long_polls_per_tenant` per tenant and `max_long_polls` in all, each
 answered 429 with Retry-After past it (our client and the Tinker SDK both back off and poll again).
 
-A waiting long-poll holds a worker thread and a Redis connection of the long-poll pool (api/app.py) for up to
+A waiting long-poll holds a worker thread and a Redis connection of the long-poll pool (service/build.py) for up to
 `long_poll_seconds`; without these bounds one tenant with a few hundred outstanding futures held every thread and
 connection, and every other tenant's calls failed. Per process, in memory: N gateway replicas hold up to N times."""
 

@@ -1,7 +1,7 @@
 """Pipelines as service calls (the native routes, the CLI through the client, and the web admin use these): submit a
 config with its dataset records (one pipeline, or one per sweep point), read and list them, cancel one, and read a
 sweep's report files. The Celery task that runs a pipeline (loraplex/pipelines/) trains through the same service
-layer as the tenant (api/service/training.py and friends), so its steps obey every rule a tenant's do."""
+layer as the tenant (service/training.py and friends), so its steps obey every rule a tenant's do."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import shutil
 import uuid
 from pathlib import Path
 
-from loraplex.api.schemas import PipelineList, PipelineOut, SubmittedPipelines
-from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
-from loraplex.api.service.paging import check_page
-from loraplex.api.service.pipeline_config import (
+from loraplex.errors import InvalidRequestError, NotFoundError, QuotaExceededError, ServiceUnavailableError
+from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
+from loraplex.service.context import Services, TenantRef, blob_store, write_session
+from loraplex.service.paging import check_page
+from loraplex.service.pipeline_config import (
     PipelineConfig,
     SubmitPipelineRequest,
     check_records,
@@ -21,10 +22,9 @@ from loraplex.api.service.pipeline_config import (
     total_steps,
     train_count,
 )
-from loraplex.api.service.pipeline_launch import launch_pipeline
-from loraplex.api.service.pipeline_tokenizer import check_tokenizer
-from loraplex.errors import InvalidRequestError, NotFoundError, QuotaExceededError, ServiceUnavailableError
-from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
+from loraplex.service.pipeline_launch import launch_pipeline
+from loraplex.service.pipeline_tokenizer import check_tokenizer
+from loraplex.service.schemas import PipelineList, PipelineOut, SubmittedPipelines
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository
 

@@ -14,19 +14,6 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from loraplex.api.schemas import (
-    CheckpointOut,
-    CheckpointPage,
-    FutureRef,
-    LoadStateRequest,
-    SaveCheckpointRequest,
-    WeightsInfoOut,
-)
-from loraplex.api.service.checkpoint_quota import Reservation, reserve_save
-from loraplex.api.service.context import Services, TenantRef, blob_store, write_session
-from loraplex.api.service.paging import MAX_PAGE_LIMIT, check_page, cursor
-from loraplex.api.service.rejections import fill_rejected, filling_rejections
-from loraplex.api.service.submit import already_submitted, submit
 from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import LoadStatePayload, RequestKind, SaveCheckpointPayload
 from loraplex.protocol.checkpoint_paths import (
@@ -43,6 +30,19 @@ from loraplex.protocol.checkpoint_paths import (
 )
 from loraplex.queue.keys import request_idempotency_key
 from loraplex.queue.producer import Claim
+from loraplex.service.checkpoint_quota import Reservation, reserve_save
+from loraplex.service.context import Services, TenantRef, blob_store, write_session
+from loraplex.service.paging import MAX_PAGE_LIMIT, check_page, cursor
+from loraplex.service.rejections import fill_rejected, filling_rejections
+from loraplex.service.schemas import (
+    CheckpointOut,
+    CheckpointPage,
+    FutureRef,
+    LoadStateRequest,
+    SaveCheckpointRequest,
+    WeightsInfoOut,
+)
+from loraplex.service.submit import already_submitted, submit
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
 from loraplex.storage.retention import delete_checkpoint_files

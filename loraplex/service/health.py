@@ -9,8 +9,8 @@ import redis as redis_lib
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex import __version__
-from loraplex.api.service.context import Services
-from loraplex.api.service.pool_health import PoolHealth, all_pools, short_error
+from loraplex.service.context import Services
+from loraplex.service.pool_health import PoolHealth, all_pools, short_error
 from loraplex.storage.db import ping as db_ping
 
 
