@@ -16,7 +16,7 @@ names=(pydantic pydantic_core pydantic-settings python-dotenv typing-inspection 
        prometheus_client  # the pool's and the gateway's metrics (pool/metrics.py, api/metrics.py)
        sqladmin wtforms itsdangerous python-multipart jinja2 markupsafe  # the web admin on the gateway (loraplex/admin/)
        celery kombu billiard vine amqp click-didyoumean click-plugins click-repl prompt_toolkit wcwidth python-dateutil
-       six tzlocal tzdata)  # the gateway sends pipeline tasks (api/service/pipeline_launch.py imports celery)
+       six tzlocal tzdata)  # the gateway sends pipeline tasks (service/pipeline_launch.py imports celery)
 specs=()
 for n in "${names[@]}"; do
   v=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$n" 2>/dev/null) || continue
