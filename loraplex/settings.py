@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     world_size: int = Field(default=1, ge=1)
     # How a pool of several ranks holds the base model: "fsdp" shards its weights per decoder layer (FSDP2; for a base
     # too big for one device), "replicate" keeps a whole copy on every rank (plain data parallelism over rows: no
-    # collectives in the forward, CUDA graphs as on one rank). The LoRA banks are replicated either way. Issue 16
+    # collectives in the forward, CUDA graphs as on one rank). The LoRA banks are replicated either way. RESULTS.md
     # measures which wins at which size.
     pool_layout: Literal["fsdp", "replicate"] = "fsdp"
     # One leader per pool: the pool process holds a lease in Redis for this many seconds, renewed every third of it

@@ -39,7 +39,7 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
-    # `tiny` as a mixture of experts (issue 15): every layer's MLP is 4 experts, 2 per token (Qwen3-MoE).
+    # `tiny` as a mixture of experts: every layer's MLP is 4 experts, 2 per token (Qwen3-MoE).
     "tiny-moe": dict(
         hidden_size=64,
         moe_intermediate_size=32,
@@ -79,7 +79,7 @@ SHAPE_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960,
         tie_word_embeddings=True,
     ),
-    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (the GPU benchmark's MoE shape; issue 15).
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (the GPU benchmark's MoE shape).
     "qwen3-30b-a3b-shape": dict(
         vocab_size=151936,
         hidden_size=2048,

@@ -1,4 +1,4 @@
-"""Load (issue 12, item 5) on the embedded stack: 32 tenants x 50 steps (forward_backward + optim_step) through the
+"""Load on the embedded stack: 32 tenants x 50 steps (forward_backward + optim_step) through the
 Python client at once: 0 lost, 0 duplicated, every adapter's applied seq_id exact, steps of several adapters share
 forward_backward batches; latency and the dispatcher's time per plan are printed (benchmarks/load_check.py)."""
 

@@ -1,4 +1,4 @@
-"""PostgreSQL crashed and restarted under load (issue 12, fault 4): an embedded stack of its own (real redis-server,
+"""PostgreSQL crashed and restarted under load: an embedded stack of its own (real redis-server,
 real pool and gateway processes, the tiny model in fp32 on the CPU) on a real PostgreSQL 15 cluster that this module
 owns (its own data folder and port, tests/helpers/services/postgres.py), while tenants train through the client.
 

@@ -1,4 +1,4 @@
-"""Crash recovery end to end (issue 12): an embedded stack of its own (real redis-server with its append-only file,
+"""Crash recovery end to end: an embedded stack of its own (real redis-server with its append-only file,
 SQLite, real pool and gateway processes, the tiny model in fp32 on the CPU) under load from three tenants, each
 training its own adapter through the client one request at a time, while the test kills parts of the stack.
 
@@ -297,7 +297,7 @@ def test_a_pool_mixing_adapters_killed_three_times_ends_where_an_uninterrupted_r
 
 
 def test_a_moe_pool_sigkilled_twice_under_load_ends_bit_for_bit_where_an_uninterrupted_run_does(tmp_path) -> None:
-    """Issue 15: a pool serving tiny-moe (expert banks in its snapshots, host swaps and replay), killed twice under two
+    """A pool serving tiny-moe (expert banks in its snapshots, host swaps and replay), killed twice under two
     tenants' load. One slot, so plans hold one adapter's step at a time as the reference runs them (see the module
     doc; with mixed plans the experts' (expert, adapter) grouping changes summation orders): every request exactly
     once, the final state bit for bit."""

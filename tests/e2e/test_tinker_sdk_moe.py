@@ -1,4 +1,4 @@
-"""A mixture-of-experts base through the whole service (issue 15): an embedded stack whose pool serves `tiny-moe`
+"""A mixture-of-experts base through the whole service: an embedded stack whose pool serves `tiny-moe`
 (Qwen3-MoE, LoRA on attention and every expert's gate / up / down), driven by the official Tinker SDK unchanged: two
 tenants train at once and their losses fall, save_state / resume with the optimizer continues exactly, and sampling
 (the native sampler decodes dense models only) is refused with a clear error that leaves training usable."""

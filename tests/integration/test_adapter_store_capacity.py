@@ -1,4 +1,4 @@
-"""Capacity (issue 4, item 3): 1,000 adapters on one tiny-model CPU pool with 4 resident slots and a host budget of a
+"""Capacity: 1,000 adapters on one tiny-model CPU pool with 4 resident slots and a host budget of a
 few snapshots, so almost all of them live on disk; each is trained one forward_backward + optim_step in turn through
 the PlanExecutor (plans of 4 adapters). Every adapter ends bit-identical to a never-swapped reference, the host tier
 never exceeds its budget, and the spill folder holds exactly the disk tier's files. Prints the swap time per adapter."""

@@ -139,7 +139,7 @@ def test_the_dockerfile_can_build_the_cuda_image(spec) -> None:
 
 
 def test_flower_listens_on_the_loopback_only(spec) -> None:
-    """Flower has no login and can revoke tasks (issue 29, L7): each of its published ports is bound to 127.0.0.1, or
+    """Flower has no login and can revoke tasks: each of its published ports is bound to 127.0.0.1, or
     it reads basic-auth credentials from the environment."""
     flower = spec["services"]["flower"]
     env = flower.get("environment") or {}
