@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
-from loraplex.workers.lora.fused import _gmm_operand
+from loraplex.workers.lora.gemm import gmm_operand
 from tests.helpers.lora import (
     ADAPTERS,
     CASES,
@@ -103,10 +103,10 @@ def test_aligned_bank_views_are_read_in_place() -> None:
     flat = torch.zeros(3, 8 + 24 * 8 + 8 * 40, dtype=torch.bfloat16)
     banks = MicrobatchBanks(flat, None, grouped=True)
     a, b = banks.weights(BankLayout(8, 8 + 24 * 8, 24, 40, 8))
-    assert _gmm_operand(a) is a and _gmm_operand(b) is b
+    assert gmm_operand(a) is a and gmm_operand(b) is b
     assert a.data_ptr() == flat.data_ptr() + 8 * 2
     shifted, _ = banks.weights(BankLayout(3, 3 + 24 * 8, 24, 40, 8))
-    assert _gmm_operand(shifted) is not shifted  # 6 bytes off: copied
+    assert gmm_operand(shifted) is not shifted  # 6 bytes off: copied
 
 
 def test_forward_only_microbatch_has_no_gradient_buffer() -> None:

@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from loraplex.workers.lora.context import LoraContext
 from loraplex.workers.lora.fused import MicrobatchBanks
-from loraplex.workers.lora.routing import LoraContext, Routing
+from loraplex.workers.lora.routing import Routing
 
 TOKEN_BUCKET = 256
 # A capture's pool keeps what the forward holds for its backward; the backward's own temporaries come on top.

@@ -19,8 +19,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from loraplex.workers.lora.context import LoraContext
 from loraplex.workers.lora.experts import ExpertBanks, experts_grouped, experts_reference
-from loraplex.workers.lora.routing import LoraContext
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -21,7 +21,7 @@ same outputs). With zero LoRA this is transformers' own `Qwen3MoeExperts.forward
 
 Fast path (`experts_grouped`): the N*K (token, slot) pairs sorted by (expert, adapter group); the base projections as
 one `grouped_mm` over experts, the LoRA products as `grouped_mm`s over the E*G (expert, group) groups with the
-groups' A/B stacked (`grouped._GroupedLoraDelta`, the dense op's hand-written backward), the routing weights applied
+groups' A/B stacked (`grouped.GroupedLoraDelta`, the dense op's hand-written backward), the routing weights applied
 per pair and the pairs added back to their tokens (index_add_). No host sync, except where E*G exceeds grouped_mm's
 group-count limit (`max_groups`): then the expert blocks are cut where their pairs' row offsets say (one read of
 the per-expert offsets). Rank padding is exact as in grouped.py (the padding is zero).
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.workers.lora.grouped import _dense, _grouped_mm, _GroupedLoraDelta
+from loraplex.workers.lora.gemm import dense, grouped_mm
+from loraplex.workers.lora.grouped import GroupedLoraDelta
 from loraplex.workers.lora.routing import Routing
 
 # grouped_mm's group count above which the LoRA products are cut into expert blocks (one peer measured 1,023 as the
@@ -137,10 +138,10 @@ def _lora_pairs(
 ) -> torch.Tensor:
     """The LoRA delta of the sorted pairs t [P, in] over the (expert, group) groups; cut into expert blocks of at most
     `max_groups` groups (row ranges from the per-expert offsets: the one host read) beyond the limit."""
-    t = _dense(t)
+    t = dense(t)
     experts = a.shape[0] // groups
     if experts * groups <= max_groups:
-        return _GroupedLoraDelta.apply(t, a, b, row_scales, offs_eg)
+        return GroupedLoraDelta.apply(t, a, b, row_scales, offs_eg)
     per_block = max(1, max_groups // groups)
     ends = [0, *offs_e.tolist()]  # row where each expert's pairs end
     pieces = []
@@ -149,7 +150,7 @@ def _lora_pairs(
         r0, r1 = ends[e0], ends[e1]
         block = slice(e0 * groups, e1 * groups)
         offs = offs_eg[block] - r0
-        pieces.append(_GroupedLoraDelta.apply(_dense(t[r0:r1]), a[block], b[block], row_scales[r0:r1], offs))
+        pieces.append(GroupedLoraDelta.apply(dense(t[r0:r1]), a[block], b[block], row_scales[r0:r1], offs))
     return torch.cat(pieces)
 
 
@@ -186,10 +187,10 @@ def experts_grouped(
         a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype)
         return base + _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
 
-    gate, up = _grouped_mm(_dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)
+    gate, up = grouped_mm(dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)
     gate = plus_lora(gate, xs, banks.gate_a, banks.gate_b)
     up = plus_lora(up, xs, banks.up_a, banks.up_b)
     h = act(gate) * up
-    out = plus_lora(_grouped_mm(_dense(h), down.transpose(1, 2), offs=offs_e), h, banks.down_a, banks.down_b)
+    out = plus_lora(grouped_mm(dense(h), down.transpose(1, 2), offs=offs_e), h, banks.down_a, banks.down_b)
     out = out * weights.reshape(-1)[order].view(-1, 1)
     return torch.zeros_like(x).index_add(0, tokens, out.to(x.dtype))

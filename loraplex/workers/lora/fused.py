@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.workers.lora.grouped import _ALIGN_BYTES, _alignment, _dense, _grouped_mm
+from loraplex.workers.lora.gemm import alignment, dense, gmm_operand, grouped_mm, plus_matmul
 from loraplex.workers.lora.routing import Routing
 
 
@@ -104,21 +104,6 @@ def node_mode(routing: Routing, banks: MicrobatchBanks) -> str:
     return "grouped" if banks.grouped else "loop"
 
 
-def _gmm_operand(t: torch.Tensor) -> torch.Tensor:
-    """t itself when grouped_mm can read it as is (16-byte aligned base; one of the last two strides 1 and every other
-    stride a multiple of 16 bytes: a column slice of `compute` is such a view when the segment offsets and P are
-    multiples of 8 elements, as for every real model shape), else a dense copy."""
-    align = _alignment(t.dtype)
-    strides = t.stride()
-    if (
-        t.data_ptr() % _ALIGN_BYTES == 0
-        and 1 in strides[-2:]
-        and all(s % align == 0 for i, s in enumerate(strides) if not (s == 1 and i >= t.dim() - 2))
-    ):
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
-
-
 class _FusedLoraDelta(torch.autograd.Function):
     """delta [N, out] for x [N, in] (see the module docstring); backward returns dx (when x needs it) and accumulates
     dA, dB into the microbatch's fp32 `grads` views."""
@@ -135,7 +120,7 @@ class _FusedLoraDelta(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.base_weight = base_weight  # frozen: no gradient, and not saved as a tensor (it outlives the step)
         delta = _FusedLoraDelta._delta(ctx, x, layout, banks, routing)
-        return delta if base_weight is None else _plus_matmul(delta, x, base_weight.t())
+        return delta if base_weight is None else plus_matmul(delta, x, base_weight.t())
 
     @staticmethod
     def _delta(ctx: Any, x: torch.Tensor, layout: BankLayout, banks: MicrobatchBanks, routing: Routing) -> torch.Tensor:
@@ -161,14 +146,14 @@ class _FusedLoraDelta(torch.autograd.Function):
             return delta
         if ctx.mode == "grouped":
             n_in, r_max, n_out = layout.in_features, layout.max_rank, layout.out_features
-            align = _alignment(x.dtype)
+            align = alignment(x.dtype)
             pad_in, pad_r, pad_out = (-n_in) % align, (-r_max) % align, (-n_out) % align
-            a = F.pad(a, (0, pad_r, 0, pad_in)) if pad_in or pad_r else _gmm_operand(a)
-            b = F.pad(b, (0, pad_out, 0, pad_r)) if pad_r or pad_out else _gmm_operand(b)
-            xx = F.pad(x, (0, pad_in)) if pad_in else _dense(x)
-            hs = _grouped_mm(xx, a, offs=routing.offs)
+            a = F.pad(a, (0, pad_r, 0, pad_in)) if pad_in or pad_r else gmm_operand(a)
+            b = F.pad(b, (0, pad_out, 0, pad_r)) if pad_r or pad_out else gmm_operand(b)
+            xx = F.pad(x, (0, pad_in)) if pad_in else dense(x)
+            hs = grouped_mm(xx, a, offs=routing.offs)
             hs.mul_(routing.row_scales)  # fp32 scale: one rounding to x.dtype, as the reference's `* scale`
-            delta = _grouped_mm(hs, b, offs=routing.offs)
+            delta = grouped_mm(hs, b, offs=routing.offs)
             ctx.pad_out = pad_out
             ctx.save_for_backward(xx, hs, a, b)
             return delta[:, :n_out] if pad_out else delta
@@ -215,18 +200,18 @@ class _FusedLoraDelta(torch.autograd.Function):
         elif ctx.mode == "grouped":
             offs = routing.offs
             n_in, r_max, n_out = layout.in_features, layout.max_rank, layout.out_features
-            gy = _dense(grad_out)  # a zero-stride gradient (y.sum().backward()) breaks grouped_mm
+            gy = dense(grad_out)  # a zero-stride gradient (y.sum().backward()) breaks grouped_mm
             if ctx.pad_out:
                 gy = F.pad(gy, (0, ctx.pad_out))
             if gb is not None:
-                gb.add_(_grouped_mm(hs.t(), gy, offs=offs)[:, :r_max, :n_out])
+                gb.add_(grouped_mm(hs.t(), gy, offs=offs)[:, :r_max, :n_out])
             if need_x or ga is not None:
-                dhs = _grouped_mm(gy, b.transpose(-2, -1), offs=offs)
+                dhs = grouped_mm(gy, b.transpose(-2, -1), offs=offs)
                 dhs.mul_(routing.row_scales)
                 if ga is not None:
-                    ga.add_(_grouped_mm(x.t(), dhs, offs=offs)[:, :n_in, :r_max])
+                    ga.add_(grouped_mm(x.t(), dhs, offs=offs)[:, :n_in, :r_max])
                 if need_x:
-                    dx = _grouped_mm(dhs, a.transpose(-2, -1), offs=offs)
+                    dx = grouped_mm(dhs, a.transpose(-2, -1), offs=offs)
                     dx = dx[:, :n_in] if dx.shape[1] != n_in else dx
         else:
             if need_x:
@@ -244,13 +229,8 @@ class _FusedLoraDelta(torch.autograd.Function):
                     if dx is not None:
                         dx[start:end] = dhs @ a[g, :, :rank].t()
         if need_x and ctx.base_weight is not None:
-            dx = _plus_matmul(dx, grad_out, ctx.base_weight) if dx is not None else grad_out @ ctx.base_weight
+            dx = plus_matmul(dx, grad_out, ctx.base_weight) if dx is not None else grad_out @ ctx.base_weight
         return dx, None, None, None, None, None
-
-
-def _plus_matmul(c: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """c + m1 @ m2, in place on c where it is dense (one GEMM with beta = 1; torch.addmm would copy c first)."""
-    return c.addmm_(m1, m2) if c.is_contiguous() else torch.addmm(c, m1, m2)
 
 
 def lora_delta_fused(

@@ -55,27 +55,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loraplex.workers.lora.gemm import alignment, dense, grouped_mm
 from loraplex.workers.lora.reference import lora_delta_single
 from loraplex.workers.lora.routing import Routing
 
-_ALIGN_BYTES = 16
-# The public name (torch >= 2.10 has it; the GPU image runs 2.11); torch._grouped_mm is the same op in older releases.
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
-
-def _alignment(dtype: torch.dtype) -> int:
-    """Elements per 16 bytes: every grouped_mm leading dimension must be a multiple of this."""
-    return max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """t itself when grouped_mm can read it (row-major contiguous, 16-byte aligned base), else a dense copy."""
-    if t.is_contiguous() and t.data_ptr() % _ALIGN_BYTES == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-class _GroupedLoraDelta(torch.autograd.Function):
+class GroupedLoraDelta(torch.autograd.Function):
     """delta = grouped_mm(grouped_mm(x, A, offs) * row_scales, B, offs), with a hand-written backward.
 
     Inputs are already gathered, cast and padded: x [N, K], A [G, K, R], B [G, R, O] (all in x.dtype, grouped_mm-ready),
@@ -96,26 +81,26 @@ class _GroupedLoraDelta(torch.autograd.Function):
         row_scales: torch.Tensor,
         offs: torch.Tensor,
     ) -> torch.Tensor:
-        h = _grouped_mm(x, a, offs=offs)
+        h = grouped_mm(x, a, offs=offs)
         h.mul_(row_scales)  # fp32 scale: computed in fp32, rounded once to x.dtype (as the reference's `* scale`)
         ctx.save_for_backward(x, a, b, h, row_scales, offs)
-        return _grouped_mm(h, b, offs=offs)
+        return grouped_mm(h, b, offs=offs)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, a, b, hs, row_scales, offs = ctx.saved_tensors
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        gy = _dense(grad_out)  # sharp edge 1: y.sum().backward() hands in a zero-stride gradient
+        gy = dense(grad_out)  # sharp edge 1: y.sum().backward() hands in a zero-stride gradient
         grad_x = grad_a = grad_b = None
         if need_b:
-            grad_b = _grouped_mm(hs.t(), gy, offs=offs)
+            grad_b = grouped_mm(hs.t(), gy, offs=offs)
         if need_x or need_a:
-            ghs = _grouped_mm(gy, b.transpose(-2, -1), offs=offs)
+            ghs = grouped_mm(gy, b.transpose(-2, -1), offs=offs)
             ghs.mul_(row_scales)
             if need_x:
-                grad_x = _grouped_mm(ghs, a.transpose(-2, -1), offs=offs)
+                grad_x = grouped_mm(ghs, a.transpose(-2, -1), offs=offs)
             if need_a:
-                grad_a = _grouped_mm(x.t(), ghs, offs=offs)
+                grad_a = grouped_mm(x.t(), ghs, offs=offs)
         return grad_x, grad_a, grad_b, None, None
 
 
@@ -137,7 +122,7 @@ def lora_delta_grouped(x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tens
         raise ValueError(
             f"bank shapes A {tuple(a_bank.shape)} and B {tuple(b_bank.shape)} do not fit x {tuple(x.shape)}"
         )
-    align = _alignment(x.dtype)
+    align = alignment(x.dtype)
     pad_in, pad_r, pad_out = (-n_in) % align, (-a_bank.shape[2]) % align, (-n_out) % align
     a = a_bank.index_select(0, routing.slot_ids).to(x.dtype)
     b = b_bank.index_select(0, routing.slot_ids).to(x.dtype)
@@ -145,6 +130,6 @@ def lora_delta_grouped(x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tens
         a = F.pad(a, (0, pad_r, 0, pad_in))
     if pad_r or pad_out:
         b = F.pad(b, (0, pad_out, 0, pad_r))
-    x = F.pad(x, (0, pad_in)) if pad_in else _dense(x)
-    delta = _GroupedLoraDelta.apply(x, a, b, routing.row_scales, routing.offs)
+    x = F.pad(x, (0, pad_in)) if pad_in else dense(x)
+    delta = GroupedLoraDelta.apply(x, a, b, routing.row_scales, routing.offs)
     return delta[:, :n_out] if pad_out else delta

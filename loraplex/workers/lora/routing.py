@@ -6,19 +6,14 @@ adapter group g owns rows [ends[g-1], ends[g]) (ends[-1] == num_rows: every row 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from loraplex.workers.lora.fused import MicrobatchBanks
 
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor -> device. To CUDA through pinned memory without blocking: a plain (pageable, blocking) copy waits
     for the whole GPU queue, i.e. the previous microbatch's backward, and the host would lose its run-ahead every
     microbatch. The caching host allocator keeps the pinned block alive until the copy has completed."""
@@ -69,10 +64,10 @@ class Routing:
             ranks=tuple(int(r) for r in ranks),
             scales=tuple(float(a) for a in scales),
             ends=tuple(ends),
-            slot_ids=_to_device(torch.tensor(list(slots), dtype=torch.int64), device),
-            offs=_to_device(torch.tensor(ends, dtype=torch.int32), device),
-            scale_values=_to_device(scale_values, device),
-            row_scales=_to_device(row_scales, device),
+            slot_ids=to_device(torch.tensor(list(slots), dtype=torch.int64), device),
+            offs=to_device(torch.tensor(ends, dtype=torch.int32), device),
+            scale_values=to_device(scale_values, device),
+            row_scales=to_device(row_scales, device),
         )
 
     @cached_property
@@ -80,7 +75,7 @@ class Routing:
         """int64 [N] on the routing's device: each row's group (the expert LoRA sorts its (token, expert) pairs by it;
         built on first use and kept, one host-to-device copy per microbatch)."""
         counts = torch.tensor([e - s for s, e in zip(self.starts, self.ends, strict=True)])
-        return _to_device(torch.repeat_interleave(torch.arange(len(self.slots)), counts), self.slot_ids.device)
+        return to_device(torch.repeat_interleave(torch.arange(len(self.slots)), counts), self.slot_ids.device)
 
     @property
     def num_groups(self) -> int:
@@ -93,23 +88,3 @@ class Routing:
     @property
     def starts(self) -> tuple[int, ...]:
         return (0, *self.ends[:-1])
-
-
-class LoraContext:
-    """Shared by every wrapped layer of one model: the current microbatch's routing (None = base model only) and, on
-    the fused path, its banks gathered and cast once (None = each layer runs its own op on the master banks)."""
-
-    def __init__(self) -> None:
-        self.routing: Routing | None = None
-        self.banks: MicrobatchBanks | None = None
-        # Sibling layers (q/k/v, gate/up) run as one node on the fused path (lora/siblings.py); False: each alone.
-        self.shared_inputs = True
-
-    @contextmanager
-    def use(self, routing: Routing | None, banks: MicrobatchBanks | None = None) -> Iterator[None]:
-        previous = self.routing, self.banks
-        self.routing, self.banks = routing, banks
-        try:
-            yield
-        finally:
-            self.routing, self.banks = previous

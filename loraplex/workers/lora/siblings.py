@@ -25,18 +25,26 @@ in other shapes, so results agree with the layers run alone to rounding (fp32: 1
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, _gmm_operand, _plus_matmul, node_mode
-from loraplex.workers.lora.grouped import _alignment, _dense, _grouped_mm
+from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, node_mode
+from loraplex.workers.lora.gemm import alignment, dense, gmm_operand, grouped_mm, plus_matmul
 from loraplex.workers.lora.routing import Routing
 
-if TYPE_CHECKING:
-    from loraplex.workers.lora.slot_bank import SlotBankLinear
+
+class SiblingMember(Protocol):
+    """What a group reads of its layers (slot_bank.SlotBankLinear is one)."""
+
+    in_features: int
+    layout: BankLayout | None
+    siblings: SiblingGroup | None
+
+    def fused_base_weight(self, x: torch.Tensor, banks: MicrobatchBanks) -> torch.Tensor | None: ...
+
 
 # Leaf names of the layers one module feeds the same input (Qwen / Llama / Mistral attention and gated MLPs).
 SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -51,7 +59,7 @@ def siblings_fusable(x: torch.Tensor, layouts: Sequence[BankLayout], banks: Micr
     mode = node_mode(routing, banks)
     if mode == "loop":
         return False
-    align = _alignment(x.dtype)
+    align = alignment(x.dtype)
     return mode != "grouped" or (first.in_features % align == 0 and first.max_rank % align == 0)
 
 
@@ -74,9 +82,9 @@ class _SiblingLora(torch.autograd.Function):
         weights = [banks.weights(lay) for lay in layouts]
         a_cat = torch.cat([a[:, :, :r] for a, _ in weights], dim=2).to(x.dtype)  # [G, in, k r]
         bs = [b[:, :r].to(x.dtype) for _, b in weights]  # [G, r, out_i]
-        x = x if mode != "grouped" else _dense(x)
+        x = x if mode != "grouped" else dense(x)
         if mode == "grouped":
-            hs = _grouped_mm(x, a_cat, offs=routing.offs)
+            hs = grouped_mm(x, a_cat, offs=routing.offs)
             hs.mul_(routing.row_scales)
         elif mode == "single_device":
             hs = x @ a_cat[0]
@@ -88,15 +96,15 @@ class _SiblingLora(torch.autograd.Function):
         for i, (b, lay) in enumerate(zip(bs, layouts, strict=True)):
             h = hs[:, i * r : (i + 1) * r]
             if mode == "grouped":
-                pad_out = (-lay.out_features) % _alignment(x.dtype)
-                b = F.pad(b, (0, pad_out)) if pad_out else _gmm_operand(b)
-                delta = _grouped_mm(_gmm_operand(h), b, offs=routing.offs)
+                pad_out = (-lay.out_features) % alignment(x.dtype)
+                b = F.pad(b, (0, pad_out)) if pad_out else gmm_operand(b)
+                delta = grouped_mm(gmm_operand(h), b, offs=routing.offs)
                 delta = delta[:, : lay.out_features] if pad_out else delta
                 pads.append(pad_out)
             else:
                 delta = h @ b[0]
                 pads.append(0)
-            outputs.append(delta if base_weights is None else _plus_matmul(delta, x, base_weights[i].t()))
+            outputs.append(delta if base_weights is None else plus_matmul(delta, x, base_weights[i].t()))
         ctx.mode, ctx.rank, ctx.pads = mode, r, pads
         ctx.layouts, ctx.banks, ctx.routing, ctx.base_weights = layouts, banks, routing, base_weights
         ctx.save_for_backward(x, hs, a_cat, *bs)
@@ -113,31 +121,31 @@ class _SiblingLora(torch.autograd.Function):
         dhs = []
         for i, (gy, b, pad_out) in enumerate(zip(grad_outputs, bs, ctx.pads, strict=True)):
             if grouped:  # a zero-stride gradient (y.sum().backward()) breaks grouped_mm; pad to the aligned out width
-                gy = _dense(gy)
-                gy, b = (F.pad(gy, (0, pad_out)), F.pad(b, (0, pad_out))) if pad_out else (gy, _gmm_operand(b))
+                gy = dense(gy)
+                gy, b = (F.pad(gy, (0, pad_out)), F.pad(b, (0, pad_out))) if pad_out else (gy, gmm_operand(b))
             h = hs[:, i * r : (i + 1) * r]
             gb = views[i][1] if views[i] is not None else None
             if gb is not None and grouped:
-                gb[:, :r].add_(_grouped_mm(_gmm_operand(h.t()), gy, offs=routing.offs)[:, :, : layouts[i].out_features])
+                gb[:, :r].add_(grouped_mm(gmm_operand(h.t()), gy, offs=routing.offs)[:, :, : layouts[i].out_features])
             elif gb is not None:
                 gb[0, :r].add_(h.t() @ gy)
-            dhs.append(_grouped_mm(gy, b.transpose(-2, -1), offs=routing.offs) if grouped else gy @ b[0].t())
+            dhs.append(grouped_mm(gy, b.transpose(-2, -1), offs=routing.offs) if grouped else gy @ b[0].t())
         dh = torch.cat(dhs, dim=1)
         if mode == "single":
             dh = dh * routing.scales[0]
         else:
             dh.mul_(routing.row_scales)
         if any(v is not None for v in views):
-            ga_cat = _grouped_mm(x.t(), dh, offs=routing.offs) if grouped else (x.t() @ dh).unsqueeze(0)
+            ga_cat = grouped_mm(x.t(), dh, offs=routing.offs) if grouped else (x.t() @ dh).unsqueeze(0)
             for i, v in enumerate(views):
                 if v is not None:
                     v[0][:, :, :r].add_(ga_cat[:, :, i * r : (i + 1) * r])
         dx = None
         if need_x:
-            dx = _grouped_mm(dh, a_cat.transpose(-2, -1), offs=routing.offs) if grouped else dh @ a_cat[0].t()
+            dx = grouped_mm(dh, a_cat.transpose(-2, -1), offs=routing.offs) if grouped else dh @ a_cat[0].t()
             if ctx.base_weights is not None:
                 for gy, w in zip(grad_outputs, ctx.base_weights, strict=True):
-                    dx = _plus_matmul(dx, gy, w)
+                    dx = plus_matmul(dx, gy, w)
         return dx, None, None, None, None, None
 
 
@@ -168,14 +176,14 @@ class SiblingGroup:
     member's output in one node; the others' wait here until each is called with that same input (a module calls them
     one after another), so a call with any other input, or one the node does not cover, runs alone as before."""
 
-    def __init__(self, members: Sequence[SlotBankLinear]) -> None:
+    def __init__(self, members: Sequence[SiblingMember]) -> None:
         self.members = tuple(members)
         self._input: tuple[torch.Tensor, int, MicrobatchBanks] | None = None
         self._waiting: dict[int, torch.Tensor] = {}
         self.fused_calls = 0  # nodes run (tests and benchmarks read it)
 
     def output(
-        self, member: SlotBankLinear, x: torch.Tensor, banks: MicrobatchBanks, routing: Routing
+        self, member: SiblingMember, x: torch.Tensor, banks: MicrobatchBanks, routing: Routing
     ) -> torch.Tensor | None:
         """member's output [N, out] for its module input x [..., in]: the layer's whole output where its base matmul
         fuses into the node (`SlotBankLinear.fused_base_weight`), else its LoRA delta; None: run alone."""
@@ -210,10 +218,10 @@ class SiblingGroup:
         self._input, self._waiting = None, {}
 
 
-def install_sibling_groups(layers: dict[str, SlotBankLinear]) -> list[SiblingGroup]:
+def install_sibling_groups(layers: Mapping[str, SiblingMember]) -> list[SiblingGroup]:
     """Group the wrapped layers `layers` (by full module name) that one module feeds the same input (SIBLING_NAMES, two
     or more of a set present under one parent, same input width) and point each member at its group."""
-    by_parent: dict[tuple[str, int], list[SlotBankLinear]] = {}
+    by_parent: dict[tuple[str, int], list[SiblingMember]] = {}
     for name, layer in layers.items():
         parent, _, leaf = name.rpartition(".")
         for k, names in enumerate(SIBLING_NAMES):

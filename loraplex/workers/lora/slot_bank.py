@@ -6,19 +6,18 @@ The base weight stays frozen. Every wrapped layer reads the routing of the curre
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from loraplex.errors import InvalidRequestError
+from loraplex.workers.lora.context import LoraContext
 from loraplex.workers.lora.expert_bank import EXPERT_PROJECTIONS, is_fused_experts
 from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, lora_delta_fused
 from loraplex.workers.lora.reference import lora_delta_reference
-from loraplex.workers.lora.routing import LoraContext, Routing
-
-if TYPE_CHECKING:
-    from loraplex.workers.lora.siblings import SiblingGroup
+from loraplex.workers.lora.routing import Routing
+from loraplex.workers.lora.siblings import SiblingGroup
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from loraplex.errors import EngineError
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.lora.routing import _to_device
+from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 
 ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj")
@@ -244,8 +244,8 @@ class StaticDecoder:
         """fp32 logits [B, V] for one token per row (rows without a sample feed anything; ignore their logits). The
         returned tensor is overwritten by the next step."""
         device = self.engine.device
-        self.tokens.copy_(_to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
-        self.positions.copy_(_to_device(torch.tensor(list(positions), dtype=torch.int64), device))
+        self.tokens.copy_(to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
+        self.positions.copy_(to_device(torch.tensor(list(positions), dtype=torch.int64), device))
         if self.graph is None:
             return self._forward()
         self.graph.replay()

@@ -1,0 +1,44 @@
+"""The GEMM primitives every LoRA path shares: `F.grouped_mm` and the operand rules it needs (16-byte alignment,
+dense or suitably strided operands), and a matmul accumulated in place. Sharp edges of grouped_mm are listed in
+grouped.py's module docstring; this module is where they are handled once."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ALIGN_BYTES = 16
+# The public name (torch >= 2.10 has it; the GPU image runs 2.11); torch._grouped_mm is the same op in older releases.
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def alignment(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: every grouped_mm leading dimension must be a multiple of this."""
+    return max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself when grouped_mm can read it (row-major contiguous, 16-byte aligned base), else a dense copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def gmm_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when grouped_mm can read it as is (16-byte aligned base; one of the last two strides 1 and every other
+    stride a multiple of 16 bytes: a column slice of `compute` is such a view when the segment offsets and P are
+    multiples of 8 elements, as for every real model shape), else a dense copy."""
+    align = alignment(t.dtype)
+    strides = t.stride()
+    if (
+        t.data_ptr() % ALIGN_BYTES == 0
+        and 1 in strides[-2:]
+        and all(s % align == 0 for i, s in enumerate(strides) if not (s == 1 and i >= t.dim() - 2))
+    ):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def plus_matmul(c: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """c + m1 @ m2, in place on c where it is dense (one GEMM with beta = 1; torch.addmm would copy c first)."""
+    return c.addmm_(m1, m2) if c.is_contiguous() else torch.addmm(c, m1, m2)
