@@ -293,14 +293,14 @@ def cost_workload(engine: Engine, args, workload: str, cost, mixed_exec, alone_e
 
 def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """--mode long: one sequence of each --long-lengths tokens, one forward_backward, with the layers' activations kept
-    (checkpointing "never") and recomputed ("always"): seconds, tokens/s and peak GB, or "out of memory"."""
-    from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy
+    (recompute "never") and recomputed ("always"): seconds, tokens/s and peak GB, or "out of memory"."""
+    from loraplex.workers.engine.recompute import RecomputePolicy
 
     engine.create_adapter("long", rank=args.rank, alpha=2 * args.rank, seed=0)
     engine.microbatch_tokens = max(engine.microbatch_tokens, max(int(n) for n in args.long_lengths.split(",")))
     out: dict[str, Any] = {}
     for mode in ("never", "always"):
-        engine.checkpointing = CheckpointPolicy(mode)
+        engine.recompute = RecomputePolicy(mode)
         for n in (int(x) for x in args.long_lengths.split(",")):
             data = datums(engine.vocab_size, 1, n, torch.Generator().manual_seed(n))
             peak_reset()
@@ -438,7 +438,7 @@ def main() -> None:
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
                    help="all: PEFT, frozen base, single vs concurrent; cost: only the cost-model coalescing vs one by "
-                        "one comparison (issue 12); long: the longest single sequence, layers checkpointed or not; "
+                        "one comparison (issue 12); long: the longest single sequence, layers recomputed or not; "
                         "ragged: ragged lengths vs uniform rows, packed and padded (issue 14)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=8, help="--mode cost: timed rounds per variant (median)")
     p.add_argument("--cost-workloads", default="saturated", help="--mode cost: saturated,underfilled")

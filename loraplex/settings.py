@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
     # Tokens per microbatch before gradient accumulation kicks in.
     microbatch_tokens: int = 4096
-    # Activation checkpointing per decoder layer (workers/engine/layer_checkpointing.py): "auto" recomputes the layers of a
+    # Activation recomputation per decoder layer (workers/engine/recompute.py): "auto" recomputes the layers of a
     # microbatch of more than `checkpoint_above_tokens` tokens in its backward (only a datum longer than
     # microbatch_tokens makes one that large), "always", or "never".
     activation_checkpointing: Literal["auto", "always", "never"] = "auto"

@@ -135,7 +135,7 @@ def model_loader(settings: Settings) -> BaseModelLoader:
 
 
 def engine_spec(settings: Settings) -> EngineSpec:
-    from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy
+    from loraplex.workers.engine.recompute import RecomputePolicy
     from loraplex.workers.ranks.rank_loop import EngineSpec
 
     return EngineSpec(
@@ -147,7 +147,7 @@ def engine_spec(settings: Settings) -> EngineSpec:
             "max_rank": settings.max_rank,
             "target_modules": tuple(settings.target_modules),
             "microbatch_tokens": settings.microbatch_tokens,
-            "checkpointing": CheckpointPolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
+            "recompute": RecomputePolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
             "cuda_graphs": settings.cuda_graphs,
             "fused_elementwise": settings.fused_kernels,
             "fused_head": settings.fused_kernels,

@@ -1,7 +1,7 @@
 """The LM head + log-softmax run in token chunks: no [N, V] logits tensor ever exists, in forward or backward, and the
 chunked result and its gradients equal the unchunked computation.
 
-Every tensor an aten op allocates is recorded through a TorchDispatchMode (it sees the ops that activation checkpointing
+Every tensor an aten op allocates is recorded through a TorchDispatchMode (it sees the ops that activation recomputation
 re-runs during backward, too); the largest fresh (non-view) tensor that is vocabulary-wide must hold at most one chunk of rows.
 """
 

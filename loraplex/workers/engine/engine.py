@@ -33,12 +33,11 @@ from loraplex.workers.engine.batching import (
     split_microbatches,
 )
 from loraplex.workers.engine.body_graphs import BodyGraph, BodyGraphs, PaddedMicrobatch, pad_microbatch
-from loraplex.workers.engine.layer_checkpointing import CheckpointPolicy, wrap_layers
-from loraplex.workers.engine.layer_checkpointing import checkpointing as checkpointing_layers
 from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS, target_logprobs
 from loraplex.workers.engine.losses import segments_of
 from loraplex.workers.engine.optimizer import AdamParams, SlotAdamW
 from loraplex.workers.engine.pinned_staging import PinnedStaging
+from loraplex.workers.engine.recompute import RecomputePolicy, recomputing, wrap_layers
 from loraplex.workers.engine.trunk import Trunk
 from loraplex.workers.kernels.fused_elementwise import active as fused_elementwise_active
 from loraplex.workers.kernels.fused_elementwise import available as fused_elementwise_available
@@ -112,7 +111,7 @@ class Engine(SlotRows):
         lora_op: LoraOp | None = None,
         fused_lora: bool | None = None,
         dist: RankGroup | None = None,
-        checkpointing: CheckpointPolicy | None = None,
+        recompute: RecomputePolicy | None = None,
         packed: bool = True,
         fused_elementwise: bool | None = None,
         cuda_graphs: bool | None = None,
@@ -123,8 +122,8 @@ class Engine(SlotRows):
         """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
         cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
         several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
-        else through the reference loop. checkpointing: when a microbatch's decoder layers keep only their inputs and
-        recompute in the backward (workers/engine/layer_checkpointing.py; default: above 16,384 tokens). packed: packed
+        else through the reference loop. recompute: when a microbatch's decoder layers keep only their inputs and
+        recompute in the backward (workers/engine/recompute.py; default: above 16,384 tokens). packed: packed
         microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
         as Triton kernels in training microbatches (workers/kernels/fused_elementwise.py; default: where triton and CUDA are;
         False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
@@ -196,7 +195,7 @@ class Engine(SlotRows):
         self.fused_modules = install_fused_elementwise(model) if fusable else 0
         self.fused_elementwise = bool(self.fused_modules)
         self.trunk = Trunk(self.body, self.head)
-        self.checkpointing = checkpointing or CheckpointPolicy()
+        self.recompute = recompute or RecomputePolicy()
         # Not with expert banks: their gradients accumulate through autograd into the masters, which a captured
         # backward (gradients for the microbatch's trigger only) would not do.
         graphable = self.device.type == "cuda" and (dist is None or not shard_base) and self._fused_grouped and not experts
@@ -527,14 +526,14 @@ class Engine(SlotRows):
             tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
             positions = None  # 0..seq_len-1 in every row: the body's default
             routing = self._routing(items, mb, seq_len)
-        with ExitStack() as scope:  # the backward below runs inside it too: checkpointed layers recompute there
+        with ExitStack() as scope:  # the backward below runs inside it too: recomputed layers run again there
             scope.enter_context(torch.set_grad_enabled(trainable))
             if graphed is not None:
                 lp, routing, banks = self._replay_body(*graphed, tokens.view(-1), packed.positions, targets)
             else:
                 banks = self._gather_banks(routing, trainable)
                 # The rows every layer runs: real tokens when packed, count x longest when padded.
-                recompute = checkpointing_layers(trainable and self.checkpointing.wants(routing.num_rows))
+                recompute = recomputing(trainable and self.recompute.wants(routing.num_rows))
                 for context in (self.context.use(routing, banks), recompute, self._elementwise()):
                     scope.enter_context(context)
                 lp = self.trunk(
@@ -590,17 +589,17 @@ class Engine(SlotRows):
         self, lengths: Sequence[int], routing: Routing, trainable: bool
     ) -> tuple[BodyGraph, PaddedMicrobatch] | None:
         """The CUDA graph this packed microbatch replays on (capturing its bucket when due), or None: eager. Graphs
-        are for training microbatches of one rank, on the fused grouped LoRA path, without activation checkpointing."""
+        are for training microbatches of one rank, on the fused grouped LoRA path, without activation recomputation."""
         if self.graphs is None or not self.cuda_graphs or not trainable or not self.fused_lora:
             return None
-        if self.checkpointing.wants(routing.num_rows):
+        if self.recompute.wants(routing.num_rows):
             return None
         rows = [e - s for s, e in zip(routing.starts, routing.ends, strict=True)]
         padded = pad_microbatch(
             lengths, routing.slots, routing.ranks, routing.scales, rows, self._elementwise_on(),
             shared_inputs=self.shared_lora_inputs,
         )  # fmt: skip
-        if self.checkpointing.wants(padded.key.tokens):
+        if self.recompute.wants(padded.key.tokens):
             return None
         graph = self.graphs.graph(padded)
         return None if graph is None else (graph, padded)

@@ -27,8 +27,8 @@ def target_logprobs(
 ) -> torch.Tensor:
     """log_softmax(hidden @ W^T)[i, targets[i]] in fp32, one chunk of rows at a time.
 
-    hidden: [N, H] (final-norm output), head_weight: [V, H], targets: [N] -> [N] fp32. Each chunk runs under activation
-    checkpointing, so at most one chunk's [chunk, V] logits is alive in forward and in backward (backward recomputes a
+    hidden: [N, H] (final-norm output), head_weight: [V, H], targets: [N] -> [N] fp32. Each chunk's logits are recomputed in
+    the backward (torch.utils.checkpoint), so at most one chunk's [chunk, V] logits is alive in forward and in backward (backward recomputes a
     chunk's logits, uses them and frees them before the next chunk): never [N, V]. Checked in test_engine_chunked_loss.
 
     fused (CUDA, where triton is, frozen head): each chunk's log-softmax as two Triton kernels over the logits in their

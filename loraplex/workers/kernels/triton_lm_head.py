@@ -1,6 +1,6 @@
 """The LM head's target logprobs with the log-softmax fused into two Triton kernels (issue 14, item 3; CUDA only).
 
-Per chunk of rows, as `lm_head._target_logprobs` under checkpointing computes it: logits = hidden @ W^T in the
+Per chunk of rows, as `lm_head._target_logprobs` computes it (recomputed in the backward): logits = hidden @ W^T in the
 activations' dtype, then in fp32 target logit - logsumexp. The eager chunk writes the fp32 logits ([chunk, V]: 622 MB
 for 1,024 rows of Qwen3's 151,936-token vocabulary) and runs several kernels over them each way. Here:
   forward:  the matmul, then one kernel reading the bf16 logits once (online max / sum of exp): lse and target logit

@@ -1,12 +1,12 @@
-"""Activation checkpointing per decoder layer, switched per microbatch (issue 14, item 4).
+"""Activation recomputation per decoder layer, switched per microbatch.
 
 A layer's forward under `torch.utils.checkpoint` (non-reentrant) keeps only its input; its backward runs the forward
 again. That trades ~a third more compute for activations of one layer instead of all of them, which is what lets one
 long sequence train (the longest single sequence one GPU trains is measured in benchmarks/RESULTS.md). It costs at
-ordinary sizes, so the engine turns it on only for microbatches above a token count (`CheckpointPolicy`).
+ordinary sizes, so the engine turns it on only for microbatches above a token count (`RecomputePolicy`).
 
 The recomputed forward runs inside the same LoRA context (the engine's backward happens inside `context.use`), so it
-reads the same routing and banks; its gradients are the plain forward's (tests/unit/test_layer_checkpointing.py).
+reads the same routing and banks; its gradients are the plain forward's (tests/unit/test_recompute.py).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ _state = threading.local()
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
-    """mode "auto": checkpoint microbatches of more than `above_tokens` tokens; "always"; "never"."""
+class RecomputePolicy:
+    """mode "auto": recompute the layers of microbatches of more than `above_tokens` tokens; "always"; "never"."""
 
     mode: str = "auto"
     above_tokens: int = 16384
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "always", "never"):
-            raise ValueError(f"activation checkpointing mode must be auto, always or never, not {self.mode!r}")
+            raise ValueError(f"activation recomputation mode must be auto, always or never, not {self.mode!r}")
         if self.above_tokens < 1:
             raise ValueError("above_tokens must be positive")
 
@@ -40,8 +40,8 @@ class CheckpointPolicy:
         return self.mode == "always" or (self.mode == "auto" and tokens > self.above_tokens)
 
 
-class checkpointing:  # noqa: N801 - used as a context manager, like torch.no_grad
-    """Checkpoint the wrapped layers' forwards inside this block when `on`."""
+class recomputing:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Recompute the wrapped layers' forwards in the backward inside this block when `on`."""
 
     def __init__(self, on: bool) -> None:
         self.on = on
@@ -55,7 +55,7 @@ class checkpointing:  # noqa: N801 - used as a context manager, like torch.no_gr
 
 
 def wrap_layers(layers: Sequence[nn.Module]) -> None:
-    """Give each layer a forward that runs under torch.utils.checkpoint inside `checkpointing(True)` (and when grads
+    """Give each layer a forward that runs under torch.utils.checkpoint inside `recomputing(True)` (and when grads
     are on), its own forward otherwise."""
     for layer in layers:
         eager = layer.forward
