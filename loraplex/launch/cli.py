@@ -214,7 +214,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | None = None) -> Path:
     """Export `model_id`'s latest saved checkpoint (sampler weights or state, whichever is newer) as a PEFT folder."""
     from loraplex.errors import NotFoundError
-    from loraplex.exporting import find_export_checkpoint, write_peft_folder
+    from loraplex.service.peft_export import find_export_checkpoint, write_peft_folder
     from loraplex.storage.repositories import TenantRepository
 
     with _tenant_repo_session(settings)() as session:

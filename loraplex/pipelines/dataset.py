@@ -18,8 +18,8 @@ from typing import Any
 from loraplex.errors import InvalidRequestError
 from loraplex.service.pipeline_config import PipelineConfig, record_format, split_indices
 
-# transformers' lazy module import is not thread-safe: a threads-pool worker imports it (tokenizers here, the export's
-# model registry in runner.export_final) under this lock.
+# transformers' lazy module import is not thread-safe: a threads-pool worker imports it (tokenizers here, a preset's
+# tokenizer through the model registry in runner) under this lock.
 TRANSFORMERS_IMPORT = threading.Lock()
 
 

@@ -208,8 +208,7 @@ def export_final(services: Services, tenant: TenantRef, pipeline_id: str, final_
     model_id, _, _ = split_tinker_path(final_checkpoint)
     out = export_dir(services, tenant.id, pipeline_id)
     private_dirs(out.parent)
-    with TRANSFORMERS_IMPORT:  # the export imports the model registry (transformers) on its first call
-        folder = export_peft(services, tenant, model_id, final_checkpoint, out).folder
+    folder = export_peft(services, tenant, model_id, final_checkpoint, out).folder
     # Owner-only, as every tenant file on the server: the tenant downloads it through the API (export_url).
     os.chmod(folder, PRIVATE_DIR_MODE)
     for path in folder.iterdir():

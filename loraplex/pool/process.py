@@ -109,8 +109,7 @@ def vllm_sampling(settings: Settings) -> Any:
     from loraplex.samplers.vllm import VllmSampler
     from loraplex.samplers.vllm_server import VllmServer
     from loraplex.samplers.vllm_step import VllmSampleStep
-    from loraplex.workers.state.checkpoint import read_checkpoint
-    from loraplex.workers.state.export import export_peft
+    from loraplex.service.peft_export import export_checkpoint
 
     folder = resolve(settings.base_model, settings.resolved_model_cache)
     logs = settings.home / "logs"
@@ -123,7 +122,7 @@ def vllm_sampling(settings: Settings) -> Any:
     server.supervise()
 
     def export(checkpoint_dir: Path, out_dir: Path) -> Path:
-        return export_peft(read_checkpoint(checkpoint_dir), out_dir, base_model_path=str(folder))
+        return export_checkpoint(checkpoint_dir, out_dir, base_model_path=str(folder))
 
     log.info("pool %s: sampling on a vLLM server at %s (logs/vllm-%s.log)", settings.pool, server.base_url,
              settings.pool)  # fmt: skip

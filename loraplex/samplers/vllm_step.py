@@ -2,7 +2,7 @@
 sampler snapshot is its checkpoint folder, exported once as a PEFT folder and loaded into the server at run time
 (samplers/vllm.py: LRU beyond its max_loras); the bare base model goes through the zero adapter. Requests of a step
 run concurrently (the server batches them). No torch here: the PEFT export is the caller's callable (the pool process
-passes one built on workers/state/export.py).
+passes service/peft_export.export_checkpoint).
 
 Not offered by this backend (each a NotSupportedError for that request): top-k logprobs, and `stop=[]` (sampling
 through EOS)."""

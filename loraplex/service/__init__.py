@@ -28,7 +28,7 @@ from loraplex.service.checkpoints import (
     weights_info,
 )
 from loraplex.service.context import Services, TenantRef, write_session
-from loraplex.service.export import PeftExport, export_peft
+from loraplex.service.peft_export import PeftExport, export_peft
 from loraplex.service.pipelines import cancel_pipeline, get_pipeline, list_pipelines, submit_pipeline
 from loraplex.service.runs import get_run, list_runs
 from loraplex.service.sampling import create_sampler, get_sampler, sample

@@ -18,7 +18,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
-from loraplex.workers.state.export import export_peft
+from tests.helpers.peft import export_peft
 
 pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 GREEDY = SampleParams(max_tokens=16, temperature=0.0)

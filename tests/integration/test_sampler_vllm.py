@@ -39,7 +39,7 @@ from loraplex.samplers.vllm import BASE_ADAPTER, VllmSampler, VllmServer
 from loraplex.samplers.vllm_server import process_group_members
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.state.checkpoint_state import state_from_engine
-from loraplex.workers.state.export import export_peft
+from tests.helpers.peft import export_peft
 
 BASE = "tiny-vllm"
 MAX_RANK = 8

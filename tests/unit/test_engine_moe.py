@@ -110,11 +110,11 @@ def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_
 def test_peft_loads_the_exported_moe_adapter_and_computes_what_the_engine_does(
     moe_dir: Path, tmp_path: Path, targets: list[str] | None
 ) -> None:
-    """PEFT's target_parameters LoRA on the fused experts (workers/state/export_moe.py), gate and up fused at rank 2r."""
+    """PEFT's target_parameters LoRA on the fused experts (service/peft_export.py), gate and up fused at rank 2r."""
     from peft import PeftModel
 
     from loraplex.workers.state.checkpoint_state import state_from_engine
-    from loraplex.workers.state.export import export_peft
+    from tests.helpers.peft import export_peft
 
     model, _ = load_base_model(str(moe_dir), moe_dir.parent)
     engine = Engine(model, num_slots=2, max_rank=8)

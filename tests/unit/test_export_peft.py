@@ -1,23 +1,28 @@
-"""PEFT export: `PeftModel.from_pretrained(fresh base, out_dir)` gives the logits of our engine for that adapter (fp32),
-from a live adapter and from a checkpoint read back from disk; adapter_config.json's fields; the tokenizer travels."""
+"""PEFT export (service/peft_export.py, torch-free): `PeftModel.from_pretrained(fresh base, out_dir)` of the folder
+exported from a saved checkpoint gives the logits of our engine for that adapter (fp32); the weights file holds the
+checkpoint's tensors exactly; adapter_config.json's fields; the tokenizer travels; the export loads no torch."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel
+from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
+from loraplex.service.peft_export import export_checkpoint
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing
-from loraplex.workers.state.checkpoint import CheckpointState, read_checkpoint, write_checkpoint
+from loraplex.workers.state.checkpoint import CheckpointState, write_checkpoint
 from loraplex.workers.state.checkpoint_state import state_from_engine
-from loraplex.workers.state.export import export_peft
+from tests.helpers.peft import export_peft
 
 ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2)}  # model_id: (rank, alpha, seed); alpha 12.5 is not an integer
 
@@ -57,17 +62,22 @@ def engine_logits(engine: Engine, model_id: str, ids: list[int]) -> torch.Tensor
         return engine.model(input_ids=tokens).logits[0].float()
 
 
-@pytest.mark.parametrize("via_checkpoint", [False, True], ids=["live", "via-checkpoint"])
 @pytest.mark.parametrize("model_id", sorted(ADAPTERS))
-def test_peft_loads_export_to_engine_logits(
-    engine: Engine, tiny_dir: Path, tmp_path: Path, model_id: str, via_checkpoint: bool
-) -> None:
+def test_peft_loads_export_to_engine_logits(engine: Engine, tiny_dir: Path, tmp_path: Path, model_id: str) -> None:
     state: CheckpointState = state_from_engine(engine, model_id, base_model="tiny", with_optimizer=False)
-    if via_checkpoint:
-        write_checkpoint(state, tmp_path / "ckpt")
-        state = read_checkpoint(tmp_path / "ckpt")
-    out = export_peft(state, tmp_path / "export", base_model_path=str(tiny_dir), tokenizer_dir=tiny_dir)
+    write_checkpoint(state, tmp_path / "ckpt")
+    out = export_checkpoint(
+        tmp_path / "ckpt", tmp_path / "export", base_model_path=str(tiny_dir), tokenizer_dir=tiny_dir
+    )
     assert out == tmp_path / "export"
+    # The weights file: PEFT's key names, the checkpoint's fp32 values exactly, torch's metadata.
+    with safe_open(out / "adapter_model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == {f"base_model.model.{m}.lora_{p}.weight" for m in state.modules for p in "AB"}
+        for name, (a, b) in state.weights.items():
+            for part, t in zip("AB", (a, b), strict=True):
+                got = f.get_tensor(f"base_model.model.{name}.lora_{part}.weight")
+                assert got.dtype == torch.float32 and torch.equal(got, t)
 
     base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     peft_model = PeftModel.from_pretrained(base, out).eval()
@@ -135,3 +145,13 @@ def test_tokenizer_dir_without_tokenizer_is_refused(engine: Engine, tmp_path: Pa
     with pytest.raises(InvalidRequestError, match="no tokenizer files"):
         export_peft(state, tmp_path / "out", base_model_path=None, tokenizer_dir=tmp_path / "empty")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_loads_no_torch() -> None:
+    """The gateway and the Celery workers export without the engine's stack."""
+    code = (
+        "import sys, loraplex.service.peft_export, loraplex.api.routes.export, loraplex.launch.cli; "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

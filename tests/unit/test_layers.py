@@ -88,3 +88,96 @@ def test_metrics_are_defined_above_the_engine_and_the_stores(package: str) -> No
         if _under(name, "prometheus_client")
     ]
     assert bad == []
+
+
+# ---- the import closure of the torch-free sides ----------------------------------------------------------------------
+# The gateway, the operators' console, the Celery workers and the tenants' client never load the engine's stack: from
+# every module of these packages, following loraplex's own imports (at the top and inside functions), none of these
+# is reached.
+TORCH_FREE = ("api", "service", "admin", "pipelines", "client")
+TORCH_STACK = ("torch", "transformers", "peft")
+# The Celery workers tokenize the pipelines' datasets (transformers' tokenizers; a preset's tokenizer folder built by
+# the model registry on first use): the only edges into the stack, each (importing module, imported name).
+TOKENIZING_EDGES = frozenset({
+    ("loraplex.pipelines.dataset", "transformers"),
+    ("loraplex.pipelines.runner", "loraplex.models.registry"),
+})  # fmt: skip
+
+
+def _module_files() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _module_files()
+
+
+def _imported_modules(module: str) -> list[tuple[int, str]]:
+    """Every name `module` imports, anywhere in its body (relative imports resolved); for `from X import Y`, X and,
+    when Y is a submodule, X.Y."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names if f"{base}.{a.name}" in MODULES]
+    return out
+
+
+def _reaches_torch_stack(start: str, allowed: frozenset[tuple[str, str]]) -> list[str]:
+    """The import chains from `start` to torch / transformers / peft, as "a:line -> b:line -> ... -> torch". Importing
+    a.b.c runs a/__init__ and a/b/__init__ too, so the packages on the way are followed as well."""
+    came_from: dict[str, str | None] = {start: None}
+    todo, chains = [start], []
+    while todo:
+        module = todo.pop()
+        for line, name in _imported_modules(module):
+            if (module, name) in allowed:
+                continue
+            if name.split(".")[0] in TORCH_STACK:
+                hops, at = [f"{module}:{line}"], came_from[module]
+                while at is not None:
+                    hops.append(at)
+                    at = came_from[at.rpartition(":")[0]]
+                chains.append(" -> ".join([*reversed(hops), name]))
+                continue
+            parts = name.split(".")
+            for i in range(2, len(parts) + 1):
+                step = ".".join(parts[:i])
+                if parts[0] == "loraplex" and step in MODULES and step not in came_from:
+                    came_from[step] = f"{module}:{line}"
+                    todo.append(step)
+    return chains
+
+
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_torch_free_sides_never_reach_the_torch_stack(package: str) -> None:
+    roots = sorted(m for m in MODULES if _under(m, f"loraplex.{package}"))
+    assert roots
+    reached = {chain for root in roots for chain in _reaches_torch_stack(root, TOKENIZING_EDGES)}
+    assert sorted(reached) == []
+
+
+def test_the_closure_follows_imports_inside_functions() -> None:
+    """The check sees lazy imports: the pool process's composition root (workers behind function-level imports)
+    reaches torch, and only through them."""
+    chains = _reaches_torch_stack("loraplex.pool.process", frozenset())
+    assert chains and all("loraplex.pool.process:" in chain for chain in chains)
+    lazy_lines = {
+        node.lineno
+        for fn in ast.walk(ast.parse(MODULES["loraplex.pool.process"].read_text()))
+        if isinstance(fn, ast.FunctionDef)
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+    assert any(int(chain.split(" -> ")[0].rpartition(":")[2]) in lazy_lines for chain in chains)

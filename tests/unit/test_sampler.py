@@ -18,7 +18,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator
 from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
-from loraplex.workers.state.export import export_peft
+from tests.helpers.peft import export_peft
 
 # model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {

@@ -20,8 +20,8 @@ from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
 from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
-from loraplex.workers.state.export import export_peft
 from tests.helpers.lora import make_data
+from tests.helpers.peft import export_peft
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ADAM = {"learning_rate": 1e-2, "weight_decay": 0.1, "grad_clip_norm": 0.5, "eps": 1e-8}

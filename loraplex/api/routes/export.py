@@ -1,7 +1,7 @@
 """PEFT export over HTTP: `GET /v1/adapters/{model_id}/export?checkpoint=...` answers a tar archive of the PEFT folder
 (adapter_model.safetensors, adapter_config.json, the base model's tokenizer) of one of the tenant's checkpoints, the
-latest sampler or state checkpoint by default. The folder is built by the service layer (service/export.py, with
-`loraplex.exporting`, the code `loraplex export` runs) in a temporary directory, removed once the archive is sent.
+latest sampler or state checkpoint by default. The folder is built by the service layer (service/peft_export.py, the
+export `loraplex export` runs too) in a temporary directory, removed once the archive is sent.
 
 The checkpoint is read from the blob store with every file's sha256 verified: a tampered one is a 400 saying so.
 Another tenant's adapter or checkpoint is a 404, the same as a missing one; an adapter with nothing saved is a 404

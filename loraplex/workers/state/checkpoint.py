@@ -16,7 +16,7 @@ One checkpoint is one directory:
 
 An MoE's expert projection (`<experts>.gate_proj` / `.up_proj` / `.down_proj`, workers/lora/expert_bank.py) is stored
 under the same names with one matrix per expert: lora_A [E, r, in], lora_B [E, out, r] (our layout; the PEFT export
-converts it to PEFT's target_parameters LoRA of the fused experts: workers/state/export_moe.py).
+converts it to PEFT's target_parameters LoRA of the fused experts: service/peft_export.py).
 
 Only the real-rank parts are stored (the zero padding up to the pool's r_max is not), all fp32. Gradients are never
 stored: like Tinker's save_state, a checkpoint holds weights + optimizer state; unconsumed gradients are dropped.
