@@ -16,8 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol.defaults import ADAM_DEFAULTS
-from loraplex.service.schemas import Strict
+from loraplex.service.schemas import Strict, adam_field
 
 RecordFormat = Literal["chat", "prompt_completion"]
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -49,12 +48,12 @@ class LoraConfig(Strict):
 
 
 class OptimizerConfig(Strict):
-    learning_rate: float = Field(ADAM_DEFAULTS["learning_rate"], gt=0)
-    beta1: float = Field(ADAM_DEFAULTS["beta1"], ge=0, lt=1)
-    beta2: float = Field(ADAM_DEFAULTS["beta2"], ge=0, lt=1)
-    eps: float = Field(ADAM_DEFAULTS["eps"], gt=0)
-    weight_decay: float = Field(ADAM_DEFAULTS["weight_decay"], ge=0)
-    grad_clip_norm: float = Field(ADAM_DEFAULTS["grad_clip_norm"], ge=0)
+    learning_rate: float = adam_field("learning_rate")
+    beta1: float = adam_field("beta1")
+    beta2: float = adam_field("beta2")
+    eps: float = adam_field("eps")
+    weight_decay: float = adam_field("weight_decay")
+    grad_clip_norm: float = adam_field("grad_clip_norm")
     # The learning rate rises linearly over the first `warmup_steps` steps, then follows `schedule` down to
     # `min_lr_ratio` x learning_rate at the last step.
     warmup_steps: int = Field(0, ge=0)

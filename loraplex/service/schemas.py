@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loraplex.protocol.adam import ADAM_FIELD
 from loraplex.protocol.checkpoint_paths import MAX_TTL_SECONDS
-from loraplex.protocol.defaults import ADAM_DEFAULTS
+from loraplex.protocol.losses import LOSS_NAMES
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
+if TYPE_CHECKING:
+    LossFn = str
+else:  # a Literal of protocol/losses.py's names: pydantic answers an unknown loss with the list of known ones
+    LossFn = Literal[LOSS_NAMES]
 
 
 class Strict(BaseModel):
@@ -57,13 +61,21 @@ class ForwardBackwardRequest(Strict):
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
 
 
+def adam_field(name: str) -> Any:
+    """The request field of one AdamW hyperparameter: its default and bounds from protocol/adam.py (a value out of
+    them is a 4xx naming the field)."""
+    spec = ADAM_FIELD[name]
+    return Field(spec.default, ge=spec.ge, gt=spec.gt, lt=spec.lt, allow_inf_nan=False)
+
+
 class AdamParams(Strict):
-    learning_rate: float = Field(ADAM_DEFAULTS["learning_rate"], ge=0)
-    beta1: float = Field(ADAM_DEFAULTS["beta1"], ge=0, lt=1)
-    beta2: float = Field(ADAM_DEFAULTS["beta2"], ge=0, lt=1)
-    eps: float = Field(ADAM_DEFAULTS["eps"], gt=0)
-    weight_decay: float = Field(ADAM_DEFAULTS["weight_decay"], ge=0)
-    grad_clip_norm: float = Field(ADAM_DEFAULTS["grad_clip_norm"], ge=0)
+    # The names of protocol/adam.py's ADAM_FIELDS (tests/unit/test_shared_tables.py holds every model to them).
+    learning_rate: float = adam_field("learning_rate")
+    beta1: float = adam_field("beta1")
+    beta2: float = adam_field("beta2")
+    eps: float = adam_field("eps")
+    weight_decay: float = adam_field("weight_decay")
+    grad_clip_norm: float = adam_field("grad_clip_norm")
 
 
 class OptimStepRequest(Strict):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
+from loraplex.protocol.losses import LOSS_NAMES
+from loraplex.service.schemas import ForwardBackwardRequest
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import target_logprobs
 from loraplex.workers.engine.losses import LOSSES, segments_of
@@ -86,7 +90,13 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     )[0]
     expected_tight = -torch.minimum(ratio * adv, ratio.clamp(0.95, 1.05) * adv).sum()
     assert tight["metrics"]["loss:sum"] == pytest.approx(expected_tight.item(), rel=1e-4, abs=1e-5)
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
+
+
+def test_the_protocol_lists_exactly_the_engines_losses() -> None:
+    """The gateway accepts the names protocol/losses.py lists; the engine implements exactly those."""
+    assert tuple(LOSSES) == LOSS_NAMES
+    assert all(spec.name == name for name, spec in LOSSES.items())
+    assert get_args(ForwardBackwardRequest.model_fields["loss_fn"].annotation) == LOSS_NAMES
 
 
 def test_mixed_losses_share_one_batch(engine: Engine) -> None:

@@ -168,6 +168,7 @@ def test_adam_params_defaults_and_validation() -> None:
         {"beta1": 1.0},
         {"beta2": -0.1},
         {"eps": -1},
+        {"eps": 0.0},  # AdamW divides 0 by 0 on a LoRA A's first (zero) gradient
         {"grad_clip_norm": float("nan")},
         {"weight_decay": "x"},
     ]:

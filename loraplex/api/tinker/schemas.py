@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from loraplex.service.schemas import adam_field
+
 SEQ_ID = Field(..., ge=0, lt=2**31)
 
 
@@ -63,12 +65,12 @@ class ModelBody(Body):
 
 
 class AdamParamsBody(Body):
-    learning_rate: float = Field(1e-4, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-12, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip_norm: float = Field(0.0, ge=0)
+    learning_rate: float = adam_field("learning_rate")
+    beta1: float = adam_field("beta1")
+    beta2: float = adam_field("beta2")
+    eps: float = adam_field("eps")
+    weight_decay: float = adam_field("weight_decay")
+    grad_clip_norm: float = adam_field("grad_clip_norm")
 
 
 class OptimStepBody(ModelBody):

@@ -2,19 +2,23 @@
 
 Per slot it equals `torch.optim.AdamW` (decoupled weight decay) run on that adapter alone, preceded by
 `torch.nn.utils.clip_grad_norm_` over the adapter's LoRA tensors when grad_clip_norm > 0. Only the real-rank part of a slot
-changes; the zero padding stays exactly zero (even with eps = 0), and so do the banks an adapter does not train (a
+changes; the zero padding stays exactly zero, and so do the banks an adapter does not train (a
 target-module subset: `step(..., params=)`). Stepped slots get their gradients cleared.
+
+The hyperparameters' names, defaults and bounds are protocol/adam.py's (eps > 0 there: with eps = 0 a LoRA A's
+first, exactly zero gradient gives 0 / 0).
 
 Two ways, the same maths: slots with eps > 0 go through torch's own fused AdamW kernel (`torch._fused_adamw_`, what
 `torch.optim.AdamW(fused=True)` runs: one pass over each slot's four rows), their gradients first clipped and zeroed
-outside the slot's real part (the weights and moments there are zero, so with eps > 0 they stay zero); slots with
-eps = 0 (where 0 / (0 + eps) would be NaN in the padding) take `_update_masked`, the vectorised plain-torch update
-that writes only the real part (the reference the fused path is tested against). The fused path reads the slots' rows
+outside the slot's real part (the weights and moments there are zero, so with eps > 0 they stay zero); any other slot
+takes `_update_masked`, the vectorised plain-torch update that writes only the real part (the reference the fused
+path is tested against; it keeps the padding at zero even for an eps = 0 a direct caller may construct). The fused path reads the slots' rows
 in place instead of ~20 gathered, masked passes (RESULTS.md, session 9: 7.7 ms per 4B-model adapter step before).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.errors import InvalidRequestError
-from loraplex.protocol.defaults import ADAM_DEFAULTS
+from loraplex.protocol.adam import ADAM_DEFAULTS, adam_problems
 
 # The banks are strided views into one flat buffer, so autograd warns that their gradients are not laid out like a
 # dense tensor; it still accumulates into them in place, which is all we need (checked by the optimizer tests).
@@ -32,7 +36,7 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 
 @dataclass(frozen=True)
 class AdamParams:
-    """Tinker's AdamParams; the defaults are the protocol's (loraplex/protocol/defaults.py)."""
+    """Tinker's AdamParams; names, defaults and bounds are the protocol's (loraplex/protocol/adam.py)."""
 
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     beta1: float = ADAM_DEFAULTS["beta1"]
@@ -56,18 +60,9 @@ class AdamParams:
         return params
 
     def validate(self) -> None:
-        checks = {
-            "learning_rate": self.learning_rate >= 0,
-            "beta1": 0 <= self.beta1 < 1,
-            "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps >= 0,
-            "weight_decay": self.weight_decay >= 0,
-            "grad_clip_norm": self.grad_clip_norm >= 0,
-        }
-        for name, ok in checks.items():
-            value = getattr(self, name)
-            if not ok or not math.isfinite(value):
-                raise InvalidRequestError(f"adam_params.{name} out of range: {value}")
+        problems = adam_problems(dataclasses.asdict(self))
+        if problems:
+            raise InvalidRequestError(f"adam_params.{problems[0]}")
 
 
 @dataclass(frozen=True)
