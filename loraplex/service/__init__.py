@@ -1,17 +1,25 @@
-"""The gateway's rules, as plain calls: each takes the shared `Services`, the authenticated tenant and a typed request,
-and answers a typed result or raises a loraplex.errors type. The native routes (api/routes/), and in time the Tinker
-routes, the admin and the pipelines, only translate their wire format to these calls and back.
+"""The application layer: the service's rules as plain calls, under every front end. Each call takes the shared
+`Services`, the authenticated tenant and a typed request, and answers a typed result or raises a loraplex.errors type;
+the HTTP routes (api/: native, Tinker, OpenAI-compatible), the operators' console (admin/), the Celery pipelines
+(pipelines/) and the `loraplex` CLI only translate their own form to these calls and back. No HTTP framework, no torch
+(tests/unit/test_layers.py follows every import, lazy ones included). Writes go through storage/'s repositories;
+requests go to the pools through queue/.
 
     adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete
     training     forward_backward / forward (datum limits), optim_step
     checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete;
                  across adapters by tinker path: list_all (paged), get, bulk delete, ttl, weights_info
     runs         training runs (Tinker's TrainingRun view of an adapter): get, list (paged)
-    export       a checkpoint as a PEFT folder
+    peft_export  a checkpoint as a PEFT folder (read and written with numpy: the one export, also the CLI's,
+                 the pipelines' and the vLLM sampler's)
     submit       enqueue -> the future's reference; who owns a request
     sessions     client sessions: create, heartbeat, finish (frees the session's adapters), expiry
     sampling     samplers (a sampler checkpoint or the base model) and sampling requests
     pipelines    offline fine-tuning pipelines and sweeps: submit, get, list, cancel, a sweep's report files
+    schemas      the typed requests and answers (pydantic), the Adam and loss fields read from protocol/
+    build        build_services: the Services of a process (database sessions, Redis pools, caches)
+    and beside them the gateway's shared state that is not HTTP: auth_cache, rate_limit, long_polls, pool_health,
+    pool_metrics_reader, rejections (a refused step keeps its seq_id chain), checkpoint_quota, model_files
 """
 
 from loraplex.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters

@@ -181,3 +181,20 @@ def test_the_closure_follows_imports_inside_functions() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
     }
     assert any(int(chain.split(" -> ")[0].rpartition(":")[2]) in lazy_lines for chain in chains)
+
+
+# Entry points compose processes: the gateway's composition (launch/gateway.py) and the embedded stack's environment
+# for its gateway processes' shared metrics (launch/embedded.py) are the only importers of the HTTP package outside it;
+# the CLI, the admin and the pipelines reach the rules through service/.
+HTTP_PACKAGE_IMPORTERS = {"loraplex/launch/gateway.py", "loraplex/launch/embedded.py"}
+
+
+def test_only_the_gateways_composition_imports_the_http_package() -> None:
+    importers = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not path.is_relative_to(PACKAGE / "api")
+        for _, name in _imports(path)
+        if _under(name, "loraplex.api")
+    }
+    assert importers == HTTP_PACKAGE_IMPORTERS
