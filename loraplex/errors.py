@@ -147,8 +147,52 @@ class FutureTimeoutError(LoraplexError, TimeoutError):
         return (type(self), (self.message, self.request_id, self.last_state, self.queue_state))
 
 
-USER_ERRORS: dict[str, type[LoraplexError]] = {
+# Every error class by its wire name, the class name: an Outcome carries its error as a class, stored and answered as
+# `error_name(cls)`, read back as `error_class(name)`. The one registry of names: nothing else spells them.
+ERRORS: dict[str, type[LoraplexError]] = {
     cls.__name__: cls
+    for cls in (
+        LoraplexError,
+        AuthenticationError,
+        ForbiddenError,
+        NotFoundError,
+        InvalidRequestError,
+        ConflictError,
+        GoneError,
+        NotSupportedError,
+        CapacityError,
+        QuotaExceededError,
+        RequestTooLargeError,
+        ServiceUnavailableError,
+        WaitTimeoutError,
+        EngineError,
+        LeaseLostError,
+        CorruptSnapshotError,
+        RequestFailedError,
+        FutureTimeoutError,
+    )
+}
+
+
+def error_name(cls: type[BaseException]) -> str:
+    """The wire name of an error class: its own when registered, else its nearest registered base's (an error class
+    defined elsewhere, e.g. the envelope codec's, travels as the errors.py class it specialises); "LoraplexError" for
+    anything outside the hierarchy."""
+    for base in cls.__mro__:
+        if ERRORS.get(base.__name__) is base:
+            return base.__name__
+    return LoraplexError.__name__
+
+
+def error_class(name: str) -> type[LoraplexError]:
+    """The class of a wire name; a name the registry does not hold (another version's) as the generic LoraplexError."""
+    return ERRORS.get(name, LoraplexError)
+
+
+# The errors a request's result may carry to a client, as they were before the registry: a server-side error outside
+# this set reads as category "server" in the futures' answers.
+USER_ERRORS: dict[str, type[LoraplexError]] = {
+    error_name(cls): cls
     for cls in (
         AuthenticationError,
         NotFoundError,
@@ -166,8 +210,8 @@ USER_ERRORS: dict[str, type[LoraplexError]] = {
 
 
 def error_from_name(name: str, message: str) -> LoraplexError:
-    """Rebuild a typed error from its class name and message (as stored in a result)."""
-    return USER_ERRORS.get(name, LoraplexError)(message)
+    """Rebuild a typed error from its wire name and message (as a client reads it from a failed future)."""
+    return error_class(name)(message)
 
 
 # The HTTP status of each error the gateway answers with; any other LoraplexError is a 500.

@@ -21,6 +21,7 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT
+from loraplex.errors import InvalidRequestError, LoraplexError, RequestTooLargeError
 
 SEQ_ID_HEADER = "X-Seq-Id"
 ANONYMOUS_SETTING = "LORAPLEX_MAX_ANONYMOUS_BODY_BYTES"
@@ -30,11 +31,11 @@ class BodyRefused(HTTPException):
     """A body refused while it was being read (api/errors.py answers it, with Connection: close). `error_type` is the
     typed error it stands for, in the JSON answer and in a refused chain step's stored result."""
 
-    error_type = "InvalidRequestError"
+    error_type: type[LoraplexError] = InvalidRequestError
 
 
 class BodyTooLarge(BodyRefused):
-    error_type = "RequestTooLargeError"
+    error_type = RequestTooLargeError
 
     def __init__(self, limit: int, setting: str = "LORAPLEX_MAX_BODY_BYTES", whose: str = "") -> None:
         super().__init__(413, f"request body over the gateway's limit of {limit} bytes{whose} ({setting})")

@@ -31,6 +31,7 @@ from loraplex.errors import (
     InvalidRequestError,
     LoraplexError,
     ServiceUnavailableError,
+    error_name,
     http_status_for,
 )
 from loraplex.runtime.logutil import RateLimitedLog
@@ -77,7 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return openai_error(400, _utf8_safe(validation_summary(errors)), param=loc[0] if loc else None)
         body = exc.body if isinstance(exc.body, dict) else {}
         await _fill_rejected_step(
-            request, body.get("seq_id"), "InvalidRequestError", validation_summary(errors), body.get("model_id")
+            request, body.get("seq_id"), InvalidRequestError, validation_summary(errors), body.get("model_id")
         )
         return JSONResponse(status_code=422, content={"detail": json_safe(errors)})
 
@@ -88,7 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_openai_path(request.url.path):
             return openai_error(exc.status_code, exc.detail, {"Connection": "close"})
         await _fill_rejected_step(request, seq_id_header(request.headers), exc.error_type, exc.detail)
-        content = {"detail": exc.detail, "type": exc.error_type, "category": "user"}
+        content = {"detail": exc.detail, "type": error_name(exc.error_type), "category": "user"}
         # Connection: close, so the server stops reading the rest of the body rather than draining it for keep-alive.
         return JSONResponse(status_code=exc.status_code, content=content, headers={"Connection": "close"})
 
@@ -154,7 +155,7 @@ def validation_summary(errors: Sequence[Any]) -> str:
 
 
 async def _fill_rejected_step(
-    request: Request, seq_id: Any, error_type: str, message: str, body_model_id: Any = None
+    request: Request, seq_id: Any, error_type: type[LoraplexError], message: str, body_model_id: Any = None
 ) -> None:
     """For a chain step that names a usable seq_id: queue its rejection (best effort; the error goes out anyway).
     The adapter is the path's `model_id` (native routes) or the body's (Tinker routes)."""

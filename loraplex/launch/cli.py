@@ -167,7 +167,7 @@ def _delete_adapters_through_the_queue(services, tenant_id: str, tenant_name: st
             if outcome is None:
                 pending.append(model_id)
             elif not outcome.ok:
-                print(f"adapter {model_id}: {outcome.error_type}: {outcome.error}", file=sys.stderr)
+                print(f"adapter {model_id}: {outcome.error_name}: {outcome.error}", file=sys.stderr)
         return pending
     finally:
         services.redis.close()

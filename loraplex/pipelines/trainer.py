@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from loraplex import service
-from loraplex.errors import FutureTimeoutError, error_from_name
+from loraplex.errors import FutureTimeoutError
+from loraplex.protocol.results import CreateResult, R
 from loraplex.service import Services, TenantRef
 from loraplex.service.schemas import (
     CreateAdapterRequest,
@@ -36,7 +37,7 @@ class ServiceTrainer:
             fields["alpha"] = alpha
         request = CreateAdapterRequest.model_validate(fields)
         trainer = cls(services, tenant, model_id, timeout_s)
-        trainer.wait(service.create_adapter(services, tenant, request, model_id=model_id))
+        trainer.wait(service.create_adapter(services, tenant, request, model_id=model_id), CreateResult)
         return trainer
 
     @classmethod
@@ -49,7 +50,7 @@ class ServiceTrainer:
             {"from_checkpoint": path, "with_optimizer": True, "user_metadata": metadata}
         )
         trainer = cls(services, tenant, model_id, timeout_s)
-        trainer.wait(service.create_adapter(services, tenant, request, model_id=model_id))
+        trainer.wait(service.create_adapter(services, tenant, request, model_id=model_id), CreateResult)
         return trainer
 
     def _seq(self) -> int:
@@ -77,9 +78,9 @@ class ServiceTrainer:
         request = SaveCheckpointRequest.model_validate({"seq_id": self._seq(), "name": name, "overwrite": True})
         return service.save_weights_for_sampler(self.services, self.tenant, self.model_id, request)
 
-    def wait(self, ref: FutureRef) -> dict[str, Any]:
-        """The request's result, or its error raised as the typed error it was (FutureTimeoutError past the step
-        timeout: the pool is down or far behind)."""
+    def wait(self, ref: FutureRef, expect: type[R]) -> R:
+        """The request's result, of the type `expect` (protocol/results.py), or its error raised as the typed error it
+        was (FutureTimeoutError past the step timeout: the pool is down or far behind)."""
         outcome = self.services.results.wait(ref.request_id, self.timeout_s)
         if outcome is None:
             raise FutureTimeoutError(
@@ -87,8 +88,9 @@ class ServiceTrainer:
                 "(LORAPLEX_PIPELINE_STEP_TIMEOUT_SECONDS)", ref.request_id,
             )  # fmt: skip
         if not outcome.ok:
-            raise error_from_name(outcome.error_type or "", outcome.error or "")
-        return outcome.result or {}
+            raise outcome.exception()
+        assert outcome.result is not None
+        return outcome.result.expect(expect)
 
     def delete(self) -> None:
         """Delete the adapter through the queue (its checkpoints stay); not waited for."""

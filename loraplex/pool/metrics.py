@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loraplex.protocol import KINDS, BatchPlan, Outcome, RequestKind, StepKind
+from loraplex.protocol.results import SampleResult
 
 # Phases of the time split (loraplex_pool_seconds_total{phase}). The loop's (read: waiting for requests included,
 # plan, coalesce, loop_other) and the executor's (swap, one per step kind, execute_other: the rest of executing a
@@ -226,8 +227,8 @@ class PoolMetrics:
         if outcome.ok and request.kind in TRAINING_KINDS:
             self.tokens.labels(self.pool, tenant, kind).inc(request.num_tokens)
         if outcome.ok and request.kind == RequestKind.SAMPLE:
-            sequences = (outcome.result or {}).get("sequences") or []
-            self.sampled_tokens.labels(self.pool, tenant).inc(sum(len(s.get("tokens") or ()) for s in sequences))
+            sampled = outcome.result.num_tokens if isinstance(outcome.result, SampleResult) else 0
+            self.sampled_tokens.labels(self.pool, tenant).inc(sampled)
         # a part that leaves datums for later plans, or a slice of a sample run: not answered yet
         if (request.unfinished or outcome.unfinished) and outcome.ok:
             return

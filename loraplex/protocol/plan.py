@@ -6,8 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplex.protocol.kinds import RequestKind, StepKind, parse_payload
+from loraplex.errors import EngineError, LoraplexError, error_class, error_name
+from loraplex.protocol.kinds import RequestKind, StepKind, parse_payload, tokens_of
 from loraplex.protocol.payloads import ForwardBackwardPayload, Payload
+from loraplex.protocol.results import Result
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,9 @@ class PlannedRequest:
 
     @property
     def num_tokens(self) -> int:
-        """Input tokens this plan runs of it (its part's, when it is a part)."""
-        p = self.payload
-        if not isinstance(p, ForwardBackwardPayload):
-            return 0
-        data = p.data if self.part is None else p.data[self.part[0] : self.part[1]]
-        return sum(len(d.model_input) for d in data)
+        """Its tokens by its kind's row (protocol/kinds.py): input tokens of forward_backward / forward (its part's,
+        when it is a part), a sample's prompt plus the most it can add, 0 for the other kinds."""
+        return tokens_of(self.kind, self.payload, self.part)  # type: ignore[arg-type]
 
     @property
     def unfinished(self) -> bool:
@@ -67,19 +66,41 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class Outcome:
-    """The result of one request: `result` on success, else `error_type` + `error` (an errors.py class name)."""
+    """The result of one request: `result` (its kind's typed result, protocol/results.py) on success, else `error_type`
+    (a loraplex.errors class; stored and answered as its registered name) and `error` (the message). Build a failed
+    one with `Outcome.failed`."""
 
     request_id: str
-    result: dict[str, Any] | None = None
-    error_type: str | None = None
+    result: Result | None = None
+    error_type: type[LoraplexError] | None = None
     error: str | None = None
     # Not answered yet: the work goes on in later plans (a sample run in slices, workers/sampling/step.py); the
     # request stays pending (no result stored, no ack) until an outcome without it comes.
     unfinished: bool = False
 
+    @classmethod
+    def failed(cls, request_id: str, exc: BaseException, message: str | None = None) -> Outcome:
+        """The outcome of a request that failed with `exc`: its class as registered (loraplex.errors.error_name) and
+        its message (`message` instead, when given); an exception outside loraplex.errors as an EngineError naming
+        its type."""
+        if isinstance(exc, LoraplexError):
+            error_type = error_class(error_name(type(exc)))
+            return cls(request_id, error_type=error_type, error=str(exc) if message is None else message)
+        return cls(request_id, error_type=EngineError, error=f"{type(exc).__name__}: {exc}" if message is None else message)
+
     @property
     def ok(self) -> bool:
         return self.error_type is None
+
+    @property
+    def error_name(self) -> str | None:
+        """The error's wire name (None on success)."""
+        return None if self.error_type is None else error_name(self.error_type)
+
+    def exception(self, default_message: str = "") -> LoraplexError:
+        """The error as an exception to raise (a failed outcome only); `default_message` when it has none."""
+        assert self.error_type is not None, "a successful outcome has no error"
+        return self.error_type(self.error or default_message)
 
 
 class Executor(Protocol):

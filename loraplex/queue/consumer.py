@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, cast
 
 import redis as redis_lib
 
-from loraplex.errors import LoraplexError
+from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.envelope import TOKENS_FIELD, Envelope, decode, request_id_of
@@ -267,7 +267,7 @@ class Consumer:
                 bad.append(ref)
                 request_id = request_id_of(fields)
                 if request_id:
-                    failed.append(Outcome(request_id=request_id, error_type="InvalidRequestError", error=str(exc)))
+                    failed.append(Outcome.failed(request_id, InvalidRequestError(str(exc))))
         with self._lock:
             for ref, _ in raw:
                 self._unacked[self._tenant_of(ref.stream)].add(ref.id)

@@ -19,7 +19,9 @@ from collections.abc import Iterable
 import orjson
 import redis as redis_lib
 
+from loraplex.errors import error_class
 from loraplex.protocol import Outcome
+from loraplex.protocol.results import result_from_wire
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.lease import HELD_LUA, PoolLease
@@ -33,12 +35,15 @@ _TOKEN = "1"
 
 def outcome_to_json(outcome: Outcome) -> bytes:
     """orjson: a forward_backward result carries a logprob per token (~1.3 ms for 4,096 with the json module, 0.1 ms
-    here, in the pool process beside the engine's host-bound thread). NaN or infinity become null, valid JSON."""
+    here, in the pool process beside the engine's host-bound thread). NaN or infinity become null, valid JSON. The
+    result is stored in its JSON form with its type's name (`result_type`), the error as its registered name."""
+    result = outcome.result
     return orjson.dumps(
         {
             "request_id": outcome.request_id,
-            "result": outcome.result,
-            "error_type": outcome.error_type,
+            "result": None if result is None else result.to_wire(),
+            "result_type": None if result is None else result.RESULT_NAME,
+            "error_type": outcome.error_name,
             "error": outcome.error,
         }
     )
@@ -46,10 +51,11 @@ def outcome_to_json(outcome: Outcome) -> bytes:
 
 def outcome_from_json(raw: bytes | str) -> Outcome:
     data = orjson.loads(raw)
+    result, error_type = data.get("result"), data.get("error_type")
     return Outcome(
         request_id=data["request_id"],
-        result=data.get("result"),
-        error_type=data.get("error_type"),
+        result=None if result is None else result_from_wire(data["result_type"], result),
+        error_type=None if error_type is None else error_class(error_type),
         error=data.get("error"),
     )
 

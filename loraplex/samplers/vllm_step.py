@@ -13,10 +13,10 @@ import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from loraplex.errors import EngineError, LoraplexError, NotFoundError, NotSupportedError
+from loraplex.errors import NotFoundError, NotSupportedError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
+from loraplex.protocol.results import SampledSequence, SampleResult
 from loraplex.samplers.vllm import VllmSampler
 
 
@@ -43,10 +43,9 @@ class VllmSampleStep:
         try:
             return Outcome(request.request_id, result=self._sample(request))
         except Exception as exc:  # noqa: BLE001 - this request alone
-            error = exc if isinstance(exc, LoraplexError) else EngineError(f"{type(exc).__name__}: {exc}")
-            return Outcome(request.request_id, error_type=type(error).__name__, error=str(error))
+            return Outcome.failed(request.request_id, exc)
 
-    def _sample(self, request: PlannedRequest) -> dict[str, Any]:
+    def _sample(self, request: PlannedRequest) -> SampleResult:
         p = request.payload
         assert isinstance(p, SamplePayload)
         if p.topk_prompt_logprobs or p.topk_sample_logprobs:
@@ -69,14 +68,10 @@ class VllmSampleStep:
             n=1 if greedy else p.num_samples,
         )
         sequences = out.sequences * p.num_samples if greedy else out.sequences
-        return {
-            "sequences": [
-                {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason, "topk_logprobs": None}
-                for s in sequences
-            ],
-            "prompt_logprobs": out.prompt_logprobs,
-            "topk_prompt_logprobs": None,
-        }
+        return SampleResult(
+            sequences=tuple(SampledSequence(s.tokens, s.logprobs, s.stop_reason) for s in sequences),
+            prompt_logprobs=out.prompt_logprobs,
+        )
 
     def _adapter(self, snapshot: str, directory: str | None) -> str:
         name = adapter_name(snapshot)

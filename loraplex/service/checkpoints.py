@@ -128,7 +128,7 @@ def _save(
                 except QuotaExceededError as exc:
                     # A 429 is not filled by filling_rejections (a queue quota frees by itself); this one does not,
                     # so the seq_id is filled here and the chain goes on (a retry gets the refusal's future).
-                    fill_rejected(services, tenant, model_id, request.seq_id, request_kind, type(exc).__name__,
+                    fill_rejected(services, tenant, model_id, request.seq_id, request_kind, type(exc),
                                   exc.message)  # fmt: skip
                     raise
         directory = blob_store(services).path(checkpoint_blob_key(tenant.id, model_id, kind, name))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from loraplex.errors import ConflictError, LoraplexError, NotFoundError, http_status_for
+from loraplex.errors import ConflictError, LoraplexError, NotFoundError, error_name, http_status_for
 from loraplex.protocol import CONTROL_KINDS, RejectedPayload, RequestKind
 from loraplex.service.context import Services, TenantRef
 from loraplex.service.submit import submit
@@ -32,7 +32,7 @@ def fill_rejected(
     model_id: str,
     seq_id: int,
     kind: RequestKind,
-    error_type: str,
+    error_type: type[LoraplexError],
     message: str,
 ) -> bool:
     """Queue the rejection of `kind` at (model_id, seq_id); False when there is nothing to fill."""
@@ -43,7 +43,7 @@ def fill_rejected(
             AdapterRepository(db, tenant.id).check_live(model_id)
         except NotFoundError:
             return False
-    payload = RejectedPayload(rejected_kind=str(kind), error_type=error_type, message=message)
+    payload = RejectedPayload(rejected_kind=str(kind), error_type=error_name(error_type), message=message)
     try:
         submit(services, tenant, model_id, RequestKind.REJECTED, payload, seq_id=seq_id)
     except ConflictError:
@@ -60,5 +60,5 @@ def filling_rejections(
         yield
     except LoraplexError as exc:
         if http_status_for(exc) in FILLED_STATUSES:
-            fill_rejected(services, tenant, model_id, seq_id, kind, type(exc).__name__, exc.message)
+            fill_rejected(services, tenant, model_id, seq_id, kind, type(exc), exc.message)
         raise

@@ -138,6 +138,7 @@ def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeyp
     answered "complete" with a null result. The landing is placed exactly there by wrapping `wait` (a timing fault
     that cannot be caused reliably otherwise); the answer must carry the result."""
     from loraplex.protocol import Outcome
+    from loraplex.protocol.results import OptimStepResult
 
     client, keys, services = stack
     alice = {"X-API-Key": keys["alice"]}
@@ -148,12 +149,12 @@ def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeyp
 
     def wait_then_land(rid: str, timeout_s: float):
         missed = real_wait(rid, 0.01)  # nothing yet
-        services.results.put(Outcome(rid, result={"loss": 1.5}))  # lands right after the wait gave up
+        services.results.put(Outcome(rid, result=OptimStepResult({"loss": 1.5})))  # lands right after the wait gave up
         return missed
 
     monkeypatch.setattr(services.results, "wait", wait_then_land)
     answer = client.get(f"/v1/futures/{request_id}?timeout=1", headers=alice).json()
-    assert answer["state"] == "complete" and answer["result"] == {"loss": 1.5}
+    assert answer["state"] == "complete" and answer["result"] == {"metrics": {"loss": 1.5}}
 
 
 def test_an_adapter_may_train_a_subset_of_the_pools_target_modules(stack):

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.pool.metrics import PoolMetrics
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
+from loraplex.protocol.results import ForwardBackwardResult
 from loraplex.queue import metrics_snapshot
 from loraplex.runtime.metrics_server import MetricsServer
 from loraplex.settings import Settings
@@ -68,7 +69,7 @@ def test_requests_are_counted_per_route_template_and_status(tmp_path, redis_url)
 def _pool_with_tokens(pool: str, tenant: str, tokens: int) -> PoolMetrics:
     metrics = PoolMetrics(pool, slots=2)
     r = req("a", 1, FB, tokens=tokens, tenant=tenant)
-    metrics.executed(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (r,)),)), [Outcome(r.request_id, result={})], 0.0)
+    metrics.executed(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (r,)),)), [Outcome(r.request_id, result=ForwardBackwardResult())], 0.0)
     return metrics
 
 

@@ -9,10 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotFoundError, error_class, error_name
 from loraplex.protocol import Outcome
+from loraplex.protocol.results import (
+    DeleteResult,
+    ForwardBackwardResult,
+    LossFnOutput,
+    OptimStepResult,
+    SampledSequence,
+    SampleResult,
+    SaveResult,
+)
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import ResultStore
+
+FB = ForwardBackwardResult((LossFnOutput([-0.5, -1.0]),), {"loss:sum": 1.5, "bad:mean": None})
 
 
 def _rid() -> str:
@@ -27,10 +39,10 @@ def test_put_get_and_states(redis_client: redis.Redis) -> None:
     assert store.state(ok) is JobState.QUEUED
     store.set_state(ok, JobState.RUNNING)
     assert store.state(ok) is JobState.RUNNING
-    store.put(Outcome(ok, result={"loss": 1.5, "metrics": {"loss:sum": 1.5}}))
-    store.put(Outcome(bad, error_type="EngineError", error="nan gradients"))
-    assert store.get(ok) == Outcome(ok, result={"loss": 1.5, "metrics": {"loss:sum": 1.5}})
-    assert store.get(bad) == Outcome(bad, error_type="EngineError", error="nan gradients")
+    store.put(Outcome(ok, result=FB))
+    store.put(Outcome.failed(bad, EngineError("nan gradients")))
+    assert store.get(ok) == Outcome(ok, result=FB)
+    assert store.get(bad) == Outcome.failed(bad, EngineError("nan gradients"))
     assert store.state(ok) is JobState.COMPLETE and store.state(bad) is JobState.FAILED
     assert 0 < redis_client.ttl(keys.result_key(ok)) <= 120
     assert 0 < redis_client.ttl(keys.notify_key(ok)) <= 120
@@ -40,10 +52,10 @@ def test_put_get_and_states(redis_client: redis.Redis) -> None:
 def test_wait_returns_at_once_when_the_result_is_there(redis_client: redis.Redis) -> None:
     store = ResultStore(redis_client)
     rid = _rid()
-    store.put(Outcome(rid, result={"x": 1}))
+    store.put(Outcome(rid, result=OptimStepResult({"x": 1.0})))
     started = time.monotonic()
     for _ in range(3):  # repeated waits on the same id
-        assert store.wait(rid, timeout_s=5) == Outcome(rid, result={"x": 1})
+        assert store.wait(rid, timeout_s=5) == Outcome(rid, result=OptimStepResult({"x": 1.0}))
     assert time.monotonic() - started < 0.5
 
 
@@ -69,9 +81,50 @@ def test_several_waiters_all_wake_when_the_result_lands(redis_url: str) -> None:
         futures = [pool.submit(waiter, c) for c in clients[:3]]
         barrier.wait()
         time.sleep(0.2)
-        ResultStore(clients[3]).put(Outcome(rid, result={"done": True}))
+        ResultStore(clients[3]).put(Outcome(rid, result=DeleteResult()))
         answers = [f.result(timeout=15) for f in futures]
-    assert all(o == Outcome(rid, result={"done": True}) for o, _ in answers)
+    assert all(o == Outcome(rid, result=DeleteResult()) for o, _ in answers)
     assert all(waited < 2.0 for _, waited in answers)  # woken by the notify list, not by the 10 s timeout
     for c in clients:
         c.close()
+
+
+def test_each_result_type_and_error_class_round_trips_with_its_json_form(redis_client: redis.Redis) -> None:
+    """What the pool stores is what the gateway reads back: the typed result and the error class; the result's JSON
+    form (what the HTTP routes answer) is the same before and after, key order included."""
+    store = ResultStore(redis_client)
+    sample = SampleResult(
+        (SampledSequence([5, 6], [-0.1, -0.2], "stop", [[(5, -0.1)], [(6, -0.2)]]),), [None, -1.5], [None, [(3, -1.5)]]
+    )
+    saved = SaveResult("tinker://m/weights/a", "state", "a", 3, size_bytes=10, sha256="ab")
+    unsized = SaveResult("tinker://m/sampler_weights/b", "sampler", "b", 0)
+    for result in (FB, sample, saved, unsized, DeleteResult(), OptimStepResult({"grad_norm:mean": 0.5})):
+        rid = _rid()
+        store.put(Outcome(rid, result=result))
+        got = store.get(rid)
+        assert got == Outcome(rid, result=result)
+        assert got is not None and got.result is not None
+        assert list(got.result.to_wire().items()) == list(result.to_wire().items())
+    assert list(saved.to_wire()) == ["path", "kind", "name", "step", "size_bytes", "sha256"]
+    assert "size_bytes" not in unsized.to_wire()  # absent, not null, until the files are written
+    assert sample.to_wire()["sequences"][0]["topk_logprobs"] == [[[5, -0.1]], [[6, -0.2]]]
+    for exc in (NotFoundError("gone"), InvalidRequestError("bad"), EngineError("nan")):
+        rid = _rid()
+        store.put(Outcome.failed(rid, exc))
+        got = store.get(rid)
+        assert got is not None and got.error_type is type(exc) and got.error == str(exc)
+        assert isinstance(got.exception(), type(exc))
+
+
+def test_error_classes_travel_by_one_registry() -> None:
+    """A class defined outside errors.py travels as the errors.py class it specialises; an unknown name reads as the
+    generic class; an exception outside the hierarchy fails its request as an EngineError naming it."""
+
+    class Local(NotFoundError):
+        pass
+
+    assert error_name(NotFoundError) == "NotFoundError" and error_class("NotFoundError") is NotFoundError
+    assert error_name(Local) == "NotFoundError" and error_name(KeyError) == "LoraplexError"
+    assert error_class("NoSuchError") is LoraplexError
+    assert Outcome.failed("r", Local("x")) == Outcome("r", error_type=NotFoundError, error="x")
+    assert Outcome.failed("r", KeyError("k")) == Outcome("r", error_type=EngineError, error="KeyError: 'k'")

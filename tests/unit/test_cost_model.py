@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from loraplex.dispatch.cost_calibration import OnlineCostModel
 from loraplex.dispatch.cost_model import CostParams, StepShape, default_cost, shape_of, shape_of_lengths
+from loraplex.errors import InvalidRequestError
 from loraplex.protocol import Outcome, Step, StepKind
+from loraplex.protocol.results import ForwardBackwardResult
 from loraplex.workers.engine.batching import SeqRef, split_microbatches
 from tests.helpers.policy import OPT, req
 
@@ -96,6 +98,6 @@ def test_observe_step_reads_forward_backward_steps_of_the_requests_that_ran() ->
     ok, failed = req("a", 1, tokens=100), req("b", 1, tokens=100)
     model.observe_step(Step(StepKind.OPTIM_STEP, (req("a", 2, OPT),)), [Outcome("x", {})], 5.0)
     assert model.observations == 0
-    outcomes = [Outcome(ok.request_id, {}), Outcome(failed.request_id, error_type="InvalidRequestError", error="bad")]
+    outcomes = [Outcome(ok.request_id, ForwardBackwardResult()), Outcome.failed(failed.request_id, InvalidRequestError("bad"))]
     model.observe_step(Step(StepKind.FORWARD_BACKWARD, (ok, failed)), outcomes, 0.5)
     assert model.observations == 1

@@ -25,4 +25,4 @@ def test_a_lost_rank_is_raised_again_and_other_failures_are_the_requests() -> No
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         error_outcome(_request(), RuntimeError(GLOO_RESET))
     outcome = error_outcome(_request(), RuntimeError("CUDA out of memory"))
-    assert (outcome.ok, outcome.error_type) == (False, "EngineError")
+    assert (outcome.ok, outcome.error_name) == (False, "EngineError")

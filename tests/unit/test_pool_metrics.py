@@ -9,8 +9,10 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loraplex.errors import InvalidRequestError
 from loraplex.pool.metrics import PoolMetrics
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
+from loraplex.protocol.results import OptimStepResult, SampledSequence, SampleResult
 from tests.helpers.policy import FB, FWD, OPT, SAMPLE, req
 
 
@@ -35,7 +37,7 @@ def _get(values, name: str, **labels: str) -> float:
 
 
 def _ok(r, result=None) -> Outcome:
-    return Outcome(r.request_id, result=result or {})
+    return Outcome(r.request_id, result=result or OptimStepResult())
 
 
 def test_a_plan_is_counted_by_what_it_holds() -> None:
@@ -50,8 +52,8 @@ def test_a_plan_is_counted_by_what_it_holds() -> None:
     sample = req("s", 1, SAMPLE, tenant="tb")
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (a1, b1, bad)), Step(StepKind.FORWARD_BACKWARD, (lone,)),
                       Step(StepKind.OPTIM_STEP, (opt,)), Step(StepKind.SAMPLE, (sample,))))  # fmt: skip
-    outcomes = [_ok(a1), _ok(b1), Outcome(bad.request_id, error_type="InvalidRequestError", error="x"), _ok(lone),
-                _ok(opt), _ok(sample, {"sequences": [{"tokens": [1, 2, 3]}, {"tokens": [4]}]})]  # fmt: skip
+    outcomes = [_ok(a1), _ok(b1), Outcome.failed(bad.request_id, InvalidRequestError("x")), _ok(lone),
+                _ok(opt), _ok(sample, SampleResult((SampledSequence([1, 2, 3], [], "stop"), SampledSequence([4], [], "length"))))]  # fmt: skip
     metrics.executed(plan, outcomes, busy_s=2.0)
     v = _values(metrics)
 

@@ -34,7 +34,7 @@ from loraplex.api.openai.schemas import (
     SamplingFields,
 )
 from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
-from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError, error_from_name
+from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError
 from loraplex.service.context import Services, TenantRef
 from loraplex.service.sampling import check_sample_work, check_stops, sample_work
 from loraplex.service.schemas import SampleRequest
@@ -92,8 +92,8 @@ def _sample_all(
                     f"{pending}: their results are at GET /v1/futures/<id>)"
                 )
             if not outcome.ok:
-                raise error_from_name(outcome.error_type or "LoraplexError", outcome.error or "sampling failed")
-            results.append(outcome.result or {})
+                raise outcome.exception("sampling failed")
+            results.append({} if outcome.result is None else outcome.result.to_wire())
     return refs[0].request_id, results
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from loraplex.api.deps import ServicesDep, TenantDep
-from loraplex.errors import USER_ERRORS, NotFoundError
+from loraplex.errors import NotFoundError
 from loraplex.service import owner_of
 from loraplex.service.schemas import ErrorOut, FutureOut
 
@@ -40,11 +40,7 @@ def get_future(
                 queue_state_reason=pool.reason or None,
             )
     if outcome.ok:
-        return FutureOut(request_id=request_id, state="complete", result=outcome.result)
-    error_cls = USER_ERRORS.get(outcome.error_type or "")
-    category = error_cls.category if error_cls else "server"
-    return FutureOut(
-        request_id=request_id,
-        state="failed",
-        error=ErrorOut(type=outcome.error_type or "LoraplexError", message=outcome.error or "", category=category),
-    )
+        result = None if outcome.result is None else outcome.result.to_wire()
+        return FutureOut(request_id=request_id, state="complete", result=result)
+    error = ErrorOut(type=outcome.error_name or "", message=outcome.error or "", category=outcome.exception().category)
+    return FutureOut(request_id=request_id, state="failed", error=error)

@@ -15,7 +15,7 @@ from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.api.tinker.futures import PROTO_TAGS, json_result, parse_future_id, proto_result
 from loraplex.api.tinker.schemas import RetrieveFutureBody
-from loraplex.errors import USER_ERRORS, NotFoundError
+from loraplex.errors import NotFoundError
 from loraplex.service import owner_of
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
@@ -37,10 +37,9 @@ def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: Servi
             waiting["queue_state_reason"] = pool.reason
         return JSONResponse(waiting)
     if not outcome.ok:
-        error_cls = USER_ERRORS.get(outcome.error_type or "")
-        category = error_cls.category if error_cls else "server"
-        return JSONResponse({"error": f"{outcome.error_type}: {outcome.error}", "category": category})
-    result = outcome.result or {}
+        category = outcome.exception().category
+        return JSONResponse({"error": f"{outcome.error_name}: {outcome.error}", "category": category})
+    result = {} if outcome.result is None else outcome.result.to_wire()
     if tag in PROTO_TAGS:
         return Response(proto_result(tag, result), media_type=PROTOBUF_MEDIA_TYPE)
     return JSONResponse(json_result(tag, result.get("model_id"), result, extra))

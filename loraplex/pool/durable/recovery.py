@@ -146,7 +146,7 @@ def _adopt_one(
             outcome = executor.execute(BatchPlan((Step(KINDS[request.kind].step, (request,)),)))
             if outcome and not outcome[0].ok:
                 log.error("adapter %s: replaying %s seq_id %d failed now (%s: %s)", model_id, request.kind,
-                          request.seq_id, outcome[0].error_type, outcome[0].error)  # fmt: skip
+                          request.seq_id, outcome[0].error_name, outcome[0].error)  # fmt: skip
             replayed += 1
             steps += request.kind == RequestKind.OPTIM_STEP
         if request.kind not in UNCHAINED_KINDS:

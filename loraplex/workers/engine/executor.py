@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotSupportedError
+from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotSupportedError, error_class
 from loraplex.protocol import (
     KINDS,
     BatchPlan,
@@ -26,6 +26,16 @@ from loraplex.protocol import (
     StepKind,
 )
 from loraplex.protocol.checkpoint_paths import CheckpointKind
+from loraplex.protocol.results import (
+    CreateResult,
+    DeleteResult,
+    ForwardBackwardResult,
+    LoadResult,
+    OptimStepResult,
+    PartDone,
+    Result,
+    SaveResult,
+)
 from loraplex.runtime.background_writes import BackgroundWrites
 from loraplex.workers.engine.batching import PreparedItem
 from loraplex.workers.engine.engine import Engine
@@ -34,8 +44,8 @@ from loraplex.workers.state.adapter_store import AdapterStore
 
 log = logging.getLogger(__name__)
 
-# Steps whose adapters must be in slots first (with a store: swapped in, LRU adapters out).
-RESIDENT_STEPS = frozenset({StepKind.FORWARD_BACKWARD, StepKind.OPTIM_STEP, StepKind.CHECKPOINT})
+# Steps whose adapters must be in slots first (with a store: swapped in, LRU adapters out): the table's needs_residency.
+RESIDENT_STEPS = frozenset(spec.step for spec in KINDS.values() if spec.needs_residency)
 
 # Step timings kept for drain_step_times (a plan has a few dozen steps at most).
 STEP_TIMES_KEPT = 1024
@@ -60,7 +70,7 @@ def error_outcome(request: PlannedRequest, exc: BaseException) -> Outcome:
         # A bug or a device failure: keep the worker alive, report it for the request(s) it hit, and log the trace.
         log.exception("request %s (%s) failed", request.request_id, request.kind, exc_info=exc)
         exc = EngineError(f"{type(exc).__name__}: {exc}")
-    return Outcome(request.request_id, error_type=type(exc).__name__, error=str(exc))
+    return Outcome.failed(request.request_id, exc)
 
 
 def restore_checkpoint(
@@ -128,7 +138,7 @@ class PlanExecutor:
         sampling: runs a SAMPLE step (the native sampler over this engine); None: this pool does not sample, and each
         sampling request fails with a NotSupportedError saying so. writes: where a sampler save's files are written
         off the training path (the plan copies the weights, the file write runs beside the next plans; whoever
-        publishes the result waits for it: pool/recording_executor.py); None: written in the plan. on_step: told
+        publishes the result waits for it: pool/finish.py); None: written in the plan. on_step: told
         (step, its outcomes, seconds) after each step ran (the pool's cost model calibrates from it,
         dispatch/cost_calibration.py)."""
         self.on_step = on_step
@@ -210,7 +220,7 @@ class PlanExecutor:
             outcomes.extend(self._timed(Step(step.kind, tuple(part))))
         return outcomes
 
-    def _one_by_one(self, step: Step, call: Callable[[PlannedRequest], dict[str, Any]]) -> list[Outcome]:
+    def _one_by_one(self, step: Step, call: Callable[[PlannedRequest], Result]) -> list[Outcome]:
         outcomes = []
         for request in step.requests:
             try:
@@ -220,7 +230,7 @@ class PlanExecutor:
         return outcomes
 
     def _create(self, step: Step) -> list[Outcome]:
-        def create(request: PlannedRequest) -> dict[str, Any]:
+        def create(request: PlannedRequest) -> CreateResult:
             p = request.payload
             assert isinstance(p, CreateAdapterPayload)
             if p.rank is None:
@@ -238,14 +248,14 @@ class PlanExecutor:
             else:
                 create_adapter = self.store.create if self.store is not None else self.engine.create_adapter
                 create_adapter(request.model_id, p.rank, alpha, p.seed, modules)
-            return {"model_id": request.model_id}
+            return CreateResult(request.model_id)
 
         return self._one_by_one(step, create)
 
     def _delete(self, step: Step) -> list[Outcome]:
-        def delete(request: PlannedRequest) -> dict[str, Any]:
+        def delete(request: PlannedRequest) -> DeleteResult:
             (self.store.delete if self.store is not None else self.engine.delete_adapter)(request.model_id)
-            return {}
+            return DeleteResult()
 
         return self._one_by_one(step, delete)
 
@@ -256,7 +266,7 @@ class PlanExecutor:
             p = request.payload
             assert isinstance(p, RejectedPayload)
             message = f"the gateway rejected this {p.rejected_kind or 'request'}: {p.message}"
-            outcomes.append(Outcome(request.request_id, error_type=p.error_type, error=message))
+            outcomes.append(Outcome(request.request_id, error_type=error_class(p.error_type), error=message))
         return outcomes
 
     def _sample(self, step: Step) -> list[Outcome]:
@@ -307,19 +317,21 @@ class PlanExecutor:
             raise EngineError(f"request {request.request_id}: datums [{start}, {stop}) came without its first part")
         return replace(parts.whole, datums=parts.whole.datums[start:stop])
 
-    def _merge_part(self, request: PlannedRequest, result: dict[str, Any]) -> dict[str, Any]:
+    def _merge_part(self, request: PlannedRequest, result: dict[str, Any]) -> ForwardBackwardResult | PartDone:
         """A part's result kept until the last part, which answers for the whole request: every datum's outputs in
         order, loss:sum over all, and the loss's other metrics computed over all datums."""
         if request.part is None:
-            return result
+            return ForwardBackwardResult.from_wire(result)
         parts = self._parts[request.request_id]
         parts.outputs += result["loss_fn_outputs"]
         parts.loss_sum += result["metrics"]["loss:sum"]
         if request.unfinished:
-            return {"part": list(request.part)}
+            return PartDone(request.part)
         del self._parts[request.request_id]
         metrics = parts.whole.metrics([o["logprobs"] for o in parts.outputs])
-        return {"loss_fn_outputs": parts.outputs, "metrics": {"loss:sum": parts.loss_sum, **metrics}}
+        return ForwardBackwardResult.from_wire(
+            {"loss_fn_outputs": parts.outputs, "metrics": {"loss:sum": parts.loss_sum, **metrics}}
+        )
 
     def _optim_step(self, step: Step) -> list[Outcome]:
         try:
@@ -327,7 +339,7 @@ class PlanExecutor:
         except Exception as exc:  # noqa: BLE001
             return [error_outcome(r, exc) for r in step.requests]
         return [
-            error_outcome(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, result=res)
+            error_outcome(r, res) if isinstance(res, BaseException) else Outcome(r.request_id, OptimStepResult.from_wire(res))
             for r, res in zip(step.requests, results, strict=True)
         ]
 
@@ -342,7 +354,7 @@ class PlanExecutor:
         replicated, every rank holds the same state), every rank loads it."""
         return self._one_by_one(step, self._checkpoint_one)
 
-    def _checkpoint_one(self, request: PlannedRequest) -> dict[str, Any]:
+    def _checkpoint_one(self, request: PlannedRequest) -> SaveResult | LoadResult:
         from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
         from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine, state_from_rows
 
@@ -357,12 +369,12 @@ class PlanExecutor:
             state = read_checkpoint(directory)
             with_optimizer = p.with_optimizer
             load_into_engine(self.engine, state, request.model_id, with_optimizer=with_optimizer, existing=True)
-            return {"model_id": request.model_id, "path": p.path, "with_optimizer": with_optimizer}
+            return LoadResult(request.model_id, p.path, with_optimizer)
         saves = KINDS[request.kind].saves  # STATE (weights + optimizer) or SAMPLER (weights)
         with_optimizer = saves == CheckpointKind.STATE
         record = self.engine.adapter(request.model_id)
         step_count = int(self.engine.optimizer.steps[record.slot])
-        result: dict[str, Any] = {"path": p.path, "kind": str(saves), "name": p.name, "step": step_count}
+        result = SaveResult(p.path, str(saves), p.name, step_count)
         writer = self.engine.dist is None or self.engine.dist.is_leader
         if writer and saves == CheckpointKind.SAMPLER and self.writes is not None:
             rows = self.engine.weights_to_host_async(record.slot)  # the plan's part: a device copy
@@ -379,7 +391,7 @@ class PlanExecutor:
                 self.engine, request.model_id, base_model=p.base_model, with_optimizer=with_optimizer
             )
             files = write_checkpoint(state, directory)
-            result.update(size_bytes=int(files.total_size), sha256=files.sha256)
+            result = replace(result, size_bytes=int(files.total_size), sha256=files.sha256)
         if saves == CheckpointKind.SAMPLER and self.store is not None and p.path:
             # The frozen copy sampling reads (workers/state/adapter_store.py: freeze_copy): a slot-row copy, no file read
             # back; every rank keeps one (the banks are replicated).

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
+from loraplex.protocol.results import SampledSequence, SampleResult
 from loraplex.workers.engine.executor import error_outcome, restore_checkpoint
 from loraplex.workers.sampling.sampler import SampleJob, SampleOutput, SampleParams, Sampler, SampleRun
 from loraplex.workers.state.adapter_store import AdapterStore
@@ -207,22 +207,12 @@ class SampleStep:
         return groups
 
 
-def sample_result(output: SampleOutput) -> dict[str, Any]:
-    """A SampleOutput as the stored result (JSON): sequences, and the prompt's logprobs when asked."""
-    return {
-        "sequences": [
-            {
-                "tokens": seq.tokens,
-                "logprobs": seq.logprobs,
-                "stop_reason": seq.stop_reason,
-                "topk_logprobs": [[list(pair) for pair in row] for row in seq.topk_logprobs]
-                if seq.topk_logprobs is not None
-                else None,
-            }
-            for seq in output.sequences
-        ],
-        "prompt_logprobs": output.prompt_logprobs,
-        "topk_prompt_logprobs": [None if row is None else [list(pair) for pair in row] for row in output.topk_prompt_logprobs]
-        if output.topk_prompt_logprobs is not None
-        else None,
-    }
+def sample_result(output: SampleOutput) -> SampleResult:
+    """A SampleOutput as the request's result: sequences, and the prompt's logprobs when asked."""
+    return SampleResult(
+        sequences=tuple(
+            SampledSequence(seq.tokens, seq.logprobs, seq.stop_reason, seq.topk_logprobs) for seq in output.sequences
+        ),
+        prompt_logprobs=output.prompt_logprobs,
+        topk_prompt_logprobs=output.topk_prompt_logprobs,
+    )
