@@ -7,7 +7,7 @@ engine concurrent (one mixed forward/backward + one batched AdamW), on a random-
 
 --mode ragged (issue 14): real-token throughput of ragged lengths (lognormal, 32-2,048 tokens) against uniform 512-token
 rows with the same real-token count (4 adapters x 8 x 512 tokens per step), for the packed engine (the default) and the
-padded one (Engine(packed=False); `--layouts packed` or `padded` for one), all in one call.
+padded one (EngineConfig(packed=False); `--layouts packed` or `padded` for one), all in one call.
 
 Workloads: "underfilled" (4 adapters x 1 sequence each) and "saturated" (4 adapters x 8 sequences each). Every variant
 is timed in the same process after warm-up; times are medians over --iters steps, with the GPU synchronised around
@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lengths import lognormal_lengths  # noqa: E402
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
 from loraplex.workers.engine.batching import layout, split_microbatches  # noqa: E402
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine  # noqa: E402
 from loraplex.workers.engine.lm_head import target_logprobs  # noqa: E402
 from loraplex.workers.kernels import fused_elementwise as kernels_module  # noqa: E402
@@ -331,7 +333,7 @@ def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict
 def bench_ragged(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """Real-token throughput of ragged lengths against uniform --seq-len rows holding the same real tokens: per step,
     --adapters adapters x (--saturated-seqs x --seq-len) tokens each, one mixed forward_backward + one batched AdamW.
-    For each layout in --layouts (packed: the engine's default; padded: Engine(packed=False)), both workloads are timed
+    For each layout in --layouts (packed: the engine's default; padded: EngineConfig(packed=False)), both workloads are timed
     in this one call (medians of --iters steps after --warmup); tok_s counts real tokens only."""
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(5)
@@ -466,8 +468,9 @@ def main() -> None:
     results: dict[str, Any] = {"env": env}
     if args.mode in ("cost", "long", "ragged"):
         model = build_model(args)
-        engine = Engine(model, num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
-                        device=args.device, microbatch_tokens=args.cap)  # fmt: skip
+        config = EngineConfig(num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+                              microbatch_tokens=args.cap)  # fmt: skip
+        engine = build_engine(model, config, args.device)
         if args.mode == "cost":
             results["cost_model_vs_one_by_one"] = bench_cost_model(engine, args)
         elif args.mode == "long":
@@ -492,9 +495,10 @@ def main() -> None:
         kernels_module.install(model)
         results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
         print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
-    engine = Engine(model, num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
-                    device=args.device, microbatch_tokens=args.cap,
-                    fused_elementwise="on" in args.elementwise.split(","), cuda_graphs="on" in args.graphs.split(","))  # fmt: skip
+    config = EngineConfig(num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
+                          microbatch_tokens=args.cap, fused_elementwise="on" in args.elementwise.split(","),
+                          cuda_graphs="on" in args.graphs.split(","))  # fmt: skip
+    engine = build_engine(model, config, args.device)
     for i in range(args.adapters):
         engine.create_adapter(f"a{i}", rank=args.rank, alpha=2 * args.rank, seed=i)
     default_op = next(iter(engine.banks.values())).op

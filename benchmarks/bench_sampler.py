@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine  # noqa: E402
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
 from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
@@ -73,7 +75,7 @@ def main() -> None:
 
     model = build_model(args)
     vocab = model.config.vocab_size
-    engine = Engine(model, num_slots=8, max_rank=args.rank, target_modules=TARGETS, device=args.device)
+    engine = build_engine(model, EngineConfig(num_slots=8, max_rank=args.rank, target_modules=TARGETS), args.device)
     ids = [f"a{i}" for i in range(4)]
     for i, model_id in enumerate(ids):
         engine.create_adapter(model_id, rank=args.rank, alpha=2 * args.rank, seed=i)

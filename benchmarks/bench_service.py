@@ -52,6 +52,7 @@ from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
 from loraplex.storage.db import make_db_engine, session_factory  # noqa: E402
 from loraplex.storage.repositories import TenantRepository, unit_of_work  # noqa: E402
+from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.engine import Engine  # noqa: E402
 from loraplex.workers.engine.executor import PlanExecutor  # noqa: E402
 
@@ -83,7 +84,7 @@ def bench_engine(settings: Settings, configs: list[tuple[str, int, int]], args: 
     model, _ = load_base_model(settings.base_model, settings.resolved_model_cache, torch_dtype(settings.resolved_dtype),
                                settings.device)  # fmt: skip
     # The pool's own engine arguments (engine_spec), so the two columns differ only by the service around the engine.
-    engine = Engine(model, device=settings.device, **engine_spec(settings).engine_kwargs)
+    engine = build_engine(model, engine_spec(settings).config, settings.device)
     print("engine:", engine.summary(), flush=True)
     # The pool's policy: with its cost model calibrated from this executor's step times (LORAPLEX_COST_MODEL).
     cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None

@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
-from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
 from loraplex.workers.state.snapshots import restore_snapshot, take_snapshot  # noqa: E402
 
@@ -48,7 +49,7 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     model = build_model(args)
-    engine = Engine(model, num_slots=2, max_rank=args.rank, target_modules=TARGETS, device=args.device)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=args.rank, target_modules=TARGETS), args.device)
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     snap = take_snapshot(engine, "a")
     nbytes = snap.nbytes

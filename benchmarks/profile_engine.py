@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import TARGETS, datums, frozen_base_step, sync, timed  # noqa: E402
 from loraplex.models import build_preset_model  # noqa: E402
-from loraplex.workers.engine.engine import Engine  # noqa: E402
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 
 
 def main() -> None:
@@ -27,9 +28,9 @@ def main() -> None:
     p.add_argument("--rows", default="1,8", help="sequences per profiled step")
     p.add_argument("--slots", type=int, default=8, help="engine slots (an MoE's expert banks are large: see bench_engine)")
     p.add_argument("--out", default=None, help="folder for the tables")
-    p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (Engine(fused_lora=False))")
-    p.add_argument("--elementwise", action="store_true", help="the Triton norms and activation (Engine(fused_elementwise=True))")
-    p.add_argument("--graphs", action="store_true", help="the body as CUDA graphs (Engine(cuda_graphs=True))")
+    p.add_argument("--unfused", action="store_true", help="the per-layer LoRA op path (EngineConfig(fused_lora=False))")
+    p.add_argument("--elementwise", action="store_true", help="the Triton norms and activation (EngineConfig(fused_elementwise=True))")
+    p.add_argument("--graphs", action="store_true", help="the body as CUDA graphs (EngineConfig(cuda_graphs=True))")
     p.add_argument("--frozen", action="store_true",
                    help="also the frozen base (activation gradients only) with the engine's kernels, 8x512 padded")
     p.add_argument("--kernels", type=int, default=15, help="rows of the device-time table")
@@ -37,8 +38,9 @@ def main() -> None:
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
     if args.frozen:
         profile_frozen(model, args)
-    engine = Engine(model, num_slots=args.slots, max_rank=args.rank, target_modules=TARGETS, device="cuda", microbatch_tokens=4096,
-                    fused_lora=not args.unfused, fused_elementwise=args.elementwise, cuda_graphs=args.graphs)  # fmt: skip
+    config = EngineConfig(num_slots=args.slots, max_rank=args.rank, target_modules=TARGETS, microbatch_tokens=4096,
+                          fused_lora=not args.unfused, fused_elementwise=args.elementwise, cuda_graphs=args.graphs)  # fmt: skip
+    engine = build_engine(model, config, "cuda")
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
     adam = {"learning_rate": 1e-5}
     for n in (int(r) for r in args.rows.split(",")):

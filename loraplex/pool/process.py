@@ -134,6 +134,8 @@ def model_loader(settings: Settings) -> BaseModelLoader:
 
 
 def engine_spec(settings: Settings) -> EngineSpec:
+    """Every rank's engine: the base model's loader and the EngineConfig the settings make."""
+    from loraplex.workers.engine.config import EngineConfig
     from loraplex.workers.engine.recompute import RecomputePolicy
     from loraplex.workers.ranks.rank_loop import EngineSpec
 
@@ -141,18 +143,18 @@ def engine_spec(settings: Settings) -> EngineSpec:
         load_model=model_loader(settings),
         device=settings.device,
         cpu_threads=settings.resolved_pool_cpu_threads,
-        engine_kwargs={
-            "num_slots": settings.slots,
-            "max_rank": settings.max_rank,
-            "target_modules": tuple(settings.target_modules),
-            "microbatch_tokens": settings.microbatch_tokens,
-            "recompute": RecomputePolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
-            "cuda_graphs": settings.cuda_graphs,
-            "fused_elementwise": settings.fused_kernels,
-            "fused_head": settings.fused_kernels,
-            "shared_lora_inputs": settings.shared_lora_inputs,
-            "shard_base": settings.pool_layout == "fsdp",
-        },
+        config=EngineConfig(
+            num_slots=settings.slots,
+            max_rank=settings.max_rank,
+            target_modules=tuple(settings.target_modules),
+            microbatch_tokens=settings.microbatch_tokens,
+            recompute=RecomputePolicy(settings.activation_checkpointing, settings.checkpoint_above_tokens),
+            cuda_graphs=settings.cuda_graphs,
+            fused_elementwise=settings.fused_kernels,
+            fused_head=settings.fused_kernels,
+            shared_lora_inputs=settings.shared_lora_inputs,
+            shard_base=settings.pool_layout == "fsdp",
+        ),
     )
 
 
@@ -170,10 +172,10 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
     rank 0, so it makes the same swaps."""
     from loraplex.runtime.supervisor import die_with_parent
     from loraplex.workers.engine.executor import PlanExecutor
-    from loraplex.workers.ranks.rank_loop import build_engine, follow
+    from loraplex.workers.ranks.rank_loop import build_rank_engine, follow
 
     die_with_parent(signal.SIGKILL)  # a SIGKILLed leader leaves no follower behind (the restarted pool spawns anew)
-    engine = build_engine(spec, group)
+    engine = build_rank_engine(spec, group)
     freeze_startup_objects()  # as rank 0 does (gcutil.py): a follower's pause would hold every rank's collective
     executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
     log.info("rank %d stopped after %d plans", group.rank, executed)
@@ -243,7 +245,7 @@ def _lead(
     from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
     from loraplex.workers.engine.executor import PlanExecutor
-    from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_engine
+    from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_rank_engine
 
     sessions = session_factory(make_db_engine(settings.resolved_database_url))
     # The heartbeat runs from the start: LOADING while the engine is built (gateways answer 503 and paused_capacity),
@@ -266,7 +268,7 @@ def _lead(
 
     beating = threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True)
     beating.start()
-    engine = build_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
+    engine = build_rank_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
     writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
     # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.

@@ -18,6 +18,8 @@ from loraplex.workers.lora import lora_delta_reference
 from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
 if TYPE_CHECKING:
+    from loraplex.workers.engine.build import build_engine
+    from loraplex.workers.engine.config import EngineConfig
     from loraplex.workers.engine.engine import Engine
 
 
@@ -25,13 +27,12 @@ if TYPE_CHECKING:
 def _engines(tmp_path_factory: pytest.TempPathFactory, **graphed_kw: object) -> tuple[Engine, Engine, Engine]:
     """The fp32 oracle, the bf16 reference op and the bf16 engine replaying graphs, each with adapters a-d."""
     from loraplex.models import load_base_model, resolve
-    from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
     def engine(dtype: torch.dtype, **kw: object) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
-        e = Engine(model, num_slots=6, max_rank=16, **kw)  # type: ignore[arg-type]
+        e = build_engine(model, EngineConfig(num_slots=6, max_rank=16, **kw))  # type: ignore[arg-type]
         return add_four_adapters(e)
 
     oracle = engine(torch.float32, lora_op=lora_delta_reference)

@@ -8,6 +8,7 @@ the real split of rows across ranks). Needs no service dependencies."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from loraplex.models import resolve
 from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import (
-    ENGINE_KWARGS,
+    ENGINE_CONFIG,
     TinyLoader,
     assert_same_run,
     make_plans,
@@ -40,7 +41,7 @@ def _gpus(world: int) -> int:
 @WORLD_SIZES
 def test_nccl_ranks_match_one_process_on_cuda(tmp_path: Path, world: int) -> None:
     tiny = resolve("tiny", tmp_path / "model-cache")
-    spec = EngineSpec(TinyLoader(str(tiny)), "cuda", ENGINE_KWARGS)
+    spec = EngineSpec(TinyLoader(str(tiny)), "cuda", ENGINE_CONFIG)
     plans = make_plans()
     reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     reference = run_one_process(spec, plans)
@@ -57,7 +58,7 @@ def test_replicated_base_ranks_match_one_process_on_cuda(tmp_path: Path, world: 
     """pool_layout "replicate" (Engine(shard_base=False)) with NCCL: a whole base on every rank, no FSDP, so the body
     also runs as CUDA graphs in a process group; equal to one process (fp32, to the reference's tolerance)."""
     tiny = resolve("tiny", tmp_path / "model-cache")
-    spec = EngineSpec(TinyLoader(str(tiny)), "cuda", {**ENGINE_KWARGS, "shard_base": False})
+    spec = EngineSpec(TinyLoader(str(tiny)), "cuda", replace(ENGINE_CONFIG, shard_base=False))
     plans = make_plans()
     reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     assert_same_run(reports[0], run_one_process(spec, plans))
@@ -85,7 +86,7 @@ def _max_diffs(got: dict, want: dict) -> tuple[float, float]:
 def test_bf16_base_model_shards_and_trains_on_cuda(tmp_path: Path, world: int) -> None:
     """bf16 base weights (as the GPU benchmarks load them) with fp32 banks: FSDP2 shards the bf16 weights only."""
     tiny = resolve("tiny", tmp_path / "model-cache")
-    spec = EngineSpec(TinyLoader(str(tiny), "bfloat16"), "cuda", ENGINE_KWARGS)
+    spec = EngineSpec(TinyLoader(str(tiny), "bfloat16"), "cuda", ENGINE_CONFIG)
     plans = make_plans()
     reports = run_ranks(_gpus(world), "cuda", spec, plans, tmp_path)
     reference = run_one_process(spec, plans)

@@ -58,13 +58,15 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(
     tmp_path_factory: pytest.TempPathFactory, siblings: bool
 ) -> None:
     from loraplex.models import load_base_model, resolve
+    from loraplex.workers.engine.build import build_engine
+    from loraplex.workers.engine.config import EngineConfig
     from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
     def engine(dtype: torch.dtype, **kw: object) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
-        e = Engine(model, num_slots=6, max_rank=16, **kw)  # type: ignore[arg-type]
+        e = build_engine(model, EngineConfig(num_slots=6, max_rank=16, **kw))  # type: ignore[arg-type]
         return add_four_adapters(e)
 
     oracle = engine(torch.float32, lora_op=lora_delta_reference, fused_elementwise=False)

@@ -93,13 +93,15 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
     to the fp32 engine (reference op) as the bf16 engine with the reference op does (error <= 2x that of the bf16
     reference + 1e-3): grouped_mm adds no error beyond bf16 rounding."""
     from loraplex.models import load_base_model, resolve
+    from loraplex.workers.engine.build import build_engine
+    from loraplex.workers.engine.config import EngineConfig
     from loraplex.workers.engine.engine import Engine
 
     tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
 
     def engine(dtype: torch.dtype, op: LoraOp | None) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
-        e = Engine(model, num_slots=6, max_rank=16, lora_op=op)
+        e = build_engine(model, EngineConfig(num_slots=6, max_rank=16, lora_op=op))
         return add_four_adapters(e)
 
     oracle = engine(torch.float32, lora_delta_reference)

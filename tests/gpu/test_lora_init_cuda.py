@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_cuda_init_is_seeded_bounded_and_slot_independent(tiny_dir: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, num_slots=3, max_rank=8, device="cuda")
+    engine = build_engine(model, EngineConfig(num_slots=3, max_rank=8), "cuda")
     engine.create_adapter("x", 4, 8.0, seed=42)
     engine.create_adapter("y", 4, 8.0, seed=42)
     engine.create_adapter("z", 4, 8.0, seed=43)

@@ -19,6 +19,8 @@ import torch
 
 from loraplex.models.presets import build_from_config, qwen3_config
 from loraplex.workers.engine.batching import packed_layout
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.kernels import packed_attention as pa
 from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
@@ -79,7 +81,7 @@ def _small_qwen3(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _engine(dtype: torch.dtype, packed: bool) -> Engine:
-    e = Engine(_small_qwen3(dtype), num_slots=6, max_rank=16, microbatch_tokens=512, packed=packed)
+    e = build_engine(_small_qwen3(dtype), EngineConfig(num_slots=6, max_rank=16, microbatch_tokens=512, packed=packed))
     return add_four_adapters(e)
 
 

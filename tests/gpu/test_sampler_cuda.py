@@ -15,6 +15,8 @@ import torch
 from peft import PeftModel
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
@@ -27,7 +29,7 @@ ADAPTERS = {"r4": (4, 8.0, 1), "r16": (16, 16.0, 2), "r8": (8, 16.0, 3)}
 
 def build(tiny_dir: Path, dtype: torch.dtype) -> tuple[Engine, Any]:
     model, tokenizer = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype)
-    engine = Engine(model.to("cuda"), num_slots=4, max_rank=16)
+    engine = build_engine(model.to("cuda"), EngineConfig(num_slots=4, max_rank=16))
     g = torch.Generator().manual_seed(5)
     for model_id, (rank, alpha, seed) in ADAPTERS.items():
         engine.create_adapter(model_id, rank, alpha, seed)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.pinned_staging import PinnedStaging
 from loraplex.workers.state.slot_rows import SLOT_ROWS
@@ -29,7 +31,7 @@ def _train(engine: Engine, k: int) -> None:
 
 def test_the_copy_holds_the_rows_as_they_were_when_taken(tiny_dir: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, num_slots=2, max_rank=8, device="cuda")
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=8), "cuda")
     slot = engine.create_adapter("a", 8, 16.0, seed=1).slot
     _train(engine, 0)
     engine.forward_backward([engine.prepare("a", [{"model_input": [1, 2, 3], "loss_fn_inputs": {

@@ -14,13 +14,14 @@ import torch
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import RankGroup, is_sharded
-from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_rank_engine, follow, spawn_ranks
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
-ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
+ENGINE_CONFIG = EngineConfig(num_slots=4, max_rank=8, microbatch_tokens=96)  # several microbatches per rank
 ADAM = {"learning_rate": 1e-2, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 VOCAB = 512  # the tiny preset's
 # Datum lengths per step for (a, b, forward-only c, c): odd sequence counts, uneven token splits, and unequal
@@ -136,7 +137,7 @@ def _state(engine: Engine) -> dict[str, Any]:
 
 def _scenario(group: RankGroup, spec: EngineSpec, plans: list[BatchPlan], out_dir: str) -> None:
     """Each spawned rank: rank 0 leads the plans through LeaderExecutor, rank 1 follows; both report their state."""
-    engine = build_engine(spec, group)
+    engine = build_rank_engine(spec, group)
     report: dict[str, Any] = {}
     if group.is_leader:
         leader = LeaderExecutor(PlanExecutor(engine), group)
@@ -165,7 +166,7 @@ def run_ranks(world: int, device: str, spec: EngineSpec, plans: list[BatchPlan],
 
 def run_one_process(spec: EngineSpec, plans: list[BatchPlan]) -> dict[str, Any]:
     """The reference: the same plans on one engine without any process group."""
-    engine = build_engine(spec, None)
+    engine = build_rank_engine(spec, None)
     executor = PlanExecutor(engine)
     return {"outcomes": [executor.execute(plan) for plan in plans], "state": _state(engine)}
 

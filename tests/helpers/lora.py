@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import (
     BankLayout,
@@ -114,7 +116,8 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 8, 16.0, 2), ("c", 3, 3.0, 3), ("d", 5, 10.0
 
 def make_engine(tiny_dir: Path, max_rank: int, microbatch_tokens: int, **kw: object) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
+    config = EngineConfig(num_slots=6, max_rank=max_rank, microbatch_tokens=microbatch_tokens, **kw)  # type: ignore[arg-type]
+    engine = build_engine(model, config)
     engine.create_adapter("placeholder", 1, 1.0, seed=0)  # so the adapters' slots are not 0..3
     for model_id, rank, alpha, seed in ADAPTERS:
         engine.create_adapter(model_id, min(rank, max_rank), alpha, seed)

@@ -15,7 +15,8 @@ from loraplex.client import Datum, ServiceClient
 from loraplex.launch.embedded import Stack
 from loraplex.models import load_base_model
 from loraplex.settings import Settings
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.checkpoint import CheckpointState, read_checkpoint
 from loraplex.workers.state.checkpoint_state import state_from_engine
 
@@ -85,8 +86,9 @@ def reference(stack: Stack, plans: list[Plan]) -> tuple[dict[int, CheckpointStat
 
 def _reference(s: Settings, plans: list[Plan]) -> tuple[dict[int, CheckpointState], dict[int, list[float]]]:
     model, _ = load_base_model(s.base_model, s.resolved_model_cache, dtype=torch.float32)
-    engine = Engine(model, num_slots=len(plans), max_rank=s.max_rank, target_modules=tuple(s.target_modules),
-                    microbatch_tokens=s.microbatch_tokens)  # fmt: skip
+    config = EngineConfig(num_slots=len(plans), max_rank=s.max_rank, target_modules=tuple(s.target_modules),
+                          microbatch_tokens=s.microbatch_tokens)  # fmt: skip
+    engine = build_engine(model, config)
     states, losses = {}, {}
     for p in plans:
         m = f"ref-{p.tenant}"

@@ -13,6 +13,8 @@ import torch
 
 from loraplex.models import load_base_model, resolve
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
@@ -45,7 +47,7 @@ def train(ids: list[str]) -> BatchPlan:
 
 def make_engine(tiny_dir: Path) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, num_slots=SLOTS, max_rank=RANK)
+    return build_engine(model, EngineConfig(num_slots=SLOTS, max_rank=RANK))
 
 
 def test_a_thousand_adapters_on_four_slots_train_exactly_within_the_host_budget(tmp_path: Path) -> None:

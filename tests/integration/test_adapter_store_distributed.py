@@ -12,9 +12,10 @@ import torch
 
 from loraplex.models import resolve
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import RankGroup
-from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_rank_engine, follow, spawn_ranks
 from loraplex.workers.state.adapter_store import AdapterStoreSpec
 from tests.helpers.distributed import TinyLoader
 
@@ -41,7 +42,7 @@ def plans() -> list[BatchPlan]:
 
 
 def _scenario(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec, out_dir: str) -> None:
-    engine = build_engine(spec, group)
+    engine = build_rank_engine(spec, group)
     store = stores.build(engine, group.rank)
     executor = PlanExecutor(engine, store)
     report: dict[str, Any] = {}
@@ -59,7 +60,7 @@ def _scenario(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec, out_
 
 def test_two_ranks_swap_alike_and_match_one_process(tmp_path: Path) -> None:
     tiny = resolve("tiny", tmp_path / "model-cache")
-    spec = EngineSpec(TinyLoader(str(tiny)), "cpu", {"num_slots": 2, "max_rank": 4})
+    spec = EngineSpec(TinyLoader(str(tiny)), "cpu", EngineConfig(num_slots=2, max_rank=4))
     stores = AdapterStoreSpec(0, str(tmp_path / "spill"))  # budget 0: every eviction goes to disk
     started = time.monotonic()
     context, _ = spawn_ranks(_scenario, (spec, stores, str(tmp_path)), world_size=2, ranks=range(2), device="cpu")
@@ -76,7 +77,7 @@ def test_two_ranks_swap_alike_and_match_one_process(tmp_path: Path) -> None:
     assert rank0["files"] == rank1["files"] and len(rank0["files"]) == 1
     assert (tmp_path / "spill" / "rank0").is_dir() and (tmp_path / "spill" / "rank1").is_dir()
 
-    engine = build_engine(spec, None)  # the reference: one process, no group
+    engine = build_rank_engine(spec, None)  # the reference: one process, no group
     store = stores.build(engine, 9)
     executor = PlanExecutor(engine, store)
     ref = [executor.execute(plan) for plan in plans()]

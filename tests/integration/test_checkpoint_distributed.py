@@ -23,15 +23,16 @@ import torch
 from loraplex.models import resolve
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import DEFAULT_TARGET_MODULES
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import RankGroup
-from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_engine, follow, spawn_ranks
+from loraplex.workers.ranks.rank_loop import EngineSpec, LeaderExecutor, build_rank_engine, follow, spawn_ranks
 from loraplex.workers.state.checkpoint import MANIFEST_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_checkpoint
 from tests.helpers.distributed import TinyLoader
 
 pytestmark = [pytest.mark.timeout(180)]
 
-ENGINE_KWARGS = {"num_slots": 4, "max_rank": 8, "microbatch_tokens": 96}  # several microbatches per rank
+ENGINE_CONFIG = EngineConfig(num_slots=4, max_rank=8, microbatch_tokens=96)  # several microbatches per rank
 RANK, ALPHA, SEED = 4, 8.0, 11
 ADAM = {"learning_rate": 1e-2, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 VOCAB = 512  # the tiny preset's
@@ -115,7 +116,7 @@ def _scenario(group: RankGroup, spec: EngineSpec, plans: list[BatchPlan], out_di
         return write(state, directory)
 
     checkpoint.write_checkpoint = counted  # the executor imports it from the module at each save
-    engine = build_engine(spec, group)
+    engine = build_rank_engine(spec, group)
     report: dict[str, Any] = {"writes": writes}
     if group.is_leader:
         leader = LeaderExecutor(PlanExecutor(engine), group)
@@ -149,10 +150,10 @@ def _run_here(executor: PlanExecutor, plans: list[BatchPlan]) -> list[Outcome]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("ckpt-dist")
-    spec = EngineSpec(TinyLoader(str(resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache"))), "cpu", ENGINE_KWARGS)  # fmt: skip
+    spec = EngineSpec(TinyLoader(str(resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache"))), "cpu", ENGINE_CONFIG)  # fmt: skip
     saved_on_1, saved_on_2 = base / "blobs" / "a-saved-on-1", base / "blobs" / "c-saved-on-2"
 
-    one = build_engine(spec, None)  # world size 1: no process group at all
+    one = build_rank_engine(spec, None)  # world size 1: no process group at all
     ex_one = PlanExecutor(one)
     before_a = _run_here(ex_one, [_create("a"), *_train("a", BEFORE, save_to=saved_on_1)])
     after_a = _run_here(ex_one, _train("a", AFTER))

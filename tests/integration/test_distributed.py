@@ -20,7 +20,7 @@ import torch
 from loraplex.protocol import BatchPlan
 from loraplex.workers.ranks.rank_loop import EngineSpec
 from tests.helpers.distributed import (
-    ENGINE_KWARGS,
+    ENGINE_CONFIG,
     TinyLoader,
     assert_same_run,
     make_plans,
@@ -40,13 +40,13 @@ def plans() -> list[BatchPlan]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_dir: Path, plans: list[BatchPlan], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    spec = EngineSpec(TinyLoader(str(tiny_dir)), "cpu", ENGINE_KWARGS)
+    spec = EngineSpec(TinyLoader(str(tiny_dir)), "cpu", ENGINE_CONFIG)
     return run_ranks(WORLD, "cpu", spec, plans, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_dir: Path, plans: list[BatchPlan]) -> dict[str, Any]:
-    return run_one_process(EngineSpec(TinyLoader(str(tiny_dir)), "cpu", ENGINE_KWARGS), plans)
+    return run_one_process(EngineSpec(TinyLoader(str(tiny_dir)), "cpu", ENGINE_CONFIG), plans)
 
 
 def test_two_ranks_match_one_rank_outputs_and_weights(
@@ -74,7 +74,7 @@ def test_base_weights_are_sharded_and_banks_are_plain_replicated(two_ranks: list
         assert any("embed_tokens" in n for n in base) and any("lm_head" in n for n in base)
         assert len(lora) == 2 * 7 * 2  # A and B of 7 projections x 2 layers
         assert all(kind == "Parameter" and not sharded for kind, sharded, _ in lora.values())
-        assert all(shape[0] == ENGINE_KWARGS["num_slots"] for _, _, shape in lora.values())  # every slot, whole
+        assert all(shape[0] == ENGINE_CONFIG.num_slots for _, _, shape in lora.values())  # every slot, whole
 
 
 def test_fewer_sequences_than_ranks_and_forward_only_plans(two_ranks: list[dict[str, Any]]) -> None:

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from loraplex.workers.ranks.rank_loop import EngineSpec
-from tests.helpers.distributed import ENGINE_KWARGS, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
+from tests.helpers.distributed import ENGINE_CONFIG, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
 
 pytestmark = [pytest.mark.timeout(180)]
 
 
 def test_two_ranks_train_moe_adapters_as_one(tiny_moe_dir: Path, tmp_path: Path) -> None:
     plans = make_plans()
-    spec = EngineSpec(TinyLoader(str(tiny_moe_dir)), "cpu", ENGINE_KWARGS)
+    spec = EngineSpec(TinyLoader(str(tiny_moe_dir)), "cpu", ENGINE_CONFIG)
     ranks: list[dict[str, Any]] = run_ranks(2, "cpu", spec, plans, tmp_path)
     assert_same_run(ranks[0], run_one_process(spec, plans))
     r0, r1 = (r["state"] for r in ranks)

@@ -1,10 +1,11 @@
-"""The "replicate" pool layout (Settings.pool_layout, Engine(shard_base=False)) across 2 ranks on CPU (gloo), through
+"""The "replicate" pool layout (Settings.pool_layout, EngineConfig(shard_base=False)) across 2 ranks on CPU (gloo), through
 the real rank loop: every rank holds the whole base model (plain tensors, no FSDP), rows are split across ranks and
 the bank gradients all-reduced as under FSDP2, so the run equals the same plans on one process (the same scenario as
 test_distributed.py: mixed adapters of ranks 2, 4, 8, uneven datums, forward-only requests, a bad request)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,11 @@ import pytest
 import torch
 
 from loraplex.workers.ranks.rank_loop import EngineSpec
-from tests.helpers.distributed import ENGINE_KWARGS, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
+from tests.helpers.distributed import ENGINE_CONFIG, TinyLoader, assert_same_run, make_plans, run_one_process, run_ranks
 
 pytestmark = [pytest.mark.timeout(180)]
 
-REPLICATE = {**ENGINE_KWARGS, "shard_base": False}
+REPLICATE = replace(ENGINE_CONFIG, shard_base=False)
 
 
 def test_two_replicated_ranks_equal_one_process_and_hold_the_whole_base(

@@ -30,6 +30,8 @@ from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, Step
 from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.models import AdapterStatus
 from loraplex.storage.repositories import AdapterRepository, SnapshotRepository, TenantRepository, unit_of_work
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state import spill_format
@@ -74,7 +76,7 @@ def world(tiny_dir: Path, tmp_path: Path, redis_client: Any) -> Iterator[dict[st
 
     def engine() -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-        return Engine(model, num_slots=2, max_rank=4)
+        return build_engine(model, EngineConfig(num_slots=2, max_rank=4))
 
     yield {"sessions": sessions, "tenant": tenant.id, "engine": engine, "blobs": tmp_path / "blobs",
            "pool": f"p-{uuid.uuid4().hex[:8]}", "redis": redis_client, "spill": tmp_path / "spill"}  # fmt: skip

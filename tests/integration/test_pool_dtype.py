@@ -11,13 +11,13 @@ import pytest
 from loraplex.pool.process import engine_spec
 from loraplex.settings import Settings
 from loraplex.workers.ranks.distributed import RankGroup
-from loraplex.workers.ranks.rank_loop import EngineSpec, build_engine, spawn_ranks
+from loraplex.workers.ranks.rank_loop import EngineSpec, build_rank_engine, spawn_ranks
 
 pytestmark = [pytest.mark.timeout(180)]
 
 
 def _report(group: RankGroup, spec: EngineSpec, out_dir: str) -> None:
-    engine = build_engine(spec, group)
+    engine = build_rank_engine(spec, group)
     lora = {id(p) for b in engine.banks.values() for p in (b.lora_A, b.lora_B)}
     report = {
         "compute": str(engine.compute_dtype),

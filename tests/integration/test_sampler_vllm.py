@@ -37,7 +37,8 @@ from loraplex.errors import InvalidRequestError, NotFoundError, ServiceUnavailab
 from loraplex.models import load_base_model, resolve
 from loraplex.samplers.vllm import BASE_ADAPTER, VllmSampler, VllmServer
 from loraplex.samplers.vllm_server import process_group_members
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft
 
@@ -65,7 +66,7 @@ def vllm_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def peft_dirs(vllm_base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three adapters trained with the Engine (8 AdamW steps on one sentence each), exported as PEFT folders."""
     model, tokenizer = load_base_model(str(vllm_base_dir), vllm_base_dir.parent)
-    engine = Engine(model, num_slots=len(ADAPTERS), max_rank=MAX_RANK)
+    engine = build_engine(model, EngineConfig(num_slots=len(ADAPTERS), max_rank=MAX_RANK))
     data = {}
     for name, (rank, alpha, seed) in ADAPTERS.items():
         engine.create_adapter(name, rank, alpha, seed)

@@ -14,6 +14,8 @@ from safetensors import safe_open
 from loraplex.errors import CapacityError, ConflictError, NotFoundError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore, TierChange
@@ -29,7 +31,7 @@ def make_engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Callable[...,
 
     def make(slots: int = 2, max_rank: int = 4) -> Engine:
         model, _ = load_base_model(str(folder), folder.parent)  # fp32
-        return Engine(model, num_slots=slots, max_rank=max_rank)
+        return build_engine(model, EngineConfig(num_slots=slots, max_rank=max_rank))
 
     return make
 

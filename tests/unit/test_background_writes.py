@@ -14,7 +14,8 @@ from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.runtime.background_writes import BackgroundWrites
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
 from loraplex.workers.state.checkpoint import read_checkpoint
@@ -25,7 +26,7 @@ DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5
 @pytest.fixture
 def pool(tiny_dir: Path, tmp_path: Path):
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=3, max_rank=4)
+    engine = build_engine(model, EngineConfig(num_slots=3, max_rank=4))
     writes = BackgroundWrites()
     executor = PlanExecutor(engine, AdapterStore(engine, 1 << 30, tmp_path / "spill"), writes=writes)
     executor.store.create("a", 4, 8.0, seed=1)

@@ -13,6 +13,8 @@ import torch
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.state.checkpoint import OPTIMIZER_FILE, CheckpointState, read_checkpoint, write_checkpoint
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
@@ -23,7 +25,7 @@ RANK, ALPHA, SEED = 4, 8.0, 7
 
 def new_engine(tiny_dir: Path, **kwargs: Any) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"num_slots": 3, "max_rank": 8, **kwargs})
+    return build_engine(model, EngineConfig(**{"num_slots": 3, "max_rank": 8, **kwargs}))
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:

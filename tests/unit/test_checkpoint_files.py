@@ -19,6 +19,8 @@ import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.state.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=2, max_rank=8)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=8))
     engine.create_adapter("a", 4, 8.0, seed=3)
     data = [{"model_input": list(range(5, 17)), "loss_fn_inputs": {"target_tokens": list(range(6, 18))}}]
     for _ in range(2):
@@ -219,7 +221,7 @@ def test_corrupted_checkpoint_is_refused_nothing_loaded(case: str, saved: Path, 
     shutil.copytree(saved, directory)
     corrupt(directory)
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    fresh = Engine(model, num_slots=2, max_rank=8)
+    fresh = build_engine(model, EngineConfig(num_slots=2, max_rank=8))
     with pytest.raises(InvalidRequestError, match=message):
         load_into_engine(fresh, read_checkpoint(directory), "b", with_optimizer=True, existing=False)
     assert fresh.adapters == {} and fresh.free_slots == 2

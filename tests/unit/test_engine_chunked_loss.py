@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.lm_head import target_logprobs
 
 
@@ -119,7 +120,7 @@ def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> No
     engines = []
     for chunk_tokens in (chunk, 1 << 20):
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-        e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=chunk_tokens)
+        e = build_engine(model, EngineConfig(num_slots=2, max_rank=8, loss_chunk_tokens=chunk_tokens))
         e.create_adapter("a", 8, 16.0, seed=1)
         e.create_adapter("b", 4, 8.0, seed=2)
         for model_id in ("a", "b"):  # non-zero B so the adapters matter

@@ -9,13 +9,15 @@ import torch
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 
 
 @pytest.fixture
 def engine(tiny_dir: Path) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    e = Engine(model, num_slots=2, max_rank=8)
+    e = build_engine(model, EngineConfig(num_slots=2, max_rank=8))
     e.create_adapter("a", 4, 8.0, seed=0)
     return e
 

@@ -8,14 +8,15 @@ import pytest
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 
 
 @pytest.fixture
 def executor(tiny_dir: Path) -> PlanExecutor:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return PlanExecutor(Engine(model, num_slots=2, max_rank=8))
+    return PlanExecutor(build_engine(model, EngineConfig(num_slots=2, max_rank=8)))
 
 
 def req(rid: str, model_id: str, kind: RequestKind, **payload) -> PlannedRequest:
@@ -129,7 +130,7 @@ def test_a_request_run_in_parts_equals_it_run_whole(tiny_dir: Path) -> None:
     for _ in range(2):
         torch.manual_seed(0)
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-        ex = PlanExecutor(Engine(model, num_slots=2, max_rank=8))  # fp32 on the CPU
+        ex = PlanExecutor(build_engine(model, EngineConfig(num_slots=2, max_rank=8)))  # fp32 on the CPU
         ex.engine.create_adapter("a", 4, 8.0, seed=5)
         executors.append(ex)
     whole_ex, parts_ex = executors
@@ -180,7 +181,7 @@ def test_on_step_is_told_each_steps_outcomes_and_seconds(tiny_dir: Path) -> None
     """The pool's cost model calibrates from these (dispatch/cost_calibration.OnlineCostModel.observe_step)."""
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     seen: list[tuple[StepKind, list[str], float]] = []
-    executor = PlanExecutor(Engine(model, num_slots=2, max_rank=8),
+    executor = PlanExecutor(build_engine(model, EngineConfig(num_slots=2, max_rank=8)),
                             on_step=lambda step, outcomes, s: seen.append((step.kind, [o.request_id for o in outcomes], s)))  # fmt: skip
     plan = BatchPlan((
         Step(StepKind.CREATE, (req("c", "a", RequestKind.CREATE_ADAPTER, rank=4, seed=1),)),

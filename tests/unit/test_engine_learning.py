@@ -7,7 +7,8 @@ import time
 import pytest
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -20,7 +21,7 @@ RANK, ALPHA, LR, STEPS = 8, 16.0, 1e-2, 30
 
 def test_tiny_adapter_learns_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
     model, tok = load_base_model("tiny", tmp_path_factory.getbasetemp() / "model-cache")
-    engine = Engine(model, num_slots=2, max_rank=16)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=16))
     engine.create_adapter("demo", RANK, ALPHA, seed=0)
     data = []
     for text in SENTENCES:
@@ -41,7 +42,7 @@ def test_tiny_adapter_learns_fast(tmp_path_factory: pytest.TempPathFactory) -> N
 
 def test_four_adapters_learn_different_tasks_in_one_mixed_batch(tmp_path_factory: pytest.TempPathFactory) -> None:
     model, tok = load_base_model("tiny", tmp_path_factory.getbasetemp() / "model-cache")
-    engine = Engine(model, num_slots=4, max_rank=16)
+    engine = build_engine(model, EngineConfig(num_slots=4, max_rank=16))
     tasks = {
         "counting": ["one two three four five six", "two three four five six seven"],
         "alphabet": ["a b c d e f g h", "b c d e f g h i"],

@@ -11,6 +11,8 @@ from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model, resolve
 from loraplex.protocol.losses import LOSS_NAMES
 from loraplex.service.schemas import ForwardBackwardRequest
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import target_logprobs
 from loraplex.workers.engine.losses import LOSSES, segments_of
@@ -20,7 +22,7 @@ from loraplex.workers.engine.losses import LOSSES, segments_of
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     folder = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
     model, _ = load_base_model(str(folder), folder.parent)
-    e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=5)  # several chunks per microbatch
+    e = build_engine(model, EngineConfig(num_slots=2, max_rank=8, loss_chunk_tokens=5))  # several chunks per microbatch
     e.create_adapter("a", 8, 16.0, seed=0)
     return e
 
@@ -225,7 +227,7 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
 def test_forward_only_rl_rows_return_logprobs_and_leave_no_gradient(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
     model, _ = load_base_model(str(folder), folder.parent)
-    e = Engine(model, num_slots=2, max_rank=8, loss_chunk_tokens=5)
+    e = build_engine(model, EngineConfig(num_slots=2, max_rank=8, loss_chunk_tokens=5))
     e.create_adapter("a", 8, 16.0, seed=0)
     d, lp = rl_datum(e, 9, 11)
     for name in RL_LOSSES:

@@ -10,6 +10,8 @@ import torch
 
 from loraplex.errors import NotFoundError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from tests.helpers.lora import make_data
 
@@ -18,7 +20,7 @@ ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"num_slots": 4, "max_rank": 8, **kw})
+    return build_engine(model, EngineConfig(**{"num_slots": 4, "max_rank": 8, **kw}))
 
 
 def with_adapters(engine: Engine, adapters=ADAPTERS) -> Engine:

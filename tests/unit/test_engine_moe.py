@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, SlotBankExperts
@@ -29,7 +31,7 @@ def moe_dir(tiny_moe_dir: Path) -> Path:
 
 def _engine(moe_dir: Path, **kw: object) -> Engine:
     model, _ = load_base_model(str(moe_dir), moe_dir.parent)
-    engine = Engine(model, num_slots=4, max_rank=8, **kw)  # type: ignore[arg-type]
+    engine = build_engine(model, EngineConfig(num_slots=4, max_rank=8, **kw))  # type: ignore[arg-type]
     for model_id, rank, alpha, seed in ADAPTERS:
         engine.create_adapter(model_id, rank, alpha, seed)
         g = torch.Generator().manual_seed(seed + 1000)  # non-zero B everywhere, experts included
@@ -117,7 +119,7 @@ def test_peft_loads_the_exported_moe_adapter_and_computes_what_the_engine_does(
     from tests.helpers.peft import export_peft
 
     model, _ = load_base_model(str(moe_dir), moe_dir.parent)
-    engine = Engine(model, num_slots=2, max_rank=8)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=8))
     engine.create_adapter("x", 4, 12.0, 5, target_modules=targets)
     g = torch.Generator().manual_seed(9)
     weights = engine.adapter_weights("x")

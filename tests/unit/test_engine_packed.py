@@ -1,5 +1,5 @@
 """The packed engine (default: one [1, N] row of real tokens per microbatch, packed attention) against the padded one
-(Engine(packed=False): [B, T_max] rows padded on the right), on ragged random batches of several adapters with mixed
+(EngineConfig(packed=False): [B, T_max] rows padded on the right), on ragged random batches of several adapters with mixed
 losses and forward-only rows, in fp32 on the CPU: losses, logprobs, metrics, LoRA gradients and the weights after
 optimizer steps agree to fp32 rounding. `-s` prints the largest differences measured."""
 

@@ -18,6 +18,8 @@ from transformers import AutoTokenizer
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.service.peft_export import export_checkpoint
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing
 from loraplex.workers.state.checkpoint import CheckpointState, write_checkpoint
@@ -43,7 +45,7 @@ SEQUENCES = make_data(9, [7, 16, 3])
 def engine(tiny_dir: Path) -> Engine:
     """Two trained adapters (B far from zero) side by side in one engine."""
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=3, max_rank=8)
+    engine = build_engine(model, EngineConfig(num_slots=3, max_rank=8))
     for model_id, (rank, alpha, seed) in ADAPTERS.items():
         engine.create_adapter(model_id, rank, alpha, seed)
     data = make_data(1, [12, 9])

@@ -10,6 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 
 
@@ -61,7 +63,7 @@ def peft_logprobs(model: torch.nn.Module, data: list[dict]) -> tuple[list[torch.
 )
 def test_engine_matches_peft(tiny_dir: Path, rank: int, alpha: float, adam: dict) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=3, max_rank=16)
+    engine = build_engine(model, EngineConfig(num_slots=3, max_rank=16))
     engine.create_adapter("neighbour", 2, 4.0, seed=11)  # another adapter resident; our adapter sits in slot 1
     engine.create_adapter("a", rank, alpha, seed=rank)
     # Give B non-zero values so the adapter changes the outputs from the first step.

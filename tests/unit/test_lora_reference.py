@@ -9,13 +9,15 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing, lora_delta_reference, siblings, slot_bank
 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"num_slots": 4, "max_rank": 16, **kw})
+    return build_engine(model, EngineConfig(**{"num_slots": 4, "max_rank": 16, **kw}))
 
 
 def datum(ids: list[int]) -> dict:

@@ -16,6 +16,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 
 STEPS = 5
@@ -70,7 +72,7 @@ SPECS = [
 
 def make_engine(tiny_dir: Path, **kw: Any) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"num_slots": 5, "max_rank": R_MAX, **kw})
+    return build_engine(model, EngineConfig(**{"num_slots": 5, "max_rank": R_MAX, **kw}))
 
 
 def token_data(seed: int, lengths: tuple[int, ...], vocab: int = 512) -> list[dict]:

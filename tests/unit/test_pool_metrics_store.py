@@ -12,7 +12,8 @@ from loraplex.models import load_base_model
 from loraplex.pool.process import pool_metrics
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.settings import Settings
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
 
@@ -26,7 +27,7 @@ def _fb(model_id: str, seq: int) -> PlannedRequest:
 
 def test_swaps_tiers_and_step_seconds_follow_the_store_and_the_executor(tiny_dir: Path, tmp_path: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=1, max_rank=4)
+    engine = build_engine(model, EngineConfig(num_slots=1, max_rank=4))
     store = AdapterStore(engine, 1 << 30, tmp_path / "spill")
     executor = PlanExecutor(engine, store)
     metrics = pool_metrics(Settings(home=tmp_path, pool="p", slots=1), executor, store)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.recompute import RecomputePolicy
 from tests.helpers.gpu import flat_logprobs, random_data
@@ -17,7 +19,7 @@ from tests.helpers.gpu import flat_logprobs, random_data
 
 def _engine(tiny_dir: Path, policy: RecomputePolicy) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    e = Engine(model, num_slots=4, max_rank=8, recompute=policy)
+    e = build_engine(model, EngineConfig(num_slots=4, max_rank=8, recompute=policy))
     for model_id, rank, seed in (("a", 4, 1), ("b", 8, 2)):
         e.create_adapter(model_id, rank, 2.0 * rank, seed)
     return e

@@ -14,6 +14,8 @@ from peft import PeftModel
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator
 from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
@@ -35,7 +37,7 @@ GREEDY = SampleParams(max_tokens=12, temperature=0.0)
 def setup(tiny_dir: Path) -> tuple[Engine, Any]:
     """An engine with five adapters whose B is far from zero (so each adapter changes the model's tokens)."""
     model, tokenizer = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=6, max_rank=16)
+    engine = build_engine(model, EngineConfig(num_slots=6, max_rank=16))
     g = torch.Generator().manual_seed(7)
     for model_id, (rank, alpha, seed, targets) in ADAPTERS.items():
         engine.create_adapter(model_id, rank, alpha, seed, targets)

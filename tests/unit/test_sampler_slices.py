@@ -13,6 +13,8 @@ import torch
 
 from loraplex.models import load_base_model, load_tokenizer
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.lora import lora_delta_reference
@@ -25,7 +27,7 @@ DATA = [{"model_input": [3, 5, 7, 9, 11, 13], "loss_fn_inputs": {"target_tokens"
 
 def _engine(tiny_dir: Path, fused: bool, slots: int) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, num_slots=slots, max_rank=8, **({} if fused else {"lora_op": lora_delta_reference}))
+    return build_engine(model, EngineConfig(num_slots=slots, max_rank=8, lora_op=None if fused else lora_delta_reference))
 
 
 def _random_jobs(rng: random.Random, adapters: list[str | None], n: int) -> list[SampleJob]:

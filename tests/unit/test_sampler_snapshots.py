@@ -12,7 +12,8 @@ import torch
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.step import SampleStep
@@ -25,7 +26,7 @@ DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5
 @pytest.fixture
 def pool(tiny_dir: Path, tmp_path: Path) -> tuple[PlanExecutor, AdapterStore]:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=2, max_rank=4)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=4))
     store = AdapterStore(engine, 1 << 30, tmp_path / "spill")
     return PlanExecutor(engine, store), store
 
@@ -67,7 +68,8 @@ def test_a_sampler_save_keeps_a_frozen_copy_while_the_adapter_trains_on(pool, tm
 
 def test_a_snapshot_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, tmp_path: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    store = AdapterStore(Engine(model, num_slots=2, max_rank=4), 0, tmp_path / "spill")  # no host budget: to disk
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=4))
+    store = AdapterStore(engine, 0, tmp_path / "spill")  # no host budget: to disk
     store.create("a", 2, 4.0, seed=2)
     store.create("b", 2, 4.0, seed=3)  # no free slot: the snapshot is a host copy (here spilled at once)
     store.freeze_copy("a", SNAP)

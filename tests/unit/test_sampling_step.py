@@ -10,7 +10,8 @@ import pytest
 
 from loraplex.models import load_base_model, load_tokenizer
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
-from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.sampling.step import SampleStep
@@ -23,7 +24,7 @@ PROMPT = [3, 5, 7]
 @pytest.fixture
 def pool(tiny_dir: Path, tmp_path: Path):
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = Engine(model, num_slots=2, max_rank=4)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=4))
     store = AdapterStore(engine, 1 << 30, tmp_path / "spill")
     sampler = Sampler(engine, load_tokenizer(str(tiny_dir), tiny_dir.parent))
     return PlanExecutor(engine, store, SampleStep(sampler, store)), store, sampler

@@ -34,14 +34,14 @@ def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.Monk
     from loraplex.pool.process import engine_spec
 
     switches = ("cuda_graphs", "fused_elementwise", "fused_head", "shard_base")
-    assert {k: engine_spec(Settings()).engine_kwargs[k] for k in switches} == dict.fromkeys(switches, True)
-    assert engine_spec(Settings()).engine_kwargs["shared_lora_inputs"] is None  # the engine's default
+    assert {k: getattr(engine_spec(Settings()).config, k) for k in switches} == dict.fromkeys(switches, True)
+    assert engine_spec(Settings()).config.shared_lora_inputs is None  # the engine's default
     monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "false")
     monkeypatch.setenv("LORAPLEX_FUSED_KERNELS", "false")
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "replicate")
     monkeypatch.setenv("LORAPLEX_SHARED_LORA_INPUTS", "false")
-    kwargs = engine_spec(Settings()).engine_kwargs
-    assert not any(kwargs[k] for k in switches) and kwargs["shared_lora_inputs"] is False
+    config = engine_spec(Settings()).config
+    assert not any(getattr(config, k) for k in switches) and config.shared_lora_inputs is False
     monkeypatch.setenv("LORAPLEX_POOL_LAYOUT", "ring")
     with pytest.raises(ValueError, match="pool_layout"):
         Settings()

@@ -15,6 +15,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, CreateAdapterPayload, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
@@ -29,7 +31,7 @@ ADAM = {"learning_rate": 1e-2, "weight_decay": 0.1, "grad_clip_norm": 0.5, "eps"
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
-    return Engine(model, **{"num_slots": 3, "max_rank": 8, **kw})
+    return build_engine(model, EngineConfig(**{"num_slots": 3, "max_rank": 8, **kw}))
 
 
 def excluded_banks(engine: Engine, model_id: str) -> list[str]:

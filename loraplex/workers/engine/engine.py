@@ -4,7 +4,7 @@ forward/backward with gradient accumulation, and batched AdamW.
 LoRA path (DESIGN.md choices 1-3): by default the fused one (lora/fused.py): per microbatch the groups' slots are gathered
 from the optimizer's flat master buffer and cast once, every LoRA layer is one autograd node reading views of that, and
 the microbatch's gradients are folded into the optimizer's flat gradient with one index_add_. `fused_lora=False` (the
-default when an explicit `lora_op` is given) runs the op per layer on the master banks through autograd instead.
+config's default when it names a `lora_op`) runs the op per layer on the master banks through autograd instead.
 
 Layout (issue 14): by default a microbatch is packed, its sequences (all adapters', adapter-contiguous) concatenated
 into one [1, N] row of real tokens, no padding (`batching.packed_layout`: RoPE positions restart per sequence, cu_seqlens
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch import nn
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
 from loraplex.workers.engine.batching import (
@@ -32,43 +31,17 @@ from loraplex.workers.engine.batching import (
     prepare_item,
     split_microbatches,
 )
-from loraplex.workers.engine.body_graphs import BodyGraph, BodyGraphs, PaddedMicrobatch, pad_microbatch
-from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS, target_logprobs
+from loraplex.workers.engine.body_graphs import BodyGraph, PaddedMicrobatch, pad_microbatch
+from loraplex.workers.engine.config import EngineConfig
+from loraplex.workers.engine.lm_head import target_logprobs
 from loraplex.workers.engine.losses import segments_of
-from loraplex.workers.engine.optimizer import AdamParams, SlotAdamW
-from loraplex.workers.engine.pinned_staging import PinnedStaging
-from loraplex.workers.engine.recompute import RecomputePolicy, recomputing, wrap_layers
-from loraplex.workers.engine.trunk import Trunk
-from loraplex.workers.kernels.fused_elementwise import active as fused_elementwise_active
-from loraplex.workers.kernels.fused_elementwise import available as fused_elementwise_available
-from loraplex.workers.kernels.fused_elementwise import install as install_fused_elementwise
-from loraplex.workers.kernels.packed_attention import install_packed_attention
-from loraplex.workers.lora import (
-    DEFAULT_TARGET_MODULES,
-    BankLayout,
-    LoraContext,
-    LoraOp,
-    MicrobatchBanks,
-    Routing,
-    SlotBankLinear,
-    check_only_lora_trainable,
-    install_sibling_groups,
-    install_slot_banks,
-    lora_delta_grouped,
-    select_lora_op,
-)
-from loraplex.workers.lora.expert_bank import ExpertProjectionBank, install_expert_banks
+from loraplex.workers.engine.optimizer import AdamParams
+from loraplex.workers.engine.parts import EngineParts
+from loraplex.workers.engine.recompute import recomputing
+from loraplex.workers.lora import MicrobatchBanks, Routing, check_only_lora_trainable
 from loraplex.workers.lora.init import init_lora_a
-from loraplex.workers.ranks.distributed import (
-    RankGroup,
-    all_gather_varlen,
-    all_reduce_slot_grads,
-    shard_base_model,
-    split_rows,
-)
+from loraplex.workers.ranks.distributed import all_gather_varlen, all_reduce_slot_grads, split_rows
 from loraplex.workers.state.slot_rows import SlotRows
-
-# A slot's rows in the optimizer's flat [S, P] buffers, by name: read_slot / write_slot copy them.
 
 
 @dataclass(frozen=True)
@@ -98,129 +71,55 @@ def _fill_logprobs(logprobs: list[list[list[float]]], outputs: Sequence[tuple[Se
 
 
 class Engine(SlotRows):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        num_slots: int = 8,
-        max_rank: int = 16,
-        target_modules: Iterable[str] = DEFAULT_TARGET_MODULES,
-        device: str | torch.device | None = None,
-        microbatch_tokens: int = 4096,
-        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
-        lora_op: LoraOp | None = None,
-        fused_lora: bool | None = None,
-        dist: RankGroup | None = None,
-        recompute: RecomputePolicy | None = None,
-        packed: bool = True,
-        fused_elementwise: bool | None = None,
-        cuda_graphs: bool | None = None,
-        fused_head: bool = True,
-        shard_base: bool = True,
-        shared_lora_inputs: bool | None = None,
-    ) -> None:
-        """lora_op: the per-layer op of the unfused path (default: `select_lora_op`'s choice). fused_lora: gather and
-        cast the banks once per microbatch, one autograd node per LoRA layer (default: True unless `lora_op` is given);
-        several groups then run through grouped_mm where `select_lora_op` picks it (or `lora_op` is the grouped op),
-        else through the reference loop. recompute: when a microbatch's decoder layers keep only their inputs and
-        recompute in the backward (workers/engine/recompute.py; default: above 16,384 tokens). packed: packed
-        microbatches (see the module doc; False: padded ones). fused_elementwise: the RMSNorms and the MLP's activation
-        as Triton kernels in training microbatches (workers/kernels/fused_elementwise.py; default: where triton and CUDA are;
-        False: not installed; may be flipped between calls where installed). cuda_graphs: training microbatches'
-        decoder body replayed as CUDA graphs (workers/engine/body_graphs.py; default: on one CUDA rank on the fused grouped
-        LoRA path; may be flipped between calls). fused_head: the LM head's log-softmax as Triton kernels
-        (workers/kernels/triton_lm_head.py; only on CUDA where triton is, so no effect on the CPU; may be flipped).
-        fused_lora, packed and fused_elementwise may be flipped between calls (with several ranks, on every rank
-        alike). shard_base: with a process group, the base model's weights sharded per decoder layer with FSDP2 (True)
-        or a whole copy on every rank (False: plain data parallelism over rows, for a base that fits one device; the
-        forward has no collectives then, so CUDA graphs apply as on one rank). The model's sdpa attention is replaced by the packed one
-        (`install_packed_attention`), which is sdpa itself for every call that is not packed (the sampler's, any other
-        user of the model). shared_lora_inputs: on the fused path, the LoRA layers that read one input (q/k/v, gate/up)
-        run as one node sharing their A product (lora/siblings.py; may be flipped between calls: the attribute).
-        Default (None): on, on the CPU and on CUDA (tested against the layers alone on both; on the H200 one adapter's
-        8x512 step is 2.7-5.5% faster with it, RESULTS.md session 11)."""
-        if dist is not None:  # one rank of a pool: this rank's device; base weights get sharded below
-            device = dist.device
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(self.device).eval()  # eval: no dropout; LoRA has none either
-        install_packed_attention(model)
-        self.packed = bool(packed)
-        self.num_slots = num_slots
-        self.max_rank = max_rank
-        self.microbatch_tokens = microbatch_tokens
-        self.loss_chunk_tokens = loss_chunk_tokens
-        self.context = LoraContext()
-        self.compute_dtype = next(model.parameters()).dtype  # the activations' dtype: banks are cast to it
-        op = lora_op or select_lora_op(self.device, self.compute_dtype)  # grouped_mm where it is faster
-        self.fused_lora = lora_op is None if fused_lora is None else bool(fused_lora)
-        self._fused_grouped = op is lora_delta_grouped
-        dense = install_slot_banks(
-            model, num_slots=num_slots, max_rank=max_rank, target_modules=target_modules, context=self.context, op=op
-        )
-        experts = install_expert_banks(
-            model, num_slots=num_slots, max_rank=max_rank, targets=target_modules, context=self.context,
-            grouped=self._fused_grouped,
-        )  # fmt: skip
-        # Dense banks first: their columns lead the optimizer's flat buffer, so the fused path gathers only them.
-        self.banks: dict[str, SlotBankLinear | ExpertProjectionBank] = {**dense, **experts}
-        self.target_modules = tuple(dict.fromkeys(target_modules))
-        hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
-        self.body = hf.get_decoder()  # runs embeddings -> layers -> final norm
-        self.head = hf.get_output_embeddings()
-        self.vocab_size = int(self.head.weight.shape[0])
-        pad = getattr(model.config, "pad_token_id", None)
-        self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
-        params, rank_dims = [], []
-        for bank in self.banks.values():
-            params += [bank.lora_A, bank.lora_B]
-            lead = bank.lora_A.dim() - 3  # 0 dense; 1 experts ([S, E, in, r])
-            rank_dims += [2 + lead, 1 + lead]  # A [S, (E,) in, r]: rank last; B [S, (E,) r, out]: rank second to last
-        self.optimizer = SlotAdamW(params, rank_dims, num_slots)
-        for i, bank in enumerate(dense.values()):
-            (a_start, _), (b_start, _) = self.optimizer.segments[2 * i], self.optimizer.segments[2 * i + 1]
-            bank.layout = BankLayout(a_start, b_start, bank.in_features, bank.out_features, max_rank)
-        self.sibling_groups = install_sibling_groups(dense)
-        self.shared_lora_inputs = True if shared_lora_inputs is None else shared_lora_inputs
-        # The fused path's gathered width: the dense banks' columns (an MoE's expert banks are read in place).
-        self.dense_width = sum(n for _, n in self.optimizer.segments[: 2 * len(dense)])
+    """One worker's training engine over the parts `build_engine` (build.py) made from an EngineConfig. Construct it
+    with `build_engine(model, config, device, group)`. The switches `packed`, `fused_lora`, `fused_elementwise`,
+    `cuda_graphs`, `fused_head`, `shared_lora_inputs`, `recompute` and `microbatch_tokens` start as the config says
+    and may be flipped between calls (with several ranks, on every rank alike)."""
+
+    def __init__(self, parts: EngineParts, config: EngineConfig) -> None:
+        self.config = config
+        self.model = parts.model
+        self.device = parts.device
+        self.compute_dtype = parts.compute_dtype
+        self.context = parts.context
+        self.banks = parts.banks
+        self.dense_width = parts.dense_width
+        self.optimizer = parts.optimizer
+        self.sibling_groups = parts.sibling_groups
+        self.body, self.head, self.trunk = parts.body, parts.head, parts.trunk
+        self.vocab_size, self.pad_id = parts.vocab_size, parts.pad_id
+        self.graphs = parts.graphs
+        self._staging = parts.staging
+        self._elementwise_switch = parts.elementwise
+        self._fused_grouped = parts.fused_grouped
+        self.dist = parts.group  # None: one process, no process group (a group of one still shards, trivially)
+        self.shard_base = parts.shard_base
+        self.num_slots = config.num_slots
+        self.max_rank = config.max_rank
+        self.target_modules = config.target_modules
+        self.loss_chunk_tokens = config.loss_chunk_tokens
+        self.microbatch_tokens = config.microbatch_tokens
+        self.packed = bool(config.packed)
+        self.fused_lora = parts.fused_lora
+        self.cuda_graphs = parts.cuda_graphs
+        self.fused_head = config.fused_head
+        self.recompute = config.recompute
         self._adapters: dict[str, AdapterRecord] = {}
-        self._free = list(range(num_slots))
-        # Snapshots' and sampler saves' device-to-host copies (slot_rows.py): allocated now, so no pinned allocation
-        # ever runs while the pool trains.
-        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
-        check_only_lora_trainable(model)
-        # On by default where triton and CUDA are (measured on the H200: benchmarks/RESULTS.md, session 8).
-        fusable = (fused_elementwise is None or fused_elementwise) and self.device.type == "cuda"
-        fusable = fusable and fused_elementwise_available()
-        self.fused_modules = install_fused_elementwise(model) if fusable else 0
-        self.fused_elementwise = bool(self.fused_modules)
-        self.trunk = Trunk(self.body, self.head)
-        self.recompute = recompute or RecomputePolicy()
-        # Not with expert banks: their gradients accumulate through autograd into the masters, which a captured
-        # backward (gradients for the microbatch's trigger only) would not do.
-        graphable = self.device.type == "cuda" and (dist is None or not shard_base) and self._fused_grouped and not experts
-        self.graphs = (
-            BodyGraphs(
-                self.trunk.hidden,
-                self.context,
-                self.dense_width,
-                self.compute_dtype,
-                max_rank,
-                self.device,
-                self._elementwise,
-                microbatch_tokens=microbatch_tokens,
-            )  # fmt: skip
-            if graphable
-            else None
-        )
-        self.cuda_graphs = cuda_graphs is not False and self.graphs is not None
-        self.fused_head = fused_head
-        wrap_layers(self.body.layers)
-        self.dist = dist  # None: one process, no process group (a group of one still shards, trivially)
-        self.shard_base = shard_base
-        if self.dist is not None and shard_base:
-            # FSDP2: each decoder layer a unit, the trunk the root; the banks stay whole, replicated (distributed.py).
-            shard_base_model(self.trunk, self.body.layers, self.optimizer.params, self.dist.mesh)
+        self._free = list(range(config.num_slots))
+
+    @property
+    def fused_modules(self) -> int:
+        """The modules the fused norm / activation kernels were installed on (0: none)."""
+        return self._elementwise_switch.installed
+
+    @property
+    def fused_elementwise(self) -> bool:
+        """Training microbatches use the fused norm / activation kernels (where installed)."""
+        return self._elementwise_switch.on
+
+    @fused_elementwise.setter
+    def fused_elementwise(self, on: bool) -> None:
+        self._elementwise_switch.on = bool(on)
 
     def summary(self) -> str:
         """One line for the pool's start log: device, dtype, capacity and the memory the rank holds now."""
@@ -583,7 +482,7 @@ class Engine(SlotRows):
 
     def _elementwise(self) -> AbstractContextManager[None]:
         """The fused norm / activation kernels on for a training microbatch where the engine has them and wants them."""
-        return fused_elementwise_active() if self._elementwise_on() else nullcontext()
+        return self._elementwise_switch.active()
 
     def _body_graph(
         self, lengths: Sequence[int], routing: Routing, trainable: bool
@@ -614,7 +513,7 @@ class Engine(SlotRows):
         self.context.shared_inputs = bool(on)
 
     def _elementwise_on(self) -> bool:
-        return bool(self.fused_elementwise and self.fused_modules)
+        return self._elementwise_switch.used
 
     # ---- several ranks (workers/ranks/distributed.py) ------------------------------------------------------------------------
     def _run_dummy_microbatch(self, trainable: bool) -> None:

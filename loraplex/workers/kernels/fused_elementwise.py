@@ -10,7 +10,7 @@ FSDP; RESULTS.md, session 7.)
 Only inside the engine's training microbatches (`active()`): the modules keep their eager forward everywhere else (the
 sampler's CUDA-graph decode captures the eager kernels; PEFT comparisons run HF's code). The eager forward is the
 plain-torch reference; tests/gpu/test_fused_elementwise_cuda.py compares them. Not measured on the H200 yet, so the
-engine leaves it off unless asked (`Engine(fused_elementwise=True)`; `bench_engine.py --elementwise on,off`).
+engine leaves it off unless asked (`EngineConfig(fused_elementwise=True)`; `bench_engine.py --elementwise on,off`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,6 +25,8 @@ from torch import nn
 
 from loraplex.protocol import BatchPlan, Outcome
 from loraplex.runtime.netutil import free_port
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import (
@@ -54,17 +56,18 @@ class EngineSpec:
 
     load_model: ModelLoader
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL; each rank takes cuda:LOCAL_RANK)
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # num_slots, max_rank, target_modules, microbatch_tokens
+    config: EngineConfig = field(default_factory=EngineConfig)
     cpu_threads: int = 0  # torch's intra-op threads on a CPU rank (0: torch's default)
 
 
-def build_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:
-    """The engine of this rank: with a group of several ranks, base weights sharded and rows split (distributed.py)."""
+def build_rank_engine(spec: EngineSpec, group: RankGroup | None) -> Engine:
+    """The engine of this rank (build.build_engine): with a group of several ranks, base weights sharded (unless the
+    config replicates them) and rows split (distributed.py)."""
     device = group.device if group is not None else torch.device(spec.device)
     if device.type == "cpu" and spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
     model = spec.load_model(device)
-    engine = Engine(model, device=device, dist=group, **dict(spec.engine_kwargs))
+    engine = build_engine(model, spec.config, device, group)
     if group is not None:
         barrier(group)  # every rank has its engine: a rank that failed to build one fails the pool's start here
     log.info("rank %d engine: %s", group.rank if group is not None else 0, engine.summary())
