@@ -76,10 +76,6 @@ log = logging.getLogger(__name__)
 OnOutcomes = Callable[[list[Outcome], BatchPlan], list[Outcome] | None]
 AppliedSeqLookup = Callable[[str], int | None]
 
-# Requests whose success changes an adapter's training state: replayed from the request log after a restart (the
-# others only advance its seq_id there). Saves rewrite files, forwards compute outputs: no state.
-STATE_KINDS = frozenset({RequestKind.CREATE_ADAPTER, RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP,
-                         RequestKind.LOAD_STATE})  # fmt: skip
 IDLE_TICK_S = 1.0  # how often an idle loop calls after_plan (with an empty plan)
 
 class PlanObserver(Protocol):
@@ -554,7 +550,7 @@ class Dispatcher:
                 if o.ok:
                     out[h.stream_id] = ("a", r.model_id, r.seq_id)
             elif r.kind not in UNCHAINED_KINDS:
-                out[h.stream_id] = ("a" if o.ok and r.kind in STATE_KINDS else "s", r.model_id, r.seq_id)
+                out[h.stream_id] = ("a" if o.ok and KINDS[r.kind].changes_state else "s", r.model_id, r.seq_id)
         return out
 
     def _store(

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.dispatch.tenant_weights import Fetch
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.protocol import (
+    KINDS,
     UNCHAINED_KINDS,
     BatchPlan,
     Outcome,
@@ -144,7 +145,7 @@ class OutcomeRecorder:
         if self._store is not None:
             changes = changes + list(self._store.drain_changes())
         by_id = {o.request_id: o for o in outcomes}
-        tokens = sum(r.num_tokens for r in plan.requests) or 1
+        tokens = sum(r.num_tokens for r in plan.requests if KINDS[r.kind].counts_usage) or 1
         statuses: list[tuple[str, str, AdapterStatus]] = []  # creations: (tenant, model_id, status)
         applied: dict[tuple[str, str], int] = {}  # (tenant, model_id) -> highest seq_id answered in this plan
         usage: dict[str, list[tuple[str | None, str, int, float]]] = {}
@@ -160,7 +161,7 @@ class OutcomeRecorder:
             # A failed request still takes its place in the order: later seq_ids must not wait for it.
             key = (request.tenant_id, request.model_id)
             applied[key] = max(applied.get(key, request.seq_id), request.seq_id)
-            if outcome.ok and request.kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD):
+            if outcome.ok and KINDS[request.kind].counts_usage:
                 share = seconds * request.num_tokens / tokens  # the plan's time split by token share
                 row = (request.model_id, str(request.kind), request.num_tokens, share)
                 usage.setdefault(request.tenant_id, []).append(row)

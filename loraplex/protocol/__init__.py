@@ -5,7 +5,9 @@ from loraplex.protocol.kinds import (
     CONTROL_KINDS,
     CONTROL_SEQ_ID,
     KINDS,
+    RESIDENT_STEPS,
     SAVE_KINDS,
+    STATE_KINDS,
     UNCHAINED_KINDS,
     UNORDERED_KINDS,
     KindSpec,
@@ -13,6 +15,7 @@ from loraplex.protocol.kinds import (
     StepKind,
     kinds_of_step,
     parse_payload,
+    tokens_of,
 )
 from loraplex.protocol.payloads import (
     CreateAdapterPayload,
@@ -33,7 +36,9 @@ __all__ = [
     "CONTROL_KINDS",
     "CONTROL_SEQ_ID",
     "KINDS",
+    "RESIDENT_STEPS",
     "SAVE_KINDS",
+    "STATE_KINDS",
     "UNCHAINED_KINDS",
     "UNORDERED_KINDS",
     "BatchPlan",
@@ -57,4 +62,5 @@ __all__ = [
     "StepKind",
     "kinds_of_step",
     "parse_payload",
+    "tokens_of",
 ]

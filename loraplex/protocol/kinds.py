@@ -1,11 +1,18 @@
-"""Request kinds, declared once. Each kind's row says which engine step runs it, its payload type, whether it sits
-outside the adapter's seq_id chain (create/delete), and which checkpoint it writes. The policy, the dispatcher loop,
-the executor, the recorder and the envelope codec read this table: a new kind is one row here plus its handler."""
+"""Request kinds, declared once. Each kind's row holds every per-kind fact a layer branches on: which engine step
+runs it, its payload type, whether it sits outside the adapter's seq_id chain (create/delete) or every chain
+(samples), which checkpoint it writes, whether its success changes the adapter's training state (replayed after a
+restart, due for a snapshot), whether it skips the tenant's queue quotas, whether its adapters must be resident in
+slots, whether it is billed as usage, and its token count (one function: the queue's quota, the plan's budgets and
+the usage records all read it). The gateway's codec, the producer, the policy, the dispatcher loop, the executor, the
+snapshotter and the recorder read this table: a new kind is one row here, its payload, its handler, its service call
+and its route."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from loraplex.protocol.checkpoint_paths import CheckpointKind
 from loraplex.protocol.payloads import (
@@ -19,6 +26,7 @@ from loraplex.protocol.payloads import (
     SamplePayload,
     SaveCheckpointPayload,
 )
+from loraplex.protocol.wire import from_json
 
 
 class RequestKind(StrEnum):
@@ -44,6 +52,11 @@ class StepKind(StrEnum):
     SAMPLE = "sample"  # one batched generation over the plan's sampling requests (mixed snapshots and base rows)
 
 
+def no_tokens(payload: Any, part: tuple[int, int] | None = None) -> int:
+    """The token count of a kind that carries none."""
+    return 0
+
+
 @dataclass(frozen=True)
 class KindSpec:
     step: StepKind
@@ -54,19 +67,52 @@ class KindSpec:
     unordered: bool = False
     trains: bool = False  # forward_backward rows that get gradients (FORWARD shares the step without them)
     saves: CheckpointKind | None = None  # the checkpoint a successful request writes
+    # Its success changes the adapter's training state: replayed from the request log after a restart (the others
+    # only advance the seq_id there) and due for a durable snapshot. Saves rewrite files, forwards compute outputs.
+    changes_state: bool = False
+    # Skips the tenant's queue quotas: a rejection must fill its seq_id, and a delete frees what a tenant holds.
+    quota_exempt: bool = False
+    needs_residency: bool = False  # its adapters are swapped into slots before its step runs
+    counts_usage: bool = False  # a success is recorded as usage (tokens, its share of the plan's seconds)
+    # Its tokens (of `part`, datums [start, stop), when it runs in parts): input tokens for forward_backward and
+    # forward, a sample's prompt plus the most it can add, 0 otherwise. The queued-tokens quota, the policy's and
+    # the loop's plan budgets, fair share and the usage records all count with it.
+    tokens: Callable[[Any, tuple[int, int] | None], int] = no_tokens
 
 
+_FB_TOKENS = ForwardBackwardPayload.tokens
 KINDS: dict[RequestKind, KindSpec] = {
-    RequestKind.CREATE_ADAPTER: KindSpec(StepKind.CREATE, CreateAdapterPayload, control=True),
-    RequestKind.DELETE_ADAPTER: KindSpec(StepKind.DELETE, DeleteAdapterPayload, control=True),
-    RequestKind.FORWARD_BACKWARD: KindSpec(StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, trains=True),
-    RequestKind.FORWARD: KindSpec(StepKind.FORWARD_BACKWARD, ForwardBackwardPayload),
-    RequestKind.OPTIM_STEP: KindSpec(StepKind.OPTIM_STEP, OptimStepPayload),
-    RequestKind.SAVE_STATE: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.STATE),
-    RequestKind.SAVE_SAMPLER: KindSpec(StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER),
-    RequestKind.LOAD_STATE: KindSpec(StepKind.CHECKPOINT, LoadStatePayload),
-    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload),
-    RequestKind.SAMPLE: KindSpec(StepKind.SAMPLE, SamplePayload, unordered=True),
+    RequestKind.CREATE_ADAPTER: KindSpec(
+        StepKind.CREATE, CreateAdapterPayload, control=True, changes_state=True, quota_exempt=True
+    ),
+    RequestKind.DELETE_ADAPTER: KindSpec(
+        StepKind.DELETE, DeleteAdapterPayload, control=True, quota_exempt=True
+    ),
+    RequestKind.FORWARD_BACKWARD: KindSpec(
+        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, trains=True,
+        changes_state=True, needs_residency=True, counts_usage=True, tokens=_FB_TOKENS,
+    ),  # fmt: skip
+    RequestKind.FORWARD: KindSpec(
+        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, needs_residency=True,
+        counts_usage=True, tokens=_FB_TOKENS,
+    ),  # fmt: skip
+    RequestKind.OPTIM_STEP: KindSpec(
+        StepKind.OPTIM_STEP, OptimStepPayload, changes_state=True, needs_residency=True
+    ),
+    RequestKind.SAVE_STATE: KindSpec(
+        StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.STATE, needs_residency=True
+    ),
+    RequestKind.SAVE_SAMPLER: KindSpec(
+        StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER,
+        needs_residency=True,
+    ),  # fmt: skip
+    RequestKind.LOAD_STATE: KindSpec(
+        StepKind.CHECKPOINT, LoadStatePayload, changes_state=True, needs_residency=True
+    ),
+    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload, quota_exempt=True),
+    RequestKind.SAMPLE: KindSpec(
+        StepKind.SAMPLE, SamplePayload, unordered=True, tokens=SamplePayload.tokens
+    ),
 }
 assert set(KINDS) == set(RequestKind), "every request kind needs its row"
 
@@ -77,6 +123,9 @@ UNORDERED_KINDS = frozenset(k for k, spec in KINDS.items() if spec.unordered)
 # Kinds whose request does not take a place in an adapter's seq_id chain (nothing to record as applied).
 UNCHAINED_KINDS = CONTROL_KINDS | UNORDERED_KINDS
 SAVE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.saves)
+STATE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.changes_state)
+# A step kind's adapters must be in slots when any of its request kinds needs them there.
+RESIDENT_STEPS = frozenset(spec.step for spec in KINDS.values() if spec.needs_residency)
 
 
 def kinds_of_step(step: StepKind) -> frozenset[RequestKind]:
@@ -91,4 +140,9 @@ def parse_payload(kind: RequestKind | str, payload: object) -> Payload:
         return payload
     if isinstance(payload, Payload):
         raise ValueError(f"{kind} takes a {model.__name__}, not a {type(payload).__name__}")
-    return model.from_wire(payload if payload is not None else {})  # type: ignore[arg-type]
+    return from_json(model, payload if payload is not None else {})
+
+
+def tokens_of(kind: RequestKind, payload: Payload, part: tuple[int, int] | None = None) -> int:
+    """The request's token count by its kind's row (see KindSpec.tokens)."""
+    return KINDS[kind].tokens(payload, part)

@@ -2,16 +2,17 @@
 
 Idempotency: training steps are keyed by (model_id, seq_id); create_adapter / delete_adapter (seq_id -1, outside the
 seq chain) by (model_id, kind), since an adapter is created and deleted once. One Lua script claims the key with the
-new request_id, the request's fingerprint (its kind and payload, hashed) and its kind (SET NX semantics), XADDs the
-entry and marks it queued, atomically: a crash can never leave a claimed key without its entry (which would make every
-retry wait on a request that was never queued). If the key is already claimed, nothing is enqueued: the same request
+new request_id, the request's fingerprint (its kind and the payload's bytes the entry carries, hashed: the payload
+is serialized once) and its kind (SET NX semantics), XADDs the entry and marks it queued, atomically: a crash can
+never leave a claimed key without its entry (which would make every retry wait on a request that was never queued). If the key is already claimed, nothing is enqueued: the same request
 again (same fingerprint: a retry) gets the first request_id, so it is never applied twice; a different request under
 the same key is a ConflictError naming both kinds (the caller reused a seq_id).
 
 Each tenant has its own stream on the pool (queue/keys.py), and the same script enforces the tenant's quotas: queued
 requests (the stream's length: answered entries are deleted) and queued tokens (a per-tenant count the consumer's ack
-takes back). A request over a quota is a QuotaExceededError (429, retry after) and queues nothing. Rejections and
-create/delete skip the quotas: a rejection must fill its seq_id, and a delete frees what a tenant holds.
+takes back; the count is the kind's token function, protocol/kinds.py). A request over a quota is a
+QuotaExceededError (429, retry after) and queues nothing. Kinds whose row says quota_exempt skip the quotas (a
+rejection must fill its seq_id, and a delete frees what a tenant holds).
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple
 
-import orjson
 import redis as redis_lib
 
 from loraplex.errors import ConflictError, QuotaExceededError
-from loraplex.protocol import CONTROL_KINDS, RequestKind
+from loraplex.protocol import CONTROL_KINDS, KINDS
 from loraplex.queue import keys
-from loraplex.queue.envelope import TOKENS_FIELD, Envelope, encode, token_count
+from loraplex.queue.envelope import TOKENS_FIELD, Envelope, encode, encode_payload
 from loraplex.queue.keys import JobState
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import DEFAULT_TTL_S
@@ -88,13 +88,15 @@ class Producer:
     def submit_checked(self, env: Envelope) -> tuple[str, bool]:
         """Like `submit`, plus whether this call enqueued anything (False: a retry of an earlier request)."""
         idem = keys.request_idempotency_key(env.kind, env.model_id, env.seq_id)
-        claim = Claim(env.request_id, fingerprint(env), str(env.kind))
-        tokens = token_count(env)
-        exempt = env.kind in CONTROL_KINDS or env.kind == RequestKind.REJECTED
-        argv: list[str | int] = [claim.encode(), env.request_id, self.idempotency_ttl_s, JobState.QUEUED.value]
+        payload = encode_payload(env.payload)  # written once: the fingerprint hashes the bytes the entry carries
+        claim = Claim(env.request_id, fingerprint(env, payload), str(env.kind))
+        spec = KINDS[env.kind]
+        tokens = spec.tokens(env.payload, None)
+        exempt = spec.quota_exempt
+        argv: list[str | int | bytes] = [claim.encode(), env.request_id, self.idempotency_ttl_s, JobState.QUEUED.value]
         argv += [env.tenant_id, tokens, 0 if exempt else self.max_queued_requests]
         argv += [0 if exempt else self.max_queued_tokens]
-        for name, value in encode(env).items():
+        for name, value in encode(env, payload).items():
             argv += [name, value]
         argv += [TOKENS_FIELD, tokens]
         script_keys = [
@@ -147,7 +149,8 @@ class Claim(NamedTuple):
         return cls(parts[0], parts[1], parts[2]) if len(parts) == 3 else cls(raw)
 
 
-def fingerprint(env: Envelope) -> str:
-    """A hash of what the request asks for (kind and payload; not its id or time): equal for a retry."""
-    body = orjson.dumps({"kind": str(env.kind), "payload": env.payload}, option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(body).hexdigest()[:32]
+def fingerprint(env: Envelope, payload: bytes | None = None) -> str:
+    """A hash of what the request asks for (its kind and its payload's encoded bytes, `payload` when the caller has
+    them; not its id or time): equal for a retry."""
+    body = encode_payload(env.payload) if payload is None else payload
+    return hashlib.sha256(str(env.kind).encode() + b"\0" + body).hexdigest()[:32]

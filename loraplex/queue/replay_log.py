@@ -20,7 +20,7 @@ from typing import cast
 import redis as redis_lib
 
 from loraplex.queue import keys
-from loraplex.queue.envelope import Envelope
+from loraplex.queue.envelope import Envelope, decode_data
 from loraplex.queue.redis_text import text
 
 APPLY, SKIP, DROP = "a", "s", "x"
@@ -50,7 +50,7 @@ def read_after(redis: redis_lib.Redis, pool: str, model_id: str, after_seq: int 
         if seq in seen:
             continue
         seen.add(seq)
-        out.append(LoggedRequest(seq, raw[0] == APPLY, Envelope.model_validate_json(raw[1:])))
+        out.append(LoggedRequest(seq, raw[0] == APPLY, decode_data(raw[1:])))
     return out
 
 

@@ -3,9 +3,7 @@ beside it in Redis so that only the submitting tenant can read the future."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from loraplex.protocol import Payload, RequestKind, parse_payload
+from loraplex.protocol import Payload, RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
 from loraplex.service.context import Services, TenantRef
@@ -20,7 +18,7 @@ def enqueue(
     tenant_id: str,
     model_id: str,
     kind: RequestKind,
-    payload: dict[str, Any],
+    payload: Payload,
     seq_id: int | None = None,
 ) -> str:
     """Queue one request and return its request id (the first one's, if (model_id, seq_id) was already queued).
@@ -39,9 +37,9 @@ def submit(
     payload: Payload,
     seq_id: int | None = None,
 ) -> FutureRef:
-    """`enqueue` of the kind's typed payload (loraplex/protocol), answered as the reference the client polls."""
-    wire = parse_payload(kind, payload).to_wire()  # parse_payload: a payload of another kind is a bug, raised here
-    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=wire, seq_id=seq_id)
+    """`enqueue` of the kind's typed payload (loraplex/protocol), answered as the reference the client polls. The
+    payload travels as it is: the envelope refuses one of another kind, and the queue's codec encodes it once."""
+    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id)
     return FutureRef(request_id=request_id, model_id=model_id)
 
 

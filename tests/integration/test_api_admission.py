@@ -41,7 +41,7 @@ def test_a_body_over_the_byte_limit_is_413_before_it_is_read(small) -> None:
     response = gw.client.post(url, json=big, headers={**headers, "X-Seq-Id": "1"})
     assert response.status_code == 413 and response.json()["type"] == "RequestTooLargeError", response.text
     assert "65536 bytes" in response.json()["detail"]
-    assert rejections(gw.services)[(model_id, 1)].payload["error_type"] == "RequestTooLargeError"  # seq_id 1 held
+    assert rejections(gw.services)[(model_id, 1)].payload.to_wire()["error_type"] == "RequestTooLargeError"  # seq_id 1 held
 
     ok = gw.client.post(url, json=_fb(2, 10), headers=headers)
     assert ok.status_code == 202, ok.text

@@ -38,14 +38,14 @@ def test_save_queues_the_folder_the_gateway_chose(stack):
     envelope = _queued(services, response.json()["request_id"])
     expected = services.settings.resolved_blob_root.resolve() / tenants["alice"] / model_id / "state" / "step-1"
     assert str(envelope.kind) == "save_state" and envelope.seq_id == 1
-    assert envelope.payload["directory"] == str(expected)
-    assert envelope.payload["blob_uri"] == expected.as_uri()
-    assert envelope.payload["path"] == f"tinker://{model_id}/weights/step-1"
-    assert envelope.payload["ttl_seconds"] == 60
+    assert envelope.payload.to_wire()["directory"] == str(expected)
+    assert envelope.payload.to_wire()["blob_uri"] == expected.as_uri()
+    assert envelope.payload.to_wire()["path"] == f"tinker://{model_id}/weights/step-1"
+    assert envelope.payload.to_wire()["ttl_seconds"] == 60
     sampler = client.post(
         f"/v1/adapters/{model_id}/save_weights_for_sampler", json={"seq_id": 2, "name": "s"}, headers=headers["alice"]
     )
-    payload = _queued(services, sampler.json()["request_id"]).payload
+    payload = _queued(services, sampler.json()["request_id"]).payload.to_wire()
     assert payload["path"] == f"tinker://{model_id}/sampler_weights/s" and payload["directory"].endswith("/sampler/s")
 
 
@@ -108,13 +108,13 @@ def test_other_tenants_checkpoints_are_404_everywhere(stack):
     ]
     load = client.post(f"/v1/adapters/{model_id}/load_state", json={"seq_id": 1, "path": path}, headers=alice)
     assert load.status_code == 202
-    payload = _queued(services, load.json()["request_id"]).payload
+    payload = _queued(services, load.json()["request_id"]).payload.to_wire()
     assert payload["directory"].endswith(f"/{model_id}/state/final") and payload["with_optimizer"] is True
     created = client.post("/v1/adapters", json={"from_checkpoint": path, "with_optimizer": False}, headers=alice)
     assert created.status_code == 202, created.text
     envelope = _queued(services, created.json()["request_id"])
-    assert envelope.payload["from_checkpoint"]["directory"] == payload["directory"]
-    assert envelope.payload["rank"] == 4 and envelope.payload["from_checkpoint"]["with_optimizer"] is False
+    assert envelope.payload.to_wire()["from_checkpoint"]["directory"] == payload["directory"]
+    assert envelope.payload.to_wire()["rank"] == 4 and envelope.payload.to_wire()["from_checkpoint"]["with_optimizer"] is False
     folder = services.settings.resolved_blob_root / tenants["alice"] / model_id / "state" / "final"
     assert folder.is_dir()
     deleted = client.delete(f"/v1/adapters/{model_id}/checkpoints/weights/final", headers=alice)

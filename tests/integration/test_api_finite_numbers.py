@@ -42,7 +42,7 @@ def test_non_finite_numbers_in_training_calls_are_422_naming_the_field(alice, li
     detail = json.loads(response.text)["detail"]  # valid JSON, whatever the input held
     assert any(field in ".".join(str(p) for p in e["loc"]) for e in detail), detail
     assert queued_work(gateway.services) == before  # nothing to train on; only the rejection holds seq_id 1
-    assert field in rejections(gateway.services)[(model_id, 1)].payload["message"]
+    assert field in rejections(gateway.services)[(model_id, 1)].payload.to_wire()["message"]
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity"])

@@ -37,7 +37,7 @@ def test_an_invalid_body_holds_its_seq_id_with_the_error(alice, route, body, fie
     response = gateway.client.post(f"/v1/adapters/{model_id}/{route}", json=body, headers=headers)
     assert response.status_code == 422, response.text
     held = rejections(gateway.services)[(model_id, 1)]
-    assert held.payload["rejected_kind"] == KIND_OF_ROUTE.get(route, route) and field in held.payload["message"]
+    assert held.payload.to_wire()["rejected_kind"] == KIND_OF_ROUTE.get(route, route) and field in held.payload.to_wire()["message"]
     assert held.tenant_id == gateway.tenant_ids["alice"] and queued_work(gateway.services) == before
     # The same bad call again queues nothing more; a valid call under the spent seq_id is a 409 naming it.
     assert gateway.client.post(f"/v1/adapters/{model_id}/{route}", json=body, headers=headers).status_code == 422

@@ -59,20 +59,21 @@ def test_create_fills_the_defaults_and_queues_the_creation(ctx):
     ref = service.create_adapter(services, alice, CreateAdapterRequest(rank=4))
     envelope = _queued(services)[ref.request_id]
     assert str(envelope.kind) == "create_adapter" and envelope.model_id == ref.model_id
-    payload = envelope.payload
+    payload = envelope.payload.to_wire()
     assert payload["rank"] == 4 and payload["alpha"] == 8.0  # alpha defaults to 2 x rank
     assert 0 <= payload["seed"] < 2**31 and payload["base_model"] == services.settings.base_model
-    assert payload["target_modules"] == list(services.settings.target_modules) and "from_checkpoint" not in payload
+    assert payload["target_modules"] == list(services.settings.target_modules) and payload["from_checkpoint"] is None
     adapter = service.get_adapter(services, alice, ref.model_id)
     assert (adapter.rank, adapter.alpha, adapter.seed, adapter.applied_seq_id) == (4, 8.0, payload["seed"], 0)
     assert service.owner_of(services, ref.request_id) == alice.id
     given = service.create_adapter(services, alice, CreateAdapterRequest(rank=2, alpha=3.0, seed=7))
-    assert _queued(services)[given.request_id].payload | {"target_modules": None} == {
+    assert _queued(services)[given.request_id].payload.to_wire() | {"target_modules": None} == {
         "base_model": services.settings.base_model,
         "rank": 2,
         "alpha": 3.0,
         "seed": 7,
         "target_modules": None,
+        "from_checkpoint": None,
     }
 
 
@@ -91,7 +92,7 @@ def test_create_from_a_checkpoint_takes_its_hparams_and_folder(ctx):
     source = service.create_adapter(services, alice, CreateAdapterRequest(rank=4, alpha=5.0, seed=11)).model_id
     path = _saved(services, alice, source, CheckpointKind.STATE, "final")
     ref = service.create_adapter(services, alice, CreateAdapterRequest(from_checkpoint=path))
-    payload = _queued(services)[ref.request_id].payload
+    payload = _queued(services)[ref.request_id].payload.to_wire()
     assert (payload["rank"], payload["alpha"], payload["seed"]) == (4, 5.0, 11)
     folder = BlobStore(services.settings.resolved_blob_root).path(
         checkpoint_blob_key(alice.id, source, CheckpointKind.STATE, "final")
@@ -117,7 +118,7 @@ def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch)
     ref = service.forward_backward(services, alice, model_id, _fb(1, _datum()))
     envelope = _queued(services)[ref.request_id]
     assert str(envelope.kind) == "forward_backward" and envelope.seq_id == 1
-    assert envelope.payload == {
+    assert envelope.payload.to_wire() == {
         "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}],
         "loss_fn": "cross_entropy",
         "loss_fn_config": {},
@@ -137,7 +138,7 @@ def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch)
         service.forward_backward(services, alice, model_id, _fb(5, no_targets))
     held = rejections(services)
     assert sorted(seq for m, seq in held if m == model_id) == [3, 4, 5]
-    assert held[(model_id, 4)].payload == {
+    assert held[(model_id, 4)].payload.to_wire() == {
         "rejected_kind": "forward", "error_type": "InvalidRequestError", "message": "data[1] has 6 tokens; at most 5"
     }  # fmt: skip
     with pytest.raises(InvalidRequestError):  # the same rejected call again: nothing more queued
@@ -153,7 +154,7 @@ def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch)
     # Other losses need no target_tokens.
     assert service.forward_backward(services, alice, model_id, _fb(6, no_targets, loss_fn="importance_sampling"))
     step = service.optim_step(services, alice, model_id, OptimStepRequest(seq_id=7))
-    assert _queued(services)[step.request_id].payload == {"adam_params": dict(ADAM_DEFAULTS)}
+    assert _queued(services)[step.request_id].payload.to_wire() == {"adam_params": dict(ADAM_DEFAULTS)}
 
 
 def test_saves_check_the_name_and_existing_checkpoints(ctx):
@@ -168,7 +169,7 @@ def test_saves_check_the_name_and_existing_checkpoints(ctx):
     assert len(queued_work(services)) == before
     assert {seq for m, seq in rejections(services) if m == model_id} == {1, 2}  # held, not holes
     first = service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=3, name="c", ttl_seconds=9))
-    payload = _queued(services)[first.request_id].payload
+    payload = _queued(services)[first.request_id].payload.to_wire()
     folder = BlobStore(services.settings.resolved_blob_root).path(
         checkpoint_blob_key(alice.id, model_id, CheckpointKind.STATE, "c")
     )
@@ -188,7 +189,7 @@ def test_saves_check_the_name_and_existing_checkpoints(ctx):
         service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=4, name="c"))
     assert service.save_state(services, alice, model_id, SaveCheckpointRequest(seq_id=5, name="c", overwrite=True))
     sampler = service.save_weights_for_sampler(services, alice, model_id, SaveCheckpointRequest(seq_id=6, name="c"))
-    assert _queued(services)[sampler.request_id].payload["directory"].endswith("/sampler/c")
+    assert _queued(services)[sampler.request_id].payload.to_wire()["directory"].endswith("/sampler/c")
 
 
 def test_load_list_and_delete_checkpoints_stay_within_the_tenant(ctx):
@@ -203,7 +204,7 @@ def test_load_list_and_delete_checkpoints_stay_within_the_tenant(ctx):
     # Both rejections hold their seq_id: bob's (alice's checkpoint is not found for him) in his own adapter's chain.
     assert set(rejections(services)) == {(bobs, 1), (model_id, 1)}
     load = service.load_state(services, alice, model_id, LoadStateRequest(seq_id=2, path=path))
-    payload = _queued(services)[load.request_id].payload
+    payload = _queued(services)[load.request_id].payload.to_wire()
     assert payload["path"] == path and payload["directory"].endswith(f"/{model_id}/state/final")
     with pytest.raises(NotFoundError):
         service.list_checkpoints(services, bob, model_id)

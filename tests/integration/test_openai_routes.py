@@ -129,7 +129,7 @@ def test_a_completion_queues_one_sample_with_its_payload_then_408s_without_a_poo
     error = _error(r, 408, "request_timeout")
     (env,) = _samples(gw)
     assert env.request_id in error["message"] and "/v1/futures/" in error["message"]
-    p = env.payload
+    p = env.payload.to_wire()
     assert p["prompt"] == _tok(gw).encode("The cat sat") and p["snapshot"] == path and p["snapshot_dir"]
     assert (p["num_samples"], p["max_tokens"], p["temperature"], p["top_p"], p["seed"]) == (2, 5, 0.0, 0.9, 3)
     assert list(p["stop_strings"]) == ["\n", "."] and p["stop_at_eos"] and p["topk_sample_logprobs"] == 2
@@ -139,15 +139,15 @@ def test_a_completion_queues_one_sample_with_its_payload_then_408s_without_a_poo
     r = gw.client.post("/v1/completions", json={"model": path, "prompt": [[5, 6, 7], [8, 9]]}, headers=_h(gw, "alice"))
     _error(r, 408)
     later = sorted((e for e in _samples(gw) if e.request_id != env.request_id), key=lambda e: e.seq_id)
-    assert [(e.model_id, e.seq_id, e.payload["prompt"]) for e in later] == [(env.model_id, 2, [5, 6, 7]), (env.model_id, 3, [8, 9])]
-    assert all(e.payload["max_tokens"] == 16 and e.payload["stop_at_eos"] for e in later)  # OpenAI's default 16
+    assert [(e.model_id, e.seq_id, e.payload.to_wire()["prompt"]) for e in later] == [(env.model_id, 2, [5, 6, 7]), (env.model_id, 3, [8, 9])]
+    assert all(e.payload.to_wire()["max_tokens"] == 16 and e.payload.to_wire()["stop_at_eos"] for e in later)  # OpenAI's default 16
 
 
 def test_the_base_model_and_an_adapter_id_name_what_they_sample(gw: Gateway) -> None:
     alice = _h(gw, "alice")
     _error(gw.client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]}, headers=alice), 408)
     (base,) = _samples(gw)
-    assert base.payload["snapshot"] is None and base.payload["snapshot_dir"] is None
+    assert base.payload.to_wire()["snapshot"] is None and base.payload.to_wire()["snapshot_dir"] is None
 
     r = gw.client.post("/v1/adapters", json={"rank": 4}, headers=alice)
     model_id = r.json()["model_id"]
@@ -156,7 +156,7 @@ def test_the_base_model_and_an_adapter_id_name_what_they_sample(gw: Gateway) -> 
     saved_checkpoint(gw.services, gw.tenant_ids["alice"], model_id, CheckpointKind.SAMPLER, "old", step=3)
     newest = saved_checkpoint(gw.services, gw.tenant_ids["alice"], model_id, CheckpointKind.SAMPLER, "new", step=5)
     _error(gw.client.post("/v1/completions", json={"model": model_id, "prompt": [1]}, headers=alice), 408)
-    assert [e.payload["snapshot"] for e in _samples(gw) if e.request_id != base.request_id] == [newest]
+    assert [e.payload.to_wire()["snapshot"] for e in _samples(gw) if e.request_id != base.request_id] == [newest]
 
 
 def test_chat_renders_the_plain_format_or_the_models_template(gw: Gateway) -> None:
@@ -168,8 +168,8 @@ def test_chat_renders_the_plain_format_or_the_models_template(gw: Gateway) -> No
     (plain,) = _samples(gw)
     expected = "system: Be brief.\nuser: Hi there\nassistant:"
     assert plain_chat_prompt([("system", "Be brief."), ("user", "Hi there")]) == expected
-    assert plain.payload["prompt"] == tok.encode(expected)
-    assert plain.payload["max_tokens"] == 3 and plain.payload["topk_sample_logprobs"] == 4
+    assert plain.payload.to_wire()["prompt"] == tok.encode(expected)
+    assert plain.payload.to_wire()["max_tokens"] == 3 and plain.payload.to_wire()["topk_sample_logprobs"] == 4
 
     folder = gw.services.settings.resolved_model_cache / "tiny"
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -181,9 +181,9 @@ def test_chat_renders_the_plain_format_or_the_models_template(gw: Gateway) -> No
             "<|im_start|>assistant\n")  # fmt: skip
     assert GatewayTokenizer.load(str(folder)).render_chat([{"role": m["role"], "content": c} for m, c in
                                                            zip(messages, ["Be brief.", "Hi there"], strict=True)]) == (text, True)  # fmt: skip
-    assert templated.payload["prompt"] == tok.encode(text, add_special_tokens=False)
-    assert templated.payload["prompt"][0] == tok.tokenizer.token_to_id("<|pad|>")  # the special token, one id
-    assert templated.payload["max_tokens"] == 7
+    assert templated.payload.to_wire()["prompt"] == tok.encode(text, add_special_tokens=False)
+    assert templated.payload.to_wire()["prompt"][0] == tok.tokenizer.token_to_id("<|pad|>")  # the special token, one id
+    assert templated.payload.to_wire()["max_tokens"] == 7
 
 
 def test_an_idempotency_key_retry_takes_the_first_requests_seq_id(gw: Gateway) -> None:

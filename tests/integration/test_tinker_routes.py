@@ -162,7 +162,7 @@ def test_forward_backward_protobuf_and_zstd_bodies_queue_like_the_native_route(t
     assert zstd.status_code == 200, zstd.text
     kinds = {e.seq_id: e.kind for e in queued(tk.services).values() if e.model_id == model_id and e.seq_id > 0}
     assert kinds == {1: RequestKind.FORWARD_BACKWARD, 2: RequestKind.FORWARD}
-    payload = next(e.payload for e in queued(tk.services).values() if e.seq_id == 1 and e.model_id == model_id)
+    payload = next(e.payload.to_wire() for e in queued(tk.services).values() if e.seq_id == 1 and e.model_id == model_id)
     assert payload["data"][0]["model_input"] == [1, 2, 3, 4, 5, 6]
     retry = tk.client.post("/api/v1/forward_backward", content=_fb_body(model_id, 1), headers={**_h(tk), **PROTOBUF})
     assert retry.json()["request_id"] == plain.json()["request_id"]  # (model_id, seq_id) is the idempotency key
@@ -293,8 +293,8 @@ def test_samplers_and_samples_queue_outside_any_chain(tk) -> None:
     assert ref["request_id"].startswith("sample.") and len(ref["sample_sequence_ids"]) == 3
     queued_sample = next(e for e in queued(tk.services).values() if e.kind == RequestKind.SAMPLE)
     assert (queued_sample.model_id, queued_sample.seq_id) == (sampler_id, 7)
-    assert queued_sample.payload["snapshot"] == path and queued_sample.payload["stop_token_ids"] == [9]
-    assert queued_sample.payload["snapshot_dir"]  # a restarted pool loads the snapshot from the checkpoint
+    assert queued_sample.payload.to_wire()["snapshot"] == path and queued_sample.payload.to_wire()["stop_token_ids"] == [9]
+    assert queued_sample.payload.to_wire()["snapshot_dir"]  # a restarted pool loads the snapshot from the checkpoint
     assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk)).json() == ref  # (sampler, seq_id) idempotent
     assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk, "bob")).status_code == 404
 
@@ -322,6 +322,6 @@ def test_the_unnamed_sampler_save_answers_a_sampler_over_its_own_checkpoint(tk) 
     info = tk.client.get(f"/api/v1/samplers/{sampler_id}", headers=_h(tk)).json()
     assert info["model_path"] == f"tinker://{model_id}/sampler_weights/sampling-0-1"
     saves = [e for e in queued(tk.services).values() if e.kind == RequestKind.SAVE_SAMPLER]
-    assert [e.request_id for e in saves] == [request_id] and saves[0].payload["ttl_seconds"] == 86400
+    assert [e.request_id for e in saves] == [request_id] and saves[0].payload.to_wire()["ttl_seconds"] == 86400
     again = tk.client.post("/api/v1/save_weights_for_sampler", json=body, headers=_h(tk))
     assert again.json() == ref.json()  # the SDK's retry: the same save, the same sampler

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.dispatch.loop import STATE_KINDS
 from loraplex.errors import LeaseLostError
 from loraplex.pool.records import check_leader
-from loraplex.protocol import BatchPlan, RequestKind
+from loraplex.protocol import KINDS, BatchPlan, RequestKind
 from loraplex.queue import replay_log
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.repositories import SnapshotRepository, unit_of_work
@@ -137,7 +136,7 @@ class Snapshotter:
                     self._cadence.pop(r.model_id, None)
                     deleted.append(_Job(r.model_id, r.tenant_id, CREATION_ONLY, None))
                 continue
-            if r.kind not in STATE_KINDS or (r.part is not None and r.unfinished):
+            if not KINDS[r.kind].changes_state or (r.part is not None and r.unfinished):
                 continue
             c = self._cadence.setdefault(r.model_id, _Cadence(r.tenant_id, now))
             c.dirty = True
