@@ -3,8 +3,9 @@ every tenant's request stream of it (queue/consumer.py).
 
 Each `run_once`: read envelopes (this consumer's un-acked backlog first, entries of dead consumers every few seconds,
 then new ones), keep them in an arrival-ordered buffer, ask the policy for a plan, mark its requests running, execute
-it, tell `on_outcomes` (SQL), store the outcomes, and only then ack the entries (at-least-once delivery; with the
-idempotency keys and the stored-result check below, each request is applied once):
+it, and hand the answered plan to the finish step (`PlanHooks.finish`, dispatch/hooks.py: the pool's records it in SQL),
+which stores the outcomes and only then acks the entries (at-least-once delivery; with the idempotency keys and the
+stored-result check below, each request is applied once):
 - an entry whose request already has a stored result (a crash between storing and acking) is acked, never re-applied;
 - a duplicate (seq_id at or below the adapter's last applied one, or a second request for the same slot) is answered
   with the first request's stored result;
@@ -18,15 +19,14 @@ plans) or being finished (its result not stored yet): the stale-entry claim skip
 idle time it refreshes meanwhile (so no other consumer takes them either), and a redelivered twin of a request being
 finished waits for its result. A sample run in slices (an unfinished Outcome) stays held, unanswered, until it ends.
 
-Pipelined (`pipelined=True`, the pool's mode; dispatch/stages.py): a prefetch thread reads and decodes the streams
-while a plan runs, and a finisher thread writes each plan's SQL records (`on_outcomes`), stores its results and acks
-its entries while the next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
+Pipelined (`DispatchConfig.pipelined`, the pool's mode; dispatch/stages.py): a prefetch thread reads and decodes the
+streams while a plan runs, and a finisher thread runs each plan's finish step (its records, results and acks) while the
+next plan runs; the loop itself only plans and executes. Seq_ids advance in the loop at once, so
 the next plan never waits for the finisher. An underfilled plan waits a moment for the tenants it just answered
 (dispatch/coalescing.py, `settings.coalesce_ms`), so closed-loop tenants keep sharing one step.
 
-`on_outcomes(outcomes, plan)` is where the caller records applied seq_ids and usage in SQL. `plan.requests` holds every
-request in `outcomes`; requests failed by the dispatcher itself (gap timeout) come in a plan made of them alone, under
-their natural step kind, each with a failed outcome. Record usage for `outcome.ok` only.
+A Dispatcher is built from its knobs (`DispatchConfig`) and what the pool plugs in (`PlanHooks`), both in
+dispatch/hooks.py; no hook is handed the dispatcher.
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from typing import Protocol
+from types import MappingProxyType
 
 import redis as redis_lib
 
 from loraplex.dispatch.coalescing import Coalescer, full_microbatch_tokens
-from loraplex.dispatch.cost_model import StepCost
 from loraplex.dispatch.fair_share import FairShareLedger
+from loraplex.dispatch.hooks import AnsweredPlan, DispatchConfig, LoopProgress, PlanHooks
 from loraplex.dispatch.policy import PolicyLimits, PolicyResult, plan_batch
 from loraplex.dispatch.stages import Finisher, Prefetcher, lost_group, retry_redis
-from loraplex.dispatch.tenant_weights import TenantWeights
+from loraplex.errors import ConflictError, EngineError, InvalidRequestError, LoraplexError
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
@@ -68,23 +68,10 @@ from loraplex.queue.producer import Claim
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
 from loraplex.runtime.logutil import Backoff, RateLimitedLog
-from loraplex.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-# It may return the outcomes to publish instead (e.g. a save completed by its background write), or None: as given.
-OnOutcomes = Callable[[list[Outcome], BatchPlan], list[Outcome] | None]
-AppliedSeqLookup = Callable[[str], int | None]
-
 IDLE_TICK_S = 1.0  # how often an idle loop calls after_plan (with an empty plan)
-
-class PlanObserver(Protocol):
-    """Told about each executed plan and where the seconds went (dispatch/pool_metrics.PoolMetrics). Its failures are
-    logged and never reach the loop."""
-
-    def executed(self, plan: BatchPlan, outcomes: Sequence[Outcome], busy_s: float) -> None: ...
-
-    def timed(self, seconds: Mapping[str, float]) -> None: ...
 
 
 @dataclass
@@ -103,62 +90,22 @@ class Dispatcher:
         redis: redis_lib.Redis,
         pool: str,
         executor: Executor,
-        on_outcomes: OnOutcomes | None = None,
-        settings: Settings | None = None,
-        *,
-        applied_seq_lookup: AppliedSeqLookup | None = None,
-        consumer_name: str = "dispatcher",
-        seq_gap_timeout_s: float = 60.0,
-        max_requests_per_plan: int = 256,
-        block_ms: int = 100,
-        read_count: int = 128,
-        claim_idle_ms: int | None = None,
-        claim_every_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-        pipelined: bool = False,
-        coalesce_s: float | None = None,
-        results: ResultStore | None = None,
-        cost_model: StepCost | None = None,
-        tenant_weights: TenantWeights | None = None,
-        observer: PlanObserver | None = None,
-        request_log: bool = False,
-        after_plan: Callable[[BatchPlan, Dispatcher], None] | None = None,
-        others_waiting: threading.Event | None = None,
+        config: DispatchConfig | None = None,
+        hooks: PlanHooks | None = None,
     ) -> None:
-        """pipelined: read ahead and finish plans in background threads (see the module doc); call `close` after.
-        coalesce_s: how long an underfilled plan may wait for the tenants it just answered (default: the setting).
-        results: the result store (the pool's is fenced by its lease, queue/results.py); default: a plain one.
-        cost_model: splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from
-        its executor's step times); None: one mixed step per round. tenant_weights: fair-share weights (None: all 1).
-        observer: told about each executed plan and the seconds of each phase (the pool's metrics).
-        others_waiting: set by the prefetch thread while requests other than samples wait unplanned (the pool's
-        native sampler reads it to end a slice early).
-
-        request_log: move each answered request into its adapter's durable request log when it is acked
-        (queue/replay_log.py), for a restarted pool to replay after the adapter's snapshot.
-        after_plan: called on the loop thread after each executed plan (the pool's snapshot cadence, durable/), and
-        with an empty plan once a second while there is nothing to do."""
-        settings = settings or get_settings()
+        """config: the knobs (default: DispatchConfig.from_settings()); hooks: what the pool plugs in (default: none;
+        results stored in a plain ResultStore on `redis`). With `config.pipelined`, call `close` after."""
+        self.config = config = config or DispatchConfig.from_settings()
+        self.hooks = hooks = hooks or PlanHooks()
         self.executor = executor
-        self.on_outcomes = on_outcomes
-        self.applied_seq_lookup = applied_seq_lookup
         self.pool = pool
-        self.results = results or ResultStore(redis)
-        self.observer = observer
-        # read_count: the most of one tenant's requests the dispatcher holds unanswered (the consumer stops reading a
-        # tenant's stream there), so one tenant's backlog never crowds another out of the policy's view
-        self.consumer = Consumer(redis, pool, consumer_name, self.results, window=read_count)
+        self.results = hooks.results or ResultStore(redis)
+        self.consumer = Consumer(redis, pool, config.consumer_name, self.results, window=config.read_count)
         self.redis = redis
         self.limits = PolicyLimits(
-            plan_tokens=settings.plan_tokens, max_requests=max_requests_per_plan, max_adapters_per_step=settings.slots,
-            max_sample_batches=settings.sample_runs_in_flight,
-        )
-        self.seq_gap_timeout_s = seq_gap_timeout_s
-        self.block_ms = block_ms
-        self.read_count = read_count
-        self.claim_idle_ms = settings.stale_claim_ms if claim_idle_ms is None else claim_idle_ms
-        self.claim_every_s = claim_every_s
-        self.clock = clock
+            plan_tokens=config.plan_tokens, max_requests=config.max_requests_per_plan,
+            max_adapters_per_step=config.slots, max_sample_batches=config.sample_runs_in_flight,
+        )  # fmt: skip
         self._buffer: list[_Held] = []  # arrival order
         self._held_ids: set[EntryRef] = set()  # stream entries in the buffer
         self._applied: dict[str, int | None] = {}  # model_id -> last applied seq_id
@@ -169,21 +116,12 @@ class Dispatcher:
         self._finishing: dict[EntryRef, str] = {}
         self._finishing_lock = threading.Lock()
         self._next_claim = 0.0
-        self.cost_model = cost_model
-        self.tenant_weights = tenant_weights
         self.fair_share = FairShareLedger()  # weighted tokens served per tenant, across plans
         self._share_context: tuple[set[str], dict[str, float]] = (set(), {})  # the last plan's tenants and weights
         self._more_ready = False  # the last plan was capped: read without blocking
-        window = settings.coalesce_ms / 1000 if coalesce_s is None else coalesce_s
-        self.coalescer = Coalescer(window)
-        # an underfilled plan runs the whole microbatches it fills without waiting (0: never; dispatch/coalescing.py)
-        self.microbatch_tokens = settings.microbatch_tokens if settings.coalesce_early_full_microbatches else 0
-        self.pipelined = pipelined
-        self._others_waiting = others_waiting
-        self._finisher = Finisher(background=pipelined)
+        self.coalescer = Coalescer(config.coalesce_s)
+        self._finisher = Finisher(background=config.pipelined)
         self._prefetcher: Prefetcher | None = None  # started by the first read
-        self.request_log = request_log
-        self.after_plan = after_plan
         self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
         self._last_after_plan = float("-inf")
 
@@ -210,12 +148,17 @@ class Dispatcher:
         """Run `job` once every plan finished so far has its records, results and acks written (finisher order)."""
         self._finisher.submit(job)
 
+    def progress(self) -> LoopProgress:
+        """What the loop has answered so far (its applied seq_ids, adapters in parts), for `after_plan` and a clean
+        stop's last snapshots."""
+        return LoopProgress(MappingProxyType(self._applied), frozenset(self.in_parts()), self.after_finished)
+
     def run_once(self) -> int:
         """One read + plan + execute round; returns how many requests it answered."""
-        now = self.clock()
-        t_start = time.monotonic()
+        now = time.monotonic()
+        t_start = now
         entries = self._claim_if_due(now)
-        entries += self._read(None if self._more_ready else self.block_ms / 1000)
+        entries += self._read(None if self._more_ready else self.config.block_ms / 1000)
         self._admit(entries, now)
         t_read = time.monotonic()
         if not self._buffer:
@@ -235,7 +178,7 @@ class Dispatcher:
             answered, busy = self._execute_samples_last(decision.plan, by_obj)
             self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
-        answered += self._expire_gaps(decision.blocked, self.clock())
+        answered += self._expire_gaps(decision.blocked, time.monotonic())
         # a sample run in flight goes on at once (its next slice); otherwise only a capped plan reads without waiting
         self._more_ready = (bool(decision.plan.steps) and bool(decision.pending)) or bool(self._sampling)
         if decision.plan.steps:
@@ -248,17 +191,17 @@ class Dispatcher:
         return answered
 
     def _call_after_plan(self, plan: BatchPlan) -> None:
-        if self.after_plan is None:
+        if self.hooks.after_plan is None:
             return
-        self._last_after_plan = self.clock()
+        self._last_after_plan = time.monotonic()
         try:
-            self.after_plan(plan, self)
+            self.hooks.after_plan(plan, self.progress())
         except Exception:  # noqa: BLE001 - snapshots are retried later; serving must go on
             log.exception("after_plan failed")
 
     def _idle_tick(self, now: float) -> None:
         """No work: once a second, `after_plan` with an empty plan (time-based snapshots of idle adapters)."""
-        if self.after_plan is not None and now - self._last_after_plan >= IDLE_TICK_S:
+        if self.hooks.after_plan is not None and now - self._last_after_plan >= IDLE_TICK_S:
             self._call_after_plan(BatchPlan(()))
 
     def run_forever(self, stop_event: threading.Event) -> None:
@@ -294,12 +237,12 @@ class Dispatcher:
     # -- reading and planning ---------------------------------------------------------------------------------------
     def _read(self, wait_s: float | None) -> list[Entry]:
         """New entries, waiting up to `wait_s` seconds for some (None: don't wait)."""
-        if not self.pipelined:
+        if not self.config.pipelined:
             block = None if wait_s is None else max(1, round(wait_s * 1000))
-            return self.consumer.read(block, self.read_count)
+            return self.consumer.read(block, self.config.read_count)
         if self._prefetcher is None:
-            self._prefetcher = Prefetcher(self.consumer, self.block_ms, self.read_count,
-                                          others_waiting=self._others_waiting)  # fmt: skip
+            self._prefetcher = Prefetcher(self.consumer, self.config.block_ms, self.config.read_count,
+                                          others_waiting=self.hooks.others_waiting)  # fmt: skip
         return self._prefetcher.take(wait_s)
 
     def _plan(self, limits: PolicyLimits | None = None, adapters: set[str] | None = None) -> PolicyResult:
@@ -307,10 +250,10 @@ class Dispatcher:
         requests = [h.request for h in self._buffer if adapters is None or h.request.model_id in adapters]
         view = {m: self._applied.get(m) for m in {r.model_id for r in requests}}
         tenants = {r.tenant_id for r in requests}
-        weights = self.tenant_weights.of(tenants) if self.tenant_weights is not None else {}
+        weights = self.hooks.tenant_weights.of(tenants) if self.hooks.tenant_weights is not None else {}
         self._share_context = (tenants, weights)
         return plan_batch(requests, view, limits or self.limits, self._progress, share=self.fair_share.view(tenants),
-                          weights=weights, cost=self.cost_model, sampling=self._sampling)  # fmt: skip
+                          weights=weights, cost=self.hooks.cost_model, sampling=self._sampling)  # fmt: skip
 
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
         """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back;
@@ -328,7 +271,7 @@ class Dispatcher:
                 return early
             entries = self._read(wait)
             if entries:
-                self._admit(entries, self.clock())
+                self._admit(entries, time.monotonic())
                 decision = self._plan()
                 if decision.pending:  # full now
                     return decision
@@ -340,7 +283,7 @@ class Dispatcher:
         (to within an eighth of one) without splitting one."""
         fb = [r for s in decision.plan.steps if s.kind == StepKind.FORWARD_BACKWARD for r in s.requests]
         tokens = sum(r.num_tokens for r in fb)
-        bound = full_microbatch_tokens(tokens, self.microbatch_tokens)
+        bound = full_microbatch_tokens(tokens, self.config.early_microbatch_tokens)
         if bound == 0 or self.coalescer.awaited(now) & {r.model_id for r in fb}:
             return None
         if bound == tokens:  # nothing to cut: it is whole microbatches already
@@ -350,7 +293,7 @@ class Dispatcher:
         first = self._plan(replace(self.limits, plan_tokens=bound, max_rounds=1))
         first_fb = [r for s in first.plan.steps if s.kind == StepKind.FORWARD_BACKWARD for r in s.requests]
         already_in_parts = {r.request_id for r in fb if r.part is not None}
-        if sum(r.num_tokens for r in first_fb) < bound - self.microbatch_tokens // 8 or any(
+        if sum(r.num_tokens for r in first_fb) < bound - self.config.early_microbatch_tokens // 8 or any(
             r.part is not None and r.request_id not in already_in_parts for r in first_fb
         ):  # the lengths do not pack into whole microbatches (within an eighth of one), or a request would split
             return None
@@ -363,11 +306,11 @@ class Dispatcher:
     def _claim_if_due(self, now: float) -> list[Entry]:
         if now < self._next_claim:
             return []
-        self._next_claim = now + self.claim_every_s
+        self._next_claim = now + self.config.claim_every_s
         with self._finishing_lock:
             ours = self._held_ids | set(self._finishing)
         self.consumer.keep(ours)  # still ours: their idle time starts again, no consumer's claim takes them
-        return [(sid, env) for sid, env in self.consumer.claim_stale(self.claim_idle_ms, self.read_count)
+        return [(sid, env) for sid, env in self.consumer.claim_stale(self.config.claim_idle_ms, self.config.read_count)
                 if sid not in ours]  # fmt: skip
 
     def _admit(self, entries: Sequence[Entry], now: float) -> None:
@@ -382,7 +325,7 @@ class Dispatcher:
         for (sid, env), answered in zip(fresh, done, strict=True):
             req = to_planned(env)
             if req.model_id not in self._applied and req.kind not in UNORDERED_KINDS:  # a sampler is no adapter
-                lookup = self.applied_seq_lookup
+                lookup = self.hooks.applied_seq_lookup
                 self._applied[req.model_id] = lookup(req.model_id) if lookup else None
             silent = False
             if answered:  # stored before a crash, never acked: never apply twice...
@@ -423,15 +366,20 @@ class Dispatcher:
             outcomes = list(self.executor.execute(plan))
         except Exception as exc:  # the engine failed as a whole: every request of the plan gets the error
             log.exception("plan of %d requests failed", len(requests))
-            outcomes = [_failed(r, "EngineError", f"{type(exc).__name__}: {exc}") for r in requests]
+            outcomes = [_failed(r, EngineError(f"{type(exc).__name__}: {exc}")) for r in requests]
         busy = time.monotonic() - started
         self._plans += 1
+        try:
+            from_loop = self.hooks.finish.on_loop(plan)
+        except Exception:  # noqa: BLE001 - the plan ran: its answers go out without what it read
+            log.exception("the finish step's on_loop failed")
+            from_loop = None
         outcomes = _one_per_request(outcomes, requests)
         self._observe("executed", plan, outcomes, busy)  # before any result is visible: a client reads it counted
         if any(r.part is not None for r in requests) or any(o.unfinished for o in outcomes):
             plan, outcomes = self._settle_parts(plan, outcomes)
             requests = plan.requests
-        self._finish(outcomes, plan, [by_obj[id(r)] for r in requests])
+        self._finish(outcomes, plan, [by_obj[id(r)] for r in requests], busy, from_loop)
         steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in UNCHAINED_KINDS]
         self.coalescer.answered(sorted(steps, key=lambda a: a[2]), time.monotonic())
         for r in requests:
@@ -493,13 +441,14 @@ class Dispatcher:
         first_id = Claim.decode(text(raw)).request_id if raw is not None else None
         first = self.results.get(first_id) if first_id and first_id != dup.request_id else None
         if first is not None:
-            return Outcome(dup.request_id, first.result, first.error_type, first.error)
+            return replace(first, request_id=dup.request_id)
         last = self._applied.get(dup.model_id)
         return _failed(
             dup,
-            "ConflictError",
-            f"adapter {dup.model_id}: {dup.kind} seq_id {dup.seq_id} is a repeat of an earlier request or at or below "
-            f"the last applied seq_id ({last}), and no stored result can answer it",
+            ConflictError(
+                f"adapter {dup.model_id}: {dup.kind} seq_id {dup.seq_id} is a repeat of an earlier request or at or "
+                f"below the last applied seq_id ({last}), and no stored result can answer it"
+            ),
         )
 
     def _expire_gaps(self, blocked: dict[str, int], now: float) -> int:
@@ -509,14 +458,14 @@ class Dispatcher:
             waiting = [
                 h for h in self._buffer if h.request.model_id == model_id and h.request.kind not in UNCHAINED_KINDS
             ]
-            if not waiting or now - min(h.first_seen for h in waiting) < self.seq_gap_timeout_s:
+            if not waiting or now - min(h.first_seen for h in waiting) < self.config.seq_gap_timeout_s:
                 continue
             for h in waiting:
                 msg = (
-                    f"adapter {model_id}: seq_id {h.request.seq_id} waited over {self.seq_gap_timeout_s:g} s "
+                    f"adapter {model_id}: seq_id {h.request.seq_id} waited over {self.config.seq_gap_timeout_s:g} s "
                     f"for seq_id {missing}, which never arrived"
                 )
-                outcomes.append(_failed(h.request, "InvalidRequestError", msg))
+                outcomes.append(_failed(h.request, InvalidRequestError(msg)))
                 held.append(h)
         if not held:
             return 0
@@ -524,17 +473,33 @@ class Dispatcher:
         self._finish(outcomes, plan, held)
         return len(outcomes)
 
-    def _finish(self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held]) -> None:
-        """Advance seq_ids and drop the requests from the buffer now; then (finisher) record, store and ack, in this
-        order, so a crash never loses an answer."""
+    def _finish(
+        self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held], busy_s: float = 0.0, from_loop: object = None
+    ) -> None:
+        """Advance seq_ids and drop the requests from the buffer now; then (finisher) the finish step: record, store
+        and ack, in this order, so a crash never loses an answer."""
         self._advance(plan.requests)
         self._forget(held)
-        actions = self._log_actions(outcomes, plan, held) if self.request_log else {}
+        actions = self._log_actions(outcomes, plan, held) if self.hooks.request_log else {}
         silent = {h.request.request_id for h in held if h.silent}
-        publish = [o for o in outcomes if o.request_id not in silent] if silent else outcomes
+        stream_ids = [h.stream_id for h in held]
+        published: list[float] = []  # when the finish step stored the results (the plan's timing)
+
+        def publish(shown: list[Outcome]) -> None:
+            published.append(time.monotonic())
+            # a silent rerun's first result stays as it was delivered
+            shown = [o for o in shown if o.request_id not in silent] if silent else shown
+            # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/stages.py).
+            retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
+
+        def ack() -> None:  # with the request log's moves when it is on
+            call = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))
+            retry_redis(call, "finishing a plan", self._finisher.warn)
+
         with self._finishing_lock:
             self._finishing.update((h.stream_id, h.request.request_id) for h in held)
-        self._finisher.submit(self._store, outcomes, plan, [h.stream_id for h in held], actions, publish)
+        answer = AnsweredPlan(plan, outcomes, busy_s, from_loop, publish, ack)
+        self._finisher.submit(self._end_plan, answer, stream_ids, published)
 
     @staticmethod
     def _log_actions(
@@ -553,44 +518,27 @@ class Dispatcher:
                 out[h.stream_id] = ("a" if o.ok and KINDS[r.kind].changes_state else "s", r.model_id, r.seq_id)
         return out
 
-    def _store(
-        self,
-        outcomes: list[Outcome],
-        plan: BatchPlan,
-        stream_ids: list[EntryRef],
-        actions: dict[EntryRef, tuple[str, str, int]] | None = None,
-        publish: list[Outcome] | None = None,
-    ) -> None:
-        """SQL records first, then the results (DESIGN: a result is visible only after its step's SQL record, so a
-        client that sees it reads the adapter's new state and tiers), then the acks."""
+    def _end_plan(self, answer: AnsweredPlan, stream_ids: list[EntryRef], published: list[float]) -> None:
+        """The finisher's part of a plan: its finish step (DESIGN: a result is visible only after its step's SQL
+        record, so a client that sees it reads the adapter's new state and tiers; then the acks), timed."""
+        started = time.monotonic()
         try:
-            started = time.monotonic()
-            if self.on_outcomes is not None:
-                try:
-                    outcomes = self.on_outcomes(outcomes, plan) or outcomes
-                except Exception:  # recording them must not stall every tenant: the results still go out
-                    log.exception("on_outcomes failed for %d outcomes", len(outcomes))
-            recorded = time.monotonic()
-            # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/stages.py).
-            # publish: the outcomes to store (a silent rerun's first result stays as it was delivered)
-            shown = outcomes if publish is None else publish
-            retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
-            ack = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))
-            retry_redis(ack, "finishing a plan", self._finisher.warn)
+            self.hooks.finish(answer)
         finally:  # acked, or given up on: a claim may take the entries again (their stored results answer them)
             with self._finishing_lock:
                 for sid in stream_ids:
                     self._finishing.pop(sid, None)
+        recorded = published[0] if published else time.monotonic()
         timing = stats.PlanStats(record_s=recorded - started, publish_s=time.monotonic() - recorded)
         self._observe("timed", {"record": timing.record_s, "publish": timing.publish_s})
         with suppress(redis_lib.RedisError):  # statistics only
             stats.add(self.redis, self.pool, timing)
 
     def _observe(self, method: str, *args: object) -> None:
-        if self.observer is None:
+        if self.hooks.observer is None:
             return
         try:
-            getattr(self.observer, method)(*args)
+            getattr(self.hooks.observer, method)(*args)
         except Exception:  # metrics must never stop the pool
             log.exception("the plan observer failed (%s)", method)
 
@@ -617,14 +565,14 @@ def _slot(r: PlannedRequest) -> tuple[str, str | int]:
     return (r.model_id, str(r.kind) if r.kind in CONTROL_KINDS else r.seq_id)
 
 
-def _failed(r: PlannedRequest, error_type: str, message: str) -> Outcome:
-    return Outcome(request_id=r.request_id, error_type=error_type, error=message)
+def _failed(r: PlannedRequest, exc: LoraplexError) -> Outcome:
+    return Outcome.failed(r.request_id, exc)
 
 
 def _one_per_request(outcomes: list[Outcome], requests: Sequence[PlannedRequest]) -> list[Outcome]:
     """Exactly one outcome per planned request, in plan order; a request the executor skipped gets an EngineError."""
     by_id = {o.request_id: o for o in outcomes}
-    return [by_id.get(r.request_id) or _failed(r, "EngineError", "the engine returned no outcome") for r in requests]
+    return [by_id.get(r.request_id) or _failed(r, EngineError("the engine returned no outcome")) for r in requests]
 
 
 def _plan_of(requests: Sequence[PlannedRequest]) -> BatchPlan:

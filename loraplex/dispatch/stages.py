@@ -1,13 +1,14 @@
 """The dispatcher's two helper stages, so the pool is never idle for I/O it could do beside the engine:
 - `Prefetcher`: a thread that reads and decodes the request stream while a plan runs (a bounded queue: when the pool
   falls behind, reading stops rather than buffering without end);
-- `Finisher`: one thread that stores results, writes the SQL records and acks, plan after plan in order, while the
-  next plan runs. Inline (no thread) when the loop is driven step by step (`run_once` in tests).
+- `Finisher`: one thread that runs each plan's finish step (dispatch/hooks.FinishStep: the pool's writes its SQL record,
+  then stores the results and acks), plan after plan in order, while the next plan runs. Inline (no thread) when the
+  loop is driven step by step (`run_once` in tests).
 
 Both ride out a Redis outage: the reader retries with backoff and recreates a consumer group that a Redis restart
 lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
-The plan's SQL writes (pool/records.py, pool/recording_executor.py) ride out a database outage the same way
-(storage/outage.retry_database), so a result is still stored only after its SQL record.
+The plan's SQL transaction (pool/finish.py) rides out a database outage the same way (storage/outage.retry_database),
+so a result is still stored only after its SQL record.
 """
 
 from __future__ import annotations

@@ -233,11 +233,13 @@ def _lead(
 
     from loraplex.dispatch.cost_calibration import OnlineCostModel
     from loraplex.dispatch.cost_model import default_cost
+    from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
     from loraplex.dispatch.loop import Dispatcher
     from loraplex.dispatch.tenant_weights import TenantWeights
+    from loraplex.pool.durable.snapshotter import build_snapshotter
+    from loraplex.pool.finish import PlanFinish
     from loraplex.pool.ready import ready_file, remove_ready_file, write_ready_file
-    from loraplex.pool.recording_executor import RecordingExecutor
-    from loraplex.pool.records import OutcomeRecorder, PlanNotes, applied_seq_lookup, sql_weights
+    from loraplex.pool.records import applied_seq_lookup, sql_weights
     from loraplex.queue.results import ResultStore
     from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.runtime.logutil import RateLimitedLog
@@ -279,47 +281,38 @@ def _lead(
     executor = PlanExecutor(engine, store, sampling, writes,
                             on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
-    notes = PlanNotes()  # plan seconds and rank 0's tier moves, from the executor to the recorder
-    recorder = OutcomeRecorder(sessions, pool=settings.pool, notes=notes, lease=lease)
     if lease is None:  # the adapters of an earlier run of this pool are gone, and their rows (with a lease: cleared
         with unit_of_work(sessions) as session:  # when it took the pool over, leadership.py)
             ResidencyRepository(session).clear(settings.pool)
 
-    recording = RecordingExecutor(leader or executor, sessions, notes, store, pool=settings.pool, lease=lease,
-                                  writes=writes)  # fmt: skip
     metrics = pool_metrics(settings, executor, store)
-
-    def finish(outcomes: list[Any], plan: Any) -> list[Any]:
-        """The finisher's SQL part: background-written saves first (their rows), then the plan's records."""
-        outcomes = recording.settle(outcomes, plan)
-        recorder(outcomes, plan)
-        return outcomes
+    client = redis.Redis.from_url(settings.redis_url)
+    # The snapshot cadence (durable/snapshotter.py) and the request log, when durable snapshots are on.
+    snapshotter = build_snapshotter(settings, store, sessions, client, lease) if settings.durable_snapshots else None
+    hooks = PlanHooks(
+        results=ResultStore(client, lease=lease),
+        finish=PlanFinish(sessions, pool=settings.pool, store=store, writes=writes, lease=lease),
+        applied_seq_lookup=applied_seq_lookup(sessions),
+        after_plan=snapshotter.after_plan if snapshotter is not None else None,
+        observer=metrics,
+        request_log=snapshotter is not None,
+        tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
+        cost_model=cost,
+        others_waiting=others_waiting,
+    )
+    config = DispatchConfig.from_settings(settings, pipelined=True)
 
     def build_dispatcher() -> Dispatcher:
-        client = redis.Redis.from_url(settings.redis_url)
-        return Dispatcher(
-            client,
-            settings.pool,
-            recording,
-            on_outcomes=finish,
-            results=ResultStore(client, lease=lease),
-            settings=settings,
-            applied_seq_lookup=applied_seq_lookup(sessions),
-            pipelined=True,
-            cost_model=cost,
-            tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
-            observer=metrics,
-            others_waiting=others_waiting,
-        )
+        return Dispatcher(client, settings.pool, leader or executor, config, hooks)
 
-    dispatcher = _dispatcher_when_redis_answers(
-        build_dispatcher,
-        stop,
-    )
+    dispatcher = _dispatcher_when_redis_answers(build_dispatcher, stop)
     if dispatcher is None:  # stopped while Redis was away
+        if snapshotter is not None:
+            snapshotter.close()
         return
     try:
-        snapshotter = _durability(settings, dispatcher, store, leader or executor, sessions, lease)
+        if snapshotter is not None:
+            _recover(settings, dispatcher, snapshotter, store, leader or executor, sessions)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis went away while this process adopted its adapters: nothing was answered or written yet, so the
         # supervisor's next process starts the recovery over (found by benchmarks/soak.py: a pool restarted while
@@ -367,7 +360,7 @@ def _lead(
     try:
         dispatcher.run_forever(stop)
         if snapshotter is not None and not (lease is not None and lease.lost):
-            snapshotter.flush(dispatcher)  # a clean stop: every changed adapter's state to disk before the lease goes
+            snapshotter.flush(dispatcher.progress())  # a clean stop: every changed adapter's state to disk before the lease goes
     finally:
         publisher.close()  # after the dispatcher's last plan: its numbers are published once more
         if metrics_http is not None:
@@ -432,24 +425,17 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
     return publisher, server
 
 
-def _durability(settings: Settings, dispatcher: Any, store: Any, executor: Any, sessions: Any, lease: Any) -> Any:
-    """Adopt this pool's adapters from their durable snapshots and request logs (pool/durable/recovery.py), start the
-    snapshot cadence (pool/durable/snapshotter.py) and the request log; None when durable snapshots are off. `executor`:
-    with several ranks the LeaderExecutor, so every rank adopts each snapshot and replays each logged request (the
-    LoRA state is replicated: rank 0's copy is the one the snapshots are written from)."""
-    if not settings.durable_snapshots:
-        return None
+def _recover(settings: Settings, dispatcher: Any, snapshotter: Any, store: Any, executor: Any, sessions: Any) -> None:
+    """Adopt this pool's adapters from their durable snapshots and request logs (pool/durable/recovery.py) before the
+    dispatcher reads anything: it continues from the seq_ids reached, and the snapshot cadence from the adopted state.
+    `executor`: with several ranks the LeaderExecutor, so every rank adopts each snapshot and replays each logged
+    request (the LoRA state is replicated: rank 0's copy is the one the snapshots are written from)."""
     from loraplex.pool.durable.recovery import adopt_into, recover_pool
-    from loraplex.pool.durable.snapshotter import build_snapshotter
 
     recovery = recover_pool(pool=settings.pool, store=store, executor=executor, sessions=sessions,
                             redis=dispatcher.redis, adopt=getattr(executor, "adopt", store.adopt))  # fmt: skip
     dispatcher.seed_applied(recovery.seeds)
-    snapshotter = build_snapshotter(settings, store, sessions, dispatcher.redis, lease)
     adopt_into(snapshotter, recovery)
-    dispatcher.request_log = True
-    dispatcher.after_plan = snapshotter.after_plan
-    return snapshotter
 
 
 def _beat_now(sessions: Any, settings: Settings, state: Any) -> None:

@@ -30,7 +30,7 @@ class PlanStats:
     plan_s: float = 0.0  # the policy choosing the plan (dispatch/policy.py), before any coalescing wait
     coalesce_s: float = 0.0  # holding underfilled plans back for the tenants just answered (dispatch/coalescing.py)
     overhead_s: float = 0.0  # the rest of the loop around each plan: decoding, admitting (plus finishing, not pipelined)
-    record_s: float = 0.0  # finishing: the SQL records of each plan (on_outcomes)
+    record_s: float = 0.0  # finishing: each plan's finish step up to storing its results (its SQL record)
     publish_s: float = 0.0  # finishing: storing the results and acking the entries
 
     @classmethod

@@ -1,8 +1,9 @@
 """Checkpoint files written beside the training path: one background thread, jobs keyed by the request that asked.
 
 The pool's executor hands a save's file write here (a sampler save: the weights were copied in the plan, the write
-is not), the dispatcher's finisher waits for it before it records the checkpoint row and publishes the result (so a
-client that sees the result can read the files), and a later plan that reads the same folder waits for it first."""
+is not), the pool's finish step (pool/finish.py) waits for it before it records the checkpoint row and publishes the
+result (so a client that sees the result can read the files), and a later plan that reads the same folder waits for it
+first."""
 
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ from collections import Counter
 import redis
 
 from loraplex.dispatch.cost_model import CostParams, FixedCost
+from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.dispatch.tenant_weights import TenantWeights
 from loraplex.protocol import BatchPlan, Outcome, StepKind
+from loraplex.protocol.results import DeleteResult
 from loraplex.queue.envelope import Envelope
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
@@ -26,7 +28,7 @@ class RecordingEngine:
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         self.plans.append(plan)
-        return [Outcome(r.request_id, result={}) for r in plan.requests]
+        return [Outcome(r.request_id, result=DeleteResult()) for r in plan.requests]
 
 
 def _fb(tenant: str, model: str, seq: int, tokens: int) -> Envelope:
@@ -51,8 +53,8 @@ def _dispatcher(r: redis.Redis, pool: str, engine: RecordingEngine, weights: dic
         fetched.append(1)
         return weights
 
-    d = Dispatcher(r, pool, engine, None, Settings(plan_tokens=4096, slots=8), applied_seq_lookup=lambda m: 0,
-                   block_ms=20, tenant_weights=TenantWeights(fetch, ttl_s=60), **kw)  # type: ignore[arg-type]  # fmt: skip
+    d = Dispatcher(r, pool, engine, DispatchConfig.from_settings(Settings(plan_tokens=4096, slots=8), block_ms=20, **kw),
+                   PlanHooks(applied_seq_lookup=lambda m: 0, tenant_weights=TenantWeights(fetch, ttl_s=60)))  # fmt: skip
     d.fetched = fetched  # type: ignore[attr-defined]
     return d
 
@@ -122,8 +124,8 @@ def test_the_loop_splits_steps_as_its_cost_model_says(redis_client: redis.Redis)
     pool = _uid()
     engine = RecordingEngine()
     pricey_mixing = FixedCost(CostParams(0.0, 0.001, 1e-5, 1e-4, 0.0), 4096)
-    d = Dispatcher(redis_client, pool, engine, None, Settings(plan_tokens=16384), applied_seq_lookup=lambda m: 0,
-                   block_ms=20, cost_model=pricey_mixing)  # fmt: skip
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(Settings(plan_tokens=16384), block_ms=20),
+                   PlanHooks(applied_seq_lookup=lambda m: 0, cost_model=pricey_mixing))  # fmt: skip
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     ids = []
     for i in range(3):

@@ -11,15 +11,34 @@ from typing import Any
 import pytest
 import redis
 
+from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
+from loraplex.protocol.results import DeleteResult, ForwardBackwardResult, OptimStepResult, Result
 from loraplex.queue import keys, replay_log
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
+from tests.helpers.finish import Recording
 from tests.helpers.queued import queue_length
+
+
+def _typed(kind: RequestKind, numbers: dict[str, float]) -> Result:
+    """The arithmetic engine's numbers as its kind's result: a forward's in its metrics, a delete's none, and those of
+    a create or an optim_step (the adapter's w) as an update's metrics."""
+    if kind in (RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD):
+        return ForwardBackwardResult(metrics=dict(numbers))
+    if kind == RequestKind.DELETE_ADAPTER:
+        return DeleteResult()
+    return OptimStepResult(metrics=dict(numbers))
+
+
+def _metrics(outcome: Outcome | None) -> dict[str, Any]:
+    """The numbers an outcome of the arithmetic engine carries."""
+    assert outcome is not None and outcome.result is not None, outcome
+    return outcome.result.to_wire().get("metrics", {})
 
 
 class ArithmeticEngine:
@@ -37,7 +56,8 @@ class ArithmeticEngine:
         for step in plan.steps:
             for r in step.requests:
                 self.applied.append((r.model_id, r.seq_id, str(r.kind)))
-                outcomes.append(Outcome(r.request_id, result=self._apply(r.model_id, r.kind, r.payload)))
+                numbers = self._apply(r.model_id, r.kind, r.payload)
+                outcomes.append(Outcome(r.request_id, result=_typed(r.kind, numbers)))
         return outcomes
 
     def _apply(self, model: str, kind: RequestKind, payload: Any) -> dict[str, Any]:  # the kind's payload model
@@ -100,7 +120,8 @@ def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(
             r = by_id[o.request_id]
             recorded[r.model_id] = max(recorded[r.model_id], r.seq_id)
 
-    d = Dispatcher(redis_client, pool, engine, on_outcomes, settings, applied_seq_lookup=recorded.get, block_ms=20)
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20),
+                   PlanHooks(finish=Recording(on_outcomes), applied_seq_lookup=recorded.get))  # fmt: skip
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     late = [_opt(a, 2), _opt(b, 2), _fb(b, 3, [5])]
     ids = [producer.submit(e) for e in late]
@@ -122,9 +143,9 @@ def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(
         (StepKind.OPTIM_STEP, sorted([a, b])),
     ]
     # The numbers: a: g = 1*3, w = 1 - 0.1*3 = 0.7. b: g = 2*3, w = 2 - 0.6 = 1.4, then loss = 1.4*5.
-    assert results.get(ids[0]).result == pytest.approx({"w": 0.7})
-    assert results.get(ids[1]).result == pytest.approx({"w": 1.4})
-    assert results.get(ids[2]).result == pytest.approx({"loss": 7.0})
+    assert _metrics(results.get(ids[0])) == pytest.approx({"w": 0.7})
+    assert _metrics(results.get(ids[1])) == pytest.approx({"w": 1.4})
+    assert _metrics(results.get(ids[2])) == pytest.approx({"loss": 7.0})
     assert all(results.state(i) is JobState.COMPLETE for i in ids)
     assert recorded == {a: 2, b: 3} and d.last_applied(b) == 3
     assert queue_length(redis_client, pool) == 0  # everything acked and deleted
@@ -133,7 +154,8 @@ def test_two_adapters_submitted_out_of_order_are_applied_in_seq_order(
 def test_a_duplicate_submission_is_applied_once(redis_client: redis.Redis, settings: Settings) -> None:
     pool, a = _uid(), f"a-{_uid()}"
     engine = ArithmeticEngine({a: 1.0})
-    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20)
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20),
+                   PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     stream = keys.request_stream(pool, f"t-{a}")
 
@@ -150,10 +172,10 @@ def test_a_duplicate_submission_is_applied_once(redis_client: redis.Redis, setti
     _drain(d, results, [late.request_id])
 
     assert engine.applied == [(a, 1, "forward_backward")]
-    expected = Outcome(first.request_id, result={"loss": 4.0})
+    expected = Outcome(first.request_id, result=ForwardBackwardResult(metrics={"loss": 4.0}))
     assert results.get(first.request_id) == expected
     for dup in (rogue, late):
-        assert results.get(dup.request_id) == Outcome(dup.request_id, result={"loss": 4.0})
+        assert results.get(dup.request_id) == Outcome(dup.request_id, result=ForwardBackwardResult(metrics={"loss": 4.0}))
     assert redis_client.xlen(stream) == 0
 
 
@@ -163,7 +185,8 @@ def test_create_steps_delete_in_one_plan_and_results_reach_a_waiting_client(
     pool, a = _uid(), f"a-{_uid()}"
     engine = ArithmeticEngine()
     reports: list[tuple[list[Outcome], BatchPlan]] = []
-    d = Dispatcher(redis_client, pool, engine, lambda o, p: reports.append((o, p)), settings, block_ms=20)
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20),
+                   PlanHooks(finish=Recording(lambda o, p: reports.append((o, p)))))  # fmt: skip
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     envs = [
         Envelope.new(tenant_id="t", model_id=a, kind="delete_adapter"),
@@ -182,7 +205,7 @@ def test_create_steps_delete_in_one_plan_and_results_reach_a_waiting_client(
         stop.set()
         worker.join(timeout=10)
     assert not worker.is_alive()
-    assert [o.result for o in outcomes] == [{}, {"loss": 6.0}, {"w": 3.0}, {"w": 0.0}]  # w = 3 - 0.5 * (3*2)
+    assert [_metrics(o) for o in outcomes] == [{}, {"loss": 6.0}, {"w": 3.0}, {"w": 0.0}]  # w = 3 - 0.5 * (3*2)
     assert [(s, k) for _, s, k in engine.applied] == [
         (-1, "create_adapter"),
         (1, "forward_backward"),
@@ -202,11 +225,8 @@ def test_a_seq_gap_fails_after_the_timeout_naming_the_missing_seq(
         redis_client,
         pool,
         engine,
-        lambda o, p: reports.append((o, p)),
-        settings,
-        applied_seq_lookup=lambda m: 1,
-        seq_gap_timeout_s=0.3,
-        block_ms=20,
+        DispatchConfig.from_settings(settings, seq_gap_timeout_s=0.3, block_ms=20),
+        PlanHooks(finish=Recording(lambda o, p: reports.append((o, p))), applied_seq_lookup=lambda m: 1),
     )
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     stuck = [producer.submit(_fb(a, 3, [1])), producer.submit(_opt(a, 4))]
@@ -215,7 +235,7 @@ def test_a_seq_gap_fails_after_the_timeout_naming_the_missing_seq(
     assert time.monotonic() - started >= 0.3
     for rid in stuck:
         outcome = results.get(rid)
-        assert outcome.error_type == "InvalidRequestError" and "seq_id 2" in outcome.error
+        assert outcome.error_name == "InvalidRequestError" and "seq_id 2" in outcome.error
     assert engine.applied == []
     [(outs, plan)] = reports  # reported, so the caller records seq 4 as answered
     assert {r.seq_id for r in plan.requests} == {3, 4} and not any(o.ok for o in outs)
@@ -224,8 +244,8 @@ def test_a_seq_gap_fails_after_the_timeout_naming_the_missing_seq(
     producer.submit(nxt)
     producer.submit(late)
     _drain(d, results, [nxt.request_id, late.request_id])
-    assert results.get(nxt.request_id).result == {"loss": 2.0}
-    assert results.get(late.request_id).error_type == "ConflictError"
+    assert _metrics(results.get(nxt.request_id)) == {"loss": 2.0}
+    assert results.get(late.request_id).error_name == "ConflictError"
     assert engine.applied == [(a, 5, "forward_backward")]
 
 
@@ -245,7 +265,8 @@ def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
 
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     ids = [producer.submit(_fb(a, 1, [1])), producer.submit(_opt(a, 2))]
-    first = Dispatcher(redis_client, pool, engine, record, settings, applied_seq_lookup=recorded.get)
+    first = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings),
+                       PlanHooks(finish=Recording(record), applied_seq_lookup=recorded.get))  # fmt: skip
 
     def crash_before_acking(stream_ids: Any) -> None:
         if list(stream_ids):
@@ -257,10 +278,11 @@ def test_a_restarted_dispatcher_finishes_what_the_crashed_one_read(
     assert all(results.has_many(ids)) and queue_length(redis_client, pool) == 2
     ids.append(producer.submit(_fb(a, 3, [1])))
 
-    second = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=recorded.get)
+    second = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings),
+                        PlanHooks(applied_seq_lookup=recorded.get))  # fmt: skip
     _drain(second, results, ids)
     assert [s for _, s, _ in engine.applied] == [1, 2, 3]  # 1 and 2 not applied again
-    assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1
+    assert _metrics(results.get(ids[2])) == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1
     assert queue_length(redis_client, pool) == 0
 
 
@@ -274,7 +296,8 @@ def test_answered_requests_move_to_the_request_log_and_a_recovered_adapter_rerun
     pool, a = _uid(), f"a-{_uid()}"
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     ids = [producer.submit(_fb(a, 1, [1])), producer.submit(_opt(a, 2))]
-    first = Dispatcher(redis_client, pool, ArithmeticEngine({a: 1.0}), settings=settings, request_log=True)
+    first = Dispatcher(redis_client, pool, ArithmeticEngine({a: 1.0}), DispatchConfig.from_settings(settings),
+                       PlanHooks(request_log=True))  # fmt: skip
 
     class Crash(BaseException):
         pass
@@ -290,7 +313,7 @@ def test_answered_requests_move_to_the_request_log_and_a_recovered_adapter_rerun
     assert replay_log.read_after(redis_client, pool, a, None) == []  # nothing acked: nothing logged yet
 
     engine = ArithmeticEngine({a: 1.0})  # the adopted state: before seq 1
-    second = Dispatcher(redis_client, pool, engine, settings=settings, request_log=True)
+    second = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings), PlanHooks(request_log=True))
     second.seed_applied({a: None})
     ids.append(producer.submit(_fb(a, 3, [1])))
     _drain(second, results, ids)
@@ -298,7 +321,7 @@ def test_answered_requests_move_to_the_request_log_and_a_recovered_adapter_rerun
     assert [results.get(i) for i in ids[:2]] == first_results
     assert [redis_client.llen(keys.notify_key(i)) for i in ids] == [1, 1, 1]  # delivered once each
     assert all(redis_client.get(keys.state_key(i)) == b"complete" for i in ids)
-    assert results.get(ids[2]).result == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1: seq 1 and 2 each once
+    assert _metrics(results.get(ids[2])) == pytest.approx({"loss": 0.9})  # w = 1 - 0.1 * 1: seq 1 and 2 each once
     logged = replay_log.read_after(redis_client, pool, a, None)
     assert [(e.seq_id, e.apply, e.envelope.request_id) for e in logged] == [(1, True, ids[0]), (2, True, ids[1]),
                                                                             (3, True, ids[2])]  # fmt: skip
@@ -327,13 +350,14 @@ def test_entries_of_a_dead_dispatcher_are_claimed(redis_client: redis.Redis, set
         def execute(self, plan: BatchPlan) -> list[Outcome]:
             raise Crash
 
-    dead = Dispatcher(redis_client, pool, DyingEngine(), settings=settings, consumer_name="node-1")
+    dead = Dispatcher(redis_client, pool, DyingEngine(), DispatchConfig.from_settings(settings, consumer_name="node-1"))
     with pytest.raises(Crash):
         dead.run_once()
     time.sleep(0.1)
-    live = Dispatcher(redis_client, pool, engine, settings=settings, consumer_name="node-2", claim_idle_ms=50)
+    live = Dispatcher(redis_client, pool, engine,
+                      DispatchConfig.from_settings(settings, consumer_name="node-2", claim_idle_ms=50))  # fmt: skip
     _drain(live, results, ids)
-    assert results.get(ids[0]).result == {"loss": 1.0}
+    assert _metrics(results.get(ids[0])) == {"loss": 1.0}
 
 
 def test_an_engine_failure_fails_the_plan_and_the_adapter_moves_on(
@@ -348,15 +372,16 @@ def test_an_engine_failure_fails_the_plan_and_the_adapter_moves_on(
             return super().execute(plan)
 
     engine = Flaky({a: 1.0})
-    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20)
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20),
+                   PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     bad = producer.submit(_fb(a, 1, [1]))
     _drain(d, results, [bad])
-    assert results.get(bad).error_type == "EngineError" and "rank 3 died" in results.get(bad).error
+    assert results.get(bad).error_name == "EngineError" and "rank 3 died" in results.get(bad).error
     assert results.state(bad) is JobState.FAILED
     good = producer.submit(_fb(a, 2, [2]))
     _drain(d, results, [good])
-    assert results.get(good).result == {"loss": 2.0}
+    assert _metrics(results.get(good)) == {"loss": 2.0}
 
 
 def test_a_restart_that_claims_its_own_backlog_keeps_each_entry_once(
@@ -366,13 +391,13 @@ def test_a_restart_that_claims_its_own_backlog_keeps_each_entry_once(
     engine = ArithmeticEngine({a: 1.0})
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
     waiting = producer.submit(_fb(a, 3, [1]))  # behind a gap: stays in the buffer
-    d = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 1, block_ms=20)
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20),
+                   PlanHooks(applied_seq_lookup=lambda m: 1))  # fmt: skip
     d.run_once()
     time.sleep(0.1)
     # Same name after a restart, claiming idle entries at once: claim and backlog both return the entry.
-    again = Dispatcher(
-        redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 1, block_ms=20, claim_idle_ms=50
-    )
+    again = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, claim_idle_ms=50),
+                       PlanHooks(applied_seq_lookup=lambda m: 1))  # fmt: skip
     again.run_once()
     assert [r.request_id for r in again.pending] == [waiting]
     nxt = producer.submit(_fb(a, 2, [1]))
@@ -401,8 +426,9 @@ def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_i
         for r in plan.requests:
             recorded[r.model_id] = max(recorded[r.model_id], r.seq_id)
 
-    d = Dispatcher(redis_client, pool, SlowEngine(), on_outcomes, settings, applied_seq_lookup=recorded.get,
-                   block_ms=20, pipelined=True, coalesce_s=0.2)  # fmt: skip
+    d = Dispatcher(redis_client, pool, SlowEngine(),
+                   DispatchConfig.from_settings(settings, block_ms=20, pipelined=True, coalesce_s=0.2),
+                   PlanHooks(finish=Recording(on_outcomes), applied_seq_lookup=recorded.get))  # fmt: skip
     stop = threading.Event()
     loop = threading.Thread(target=d.run_forever, args=(stop,))
     loop.start()
@@ -430,7 +456,7 @@ def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_i
         w = weights[m]
         for _ in range(steps):  # g = 2 w, w -= lr * g
             w -= lr * 2 * w
-        assert finals[m].result == pytest.approx({"w": w})
+        assert _metrics(finals[m]) == pytest.approx({"w": w})
         assert recorded[m] == 2 * steps  # the finisher wrote every plan's records before close() returned
     fb_steps = [s for p in engine.plans for s in p.steps if s.kind == StepKind.FORWARD_BACKWARD]
     assert sum(len(s.requests) for s in fb_steps) / len(fb_steps) >= 3.0  # tenants coalesced
@@ -449,8 +475,8 @@ def test_a_plan_filling_whole_microbatches_runs_them_without_waiting_for_the_ten
     settings = Settings(plan_tokens=4096, microbatch_tokens=8, coalesce_early_full_microbatches=early)
     engine = ArithmeticEngine(dict.fromkeys((a, b, c, d), 1.0))
     producer, results = Producer(redis_client, pool), ResultStore(redis_client)
-    loop = Dispatcher(redis_client, pool, engine, settings=settings, applied_seq_lookup=lambda m: 0, block_ms=20,
-                      coalesce_s=2.0)  # fmt: skip
+    loop = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, coalesce_s=2.0),
+                      PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
     _drain(loop, results, [producer.submit(_fb(m, 1, [1])) for m in (a, b, c, d)])
     second = [producer.submit(_fb(m, 2, [1, 1, 1, 1])) for m in (a, b)]
     started = time.monotonic()

@@ -7,19 +7,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import redis
 
+from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, StepKind
+from loraplex.protocol.results import ForwardBackwardResult, SampledSequence, SampleResult
 from loraplex.queue import keys
 from loraplex.queue.consumer import Consumer
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.settings import Settings
+from tests.helpers.finish import Recording
 
 CLAIM_IDLE_MS = 100
+
+SAMPLED = SampleResult((SampledSequence([1, 2, 3], [-0.1, -0.2, -0.3], "length"),))
 
 
 class SlicedSampler:
@@ -42,7 +48,7 @@ class SlicedSampler:
                 outcomes.append(Outcome(r.request_id, unfinished=True))
             else:
                 del self.left[r.request_id]
-                outcomes.append(Outcome(r.request_id, result={"sequences": [{"tokens": [1, 2, 3]}]}))
+                outcomes.append(Outcome(r.request_id, result=SAMPLED))
         return outcomes
 
 
@@ -51,9 +57,10 @@ def _sample(session: str) -> Envelope:
     return Envelope.new(tenant_id="t-s", model_id=session, seq_id=0, kind="sample", payload=payload)
 
 
-def _dispatcher(redis_client: redis.Redis, pool: str, engine: SlicedSampler, **kw) -> Dispatcher:
-    return Dispatcher(redis_client, pool, engine, settings=Settings(), block_ms=10, claim_idle_ms=CLAIM_IDLE_MS,
-                      claim_every_s=0.0, pipelined=True, **kw)  # fmt: skip
+def _dispatcher(redis_client: redis.Redis, pool: str, engine: SlicedSampler, on_outcomes: Any = None) -> Dispatcher:
+    config = DispatchConfig.from_settings(Settings(), block_ms=10, claim_idle_ms=CLAIM_IDLE_MS, claim_every_s=0.0,
+                                          pipelined=True)  # fmt: skip
+    return Dispatcher(redis_client, pool, engine, config, PlanHooks(finish=Recording(on_outcomes or (lambda o, p: None))))
 
 
 def _until_answered(d: Dispatcher, results: ResultStore, ids: list[str], also: float = 0.5) -> None:
@@ -96,7 +103,7 @@ def test_a_sample_held_over_many_plans_is_never_claimed_by_anyone(redis_client: 
         taken += other.claim_stale(CLAIM_IDLE_MS)  # another consumer's stale-entry rule, all along
     _until_answered(d, results, [env.request_id])
     assert taken == [] and engine.starts == [env.request_id]
-    assert results.get(env.request_id).result == {"sequences": [{"tokens": [1, 2, 3]}]}
+    assert results.get(env.request_id).result == SAMPLED
 
 
 def test_a_redelivered_twin_of_a_sample_being_finished_runs_once(redis_client: redis.Redis) -> None:
@@ -138,11 +145,11 @@ class TrainingThenSampling:
                 while self.trained and not all(self.results.has_many(self.trained)) and time.monotonic() < deadline:
                     time.sleep(0.005)
                 self.trained_first.append(all(self.results.has_many(self.trained)))
-                outcomes += [Outcome(r.request_id, result={"sequences": []}) for r in step.requests]
+                outcomes += [Outcome(r.request_id, result=SampleResult()) for r in step.requests]
             else:
                 time.sleep(self.train_s)
                 self.trained += [r.request_id for r in step.requests]
-                outcomes += [Outcome(r.request_id, result={"loss": 0.0}) for r in step.requests]
+                outcomes += [Outcome(r.request_id, result=ForwardBackwardResult(metrics={"loss:sum": 0.0})) for r in step.requests]
         return outcomes
 
 

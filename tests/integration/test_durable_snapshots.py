@@ -1,6 +1,6 @@
 """The snapshot writer and recovery (loraplex/durable/) on a real engine and adapter store (tiny model, fp32), real
 SQLite and a real redis-server; driven plan by plan through `after_plan` as the dispatcher does, with a stand-in for
-the dispatcher's three queries (its applied seq_ids, requests in parts, and the finisher's order).
+the loop's progress it is handed (its applied seq_ids, requests in parts, and the finisher's order).
 
 - a snapshot's row appears only after the results of the plans it covers are stored (the finisher's release);
 - disk full while a snapshot is written (the one fault injected by a monkeypatch: the real atomic write, whose file
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from loraplex.dispatch.hooks import LoopProgress
 from loraplex.errors import CorruptSnapshotError
 from loraplex.models import load_base_model
 from loraplex.pool.durable.recovery import recover_pool
@@ -42,18 +43,16 @@ ADAM = {"learning_rate": 2e-2}
 
 
 class Finisher:
-    """The dispatcher as the snapshotter sees it: applied seq_ids, adapters in parts, and jobs run in finisher order
-    (held until `finish()`, as a finisher still storing results would)."""
+    """The loop's progress as the snapshotter is handed it: applied seq_ids, adapters in parts (none), and jobs run
+    in finisher order (held until `finish()`, as a finisher still storing results would)."""
 
     def __init__(self) -> None:
-        self.applied: dict[str, int] = {}
+        self.applied: dict[str, int | None] = {}
         self.held: list[Callable[[], None]] = []
 
-    def last_applied(self, model_id: str) -> int | None:
-        return self.applied.get(model_id)
-
-    def in_parts(self) -> set[str]:
-        return set()
+    @property
+    def progress(self) -> LoopProgress:
+        return LoopProgress(self.applied, frozenset(), self.after_finished)
 
     def after_finished(self, job: Callable[[], None]) -> None:
         self.held.append(job)
@@ -118,7 +117,7 @@ def test_disk_full_during_a_snapshot_keeps_the_previous_one_usable(world: dict[s
     try:
         _step(engine, 0)
         fin.applied["a"] = 2
-        snaps.after_plan(_plan(w["tenant"], 2), fin)  # type: ignore[arg-type]
+        snaps.after_plan(_plan(w["tenant"], 2), fin.progress)
         time.sleep(0.3)
         assert _rows(w) == []  # written, but its plan's results are not stored yet: no row
         fin.finish()
@@ -148,7 +147,7 @@ def test_disk_full_during_a_snapshot_keeps_the_previous_one_usable(world: dict[s
         monkeypatch.setattr(spill_format, "atomic_write", full_disk)
         _step(engine, 1)
         fin.applied["a"] = 4
-        snaps.after_plan(_plan(w["tenant"], 4), fin)  # type: ignore[arg-type]
+        snaps.after_plan(_plan(w["tenant"], 4), fin.progress)
         fin.finish()
         _wait(lambda: not snaps._in_flight)
         assert snaps.written == 1 and [r.version for r in _rows(w)] == [1]
@@ -168,7 +167,7 @@ def test_disk_full_during_a_snapshot_keeps_the_previous_one_usable(world: dict[s
         monkeypatch.setattr(spill_format, "atomic_write", real)
         _step(engine, 2)
         fin.applied["a"] = 6
-        snaps.after_plan(_plan(w["tenant"], 6), fin)  # type: ignore[arg-type]
+        snaps.after_plan(_plan(w["tenant"], 6), fin.progress)
         fin.finish()
         _wait(lambda: snaps.written == 2)
         assert [(r.version, r.applied_seq_id) for r in _rows(w)] == [(2, 6), (1, 2)]
@@ -189,7 +188,7 @@ def test_a_corrupt_snapshot_is_refused_and_recovery_takes_the_one_before(world: 
         for k in range(2):
             _step(engine, k)
             fin.applied["a"] = 2 * k + 2
-            snaps.after_plan(_plan(w["tenant"], 2 * k + 2), fin)  # type: ignore[arg-type]
+            snaps.after_plan(_plan(w["tenant"], 2 * k + 2), fin.progress)
             fin.finish()
             _wait(lambda k=k: snaps.written == k + 1)
             states.append(store.peek("a").rows.clone())
@@ -245,14 +244,14 @@ def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_w
         engine.forward_backward([item])
         engine.optim_step([("b", ADAM)])
         fin.applied.update(a=2, b=2)
-        snaps.after_plan(plan(2), fin)  # type: ignore[arg-type]
+        snaps.after_plan(plan(2), fin.progress)
         taken = [m for m in ("a", "b") if m in snaps._in_flight]
         assert len(taken) == 1  # the budget: one adapter's state at a time
         (first,) = taken
         other = "b" if first == "a" else "a"
         state = store.peek(first).rows.clone()
         _step(engine, 1)  # "a" trains on before the writer copies
-        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]  # the first still in flight: nothing taken
+        snaps.after_plan(BatchPlan(()), fin.progress)  # the first still in flight: nothing taken
         assert snaps._in_flight == {first}
         fin.finish()
         _wait(lambda: snaps.written == 1 and not snaps._in_flight)
@@ -260,7 +259,7 @@ def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_w
         snapshot, _ = read_durable_snapshot(Path(row.path), row.sha256, store.signature.width)
         assert torch.equal(snapshot.rows, state)
         assert rows_of(other) == []
-        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]  # still due: taken now
+        snaps.after_plan(BatchPlan(()), fin.progress)  # still due: taken now
         fin.finish()
         _wait(lambda: snaps.written == 2)
         assert len(rows_of(other)) == 1
@@ -282,17 +281,17 @@ def test_an_idle_changed_adapter_is_snapshotted_after_the_time_trigger(world: di
     try:
         _step(engine, 0)
         fin.applied["a"] = 2
-        snaps.after_plan(_plan(w["tenant"], 2), fin)  # type: ignore[arg-type]
+        snaps.after_plan(_plan(w["tenant"], 2), fin.progress)
         now[0] = 29.0
-        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        snaps.after_plan(BatchPlan(()), fin.progress)
         assert fin.held == []  # not due yet
         now[0] = 31.0
-        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        snaps.after_plan(BatchPlan(()), fin.progress)
         fin.finish()
         _wait(lambda: snaps.written == 1)
         assert [(r.version, r.applied_seq_id) for r in _rows(w)] == [(1, 2)]
         now[0] = 100.0
-        snaps.after_plan(BatchPlan(()), fin)  # type: ignore[arg-type]
+        snaps.after_plan(BatchPlan(()), fin.progress)
         assert fin.held == []  # unchanged since: nothing to write
     finally:
         snaps.close()

@@ -15,9 +15,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.errors import LeaseLostError
-from loraplex.pool.recording_executor import RecordingExecutor
-from loraplex.pool.records import OutcomeRecorder, PlanNotes
+from loraplex.pool.finish import PlanFinish
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import OptimStepResult, SaveResult
 from loraplex.queue import keys
 from loraplex.queue.keys import JobState
 from loraplex.queue.lease import PoolLease
@@ -117,20 +117,20 @@ def test_a_result_write_with_a_superseded_token_is_refused_and_leaves_nothing(
     old, new = PoolLease(redis_client, pool, TTL_S, "old"), PoolLease(redis_client, pool, TTL_S, "new")
     assert old.try_acquire()
     store = ResultStore(redis_client, lease=old)
-    store.put_many([Outcome(f"{pool}-ok", result={"loss": 1.0})])  # while it leads: written
+    store.put_many([Outcome(f"{pool}-ok", result=OptimStepResult({"loss": 1.0}))])  # while it leads: written
     assert store.get(f"{pool}-ok") is not None and store.state(f"{pool}-ok") == JobState.COMPLETE
     _lapse()
     assert new.try_acquire()
     ids = [f"{pool}-r{i}" for i in range(3)]
     with pytest.raises(LeaseLostError, match="no longer leads"):
-        store.put_many([Outcome(rid, result={"loss": 2.0}) for rid in ids])
+        store.put_many([Outcome(rid, result=OptimStepResult({"loss": 2.0})) for rid in ids])
     assert old.lost
     with pytest.raises(LeaseLostError):
         store.set_states(ids, JobState.RUNNING)
     names = [k(rid) for rid in ids for k in (keys.result_key, keys.state_key, keys.notify_key)]
     assert redis_client.exists(*names) == 0  # nothing behind: no result, no state, no notify token
-    ResultStore(redis_client, lease=new).put_many([Outcome(ids[0], result={"loss": 3.0})])  # the new leader's lands
-    assert (store.get(ids[0]) or Outcome("")).result == {"loss": 3.0}
+    ResultStore(redis_client, lease=new).put_many([Outcome(ids[0], result=OptimStepResult({"loss": 3.0}))])  # the new leader's lands
+    assert (store.get(ids[0]) or Outcome("")).result == OptimStepResult({"loss": 3.0})
 
 
 @pytest.fixture
@@ -165,30 +165,20 @@ def test_a_record_write_with_a_superseded_token_is_refused_and_leaves_nothing(
         {"data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"},
     )  # fmt: skip
     plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (fb,)),))
-    notes = PlanNotes()
-    notes.put(plan, 0.01)
-    recorder = OutcomeRecorder(sessions, pool=pool, notes=notes, lease=old)
-    recorder([Outcome("r1", result={})], plan)  # still the pool row's leader: recorded
+    finish = PlanFinish(sessions, pool=pool, lease=old)
+    finish.record(plan, [Outcome("r1", result=OptimStepResult())], 0.01)  # still the pool row's leader: recorded
     _take(sessions, pool, new)  # ... until the new leader writes its own
     fb2 = PlannedRequest("r2", tenant, "m", 2, RequestKind.FORWARD_BACKWARD, fb.payload)
     plan2 = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (fb2,)),))
-    notes.put(plan2, 0.01)
     with pytest.raises(LeaseLostError, match="no longer leads"):
-        recorder([Outcome("r2", result={})], plan2)
+        finish.record(plan2, [Outcome("r2", result=OptimStepResult())], 0.01)
     assert old.lost
     with sessions() as s:
         assert AdapterRepository(s, tenant).get("m").applied_seq_id == 1  # the refused plan's seq_id 2 is not there
         assert s.scalar(select(func.count()).select_from(Usage)) == 1  # nor its usage row
-    OutcomeRecorder(sessions, pool=pool, notes=notes, lease=new)([Outcome("r2", result={})], plan2)
+    PlanFinish(sessions, pool=pool, lease=new).record(plan2, [Outcome("r2", result=OptimStepResult())], 0.01)
     with sessions() as s:
         assert AdapterRepository(s, tenant).get("m").applied_seq_id == 2
-
-
-class _Saves:
-    """An executor whose saves all succeed (the files are not the point here)."""
-
-    def execute(self, plan: BatchPlan) -> list[Outcome]:
-        return [Outcome(r.request_id, result={"size_bytes": 1, "sha256": "x", "step": 1}) for r in plan.requests]
 
 
 def test_a_checkpoint_row_with_a_superseded_token_is_refused_and_leaves_nothing(
@@ -202,12 +192,16 @@ def test_a_checkpoint_row_with_a_superseded_token_is_refused_and_leaves_nothing(
         {"name": "c1", "path": "tinker://m/weights/c1", "blob_uri": "file:///nowhere/c1", "base_model": "tiny"},
     )  # fmt: skip
     plan = BatchPlan((Step(StepKind.CHECKPOINT, (save,)),))
+    # the save went well (its files are not the point here)
+    saved = [Outcome("s1", result=SaveResult(path="tinker://m/weights/c1", kind="state", name="c1", step=1,
+                                              size_bytes=1, sha256="x"))]  # fmt: skip
     with pytest.raises(LeaseLostError):
-        RecordingExecutor(_Saves(), sessions, PlanNotes(), pool=pool, lease=old).execute(plan)
+        PlanFinish(sessions, pool=pool, lease=old).record(plan, saved)
     assert old.lost
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Checkpoint)) == 0
-    outcomes = RecordingExecutor(_Saves(), sessions, PlanNotes(), pool=pool, lease=new).execute(plan)
+        assert AdapterRepository(s, tenant).get("m").applied_seq_id is None  # nor its seq_id
+    outcomes = PlanFinish(sessions, pool=pool, lease=new).record(plan, saved)
     assert outcomes[0].ok
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Checkpoint)) == 1

@@ -18,8 +18,10 @@ import redis
 from fastapi.testclient import TestClient
 
 from loraplex.api.app import create_app
+from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome
+from loraplex.protocol.results import OptimStepResult
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
 from loraplex.queue.producer import Producer
@@ -95,7 +97,7 @@ class BlockingExecutor:
         self.entered.set()
         self.go.wait(30)
         self.applied += [(r.model_id, r.seq_id) for r in plan.requests]
-        return [Outcome(r.request_id, result={"seq": r.seq_id}) for r in plan.requests]
+        return [Outcome(r.request_id, result=OptimStepResult({"seq": r.seq_id})) for r in plan.requests]
 
 
 def _wait_result(results: ResultStore, request_id: str, limit_s: float = 30.0) -> Outcome:
@@ -117,8 +119,8 @@ def test_dispatcher_rides_out_redis_restarts_and_loses_nothing(
     pool, model = f"p-{uuid.uuid4().hex[:6]}", f"m-{uuid.uuid4().hex[:6]}"
     client = redis.Redis.from_url(killable.url)
     executor = BlockingExecutor()
-    dispatcher = Dispatcher(client, pool, executor, settings=Settings(), applied_seq_lookup=lambda m: 0,
-                            pipelined=True, coalesce_s=0.0, block_ms=50)  # fmt: skip
+    config = DispatchConfig.from_settings(Settings(), pipelined=True, coalesce_s=0.0, block_ms=50)
+    dispatcher = Dispatcher(client, pool, executor, config, PlanHooks(applied_seq_lookup=lambda m: 0))
     stop = threading.Event()
     runner = threading.Thread(target=dispatcher.run_forever, args=(stop,), daemon=True)
     runner.start()
@@ -135,14 +137,14 @@ def test_dispatcher_rides_out_redis_restarts_and_loses_nothing(
         executor.go.set()
         time.sleep(2.5)  # the finisher and the reader retry meanwhile
         killable.start()  # append-only: the stream, the group and the pending entry are back
-        assert _wait_result(results, first).result == {"seq": 1}
+        assert _wait_result(results, first).result == OptimStepResult({"seq": 1})
         stream = keys.request_stream(pool, "t")
         deadline = time.monotonic() + 10
         while client.xlen(stream) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.xlen(stream) == 0  # acked once the result was stored
         second = producer.submit(_fb(model, 2))
-        assert _wait_result(results, second).result == {"seq": 2}
+        assert _wait_result(results, second).result == OptimStepResult({"seq": 2})
         ours = [r for r in caplog.records if r.name.startswith("loraplex")]
         assert 1 <= len(ours) <= 6, [r.getMessage() for r in ours]  # a few lines, not one per retry
         assert all(r.exc_info is None for r in ours)
@@ -152,7 +154,7 @@ def test_dispatcher_rides_out_redis_restarts_and_loses_nothing(
         time.sleep(1.0)
         killable.start(persistent=False)
         third = producer.submit(_fb(model, 3))
-        assert _wait_result(results, third).result == {"seq": 3}
+        assert _wait_result(results, third).result == OptimStepResult({"seq": 3})
         assert executor.applied == [(model, 1), (model, 2), (model, 3)]  # each applied once, in order
     finally:
         stop.set()

@@ -7,9 +7,11 @@ import itertools
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.dispatch.hooks import AnsweredPlan
 from loraplex.dispatch.policy import PolicyLimits, plan_batch
-from loraplex.pool.records import OutcomeRecorder
+from loraplex.pool.finish import PlanFinish
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import OptimStepResult
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.enums import ResidencyTier
 from loraplex.storage.repositories import AdapterRepository, ResidencyRepository, TenantRepository
@@ -114,9 +116,9 @@ class _FakeStore:
 def test_the_pool_recorder_writes_the_drained_changes_with_the_plan(factory: sessionmaker[Session]) -> None:
     tenant = _adapters(factory, "a", "b")
     store = _FakeStore([TierChange("a", "gpu", 1), TierChange("b", "disk", None, "/spill/b"), TierChange("z", "cpu")])
-    recorder = OutcomeRecorder(factory, store, "p1")
-    opt = PlannedRequest("r1", tenant, "a", 1, OPT)
-    recorder([Outcome("r1", result={})], BatchPlan((Step(StepKind.OPTIM_STEP, (opt,)),)))
+    finish = PlanFinish(factory, pool="p1", store=store)
+    plan = BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r1", tenant, "a", 1, OPT),)),))
+    finish.record(plan, [Outcome("r1", result=OptimStepResult())], tier_moves=finish.on_loop(plan))
     with factory() as s:
         assert [(r.model_id, r.pool, r.rank, str(r.tier), r.slot) for r in ResidencyRepository(s).list()] == [
             ("a", "p1", 0, "gpu", 1), ("b", "p1", 0, "disk", None),
@@ -133,32 +135,33 @@ class _Runs:
 
     def execute(self, plan: BatchPlan) -> list[Outcome]:
         self.store.changes += self.moves
-        return [Outcome(r.request_id, result={}) for r in plan.requests]
+        return [Outcome(r.request_id, result=OptimStepResult()) for r in plan.requests]
 
 
 def test_the_pool_drains_tier_moves_on_the_loop_thread_and_records_them_with_their_plan(
     factory: sessionmaker[Session],
 ) -> None:
-    """The RecordingExecutor drains the store right after each plan (the thread that moves adapters), and the recorder
-    (the finisher thread) writes each plan's moves with that plan, even when the next plan ran in between."""
-    from loraplex.pool.recording_executor import RecordingExecutor
-    from loraplex.pool.records import PlanNotes
-
+    """The finish step drains the store right after each plan (`on_loop`, on the thread that moves adapters), and
+    writes each plan's moves with that plan (on the finisher thread, handed back in the answered plan), even when the
+    next plan ran in between."""
     tenant = _adapters(factory, "a", "b")
     store = _FakeStore([])
-    notes = PlanNotes()
     runs = _Runs(store, [TierChange("a", "gpu", 0)])
-    executor = RecordingExecutor(runs, factory, notes, store)
-    recorder = OutcomeRecorder(factory, pool="p1", notes=notes)
-    first = BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r1", tenant, "a", 1, OPT),)),))
-    second = BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r2", tenant, "b", 1, OPT),)),))
-    first_outcomes = executor.execute(first)
-    assert store.changes == []  # drained by the executor, not left for another thread
+    finish = PlanFinish(factory, pool="p1", store=store)
+    published: list[list[Outcome]] = []
+
+    def answered(plan: BatchPlan) -> AnsweredPlan:
+        outcomes = runs.execute(plan)
+        return AnsweredPlan(plan, outcomes, 0.0, finish.on_loop(plan), published.append, lambda: None)
+
+    first = answered(BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r1", tenant, "a", 1, OPT),)),)))
+    assert store.changes == []  # drained on the loop thread, not left for another thread
     runs.moves = [TierChange("a", "cpu"), TierChange("b", "gpu", 0)]
-    second_outcomes = executor.execute(second)
-    recorder(first_outcomes, first)
+    second = answered(BatchPlan((Step(StepKind.OPTIM_STEP, (PlannedRequest("r2", tenant, "b", 1, OPT),)),)))
+    finish(first)
     with factory() as s:
         assert [(r.model_id, str(r.tier)) for r in ResidencyRepository(s).list()] == [("a", "gpu")]
-    recorder(second_outcomes, second)
+    finish(second)
+    assert len(published) == 2
     with factory() as s:
         assert sorted((r.model_id, str(r.tier)) for r in ResidencyRepository(s).list()) == [("a", "cpu"), ("b", "gpu")]

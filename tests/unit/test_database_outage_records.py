@@ -1,7 +1,7 @@
 """A plan's SQL writes while the database is away (tests/e2e/test_postgres_restart.py does it with a real
-PostgreSQL crash): `retry_database` waits for an outage and nothing else; the OutcomeRecorder runs its transaction
-again (once only when a COMMIT's answer was lost: usage is never counted twice); the RecordingExecutor's checkpoint
-rows wait instead of failing the save. Outages are injected as OperationalError from session hooks, on SQLite."""
+PostgreSQL crash): `retry_database` waits for an outage and nothing else; the pool's finish step (pool/finish.py) runs
+its plan's transaction again (once only when a COMMIT's answer was lost: usage is never counted twice); a save's
+checkpoint row waits instead of failing the save. Outages are injected as OperationalError from session hooks, on SQLite."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from sqlalchemy import event, func, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.pool.recording_executor import RecordingExecutor
-from loraplex.pool.records import OutcomeRecorder, PlanNotes, applied_seq_lookup
+from loraplex.pool.finish import PlanFinish
+from loraplex.pool.records import applied_seq_lookup
 from loraplex.protocol import BatchPlan, Outcome, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import OptimStepResult, SaveResult
 from loraplex.runtime.logutil import RateLimitedLog
 from loraplex.storage.db import database_unavailable, unit_of_work
 from loraplex.storage.models import Checkpoint, Usage
@@ -103,15 +104,12 @@ def _fail_commits(factory: sessionmaker[Session], times: int, after: bool) -> li
     return failed
 
 
-def _fb_plan(tenant: str, seq: int) -> tuple[BatchPlan, PlanNotes]:
+def _fb_plan(tenant: str, seq: int) -> BatchPlan:
     fb = PlannedRequest(
         f"r{seq}", tenant, "m", seq, RequestKind.FORWARD_BACKWARD,
         {"data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {}}], "loss_fn": "cross_entropy"},
     )  # fmt: skip
-    plan = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (fb,)),))
-    notes = PlanNotes()
-    notes.put(plan, 0.01)
-    return plan, notes
+    return BatchPlan((Step(StepKind.FORWARD_BACKWARD, (fb,)),))
 
 
 def _usage(factory: sessionmaker[Session]) -> int:
@@ -124,15 +122,15 @@ def test_the_recorder_waits_for_the_database_and_records_each_plan_once(
     factory: sessionmaker[Session], after: bool
 ) -> None:
     tenant = _tenant_with_adapter(factory)
-    plan, notes = _fb_plan(tenant, 1)
+    plan = _fb_plan(tenant, 1)
     failed = _fail_commits(factory, 2 if not after else 1, after=after)
-    OutcomeRecorder(factory, notes=notes)([Outcome("r1", result={})], plan)
+    PlanFinish(factory).record(plan, [Outcome("r1", result=OptimStepResult())], 0.01)
     assert failed  # the outage happened
     with factory() as s:
         assert AdapterRepository(s, tenant).get("m").applied_seq_id == 1
     assert _usage(factory) == 1  # once, also when the first COMMIT went through unanswered
-    plan2, notes2 = _fb_plan(tenant, 2)  # the next plan is recorded as usual
-    OutcomeRecorder(factory, notes=notes2)([Outcome("r2", result={})], plan2)
+    plan2 = _fb_plan(tenant, 2)  # the next plan is recorded as usual
+    PlanFinish(factory).record(plan2, [Outcome("r2", result=OptimStepResult())], 0.01)
     assert _usage(factory) == 2
 
 
@@ -152,11 +150,6 @@ def test_the_applied_seq_lookup_waits_for_the_database(factory: sessionmaker[Ses
     assert len(failed) == 2
 
 
-class _Saves:
-    def execute(self, plan: BatchPlan) -> list[Outcome]:
-        return [Outcome(r.request_id, result={"size_bytes": 1, "sha256": "x", "step": 1}) for r in plan.requests]
-
-
 def test_a_save_whose_row_meets_the_database_away_waits_and_succeeds(factory: sessionmaker[Session]) -> None:
     tenant = _tenant_with_adapter(factory)
     save = PlannedRequest(
@@ -164,9 +157,9 @@ def test_a_save_whose_row_meets_the_database_away_waits_and_succeeds(factory: se
         {"name": "c1", "path": "tinker://m/weights/c1", "blob_uri": "file:///nowhere/c1", "base_model": "tiny"},
     )  # fmt: skip
     failed = _fail_commits(factory, 3, after=False)
-    (outcome,) = RecordingExecutor(_Saves(), factory, PlanNotes()).execute(
-        BatchPlan((Step(StepKind.CHECKPOINT, (save,)),))
-    )
+    saved = Outcome("s1", result=SaveResult(path="tinker://m/weights/c1", kind="state", name="c1", step=1, size_bytes=1,
+                                            sha256="x"))  # fmt: skip
+    (outcome,) = PlanFinish(factory).record(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),)), [saved])
     assert outcome.ok, outcome.error  # before: "checkpoint saved but not recorded", a failed save
     assert len(failed) == 3
     with factory() as s:

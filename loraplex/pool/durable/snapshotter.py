@@ -1,10 +1,10 @@
 """The pool's durable snapshots: when each adapter's state is written, and the writer thread that writes it.
 
-After every plan (the dispatcher's `after_plan`, on the loop thread, the one thread that moves adapters; with an empty
-plan once a second while the pool is idle) an adapter is due when it changed since its last snapshot and either had `every_steps` optimizer steps since, or `every_s` seconds
+After every plan (the dispatcher's `after_plan` hook, on the loop thread, the one thread that moves adapters; with an
+empty plan once a second while the pool is idle) an adapter is due when it changed since its last snapshot and either had `every_steps` optimizer steps since, or `every_s` seconds
 passed. Its state is taken there (AdapterStore.peek_async: weights, unconsumed gradients, Adam moments, step,
-hyperparameters; a resident adapter's rows cloned on the device) together with the seq_id it covers (the dispatcher's
-applied seq_id: every answered request up to it is in that state), and the writer thread does the rest while training
+hyperparameters; a resident adapter's rows cloned on the device) together with the seq_id it covers (the loop's
+applied seq_id, `LoopProgress.applied`: every answered request up to it is in that state), and the writer thread does the rest while training
 goes on:
 
 0. copy the state to host memory (a side stream's device-to-host copy, so the training kernels never queue behind it;
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import redis as redis_lib
     from sqlalchemy.orm import Session, sessionmaker
 
-    from loraplex.dispatch.loop import Dispatcher
+    from loraplex.dispatch.hooks import LoopProgress
     from loraplex.queue.lease import PoolLease
     from loraplex.workers.state.adapter_store import AdapterStore
     from loraplex.workers.state.snapshots import AdapterSnapshot
@@ -127,7 +127,7 @@ class Snapshotter:
         snapshot (or it had none), so a new one is due by the usual rules."""
         self._cadence[model_id] = _Cadence(tenant_id, self.clock(), replayed_steps, changed)
 
-    def after_plan(self, plan: BatchPlan, dispatcher: Dispatcher) -> None:
+    def after_plan(self, plan: BatchPlan, progress: LoopProgress) -> None:
         now = self.clock()
         deleted: list[_Job] = []
         for r in plan.requests:
@@ -142,13 +142,13 @@ class Snapshotter:
             c.dirty = True
             c.steps += r.kind == RequestKind.OPTIM_STEP
         due = [m for m, c in self._cadence.items() if c.dirty and self._is_due(c, now)]
-        jobs = self._take(due, dispatcher) + deleted
+        jobs = self._take(due, progress) + deleted
         if jobs:
             def release() -> None:
                 for j in jobs:
                     j.released.set()
 
-            dispatcher.after_finished(release)
+            progress.after_finished(release)
             for job in jobs:
                 self._jobs.put(job)
 
@@ -157,10 +157,10 @@ class Snapshotter:
             self.every_s > 0 and now - c.last_at >= self.every_s
         )
 
-    def _take(self, model_ids: list[str], dispatcher: Dispatcher | None, bounded: bool = True) -> list[_Job]:
+    def _take(self, model_ids: list[str], progress: LoopProgress | None, bounded: bool = True) -> list[_Job]:
         """These adapters' states as they are now (skipping those mid-request or still being written; bounded: no more
         than `copy_budget_bytes` taken and not yet written)."""
-        busy = dispatcher.in_parts() if dispatcher is not None else set()
+        busy = set(progress.in_parts) if progress is not None else set()
         with self._lock:
             busy |= self._in_flight
         jobs: list[_Job] = []
@@ -173,7 +173,7 @@ class Snapshotter:
                 continue
             if len(jobs) >= room:  # the rest stay due: taken after the writer caught up
                 break
-            seq = dispatcher.last_applied(m) if dispatcher is not None else None
+            seq = progress.applied.get(m) if progress is not None else None
             c = self._cadence[m]
             try:
                 copy = self.store.peek_async(m, self.copy_budget_bytes)
@@ -186,10 +186,10 @@ class Snapshotter:
                 self._in_flight.add(m)
         return jobs
 
-    def flush(self, dispatcher: Dispatcher | None, timeout_s: float = 120.0) -> None:
+    def flush(self, progress: LoopProgress | None, timeout_s: float = 120.0) -> None:
         """A clean stop, after the last plan was finished: snapshot every changed adapter, wait for the writer."""
         # Unbounded: training is over (no activations), and every changed adapter must reach the disk now.
-        jobs = self._take([m for m, c in self._cadence.items() if c.dirty], dispatcher, bounded=False)
+        jobs = self._take([m for m, c in self._cadence.items() if c.dirty], progress, bounded=False)
         for job in jobs:
             job.released.set()  # every plan is finished: nothing to wait for
             self._jobs.put(job)

@@ -17,7 +17,7 @@ A new store removes the spill files a previous run left (or adopts them: `recove
 Every rank of a pool has its own store over its own (replicated) banks and runs the same plans, so all ranks make the
 same swaps; swaps copy local data only, with a barrier after them when distributed. Each tier move is logged as a
 TierChange; `drain_changes` hands them (the last one per adapter) to whoever records them. Not thread-safe: call it from
-the thread that moves adapters (the pool drains it in pool/recording_executor.py right after each plan).
+the thread that moves adapters (the pool drains it in pool/finish.py's on_loop right after each plan).
 
 Imports: torch, stdlib, loraplex.errors and workers/ only.
 """
