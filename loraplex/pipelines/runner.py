@@ -24,6 +24,7 @@ from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.schedule import learning_rate
 from loraplex.pipelines.trainer import ServiceTrainer
 from loraplex.protocol.checkpoint_paths import split_tinker_path
+from loraplex.protocol.results import ForwardBackwardResult, OptimStepResult, SaveResult
 from loraplex.runtime.fsutil import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, private_dirs
 from loraplex.service import Services, TenantRef, delete_adapter, export_peft, write_session
 from loraplex.service.context import blob_store
@@ -157,8 +158,8 @@ class _Run:
             batch = [train[i] for i in batch_indices(len(train), config.batch_size, config.seed, step)]
             fb = trainer.forward_backward([e.datum() for e in batch])
             opt = trainer.optim_step(self._adam(step, total))
-            loss_sum = float(trainer.wait(fb)["metrics"]["loss:sum"])
-            trainer.wait(opt)
+            loss_sum = trainer.wait(fb, ForwardBackwardResult).loss_sum
+            trainer.wait(opt, OptimStepResult)
             with write_session(self.services) as db:
                 state = self._repo(db).record_step(row.id, step, loss_sum / _scored(batch))
             if state != PipelineState.RUNNING:
@@ -170,7 +171,8 @@ class _Run:
                 with write_session(self.services) as db:
                     self._repo(db).record_eval(row.id, step, loss)
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total:
-                path = trainer.wait(trainer.save_state(f"step-{step}", config.checkpoint_ttl_seconds))["path"]
+                saved = trainer.wait(trainer.save_state(f"step-{step}", config.checkpoint_ttl_seconds), SaveResult)
+                path = saved.tinker_path
                 with write_session(self.services) as db:
                     self._repo(db).record_checkpoint(row.id, path, step)
         return self._finish()
@@ -185,12 +187,12 @@ class _Run:
         assert self.trainer is not None
         refs = [self.trainer.forward([e.datum() for e in evals[i : i + EVAL_CHUNK]])
                 for i in range(0, len(evals), EVAL_CHUNK)]  # fmt: skip
-        loss_sum = sum(float(self.trainer.wait(ref)["metrics"]["loss:sum"]) for ref in refs)
+        loss_sum = sum(self.trainer.wait(ref, ForwardBackwardResult).loss_sum for ref in refs)
         return loss_sum / _scored(evals)
 
     def _finish(self) -> PipelineState:
         assert self.trainer is not None
-        final = self.trainer.wait(self.trainer.save_weights_for_sampler("final"))["path"]
+        final = self.trainer.wait(self.trainer.save_weights_for_sampler("final"), SaveResult).tinker_path
         with write_session(self.services) as db:
             self._repo(db).record_final(self.row.id, final)
         if self.config.export:

@@ -26,6 +26,17 @@ from loraplex.protocol.payloads import (
     SamplePayload,
     SaveCheckpointPayload,
 )
+from loraplex.protocol.results import (
+    CreateResult,
+    DeleteResult,
+    ForwardBackwardResult,
+    LoadResult,
+    OptimStepResult,
+    RejectedResult,
+    Result,
+    SampleResult,
+    SaveResult,
+)
 from loraplex.protocol.wire import from_json
 
 
@@ -61,6 +72,7 @@ def no_tokens(payload: Any, part: tuple[int, int] | None = None) -> int:
 class KindSpec:
     step: StepKind
     payload: type[Payload]
+    result: type[Result]  # what a successful request answers (protocol/results.py)
     control: bool = False  # outside the seq_id chain: seq_id CONTROL_SEQ_ID, idempotent per (model_id, kind)
     # outside every chain, in any order, but idempotent per (model_id, seq_id) like a step (model_id: a sampling
     # session, not an adapter)
@@ -83,35 +95,35 @@ class KindSpec:
 _FB_TOKENS = ForwardBackwardPayload.tokens
 KINDS: dict[RequestKind, KindSpec] = {
     RequestKind.CREATE_ADAPTER: KindSpec(
-        StepKind.CREATE, CreateAdapterPayload, control=True, changes_state=True, quota_exempt=True
+        StepKind.CREATE, CreateAdapterPayload, result=CreateResult, control=True, changes_state=True, quota_exempt=True
     ),
     RequestKind.DELETE_ADAPTER: KindSpec(
-        StepKind.DELETE, DeleteAdapterPayload, control=True, quota_exempt=True
+        StepKind.DELETE, DeleteAdapterPayload, result=DeleteResult, control=True, quota_exempt=True
     ),
     RequestKind.FORWARD_BACKWARD: KindSpec(
-        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, trains=True,
+        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, result=ForwardBackwardResult, trains=True,
         changes_state=True, needs_residency=True, counts_usage=True, tokens=_FB_TOKENS,
     ),  # fmt: skip
     RequestKind.FORWARD: KindSpec(
-        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, needs_residency=True,
+        StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, result=ForwardBackwardResult, needs_residency=True,
         counts_usage=True, tokens=_FB_TOKENS,
     ),  # fmt: skip
     RequestKind.OPTIM_STEP: KindSpec(
-        StepKind.OPTIM_STEP, OptimStepPayload, changes_state=True, needs_residency=True
+        StepKind.OPTIM_STEP, OptimStepPayload, result=OptimStepResult, changes_state=True, needs_residency=True
     ),
     RequestKind.SAVE_STATE: KindSpec(
-        StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.STATE, needs_residency=True
+        StepKind.CHECKPOINT, SaveCheckpointPayload, result=SaveResult, saves=CheckpointKind.STATE, needs_residency=True
     ),
     RequestKind.SAVE_SAMPLER: KindSpec(
-        StepKind.CHECKPOINT, SaveCheckpointPayload, saves=CheckpointKind.SAMPLER,
+        StepKind.CHECKPOINT, SaveCheckpointPayload, result=SaveResult, saves=CheckpointKind.SAMPLER,
         needs_residency=True,
     ),  # fmt: skip
     RequestKind.LOAD_STATE: KindSpec(
-        StepKind.CHECKPOINT, LoadStatePayload, changes_state=True, needs_residency=True
+        StepKind.CHECKPOINT, LoadStatePayload, result=LoadResult, changes_state=True, needs_residency=True
     ),
-    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload, quota_exempt=True),
+    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload, result=RejectedResult, quota_exempt=True),
     RequestKind.SAMPLE: KindSpec(
-        StepKind.SAMPLE, SamplePayload, unordered=True, tokens=SamplePayload.tokens
+        StepKind.SAMPLE, SamplePayload, result=SampleResult, unordered=True, tokens=SamplePayload.tokens
     ),
 }
 assert set(KINDS) == set(RequestKind), "every request kind needs its row"

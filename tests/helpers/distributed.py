@@ -177,10 +177,12 @@ def assert_outcomes_close(got: list[Outcome], want: list[Outcome]) -> None:
         assert (g.error_type, g.ok) == (w.error_type, w.ok), (g, w)
         if not w.ok or w.result is None:
             continue
-        assert set(g.result or {}) == set(w.result)
-        for key, value in w.result.get("metrics", {}).items():
-            assert g.result["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (g.request_id, key)
-        for dg, dw in zip(g.result.get("loss_fn_outputs", []), w.result.get("loss_fn_outputs", []), strict=True):
+        assert g.result is not None and type(g.result) is type(w.result), (g, w)
+        gw, ww = g.result.to_wire(), w.result.to_wire()
+        assert set(gw) == set(ww)
+        for key, value in ww.get("metrics", {}).items():
+            assert gw["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (g.request_id, key)
+        for dg, dw in zip(gw.get("loss_fn_outputs", []), ww.get("loss_fn_outputs", []), strict=True):
             torch.testing.assert_close(torch.tensor(dg["logprobs"]), torch.tensor(dw["logprobs"]), atol=1e-5, rtol=0)
 
 

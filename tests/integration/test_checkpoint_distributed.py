@@ -185,14 +185,14 @@ def _assert_same_training(got: dict[str, Outcome], got_id: str, want: dict[str, 
     for k in AFTER:
         g, w = got[f"fb{k}-{got_id}"], want[f"fb{k}-{want_id}"]
         assert g.ok and w.ok, (g, w)
-        for key, value in w.result["metrics"].items():  # type: ignore[index]
-            assert g.result["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (k, key)  # type: ignore[index]
-        for dg, dw in zip(g.result["loss_fn_outputs"], w.result["loss_fn_outputs"], strict=True):  # type: ignore[index]
+        for key, value in w.result.to_wire()["metrics"].items():  # type: ignore[union-attr]
+            assert g.result.to_wire()["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (k, key)  # type: ignore[union-attr]
+        for dg, dw in zip(g.result.to_wire()["loss_fn_outputs"], w.result.to_wire()["loss_fn_outputs"], strict=True):  # type: ignore[union-attr]
             torch.testing.assert_close(torch.tensor(dg["logprobs"]), torch.tensor(dw["logprobs"]), atol=1e-5, rtol=0)
         og, ow = got[f"o{k}-{got_id}"], want[f"o{k}-{want_id}"]
         assert og.ok and ow.ok, (og, ow)
-        for key, value in ow.result["metrics"].items():  # type: ignore[index]
-            assert og.result["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (k, key)  # type: ignore[index]
+        for key, value in ow.result.to_wire()["metrics"].items():  # type: ignore[union-attr]
+            assert og.result.to_wire()["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (k, key)  # type: ignore[union-attr]
 
 
 def _assert_same_weights(got: dict[str, tuple[torch.Tensor, torch.Tensor]], want: dict[str, Any]) -> None:
@@ -210,7 +210,7 @@ def test_saved_on_one_rank_continues_on_two(runs: dict[str, Any]) -> None:
     leader, follower = runs["two"]
     assert follower["followed"] == runs["plans_on_two"]
     one, two = _by_id(runs["one"]["outcomes"]), _by_id(leader["outcomes"])
-    assert one["save-a"].ok and one["save-a"].result["step"] == 3  # type: ignore[index]
+    assert one["save-a"].ok and one["save-a"].result.to_wire()["step"] == 3  # type: ignore[union-attr]
     assert two["create-b"].ok, two["create-b"]
     _assert_same_training(two, "b", one, "a")
     _assert_same_weights(leader["weights"]["b"], runs["one"]["weights"]["a"])
@@ -229,7 +229,7 @@ def test_saved_on_two_ranks_continues_on_one(runs: dict[str, Any]) -> None:
     assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_FILE, WEIGHTS_FILE, OPTIMIZER_FILE])
     two = _by_id(leader["outcomes"])
     saved = two["save-c"]
-    assert saved.ok and saved.result["step"] == 3 and saved.result["size_bytes"] > 0, saved  # type: ignore[index]
+    assert saved.ok and saved.result.to_wire()["step"] == 3 and saved.result.to_wire()["size_bytes"] > 0, saved  # type: ignore[union-attr]
 
     # What 2 ranks saved is what 1 rank saved after the same 3 steps from the same seed (up to reduction order).
     on_two, on_one = read_checkpoint(directory), read_checkpoint(runs["saved_on_1"])

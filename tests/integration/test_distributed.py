@@ -80,10 +80,10 @@ def test_base_weights_are_sharded_and_banks_are_plain_replicated(two_ranks: list
 def test_fewer_sequences_than_ranks_and_forward_only_plans(two_ranks: list[dict[str, Any]]) -> None:
     by_id = {o.request_id: o for plan in two_ranks[0]["outcomes"] for o in plan}
     assert by_id["d-a"].ok and by_id["d-oa"].ok and by_id["d-fwd"].ok
-    assert len(by_id["d-a"].result["loss_fn_outputs"][0]["logprobs"]) == 11  # type: ignore[index]
+    assert len(by_id["d-a"].result.to_wire()["loss_fn_outputs"][0]["logprobs"]) == 11  # type: ignore[union-attr]
 
 
 def test_bad_request_fails_alone_and_ranks_stay_in_step(two_ranks: list[dict[str, Any]]) -> None:
     by_id = {o.request_id: o for plan in two_ranks[0]["outcomes"] for o in plan}
-    assert by_id["e-bad"].error_type == "InvalidRequestError" and "out of range" in (by_id["e-bad"].error or "")
+    assert by_id["e-bad"].error_name == "InvalidRequestError" and "out of range" in (by_id["e-bad"].error or "")
     assert all(by_id[r].ok for r in ("e-a", "e-c", "e-oa", "e-oc", "f-b", "f-ob"))

@@ -269,7 +269,7 @@ def test_executor_goes_through_the_store(make_engine: Callable[..., Engine], tmp
     outcomes = {o.request_id: o for o in executor.execute(BatchPlan((creates, fb, opt, deletes)))}
     # Three adapters on two slots: the step runs in parts that fit (the policy normally keeps steps within the slots).
     assert all(outcomes[k].ok for k in ("ca", "cb", "cc", "fa", "fb", "fc", "oa", "ob", "oc", "db"))
-    assert outcomes["fghost"].error_type == "NotFoundError"
+    assert outcomes["fghost"].error_name == "NotFoundError"
     assert outcomes["fa"].result == outcomes["fb"].result == outcomes["fc"].result  # same seed, same data
     assert "b" not in store and not store.spill_path("b").exists()
     # a trained beside b (a two-group batch), c alone (the one-adapter matmul path): equal up to fp32 rounding, which

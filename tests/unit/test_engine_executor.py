@@ -8,6 +8,7 @@ import pytest
 
 from loraplex.models import load_base_model
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import CreateResult, DeleteResult, ForwardBackwardResult, OptimStepResult, PartDone
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
@@ -73,22 +74,22 @@ def test_plan_runs_steps_in_order_with_per_request_errors(executor: PlanExecutor
     outcomes = executor.execute(plan)
     by_id = {o.request_id: o for o in outcomes}
     assert [o.request_id for o in outcomes] == [r.request_id for r in plan.requests]
-    assert by_id["c1"].result == {"model_id": "a"} and by_id["c3"].ok
+    assert by_id["c1"].result == CreateResult("a") and by_id["c3"].ok
     assert executor.engine.adapter("b2").alpha == 4.0
-    assert by_id["c4"].error_type == "InvalidRequestError" and "target_modules" in by_id["c4"].error
-    assert by_id["c2"].error_type == "InvalidRequestError" and "rank" in by_id["c2"].error
-    assert by_id["f1"].ok and by_id["f1"].result["metrics"]["loss:sum"] > 0
-    assert len(by_id["f1"].result["loss_fn_outputs"][0]["logprobs"]) == 4
-    assert by_id["f2"].error_type == "InvalidRequestError"
+    assert by_id["c4"].error_name == "InvalidRequestError" and "target_modules" in by_id["c4"].error
+    assert by_id["c2"].error_name == "InvalidRequestError" and "rank" in by_id["c2"].error
+    assert by_id["f1"].ok and by_id["f1"].result.expect(ForwardBackwardResult).loss_sum > 0
+    assert len(by_id["f1"].result.expect(ForwardBackwardResult).loss_fn_outputs[0].logprobs) == 4
+    assert by_id["f2"].error_name == "InvalidRequestError"
     assert (
-        by_id["f3"].ok and by_id["f4"].error_type == "NotFoundError" and by_id["f5"].error_type == "InvalidRequestError"
+        by_id["f3"].ok and by_id["f4"].error_name == "NotFoundError" and by_id["f5"].error_name == "InvalidRequestError"
     )
-    assert by_id["o1"].ok and by_id["o1"].result["metrics"]["grad_norm:mean"] > 0
-    assert by_id["o2"].error_type == "NotFoundError"
-    assert (by_id["x1"].error_type, by_id["x1"].error) == (
+    assert by_id["o1"].ok and by_id["o1"].result.expect(OptimStepResult).metrics["grad_norm:mean"] > 0
+    assert by_id["o2"].error_name == "NotFoundError"
+    assert (by_id["x1"].error_name, by_id["x1"].error) == (
         "InvalidRequestError", "the gateway rejected this optim_step: adam_params.eps: > 0"
     )  # fmt: skip
-    assert by_id["d1"].result == {} and by_id["d2"].error_type == "NotFoundError"
+    assert by_id["d1"].result == DeleteResult() and by_id["d2"].error_name == "NotFoundError"
     # f3 was forward-only: b2 got no gradient
     grads = executor.engine.adapter_grads("b2")
     assert all(g.abs().sum() == 0 for pair in grads.values() for g in pair)
@@ -106,7 +107,7 @@ def test_an_unexpected_failure_becomes_engine_errors(executor: PlanExecutor, mon
         (req("f1", "a", RequestKind.FORWARD_BACKWARD, data=DATA), req("f2", "a", RequestKind.FORWARD, data=DATA)),
     )
     outcomes = executor.execute(BatchPlan(steps=(step,)))
-    assert [o.error_type for o in outcomes] == ["EngineError", "EngineError"]
+    assert [o.error_name for o in outcomes] == ["EngineError", "EngineError"]
     assert "device lost" in outcomes[0].error
 
 
@@ -141,15 +142,15 @@ def test_a_request_run_in_parts_equals_it_run_whole(tiny_dir: Path) -> None:
         piece = PlannedRequest(request.request_id, "t", "a", 0, RequestKind.FORWARD_BACKWARD, request.payload, part)
         (answer,) = parts_ex.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (piece,)),)))
         answers.append(answer)
-    assert [a.result for a in answers[:2]] == [{"part": [0, 2]}, {"part": [2, 4]}]
-    last = answers[-1].result
-    assert whole.ok and last is not None and whole.result is not None
-    assert [len(o["logprobs"]) for o in last["loss_fn_outputs"]] == [5, 7, 3, 6, 4]
-    for got, want in zip(last["loss_fn_outputs"], whole.result["loss_fn_outputs"], strict=True):
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
-    assert last["metrics"].keys() == whole.result["metrics"].keys()
-    for name, value in whole.result["metrics"].items():
-        assert last["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert [a.result for a in answers[:2]] == [PartDone((0, 2)), PartDone((2, 4))]
+    assert whole.ok and answers[-1].result is not None and whole.result is not None
+    last, first = answers[-1].result.expect(ForwardBackwardResult), whole.result.expect(ForwardBackwardResult)
+    assert [len(o.logprobs) for o in last.loss_fn_outputs] == [5, 7, 3, 6, 4]
+    for got, want in zip(last.loss_fn_outputs, first.loss_fn_outputs, strict=True):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert last.metrics.keys() == first.metrics.keys()
+    for name, value in first.metrics.items():
+        assert last.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     for name, (ga, gb) in whole_ex.engine.adapter_grads("a").items():
         pa, pb = parts_ex.engine.adapter_grads("a")[name]
         torch.testing.assert_close(pa, ga, rtol=1e-5, atol=1e-6)
@@ -163,7 +164,7 @@ def test_a_bad_datum_in_a_later_part_fails_the_request_at_its_first_part(executo
     request = req("f", "a", RequestKind.FORWARD_BACKWARD, data=bad)
     first = PlannedRequest(request.request_id, "t", "a", 0, RequestKind.FORWARD_BACKWARD, request.payload, (0, 1))
     (outcome,) = executor.execute(BatchPlan((Step(StepKind.FORWARD_BACKWARD, (first,)),)))
-    assert outcome.error_type == "InvalidRequestError" and executor._parts == {}
+    assert outcome.error_name == "InvalidRequestError" and executor._parts == {}
     assert all(g.abs().sum() == 0 for pair in executor.engine.adapter_grads("a").values() for g in pair)
 
 
@@ -174,7 +175,7 @@ def test_a_pool_without_a_sampler_fails_its_sampling_requests_alone(executor: Pl
     ))  # fmt: skip
     created, sampled = executor.execute(plan)
     assert created.ok and not sampled.ok
-    assert sampled.error_type == "NotSupportedError" and "no sampler" in (sampled.error or "")
+    assert sampled.error_name == "NotSupportedError" and "no sampler" in (sampled.error or "")
 
 
 def test_on_step_is_told_each_steps_outcomes_and_seconds(tiny_dir: Path) -> None:

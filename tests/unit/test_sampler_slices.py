@@ -13,6 +13,7 @@ import torch
 
 from loraplex.models import load_base_model, load_tokenizer
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import SampleResult
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
@@ -128,7 +129,7 @@ def test_training_and_swaps_between_slices_change_nothing_an_in_flight_sample_re
         assert step.executions == 2 and step.in_flight == set()
         results.append(later.result)
     assert results[0] == results[1]
-    assert [len(s["tokens"]) for s in results[1]["sequences"]] == [10] * 2
+    assert [len(s.tokens) for s in results[1].expect(SampleResult).sequences] == [10] * 2
 
 
 def test_a_request_id_in_flight_is_not_started_again(tiny_dir: Path, tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_a_request_id_in_flight_is_not_started_again(tiny_dir: Path, tmp_path: P
     outs = step(Step(StepKind.SAMPLE, (first,)))
     while outs[0].unfinished:
         outs = step(Step(StepKind.SAMPLE, (twin,)))
-    assert outs[0].ok and [len(s["tokens"]) for s in outs[0].result["sequences"]] == [16] * 3
+    assert outs[0].ok and [len(s.tokens) for s in outs[0].result.expect(SampleResult).sequences] == [16] * 3
     assert step.executions == 1
 
 
@@ -164,4 +165,4 @@ def test_a_slice_beside_training_runs_its_seconds_and_an_idle_one_yields_to_arri
     assert asked == [1] and sampler.stats.decode_steps == before + 1
     step.yield_now = None
     out = step(Step(StepKind.SAMPLE, (request,)))[0]  # nobody waits: to the end within the 60 s slice
-    assert out.ok and [len(s["tokens"]) for s in out.result["sequences"]] == [40, 40]
+    assert out.ok and [len(s.tokens) for s in out.result.expect(SampleResult).sequences] == [40, 40]

@@ -10,6 +10,7 @@ import pytest
 
 from loraplex.models import load_base_model, load_tokenizer
 from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol.results import SampleResult
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
@@ -69,15 +70,17 @@ def test_a_sample_reads_the_snapshot_not_the_adapter_that_trained_on(pool, tmp_p
         _train(executor, "a", seq)  # the adapter moves on
     (from_snapshot, from_base) = _run(executor, StepKind.SAMPLE, _sample("x", path), _sample("y", None))
     assert from_snapshot.ok and from_base.ok, (from_snapshot.error, from_base.error)
-    seq = from_snapshot.result["sequences"][0]
-    assert seq["tokens"] == at_save.sequences[0].tokens
-    assert seq["logprobs"] == pytest.approx(at_save.sequences[0].logprobs, abs=1e-5)
-    assert from_snapshot.result["prompt_logprobs"][0] is None and len(from_snapshot.result["prompt_logprobs"]) == 3
+    sampled = _samples(from_snapshot)
+    seq = sampled.sequences[0]
+    assert seq.tokens == at_save.sequences[0].tokens
+    assert seq.logprobs == pytest.approx(at_save.sequences[0].logprobs, abs=1e-5)
+    assert sampled.prompt_logprobs is not None and sampled.prompt_logprobs[0] is None
+    assert len(sampled.prompt_logprobs) == 3
 
     # A pool that does not hold the snapshot (a restart) loads it from the checkpoint's folder.
     store.delete(path)
     (reloaded,) = _run(executor, StepKind.SAMPLE, _sample("z", path, str(tmp_path / "w1")))
-    assert reloaded.ok and reloaded.result["sequences"][0]["tokens"] == at_save.sequences[0].tokens
+    assert reloaded.ok and _samples(reloaded).sequences[0].tokens == at_save.sequences[0].tokens
 
 
 def test_a_request_that_cannot_run_fails_alone_and_snapshots_beyond_the_slots_run_in_groups(pool, tmp_path) -> None:
@@ -92,5 +95,10 @@ def test_a_request_that_cannot_run_fails_alone_and_snapshots_beyond_the_slots_ru
     requests.append(_sample("bad", paths[0], prompt=[10**6]))
     outcomes = _run(executor, StepKind.SAMPLE, *requests)
     assert [o.ok for o in outcomes] == [True, True, True, False, False]
-    assert outcomes[3].error_type == "NotFoundError" and outcomes[4].error_type == "InvalidRequestError"
-    assert all(len(o.result["sequences"]) == 2 for o in outcomes[:3])
+    assert outcomes[3].error_name == "NotFoundError" and outcomes[4].error_name == "InvalidRequestError"
+    assert all(len(_samples(o).sequences) == 2 for o in outcomes[:3])
+
+
+def _samples(outcome) -> SampleResult:
+    assert outcome.result is not None
+    return outcome.result.expect(SampleResult)
