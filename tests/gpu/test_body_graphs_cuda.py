@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from loraplex.workers.engine.build import build_engine
+from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.lora import lora_delta_reference
 from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
 if TYPE_CHECKING:
-    from loraplex.workers.engine.build import build_engine
-    from loraplex.workers.engine.config import EngineConfig
     from loraplex.workers.engine.engine import Engine
 
 

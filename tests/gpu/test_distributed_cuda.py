@@ -70,7 +70,7 @@ def _max_diffs(got: dict, want: dict) -> tuple[float, float]:
     for gp, wp in zip(got["outcomes"], want["outcomes"], strict=True):
         for g, w in zip(gp, wp, strict=True):
             assert g.ok == w.ok, (g, w)
-            outputs = [(r.result or {}).get("loss_fn_outputs", []) for r in (g, w)]
+            outputs = [r.result.to_wire().get("loss_fn_outputs", []) if r.result else [] for r in (g, w)]
             for dg, dw in zip(*outputs, strict=True):
                 lp = max(lp, float((torch.tensor(dg["logprobs"]) - torch.tensor(dw["logprobs"])).abs().max()))
     weights = max(
