@@ -1,4 +1,4 @@
-"""Native sampler benchmark (issue 11, item 6): decode throughput of workers/sampling/sampler.py on a random-init Qwen3-shaped
+"""Native sampler benchmark: decode throughput of workers/sampling/sampler.py on a random-init Qwen3-shaped
 model, and HF `generate` with PEFT on the same work, in one process:
 
     python3 benchmarks/bench_sampler.py --model qwen3-4b-shape --rank 32 --prompts 32 --prompt-len 128 --new 128
@@ -8,7 +8,7 @@ with a seed and no EOS stop, so every row runs to full length): base model only;
 batch (prompts split evenly); the same 4 adapters one after another; HF + PEFT `generate` (one adapter, greedy with
 no EOS, batched). Each variant runs once untimed first (a new decode shape captures its CUDA graph then), and the
 base and mixed variants also run with `cuda_graphs=False` (the same decoder, eager) for comparison. Also: the time to
-take a sampler snapshot of a rank-`--rank` adapter on the training path (AdapterStore.freeze_copy: into a free slot,
+take a sampler copy of a rank-`--rank` adapter on the training path (AdapterStore.freeze_copy: into a free slot,
 device to device; and with every slot taken, to host memory), and a greedy agreement check of our sampler with HF + PEFT on
 the same adapter (first 4 prompts, 16 tokens). Needs only torch, transformers, peft and loraplex (the GPU image)."""
 
@@ -119,14 +119,14 @@ def main() -> None:
         "mixed": results["four_mixed"]["tok_s"] / results["four_mixed_eager"]["tok_s"],
     }
 
-    # A sampler snapshot on the training path: the adapter's slot rows to (pinned) host memory.
+    # A sampler copy on the training path: the adapter's weights into a free slot, or to (pinned) host memory.
     store = AdapterStore(engine, 1 << 40, Path(tempfile.mkdtemp(prefix="bench-sampler-spill-")))
-    results["snapshot_ms"] = time_snapshots(store, "s", 10)
-    print("snapshot (free slot, device to device)", results["snapshot_ms"], flush=True)
-    for k in range(4, engine.num_slots):  # every slot taken: the snapshot goes to host memory
+    results["sampler_copy_ms"] = time_copies(store, "s", 10)
+    print("sampler copy (free slot, device to device)", results["sampler_copy_ms"], flush=True)
+    for k in range(4, engine.num_slots):  # every slot taken: the copy goes to host memory
         store.create(f"a{k}", rank=args.rank, alpha=2 * args.rank, seed=k)
-    results["snapshot_host_ms"] = time_snapshots(store, "h", 6)
-    print("snapshot (no free slot, to host)", results["snapshot_host_ms"], flush=True)
+    results["sampler_copy_host_ms"] = time_copies(store, "h", 6)
+    print("sampler copy (no free slot, to host)", results["sampler_copy_host_ms"], flush=True)
     for k in range(4, engine.num_slots):
         store.delete(f"a{k}")
     results["save_for_sampler_ms"] = save_for_sampler(engine, store)
@@ -143,7 +143,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-def time_snapshots(store: AdapterStore, tag: str, repeats: int) -> dict[str, float]:
+def time_copies(store: AdapterStore, tag: str, repeats: int) -> dict[str, float]:
     """freeze_copy of a1 `repeats` times (each deleted after): median and max ms, the first two left out (warm-up)."""
     times = []
     for k in range(repeats):
@@ -158,7 +158,7 @@ def time_snapshots(store: AdapterStore, tag: str, repeats: int) -> dict[str, flo
 
 def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
     """A whole save_weights_for_sampler plan as the pool runs it (PlanExecutor with background writes): the plan's
-    time on the training path (host time and the compute stream: the snapshot and the weights' device copy; the
+    time on the training path (host time and the compute stream: the sampler copy and the weights' device copy; the
     device-to-host copy runs on a side stream beside it), and the file write beside it."""
     from loraplex.protocol import BatchPlan, PlannedRequest, RequestKind, Step, StepKind
     from loraplex.runtime.background_writes import BackgroundWrites

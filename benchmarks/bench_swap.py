@@ -1,4 +1,4 @@
-"""Swap cost of one adapter between the tiers (issue C): GPU slot -> pinned host memory -> disk and back, for a
+"""Swap cost of one adapter between the tiers: GPU slot -> pinned host memory -> disk and back, for a
 Qwen3-4B-shaped rank-32 adapter (its whole training state: weights, unconsumed gradients, both Adam moments), next to
 the bandwidth floor measured in the same run (a raw copy of the same number of bytes).
 
@@ -23,7 +23,7 @@ from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
-from loraplex.workers.state.snapshots import restore_snapshot, take_snapshot  # noqa: E402
+from loraplex.workers.state.slot_images import restore_image, take_image  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:
@@ -51,20 +51,20 @@ def main() -> None:
     model = build_model(args)
     engine = build_engine(model, EngineConfig(num_slots=2, max_rank=args.rank, target_modules=TARGETS), args.device)
     engine.create_adapter("a", rank=args.rank, alpha=2 * args.rank, seed=0)
-    snap = take_snapshot(engine, "a")
+    snap = take_image(engine, "a")
     nbytes = snap.nbytes
     results: dict[str, float | str | int] = {"model": args.model, "rank": args.rank, "bytes": nbytes}
 
-    # GPU slot <-> pinned host, through the engine's snapshot path (copies, plus slot bookkeeping).
+    # GPU slot <-> pinned host, through the engine's slot-image path (copies, plus slot bookkeeping).
     buf = torch.empty_like(snap.rows, pin_memory=engine.device.type == "cuda")
 
     def out_and_in() -> None:
-        s = take_snapshot(engine, "a", out=buf)
+        s = take_image(engine, "a", out=buf)
         engine.delete_adapter("a")
-        restore_snapshot(engine, s)
+        restore_image(engine, s)
 
-    results["snapshot_out_ms"] = median_ms(lambda: take_snapshot(engine, "a", out=buf), args.reps)
-    results["snapshot_out_in_ms"] = median_ms(out_and_in, args.reps)
+    results["image_out_ms"] = median_ms(lambda: take_image(engine, "a", out=buf), args.reps)
+    results["image_out_in_ms"] = median_ms(out_and_in, args.reps)
     # The floor: a raw copy of the same bytes device <-> pinned host.
     dev = torch.empty_like(snap.rows, device=engine.device)
     results["floor_d2h_ms"] = median_ms(lambda: buf.copy_(dev, non_blocking=True), args.reps)

@@ -212,7 +212,9 @@ class Settings(BaseSettings):
     # A request entry left unacknowledged this long by a consumer that is gone is taken over by the dispatcher (its own
     # entries, held across plans or being finished, are kept fresh and never taken back).
     stale_claim_ms: int = Field(default=30_000, ge=1)
-    # Sampler snapshots (save_weights_for_sampler copies) a pool keeps per adapter; older ones reload from their files.
+    # Sampler copies (the frozen weights a save_weights_for_sampler keeps in the pool's adapter store) a pool keeps per
+    # adapter; older ones reload from their files. The name (LORAPLEX_SAMPLER_SNAPSHOTS_PER_ADAPTER) keeps its older
+    # word because operators set it: renaming it would silently drop their value.
     sampler_snapshots_per_adapter: int = Field(default=4, ge=1)
     vllm_max_loras: int = Field(default=8, ge=2)  # adapters the vLLM server holds at once (one is the zero adapter)
     # How long the checkpoint of an unnamed save_weights_for_sampler (save_weights_and_get_sampling_client) is kept.

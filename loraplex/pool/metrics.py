@@ -127,7 +127,7 @@ class PoolMetrics:
                              registry=r)  # fmt: skip
         self.swap_seconds = Counter("loraplex_pool_swap_seconds", "Seconds spent moving adapters between tiers.",
                                     (*p, "move"), registry=r)  # fmt: skip
-        self.adapters = Gauge("loraplex_pool_adapters", "Adapters (sampler snapshots included) per tier of rank 0.",
+        self.adapters = Gauge("loraplex_pool_adapters", "Adapters (sampler copies included) per tier of rank 0.",
                               (*p, "tier"), registry=r)  # fmt: skip
         self.slots = Gauge("loraplex_pool_slots", "Adapter slots per rank.", p, registry=r)
         self.graph_captures = Counter("loraplex_pool_graph_captures",

@@ -50,7 +50,7 @@ class RequestKind(StrEnum):
     SAVE_SAMPLER = "save_sampler"  # weights only (for sampling / export)
     LOAD_STATE = "load_state"  # checkpoint files -> this (new or existing) adapter
     REJECTED = "rejected"  # a request the gateway rejected after its seq_id was taken: answered with its error
-    SAMPLE = "sample"  # continuations of a prompt from a sampler snapshot (or the base model); in no seq_id chain
+    SAMPLE = "sample"  # continuations of a prompt from a sampler copy (or the base model); in no seq_id chain
 
 
 class StepKind(StrEnum):
@@ -60,7 +60,7 @@ class StepKind(StrEnum):
     OPTIM_STEP = "optim_step"  # one batched AdamW update over the requests' adapters
     CHECKPOINT = "checkpoint"  # save_state / save_sampler / load_state requests, one by one, in seq_id order
     REJECT = "reject"  # rejected requests: each answered with its payload's error, no engine work
-    SAMPLE = "sample"  # one batched generation over the plan's sampling requests (mixed snapshots and base rows)
+    SAMPLE = "sample"  # one batched generation over the plan's sampling requests (mixed sampler copies and base rows)
 
 
 def no_tokens(payload: Any, part: tuple[int, int] | None = None) -> int:

@@ -141,16 +141,17 @@ class RejectedPayload(Payload):
 
 @dataclass(frozen=True)
 class SamplePayload(Payload):
-    """A sampling request: `num_samples` continuations of `prompt` from the frozen sampler snapshot `snapshot` (an
-    adapter id in the pool: the copy a save_weights_for_sampler took), or from the bare base model when None. The
+    """A sampling request: `num_samples` continuations of `prompt` from the sampler copy `sampler_copy` (an adapter
+    id in the pool: the frozen copy of the weights a save_weights_for_sampler took), or from the bare base model when
+    None. The
     envelope's model_id is the sampling session's id, its seq_id the client's sampling counter: the idempotency key.
     Sampling requests sit outside every adapter's seq_id chain (their order does not matter)."""
 
     KIND_NAME: ClassVar[str] = "sample"
     prompt: tuple[int, ...] = ()
-    snapshot: str | None = None
-    # The sampler checkpoint's folder: a pool that no longer holds the snapshot in memory (a restart) loads it from here.
-    snapshot_dir: str | None = None
+    sampler_copy: str | None = None
+    # The sampler checkpoint's folder: a pool that no longer holds the copy in memory (a restart) loads it from here.
+    sampler_copy_dir: str | None = None
     num_samples: int = 1
     max_tokens: int = 16
     temperature: float = 1.0

@@ -1,5 +1,5 @@
 """A SAMPLE step served by a vLLM server instead of the training engine (`LORAPLEX_SAMPLER=vllm`): each request's
-sampler snapshot is its checkpoint folder, exported once as a PEFT folder and loaded into the server at run time
+sampler copy is its checkpoint folder, exported once as a PEFT folder and loaded into the server at run time
 (samplers/vllm.py: LRU beyond its max_loras); the bare base model goes through the zero adapter. Requests of a step
 run concurrently (the server batches them). No torch here: the PEFT export is the caller's callable (the pool process
 passes service/peft_export.export_checkpoint).
@@ -20,9 +20,9 @@ from loraplex.protocol.results import SampledSequence, SampleResult
 from loraplex.samplers.vllm import VllmSampler
 
 
-def adapter_name(snapshot: str) -> str:
-    """The server-side name of a snapshot (its tinker path hashed: vLLM names are plain strings)."""
-    return "snap-" + hashlib.sha256(snapshot.encode()).hexdigest()[:24]
+def adapter_name(copy_id: str) -> str:
+    """The server-side name of a sampler copy (its tinker path hashed: vLLM names are plain strings)."""
+    return "copy-" + hashlib.sha256(copy_id.encode()).hexdigest()[:24]
 
 
 class VllmSampleStep:
@@ -52,7 +52,7 @@ class VllmSampleStep:
             raise NotSupportedError("top-k logprobs are not offered by this pool's vLLM sampler")
         if not p.stop_at_eos:
             raise NotSupportedError("stop=[] (sampling through EOS) is not offered by this pool's vLLM sampler")
-        adapter = self._adapter(p.snapshot, p.snapshot_dir) if p.snapshot is not None else None
+        adapter = self._adapter(p.sampler_copy, p.sampler_copy_dir) if p.sampler_copy is not None else None
         greedy = p.temperature == 0  # vLLM refuses n > 1 when greedy: one draw stands for all (it is deterministic)
         out = self.sampler.sample(
             list(p.prompt),
@@ -73,11 +73,11 @@ class VllmSampleStep:
             prompt_logprobs=out.prompt_logprobs,
         )
 
-    def _adapter(self, snapshot: str, directory: str | None) -> str:
-        name = adapter_name(snapshot)
+    def _adapter(self, copy_id: str, directory: str | None) -> str:
+        name = adapter_name(copy_id)
         if name not in self.sampler.known_adapters:
             if not directory:
-                raise NotFoundError(f"sampler weights {snapshot} name no checkpoint folder")
+                raise NotFoundError(f"sampler weights {copy_id} name no checkpoint folder")
             folder = self.export(Path(directory), self.workdir / name)
             self.sampler.load_adapter(name, folder)
         return name

@@ -2,7 +2,7 @@
 sampler checkpoints (`tinker://<model_id>/sampler_weights/<name>`) or the bare base model; a sample is a request of
 kind `sample` queued under (sampler id, seq_id), the idempotency key, outside every adapter's seq_id chain.
 
-The pool samples from the frozen copy a named save_weights_for_sampler left in its memory (workers/state/adapter_store.py:
+The pool samples from the sampler copy (the frozen weights) a named save_weights_for_sampler left in its memory (workers/state/adapter_store.py:
 freeze_copy), or loads it from the checkpoint's folder when it has none (a restarted pool): the payload carries both."""
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
             directory = str(checkpoint_dir(services, checkpoint))
     payload = SamplePayload(
         prompt=tuple(request.prompt),
-        snapshot=sampler.model_path,
-        snapshot_dir=directory,
+        sampler_copy=sampler.model_path,
+        sampler_copy_dir=directory,
         num_samples=request.num_samples,
         max_tokens=request.max_tokens,
         temperature=request.temperature,

@@ -1,5 +1,5 @@
 """The embedded stack with fewer slots than adapters: three tenants train one adapter each, concurrently, on a pool of
-two slots; the adapter store swaps them through disk (host budget 0) and the `snapshots` table shows where each is."""
+two slots; the adapter store swaps them through disk (host budget 0) and the `residency` table shows where each is."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ Rows = dict[str, tuple[str, int | None, str | None]]  # model_id -> (tier, slot,
 
 
 def _tiers(stack: Stack, recorded: Callable[[Rows], bool], timeout_s: float = 30.0) -> Rows:
-    """The `snapshots` rows of rank 0, once they show the state `recorded` describes (or after `timeout_s`, as they
+    """The `residency` rows of rank 0, once they show the state `recorded` describes (or after `timeout_s`, as they
     are then: the assertions say what is missing). The wait is on the recorded state itself: a condition that the
     rows before a swap also meet (e.g. "3 rows, 2 on the GPU") returns the old rows before the swap is recorded."""
     sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))

@@ -1,6 +1,6 @@
 """Sampling on the embedded stack with the native sampler: the Tinker SDK (a named sampler save + a sampling client,
 the unnamed save_weights_and_get_sampling_client, compute_logprobs) and our client, the sampler's logprobs equal to the
-trainer's forward logprobs of the same tokens, a snapshot frozen while its adapter trains on, another tenant's 404."""
+trainer's forward logprobs of the same tokens, a sampler copy frozen while its adapter trains on, another tenant's 404."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _train(trainer, steps: int) -> None:
         trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
 
 
-def test_the_sdk_samples_a_frozen_snapshot_and_its_logprobs_match_the_trainer(sdk) -> None:
+def test_the_sdk_samples_a_sampler_copy_and_its_logprobs_match_the_trainer(sdk) -> None:
     trainer = sdk.create_lora_training_client(base_model="tiny", rank=8, seed=3).result()
     _train(trainer, 3)
     path = trainer.save_weights_for_sampler("w1").result().path
@@ -54,7 +54,7 @@ def test_the_sdk_samples_a_frozen_snapshot_and_its_logprobs_match_the_trainer(sd
     trainer_lp = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(PROMPT) - 1 :]
     np.testing.assert_allclose(seq.logprobs, trainer_lp, atol=1e-4)
 
-    _train(trainer, 4)  # the adapter trains on; the snapshot does not move
+    _train(trainer, 4)  # the adapter trains on; the sampler copy does not move
     again = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0]
     assert again.tokens == seq.tokens and again.logprobs == pytest.approx(seq.logprobs, abs=1e-5)
 

@@ -1,6 +1,6 @@
 """tinker-cookbook 0.6.1's RL loop (`tinker_cookbook.rl.train.main`, importance_sampling), unchanged, against the
 embedded stack with the native sampler: a small local task (tests/helpers/cookbook_rl.py), the pool's tokenizer
-registered in process, to its end. Each step samples from a fresh sampler snapshot (the unnamed
+registered in process, to its end. Each step samples from a fresh sampler copy (the unnamed
 save_weights_for_sampler), then trains on the samples; the sampler's logprobs and the trainer's forward logprobs agree
 (the cookbook's KL(sample || train) ~ 0)."""
 

@@ -1,5 +1,5 @@
 """What the gateway has written, read straight from SQL and Redis (gateway tests without a pool): a comparable
-snapshot of the rows a request may touch, each tenant's queued envelopes, and the queue/database consistency check
+copy of the rows a request may touch, each tenant's queued envelopes, and the queue/database consistency check
 the fuzz tests end with."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from loraplex.storage.models import Adapter, AdapterStatus, Checkpoint, Pipeline
 
 
 def db_state(services) -> dict[str, Any]:
-    """Every adapter, checkpoint, session and pipeline row (all tenants), as plain tuples: equal snapshots = nothing written."""
+    """Every adapter, checkpoint, session and pipeline row (all tenants), as plain tuples: equal states = nothing written."""
     with services.sessions() as db:
         adapters = sorted(
             (a.model_id, a.tenant_id, str(a.status), a.applied_seq_id, a.session_id, repr(a.user_metadata))

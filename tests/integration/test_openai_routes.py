@@ -130,7 +130,7 @@ def test_a_completion_queues_one_sample_with_its_payload_then_408s_without_a_poo
     (env,) = _samples(gw)
     assert env.request_id in error["message"] and "/v1/futures/" in error["message"]
     p = env.payload.to_wire()
-    assert p["prompt"] == _tok(gw).encode("The cat sat") and p["snapshot"] == path and p["snapshot_dir"]
+    assert p["prompt"] == _tok(gw).encode("The cat sat") and p["sampler_copy"] == path and p["sampler_copy_dir"]
     assert (p["num_samples"], p["max_tokens"], p["temperature"], p["top_p"], p["seed"]) == (2, 5, 0.0, 0.9, 3)
     assert list(p["stop_strings"]) == ["\n", "."] and p["stop_at_eos"] and p["topk_sample_logprobs"] == 2
     assert env.seq_id == 1
@@ -147,7 +147,7 @@ def test_the_base_model_and_an_adapter_id_name_what_they_sample(gw: Gateway) -> 
     alice = _h(gw, "alice")
     _error(gw.client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]}, headers=alice), 408)
     (base,) = _samples(gw)
-    assert base.payload.to_wire()["snapshot"] is None and base.payload.to_wire()["snapshot_dir"] is None
+    assert base.payload.sampler_copy is None and base.payload.sampler_copy_dir is None
 
     r = gw.client.post("/v1/adapters", json={"rank": 4}, headers=alice)
     model_id = r.json()["model_id"]
@@ -156,7 +156,7 @@ def test_the_base_model_and_an_adapter_id_name_what_they_sample(gw: Gateway) -> 
     saved_checkpoint(gw.services, gw.tenant_ids["alice"], model_id, CheckpointKind.SAMPLER, "old", step=3)
     newest = saved_checkpoint(gw.services, gw.tenant_ids["alice"], model_id, CheckpointKind.SAMPLER, "new", step=5)
     _error(gw.client.post("/v1/completions", json={"model": model_id, "prompt": [1]}, headers=alice), 408)
-    assert [e.payload.to_wire()["snapshot"] for e in _samples(gw) if e.request_id != base.request_id] == [newest]
+    assert [e.payload.to_wire()["sampler_copy"] for e in _samples(gw) if e.request_id != base.request_id] == [newest]
 
 
 def test_chat_renders_the_plain_format_or_the_models_template(gw: Gateway) -> None:

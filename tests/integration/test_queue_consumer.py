@@ -148,6 +148,29 @@ def test_an_entry_whose_payload_does_not_fit_its_kind_fails_as_undecodable(redis
     assert "data: expected list[object], got str" in (outcome.error or "")
 
 
+
+def test_a_queued_sample_with_the_older_field_names_fails_its_request_and_the_stream_goes_on(
+    redis_client: redis.Redis,
+) -> None:
+    """SamplePayload's fields were `snapshot` / `snapshot_dir` before they were `sampler_copy` / `sampler_copy_dir`;
+    an entry written with the older names (a gateway not yet upgraded) fails its request naming the unknown field,
+    and the entries after it are read as usual."""
+    pool = _pool()
+    consumer = Consumer(redis_client, pool, "c")
+    path = "tinker://m/sampler_weights/w1"
+    good = Envelope.new(tenant_id="t", model_id="s", seq_id=2, kind="sample",
+                        payload={"prompt": [1, 2], "sampler_copy": path, "sampler_copy_dir": "/ckpt"})  # fmt: skip
+    fields = encode(good)
+    data = json.loads(fields["data"])
+    old = {k: v for k, v in data["payload"].items() if k not in ("sampler_copy", "sampler_copy_dir")}
+    data |= {"request_id": "old", "seq_id": 1, "payload": old | {"snapshot": path, "snapshot_dir": "/ckpt"}}
+    _xadd(redis_client, pool, {"v": fields["v"], "request_id": "old", "data": json.dumps(data)})
+    _xadd(redis_client, pool, fields)
+    assert [env for _, env in consumer.read(count=10)] == [good]
+    outcome = ResultStore(redis_client).get("old")
+    assert outcome is not None and outcome.error_name == "InvalidRequestError"
+    assert "unknown field(s) snapshot, snapshot_dir" in (outcome.error or "")
+
 def _fill(r: redis.Redis, pool: str, tenant: str, n: int, model: str | None = None) -> list[str]:
     producer = Producer(r, pool)
     model = model or uuid.uuid4().hex[:6]

@@ -293,8 +293,8 @@ def test_samplers_and_samples_queue_outside_any_chain(tk) -> None:
     assert ref["request_id"].startswith("sample.") and len(ref["sample_sequence_ids"]) == 3
     queued_sample = next(e for e in queued(tk.services).values() if e.kind == RequestKind.SAMPLE)
     assert (queued_sample.model_id, queued_sample.seq_id) == (sampler_id, 7)
-    assert queued_sample.payload.to_wire()["snapshot"] == path and queued_sample.payload.to_wire()["stop_token_ids"] == [9]
-    assert queued_sample.payload.to_wire()["snapshot_dir"]  # a restarted pool loads the snapshot from the checkpoint
+    assert queued_sample.payload.to_wire()["sampler_copy"] == path and queued_sample.payload.to_wire()["stop_token_ids"] == [9]
+    assert queued_sample.payload.to_wire()["sampler_copy_dir"]  # a restarted pool loads the copy from the checkpoint
     assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk)).json() == ref  # (sampler, seq_id) idempotent
     assert tk.client.post("/api/v1/asample", json=sample, headers=_h(tk, "bob")).status_code == 404
 

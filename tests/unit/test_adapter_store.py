@@ -19,7 +19,7 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore, TierChange
-from loraplex.workers.state.snapshots import AdapterSnapshot
+from loraplex.workers.state.slot_images import SlotImage
 
 ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 
@@ -44,7 +44,7 @@ def data(step: int, n: int = 2) -> list[dict]:
     return out
 
 
-def same_state(a: AdapterSnapshot, b: AdapterSnapshot) -> bool:
+def same_state(a: SlotImage, b: SlotImage) -> bool:
     return torch.equal(a.rows, b.rows) and (a.step, a.rank, a.alpha, a.seed) == (b.step, b.rank, b.alpha, b.seed)
 
 
@@ -115,7 +115,7 @@ def test_lru_eviction_order_and_touch(make_engine: Callable[..., Engine], tmp_pa
 
 def test_host_budget_spills_the_least_recently_used_to_disk(make_engine: Callable[..., Engine], tmp_path: Path) -> None:
     engine = make_engine(slots=1)
-    one = 4 * engine.optimizer.data.shape[1] * 4  # bytes of one snapshot
+    one = 4 * engine.optimizer.data.shape[1] * 4  # bytes of one slot image
     store = AdapterStore(engine, 2 * one, tmp_path)
     for i in range(5):
         store.create(f"m{i}", 2, 4.0, i)

@@ -1,5 +1,5 @@
 """Around the adapter store: the policy keeps each step within the slots, and the store's tier moves land in the
-`snapshots` table (ResidencyRepository upsert, the pool recorder's one transaction per plan)."""
+`residency` table (ResidencyRepository upsert, the pool recorder's one transaction per plan)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _adapters(factory: sessionmaker[Session], *model_ids: str) -> str:
         return tenant.id
 
 
-def test_snapshot_repository_upserts_one_row_per_adapter_pool_and_rank(factory: sessionmaker[Session]) -> None:
+def test_residency_repository_upserts_one_row_per_adapter_pool_and_rank(factory: sessionmaker[Session]) -> None:
     _adapters(factory, "a", "b")
     with unit_of_work(factory) as s:
         repo = ResidencyRepository(s)

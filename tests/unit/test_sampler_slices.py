@@ -68,9 +68,9 @@ def test_a_run_in_slices_gives_the_tokens_of_one_whole_call(tiny_dir: Path, fuse
             assert w.prompt_logprobs == s.prompt_logprobs
 
 
-def _sample(rid: str, snapshot: str, max_tokens: int = 10) -> PlannedRequest:
-    payload = {"prompt": [3, 5, 7, 11], "snapshot": snapshot, "max_tokens": max_tokens, "temperature": 1.0, "seed": 5,
-               "num_samples": 2, "stop_token_ids": [], "stop_at_eos": False}  # fmt: skip
+def _sample(rid: str, copy_id: str, max_tokens: int = 10) -> PlannedRequest:
+    payload = {"prompt": [3, 5, 7, 11], "sampler_copy": copy_id, "max_tokens": max_tokens, "temperature": 1.0,
+               "seed": 5, "num_samples": 2, "stop_token_ids": [], "stop_at_eos": False}  # fmt: skip
     return PlannedRequest(rid, "t", "sampler-1", 0, RequestKind.SAMPLE, payload)
 
 
@@ -86,9 +86,9 @@ def _train(executor: PlanExecutor, model_id: str, seq: int) -> None:
 def test_training_and_swaps_between_slices_change_nothing_an_in_flight_sample_reads(
     tiny_dir: Path, tmp_path: Path, fused: bool
 ) -> None:
-    """Two slots and three adapters: between slices the snapshot's own source trains (lr 0.5) and the other adapters
-    swap through the slots, so the snapshot leaves its slot and comes back elsewhere; the sliced result still equals
-    an unsliced run of the same request on an untouched pool."""
+    """Two slots and three adapters: between slices the sampler copy's own source trains (lr 0.5) and the other
+    adapters swap through the slots, so the copy leaves its slot and comes back elsewhere; the sliced result still
+    equals an unsliced run of the same request on an untouched pool."""
     results = []
     for sliced in (False, True):
         engine = _engine(tiny_dir, fused, slots=2)
@@ -116,15 +116,15 @@ def test_training_and_swaps_between_slices_change_nothing_an_in_flight_sample_re
             for m in ("a", "b", "c"):  # training, and every adapter through the two slots
                 _train(executor, m, seq)
             seq += 2
-            for m in (path, "a", "b", "c"):  # all out, then b and c in: the snapshot comes back to another slot
+            for m in (path, "a", "b", "c"):  # all out, then b and c in: the copy comes back to another slot
                 store.evict(m)
-            store.ensure_resident(["b"])  # the first free slot: where the snapshot started
+            store.ensure_resident(["b"])  # the first free slot: where the copy started
             store.ensure_resident(["c"])
-            store.touch("b")  # c is the least recently used: the snapshot comes back in c's slot
+            store.touch("b")  # c is the least recently used: the copy comes back in c's slot
         assert outcomes[-1].ok, outcomes[-1].error
         assert all(o.ok and o.result is None for o in outcomes[:-1])
         assert (len(outcomes) > 3) == sliced
-        if sliced and not fused:  # the unfused path swaps the snapshot back in for each slice, in another slot
+        if sliced and not fused:  # the unfused path swaps the copy back in for each slice, in another slot
             assert len(slots_seen) > 1
         assert step.executions == 2 and step.in_flight == set()
         results.append(later.result)

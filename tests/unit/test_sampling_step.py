@@ -1,6 +1,6 @@
-"""The SAMPLE step on the pool (workers/sampling/step.py through the PlanExecutor): it samples the frozen snapshot a
-named sampler save took, not the adapter that trained on; a pool without the snapshot loads it from the checkpoint
-folder; a request that cannot run fails alone; more snapshots than slots run in groups."""
+"""The SAMPLE step on the pool (workers/sampling/step.py through the PlanExecutor): it samples the sampler copy a
+named sampler save took, not the adapter that trained on; a pool without the copy loads it from the checkpoint
+folder; a request that cannot run fails alone; more copies than slots run in groups."""
 
 from __future__ import annotations
 
@@ -52,13 +52,13 @@ def _save(executor: PlanExecutor, model_id: str, name: str, folder: Path) -> str
     return path
 
 
-def _sample(rid: str, snapshot: str | None, directory: str | None = None, **params) -> PlannedRequest:
-    payload = {"prompt": PROMPT, "snapshot": snapshot, "snapshot_dir": directory, "max_tokens": 6, "temperature": 0.0,
-               "prompt_logprobs": True, **params}  # fmt: skip
+def _sample(rid: str, copy_id: str | None, directory: str | None = None, **params) -> PlannedRequest:
+    payload = {"prompt": PROMPT, "sampler_copy": copy_id, "sampler_copy_dir": directory, "max_tokens": 6,
+               "temperature": 0.0, "prompt_logprobs": True, **params}  # fmt: skip
     return PlannedRequest(rid, "t", "sampler-1", 0, RequestKind.SAMPLE, payload)
 
 
-def test_a_sample_reads_the_snapshot_not_the_adapter_that_trained_on(pool, tmp_path) -> None:
+def test_a_sample_reads_the_sampler_copy_not_the_adapter_that_trained_on(pool, tmp_path) -> None:
     executor, store, sampler = pool
     store.create("a", 4, 8.0, seed=1)
     for seq in (1, 3):
@@ -68,29 +68,29 @@ def test_a_sample_reads_the_snapshot_not_the_adapter_that_trained_on(pool, tmp_p
     path = _save(executor, "a", "w1", tmp_path)
     for seq in (10, 12, 14):
         _train(executor, "a", seq)  # the adapter moves on
-    (from_snapshot, from_base) = _run(executor, StepKind.SAMPLE, _sample("x", path), _sample("y", None))
-    assert from_snapshot.ok and from_base.ok, (from_snapshot.error, from_base.error)
-    sampled = _samples(from_snapshot)
+    (from_copy, from_base) = _run(executor, StepKind.SAMPLE, _sample("x", path), _sample("y", None))
+    assert from_copy.ok and from_base.ok, (from_copy.error, from_base.error)
+    sampled = _samples(from_copy)
     seq = sampled.sequences[0]
     assert seq.tokens == at_save.sequences[0].tokens
     assert seq.logprobs == pytest.approx(at_save.sequences[0].logprobs, abs=1e-5)
     assert sampled.prompt_logprobs is not None and sampled.prompt_logprobs[0] is None
     assert len(sampled.prompt_logprobs) == 3
 
-    # A pool that does not hold the snapshot (a restart) loads it from the checkpoint's folder.
+    # A pool that does not hold the copy (a restart) loads it from the checkpoint's folder.
     store.delete(path)
     (reloaded,) = _run(executor, StepKind.SAMPLE, _sample("z", path, str(tmp_path / "w1")))
     assert reloaded.ok and _samples(reloaded).sequences[0].tokens == at_save.sequences[0].tokens
 
 
-def test_a_request_that_cannot_run_fails_alone_and_snapshots_beyond_the_slots_run_in_groups(pool, tmp_path) -> None:
+def test_a_request_that_cannot_run_fails_alone_and_copies_beyond_the_slots_run_in_groups(pool, tmp_path) -> None:
     executor, store, _ = pool
     paths = []
     for i, name in enumerate(("a", "b", "c")):
         store.create(name, 2, 4.0, seed=i)
         _train(executor, name, 1)
         paths.append(_save(executor, name, f"w-{name}", tmp_path))
-    requests = [_sample(f"r{i}", p, num_samples=2) for i, p in enumerate(paths)]  # 3 snapshots, 2 slots
+    requests = [_sample(f"r{i}", p, num_samples=2) for i, p in enumerate(paths)]  # 3 sampler copies, 2 slots
     requests.append(_sample("missing", "tinker://nobody/sampler_weights/x"))
     requests.append(_sample("bad", paths[0], prompt=[10**6]))
     outcomes = _run(executor, StepKind.SAMPLE, *requests)

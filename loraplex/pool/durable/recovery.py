@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
     from loraplex.workers.state.adapter_store import AdapterStore
-    from loraplex.workers.state.snapshots import AdapterSnapshot
+    from loraplex.workers.state.slot_images import SlotImage
 
 log = logging.getLogger("loraplex.pool.durable")
 
@@ -72,10 +72,10 @@ def recover_pool(
     executor: Executor,
     sessions: sessionmaker[Session],
     redis: redis_lib.Redis,
-    adopt: Callable[[AdapterSnapshot], None] | None = None,
+    adopt: Callable[[SlotImage], None] | None = None,
 ) -> Recovery:
-    """adopt: takes a snapshot's state into the pool (default `store.adopt`; a multi-rank pool's LeaderExecutor.adopt
-    gives it to every rank)."""
+    """adopt: takes a snapshot's slot image into the pool (default `store.adopt`; a multi-rank pool's
+    LeaderExecutor.adopt gives it to every rank)."""
     out = Recovery()
     adopt = adopt or store.adopt
     with sessions() as session:
@@ -99,15 +99,15 @@ def recover_pool(
 
 def _newest_valid(
     snapshots: list[SnapshotInfo], width: int, out: Recovery
-) -> tuple[SnapshotInfo, AdapterSnapshot, int] | None:
+) -> tuple[SnapshotInfo, SlotImage, int] | None:
     for info in snapshots:
         try:
-            snapshot, seq = read_durable_snapshot(Path(info.path), info.sha256, width)
+            image, seq = read_durable_snapshot(Path(info.path), info.sha256, width)
         except CorruptSnapshotError as exc:
             log.error("adapter %s: snapshot v%d skipped for the one before it: %s", info.model_id, info.version, exc)
             out.skipped_snapshots.append(info.path)
             continue
-        return info, snapshot, seq
+        return info, image, seq
     return None
 
 
@@ -116,7 +116,7 @@ def _adopt_one(
     model_id: str,
     snapshots: list[SnapshotInfo],
     width: int,
-    adopt: Callable[[AdapterSnapshot], None],
+    adopt: Callable[[SlotImage], None],
     executor: Executor,
     redis: redis_lib.Redis,
     out: Recovery,
@@ -131,9 +131,9 @@ def _adopt_one(
     tenant = entries[0].envelope.tenant_id if entries else None
     last: int | None = None
     if found is not None:
-        info, snapshot, seq = found
-        snapshot.model_id = model_id
-        adopt(snapshot)
+        info, image, seq = found
+        image.model_id = model_id
+        adopt(image)
         last = seq if seq >= 0 else None
         tenant = tenant or _tenant_of(info)
         if entries and last is not None and entries[0].seq_id > last + 1:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from loraplex.dispatch.hooks import LoopProgress
     from loraplex.queue.lease import PoolLease
     from loraplex.workers.state.adapter_store import AdapterStore
-    from loraplex.workers.state.snapshots import AdapterSnapshot
+    from loraplex.workers.state.slot_images import SlotImage
 
 log = logging.getLogger("loraplex.pool.durable")
 
@@ -75,7 +75,7 @@ class _Job:
     model_id: str
     tenant_id: str
     applied_seq_id: int
-    take: Callable[[], AdapterSnapshot] | None  # the state's host copy (writer thread); None: forget the adapter
+    take: Callable[[], SlotImage] | None  # the state's host copy (writer thread); None: forget the adapter
     released: threading.Event = field(default_factory=threading.Event)
 
 
@@ -238,11 +238,11 @@ class Snapshotter:
 
     def _write_one(self, job: _Job) -> None:
         assert job.take is not None
-        snapshot = job.take()
+        image = job.take()
         with self.sessions() as session:
             version = SnapshotRepository(session).next_version(job.model_id)
         path = snapshot_path(self.blob_root, job.tenant_id, job.model_id, version)
-        written = self._write(path, snapshot, version=version, applied_seq_id=job.applied_seq_id)
+        written = self._write(path, image, version=version, applied_seq_id=job.applied_seq_id)
         if not self._wait_released(job):
             path.unlink(missing_ok=True)
             return
@@ -252,7 +252,7 @@ class Snapshotter:
                 path.unlink(missing_ok=True)
                 return
             repo = SnapshotRepository(session)
-            repo.add(job.model_id, self.pool, version, job.applied_seq_id, snapshot.step, str(path),
+            repo.add(job.model_id, self.pool, version, job.applied_seq_id, image.step, str(path),
                      written.sha256, written.size_bytes)  # fmt: skip
             dropped = repo.prune(job.model_id, self.keep)
             kept = repo.newest_first(job.model_id)
@@ -262,7 +262,7 @@ class Snapshotter:
             Path(old).unlink(missing_ok=True)
         self.written += 1
         log.info("pool %s: snapshot v%d of %s (seq_id %d, step %d)", self.pool, version, job.model_id,
-                 job.applied_seq_id, snapshot.step)  # fmt: skip
+                 job.applied_seq_id, image.step)  # fmt: skip
 
     def _forget(self, job: _Job) -> None:
         if not self._wait_released(job):

@@ -84,7 +84,7 @@ def restore_checkpoint(
 ) -> None:
     """A new adapter `model_id` restored from a checkpoint folder (checked in full before a slot is claimed; through
     the store when there is one), training the checkpoint's target modules; target modules given with it must be
-    those. Also how a pool adopts a sampler snapshot it does not hold (workers/sampling/step.py)."""
+    those. Also how a pool loads a sampler copy it does not hold (workers/sampling/step.py)."""
     from loraplex.workers.state.checkpoint import read_checkpoint
     from loraplex.workers.state.checkpoint_state import check_signature, load_into_engine
 

@@ -3,7 +3,7 @@ side stream, into pageable host memory.
 
 Why not a pinned host tensor per copy: allocating pinned memory (cudaHostAlloc) holds the driver while it locks the
 pages, and every other thread's CUDA calls wait; a plain `.cpu()` into pageable memory does the same for its whole
-copy. On the H200 (benchmarks/probe_snapshot_stall.py, RESULTS.md session 11) a 1 GiB snapshot (one Qwen3-4B
+copy. On the H200 (benchmarks/probe_snapshot_stall.py, RESULTS.md 2026-12-04) a 1 GiB copy (one Qwen3-4B
 adapter's four rows at rank 32) stalled a training loop on another thread for 653 ms through a fresh pinned tensor
 and 1,024 ms through `.cpu()`; through these two 64 MiB buffers the loop's slowest iteration rose by < 8 ms, the
 copy itself taking ~0.2 s in the calling thread. The plain reference is `src.cpu()` (tests/gpu/test_slot_copy_cuda.py).

@@ -38,7 +38,7 @@ from loraplex.workers.ranks.distributed import (
     init_rank_group,
     lost_a_rank,
 )
-from loraplex.workers.state.snapshots import AdapterSnapshot
+from loraplex.workers.state.slot_images import SlotImage
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +99,14 @@ class LeaderExecutor:
                 leave_without_answering(exc)
             raise
 
-    def adopt(self, snapshot: AdapterSnapshot) -> None:
+    def adopt(self, image: SlotImage) -> None:
         """Every rank's store takes this adapter's state (AdapterStore.adopt), so the ranks stay replicas."""
         if self.closed:
             raise RuntimeError("the pool's ranks were stopped")
         if self.executor.store is None:
             raise RuntimeError("this pool's executor has no adapter store")
-        broadcast_message(self.group, (ADOPT, snapshot))
-        self.executor.store.adopt(snapshot)
+        broadcast_message(self.group, (ADOPT, image))
+        self.executor.store.adopt(image)
 
     def close(self) -> None:
         """Tell the other ranks to leave `follow` (once)."""

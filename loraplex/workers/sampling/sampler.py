@@ -270,7 +270,7 @@ class SampleRun:
 
     @property
     def model_ids(self) -> set[str]:
-        """The adapters (sampler snapshots) it samples from."""
+        """The adapters (sampler copies) it samples from."""
         return set() if self._run is None else {m for m in self._run.group_of if m is not None}
 
     @property

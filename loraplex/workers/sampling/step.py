@@ -1,10 +1,11 @@
-"""A SAMPLE step on the pool: each request's frozen sampler snapshot (or the bare base model) made resident, then
-batched generation (workers/sampling/sampler.py) over all of them, rows of different snapshots mixed, run in bounded slices.
+"""A SAMPLE step on the pool: each request's sampler copy (or the bare base model) made resident, then batched
+generation (workers/sampling/sampler.py) over all of them, rows of different copies mixed, run in bounded slices.
 
-A snapshot is the copy a named save_weights_for_sampler left in the adapter store (adapter_store.freeze_copy), named
-by its tinker path. A pool that does not hold it (it restarted since, or another pool saved it) loads it from the
-checkpoint's folder the payload names, into the store, once. A request that cannot run (a snapshot missing everywhere,
-a bad token id) fails alone; more snapshots than slots run in consecutive groups of at most `slots`.
+A sampler copy is the frozen copy of an adapter's weights a named save_weights_for_sampler left in the adapter store
+(adapter_store.freeze_copy), named by its tinker path. A pool that does not hold it (it restarted since, or another
+pool saved it) loads it from the checkpoint's folder the payload names, into the store, once. A request that cannot
+run (a copy missing everywhere, a bad token id) fails alone; more copies than slots run in consecutive groups of at
+most `slots`.
 
 Slices: with `slice_s`, a step starts runs for its new requests (one per group; at most `max_runs` in flight, the rest
 wait for a later step, unstarted) and advances every run in flight for about `slice_s` seconds in all, shared
@@ -115,7 +116,7 @@ class SampleStep:
             valid = []
             for request, job in group:
                 try:
-                    self.sampler.check(job)  # against the resident snapshot: its rank, the vocabulary
+                    self.sampler.check(job)  # against the resident sampler copy: its rank, the vocabulary
                     valid.append((request, job))
                 except Exception as exc:  # noqa: BLE001 - this request alone
                     outcomes[request.request_id] = error_outcome(request, exc)
@@ -158,11 +159,11 @@ class SampleStep:
     def _job(self, request: PlannedRequest) -> SampleJob:
         p = request.payload
         assert isinstance(p, SamplePayload)
-        if p.snapshot is not None:
-            self._have(p.snapshot, p.snapshot_dir)
+        if p.sampler_copy is not None:
+            self._have(p.sampler_copy, p.sampler_copy_dir)
         job = SampleJob(
             prompt=p.prompt,
-            model_id=p.snapshot,
+            model_id=p.sampler_copy,
             params=SampleParams(
                 max_tokens=p.max_tokens,
                 temperature=p.temperature,
@@ -180,19 +181,19 @@ class SampleStep:
         )
         return job
 
-    def _have(self, snapshot: str, directory: str | None) -> None:
-        """The snapshot in the store: as saved (freeze_copy), or loaded from its checkpoint folder now."""
+    def _have(self, copy_id: str, directory: str | None) -> None:
+        """The sampler copy in the store: as saved (freeze_copy), or loaded from its checkpoint folder now."""
         if self.store is None:
-            self.sampler.engine.adapter(snapshot)  # NotFoundError unless resident
+            self.sampler.engine.adapter(copy_id)  # NotFoundError unless resident
             return
-        if snapshot in self.store:
+        if copy_id in self.store:
             return
         if not directory:
-            raise NotFoundError(f"sampler weights {snapshot} are not on this pool and name no checkpoint folder")
-        restore_checkpoint(self.sampler.engine, self.store, snapshot, Path(directory), with_optimizer=False)
+            raise NotFoundError(f"sampler weights {copy_id} are not on this pool and name no checkpoint folder")
+        restore_checkpoint(self.sampler.engine, self.store, copy_id, Path(directory), with_optimizer=False)
 
     def _groups(self, ready: list[tuple[PlannedRequest, SampleJob]]) -> list[list[tuple[PlannedRequest, SampleJob]]]:
-        """Consecutive groups holding at most `slots` distinct snapshots each (the base model takes none)."""
+        """Consecutive groups holding at most `slots` distinct sampler copies each (the base model takes none)."""
         slots = self.sampler.engine.num_slots
         groups: list[list[tuple[PlannedRequest, SampleJob]]] = []
         seen: set[str] = set()

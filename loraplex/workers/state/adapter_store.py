@@ -1,15 +1,15 @@
 """The tiered adapter store (DESIGN.md, key technical choice 7): more adapters than resident slots, nothing lost on a swap.
 
-Tiers: *gpu* (resident in an engine slot) <-> *cpu* (an AdapterSnapshot in host memory, pinned when the engine is on
-CUDA) <-> *disk* (a spill file of the snapshot: its [4, P] rows, hyperparameters and pool signature; spill_format.py).
-A snapshot holds weights, unconsumed gradients and Adam state, so a swap at any point (even between forward_backward
+Tiers: *gpu* (resident in an engine slot) <-> *cpu* (a SlotImage in host memory, pinned when the engine is on
+CUDA) <-> *disk* (a spill file of the image: its [4, P] rows, hyperparameters and pool signature; spill_format.py).
+An image holds weights, unconsumed gradients and Adam state, so a swap at any point (even between forward_backward
 and optim_step) continues bit for bit.
 
 Policy: least recently used. `ensure_resident` brings a step's adapters into slots, evicting the LRU resident adapters
 that the step does not need; an evicted adapter goes to host memory; while the host tier holds more than the budget,
-its LRU snapshots are written to disk (atomically). A swap-in from disk removes the file: each adapter lives in exactly
+its LRU images are written to disk (atomically). A swap-in from disk removes the file: each adapter lives in exactly
 one tier. Host buffers are recycled through a small free list (pinned allocations are slow on CUDA); `host_bytes`
-counts the snapshots of the cpu tier only, and is <= the budget after every call (during a call, one snapshot more may
+counts the images of the cpu tier only, and is <= the budget after every call (during a call, one image more may
 be in flight).
 
 A new store removes the spill files a previous run left (or adopts them: `recover=True`).
@@ -39,13 +39,13 @@ from loraplex.errors import CapacityError, ConflictError, InvalidRequestError, N
 from loraplex.runtime.fsutil import private_dirs
 from loraplex.workers.engine.engine import AdapterRecord, Engine
 from loraplex.workers.ranks.distributed import barrier
-from loraplex.workers.state.snapshots import (
+from loraplex.workers.state.slot_images import (
     ROWS,
-    AdapterSnapshot,
     PoolSignature,
-    restore_snapshot,
-    take_snapshot,
-    take_snapshot_async,
+    SlotImage,
+    restore_image,
+    take_image,
+    take_image_async,
 )
 from loraplex.workers.state.spill_format import SPILL_SUFFIX, read_spill, read_spill_metadata, write_spill
 
@@ -53,8 +53,8 @@ GPU, CPU, DISK = "gpu", "cpu", "disk"
 SPARE_BUFFERS = 2  # host buffers kept for reuse beyond the cpu tier's own
 
 
-def is_snapshot_id(model_id: str) -> bool:
-    """Sampler snapshots are named by their sampler checkpoint's tinker path (tinker://<model>/sampler_weights/<name>),
+def is_sampler_copy_id(model_id: str) -> bool:
+    """Sampler copies are named by their sampler checkpoint's tinker path (tinker://<model>/sampler_weights/<name>),
     which no adapter id can be (ids hold no '/')."""
     return model_id.startswith("tinker://")
 
@@ -91,12 +91,12 @@ class AdapterStoreSpec:
 
     host_budget_bytes: int
     spill_root: str
-    snapshots_per_adapter: int = 4
+    copies_per_adapter: int = 4
 
     def build(self, engine: Engine, rank: int = 0) -> AdapterStore:
         return AdapterStore(
             engine, self.host_budget_bytes, Path(self.spill_root) / f"rank{rank}",
-            snapshots_per_adapter=self.snapshots_per_adapter,
+            copies_per_adapter=self.copies_per_adapter,
         )  # fmt: skip
 
 
@@ -108,20 +108,20 @@ class AdapterStore:
         spill_dir: str | os.PathLike[str],
         *,
         recover: bool = False,
-        snapshots_per_adapter: int = 4,
+        copies_per_adapter: int = 4,
     ) -> None:
         """recover: adopt the spill files a previous run left in `spill_dir` (as disk-tier adapters); by default they
         are removed. Only safe when their state is known to match the applied seq_ids (a file written during a plan
         whose results were never stored would apply those requests twice when they are redelivered).
-        snapshots_per_adapter: sampler snapshots kept per adapter (freeze_copy): an RL loop saves one per iteration,
+        copies_per_adapter: sampler copies kept per adapter (freeze_copy): an RL loop saves one per iteration,
         so the oldest beyond this are dropped (a sample naming one reloads it from its checkpoint folder)."""
         if host_budget_bytes < 0:
             raise ValueError("host_budget_bytes must be >= 0")
-        if snapshots_per_adapter < 1:
-            raise ValueError("snapshots_per_adapter must be >= 1")
-        self.snapshots_per_adapter = snapshots_per_adapter
-        self._snapshots: dict[str, list[str]] = {}  # adapter -> its sampler snapshots in the store, oldest first
-        self._source: dict[str, str] = {}  # snapshot -> its adapter
+        if copies_per_adapter < 1:
+            raise ValueError("copies_per_adapter must be >= 1")
+        self.copies_per_adapter = copies_per_adapter
+        self._copies: dict[str, list[str]] = {}  # adapter -> its sampler copies in the store, oldest first
+        self._source: dict[str, str] = {}  # sampler copy -> its adapter
         self.engine = engine
         self.host_budget_bytes = int(host_budget_bytes)
         self.spill_dir = Path(spill_dir)
@@ -129,7 +129,7 @@ class AdapterStore:
         self.signature = PoolSignature.of(engine)
         self._pinned = engine.device.type == "cuda"
         self._lru: OrderedDict[str, None] = OrderedDict()  # every known adapter, least recently used first
-        self._host: dict[str, AdapterSnapshot] = {}
+        self._host: dict[str, SlotImage] = {}
         self._disk: dict[str, Path] = {}
         self._spare: list[torch.Tensor] = []  # free host buffers, all [4, P]
         self._changes: dict[str, TierChange] = {}  # model_id -> its latest change (insertion order kept)
@@ -165,7 +165,7 @@ class AdapterStore:
         raise NotFoundError(f"adapter {model_id!r} not found on this pool")
 
     def tier_counts(self) -> dict[str, int]:
-        """How many adapters (sampler snapshots included) each tier holds now: gpu, cpu, disk."""
+        """How many adapters (sampler copies included) each tier holds now: gpu, cpu, disk."""
         self._sync()
         return {GPU: len(self.engine.adapters), CPU: len(self._host), DISK: len(self._disk)}
 
@@ -174,31 +174,31 @@ class AdapterStore:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)[:80]
         return self.spill_dir / f"{safe}-{zlib.crc32(model_id.encode()):08x}{SPILL_SUFFIX}"
 
-    def peek(self, model_id: str) -> AdapterSnapshot:
+    def peek(self, model_id: str) -> SlotImage:
         """A copy of an adapter's whole state from whichever tier holds it, leaving it there (for checkpoints of
         adapters out of their slot, and tests)."""
         tier = self.tier_of(model_id)
         out = torch.empty((len(ROWS), self.signature.width))
         if tier == GPU:
-            return take_snapshot(self.engine, model_id, out=out)
+            return take_image(self.engine, model_id, out=out)
         if tier == CPU:
-            snap = self._host[model_id]
-            out.copy_(snap.rows)
-            return AdapterSnapshot(
-                snap.model_id, snap.rank, snap.alpha, snap.seed, snap.step, snap.signature, out, snap.target_modules
+            held = self._host[model_id]
+            out.copy_(held.rows)
+            return SlotImage(
+                held.model_id, held.rank, held.alpha, held.seed, held.step, held.signature, out, held.target_modules
             )
         return read_spill(self._disk[model_id], out)
 
-    def peek_async(self, model_id: str, clone_limit_bytes: int) -> Callable[[], AdapterSnapshot]:
+    def peek_async(self, model_id: str, clone_limit_bytes: int) -> Callable[[], SlotImage]:
         """As `peek`, for the durable snapshot writer: a resident adapter's state is cloned on the device now and
         copied to the host when the returned function is called (in the writer's thread), so the caller (the pool's
         loop) never waits for a device-to-host copy; an adapter in host memory or on disk, or one whose state is over
         `clone_limit_bytes` (an MoE's expert banks: ~14 GB at 30B-A3B rank 16, more than a full GPU can spare), is
         copied now."""
         if self.tier_of(model_id) == GPU and self.stats.bytes_per_adapter <= clone_limit_bytes:
-            return take_snapshot_async(self.engine, model_id)
-        snapshot = self.peek(model_id)
-        return lambda: snapshot
+            return take_image_async(self.engine, model_id)
+        image = self.peek(model_id)
+        return lambda: image
 
     def lru_order(self) -> list[str]:
         """Every known adapter, least recently used first."""
@@ -242,61 +242,61 @@ class AdapterStore:
         self._note(TierChange(model_id, None))
         source = self._source.pop(model_id, None)
         if source is not None:
-            self._snapshots[source].remove(model_id)
-            if not self._snapshots[source]:
-                del self._snapshots[source]
-        for snapshot in self._snapshots.pop(model_id, []):  # an adapter's snapshots go with it
-            self._source.pop(snapshot, None)
-            if snapshot in self._lru:
-                self.delete(snapshot)
+            self._copies[source].remove(model_id)
+            if not self._copies[source]:
+                del self._copies[source]
+        for copy_id in self._copies.pop(model_id, []):  # an adapter's sampler copies go with it
+            self._source.pop(copy_id, None)
+            if copy_id in self._lru:
+                self.delete(copy_id)
 
-    def freeze_copy(self, model_id: str, snapshot_id: str) -> None:
-        """A sampler snapshot: `snapshot_id` becomes an adapter of its own holding `model_id`'s weights as they are now
+    def freeze_copy(self, model_id: str, copy_id: str) -> None:
+        """A sampler copy: `copy_id` becomes an adapter of its own holding `model_id`'s weights as they are now
         (its gradients and Adam moments zero), while `model_id` trains on. With a free slot it is a weights-row copy
         into that slot (device to device: on the training path it costs a fraction of a millisecond), else a host
-        copy in the CPU tier; no file either way. A snapshot of that id already there is replaced. Swapped like any
-        adapter afterwards; its tier moves are not recorded in SQL (it is no adapter row: `is_snapshot_id`)."""
+        copy in the CPU tier; no file either way. A copy of that id already there is replaced. Swapped like any
+        adapter afterwards; its tier moves are not recorded in SQL (it is no adapter row: `is_sampler_copy_id`)."""
         if model_id not in self:
             raise NotFoundError(f"adapter {model_id!r} not found on this pool")
-        if snapshot_id in self._lru:
-            self.delete(snapshot_id)
+        if copy_id in self._lru:
+            self.delete(copy_id)
         self.ensure_resident([model_id])
-        self._snapshots.setdefault(model_id, []).append(snapshot_id)
-        self._source[snapshot_id] = model_id
-        while len(self._snapshots[model_id]) > self.snapshots_per_adapter:
-            self.delete(self._snapshots[model_id][0])
+        self._copies.setdefault(model_id, []).append(copy_id)
+        self._source[copy_id] = model_id
+        while len(self._copies[model_id]) > self.copies_per_adapter:
+            self.delete(self._copies[model_id][0])
         source = self.engine.adapter(model_id)
         if self.engine.free_slots:
-            record = self.engine.claim_slot(snapshot_id, source.rank, source.alpha, source.seed, source.target_modules)
+            record = self.engine.claim_slot(copy_id, source.rank, source.alpha, source.seed, source.target_modules)
             self.engine.copy_weights(source.slot, record.slot)
             self.engine.optimizer.steps[record.slot] = self.engine.optimizer.steps[source.slot]
             self._placed(record)
             return
-        snapshot = take_snapshot(self.engine, model_id, out=self._buffer())
-        snapshot.rows[1:].zero_()  # weights only: SLOT_ROWS = weights, grads, exp_avg, exp_avg_sq
-        snapshot.model_id = snapshot_id
-        self._host[snapshot_id] = snapshot
-        self._lru[snapshot_id] = None
-        self._lru.move_to_end(snapshot_id)
-        self._note(TierChange(snapshot_id, CPU))
-        self._enforce_budget(prefer_keep=(snapshot_id,))
+        image = take_image(self.engine, model_id, out=self._buffer())
+        image.rows[1:].zero_()  # weights only: SLOT_ROWS = weights, grads, exp_avg, exp_avg_sq
+        image.model_id = copy_id
+        self._host[copy_id] = image
+        self._lru[copy_id] = None
+        self._lru.move_to_end(copy_id)
+        self._note(TierChange(copy_id, CPU))
+        self._enforce_budget(prefer_keep=(copy_id,))
 
-    def adopt(self, snapshot: AdapterSnapshot) -> None:
-        """Take an adapter's whole state from a durable snapshot (a restarting pool, loraplex/pool/durable/recovery.py)
+    def adopt(self, image: SlotImage) -> None:
+        """Take an adapter's whole state, read from its durable snapshot (a restarting pool: pool/durable/recovery.py),
         into the host tier (spilled past the budget); the next step that needs it swaps it in bit for bit."""
-        self._check_new(snapshot.model_id)
-        if snapshot.signature != self.signature:
-            raise InvalidRequestError(f"snapshot of {snapshot.model_id!r} is laid out for another pool signature")
+        self._check_new(image.model_id)
+        if image.signature != self.signature:
+            raise InvalidRequestError(f"state of {image.model_id!r} is laid out for another pool signature")
         buf = self._buffer()
-        buf.copy_(snapshot.rows)
-        self._host[snapshot.model_id] = AdapterSnapshot(
-            snapshot.model_id, snapshot.rank, snapshot.alpha, snapshot.seed, snapshot.step, snapshot.signature, buf,
-            snapshot.target_modules,
+        buf.copy_(image.rows)
+        self._host[image.model_id] = SlotImage(
+            image.model_id, image.rank, image.alpha, image.seed, image.step, image.signature, buf,
+            image.target_modules,
         )  # fmt: skip
-        self._lru[snapshot.model_id] = None
-        self._lru.move_to_end(snapshot.model_id)
-        self._note(TierChange(snapshot.model_id, CPU))
-        self._enforce_budget(prefer_keep=(snapshot.model_id,))
+        self._lru[image.model_id] = None
+        self._lru.move_to_end(image.model_id)
+        self._note(TierChange(image.model_id, CPU))
+        self._enforce_budget(prefer_keep=(image.model_id,))
 
     def touch(self, model_id: str) -> None:
         """Mark as just used (most recently used)."""
@@ -334,7 +334,7 @@ class AdapterStore:
     def drain_changes(self) -> list[TierChange]:
         """The tier changes since the last drain: the latest per adapter, oldest first."""
         self._sync()
-        out = [c for c in self._changes.values() if not is_snapshot_id(c.model_id)]
+        out = [c for c in self._changes.values() if not is_sampler_copy_id(c.model_id)]
         self._changes.clear()
         return out
 
@@ -360,9 +360,9 @@ class AdapterStore:
 
     def _swap_out(self, model_id: str) -> None:
         started = time.perf_counter()
-        snapshot = take_snapshot(self.engine, model_id, out=self._buffer())
+        image = take_image(self.engine, model_id, out=self._buffer())
         self.engine.delete_adapter(model_id)
-        self._host[model_id] = snapshot
+        self._host[model_id] = image
         self._note(TierChange(model_id, CPU))
         self.stats.out_host += 1
         self.stats.out_host_s += time.perf_counter() - started
@@ -370,21 +370,21 @@ class AdapterStore:
     def _swap_in(self, model_id: str) -> None:
         started = time.perf_counter()
         if model_id in self._host:
-            snapshot = self._host.pop(model_id)
+            image = self._host.pop(model_id)
             try:
-                record = restore_snapshot(self.engine, snapshot)
+                record = restore_image(self.engine, image)
             except BaseException:
-                self._host[model_id] = snapshot
+                self._host[model_id] = image
                 raise
-            self._recycle(snapshot.rows)
+            self._recycle(image.rows)
             self.stats.in_host += 1
             self.stats.in_host_s += time.perf_counter() - started
         else:
             path = self._disk[model_id]
             buf = self._buffer()
             try:
-                snapshot = read_spill(path, buf)
-                record = restore_snapshot(self.engine, snapshot, model_id)
+                image = read_spill(path, buf)
+                record = restore_image(self.engine, image, model_id)
             finally:
                 self._recycle(buf)
             del self._disk[model_id]
@@ -394,7 +394,7 @@ class AdapterStore:
         self._note(TierChange(model_id, GPU, record.slot))
 
     def _enforce_budget(self, prefer_keep: Iterable[str]) -> None:
-        """Spill LRU host snapshots to disk until the cpu tier fits the budget (those in `prefer_keep` last)."""
+        """Spill LRU host images to disk until the cpu tier fits the budget (those in `prefer_keep` last)."""
         keep = set(prefer_keep)
         while self._host and self.host_bytes > self.host_budget_bytes:
             order = [m for m in self._lru if m in self._host]
@@ -403,12 +403,12 @@ class AdapterStore:
 
     def _spill(self, model_id: str) -> None:
         started = time.perf_counter()
-        snapshot = self._host[model_id]
+        image = self._host[model_id]
         path = self.spill_path(model_id)
-        write_spill(path, snapshot)  # raises (disk full...) with the snapshot still in host memory: nothing lost
+        write_spill(path, image)  # raises (disk full...) with the image still in host memory: nothing lost
         del self._host[model_id]
         self._disk[model_id] = path
-        self._recycle(snapshot.rows)
+        self._recycle(image.rows)
         self._note(TierChange(model_id, DISK, location=str(path)))
         self.stats.spills += 1
         self.stats.spill_s += time.perf_counter() - started

@@ -4,7 +4,7 @@ signature) with two more metadata fields, `snapshot_version` and `applied_seq_id
 it is in the rows). Written atomically and fsynced (fsutil.atomic_write); the sha256 of the whole file is returned
 and recorded with it (SQL), and checked before a restarting pool loads it: a file that does not match is never loaded.
 
-Torch and the stdlib only: the pool's snapshot writer (loraplex/durable/) calls these from its thread.
+Torch and the stdlib only: the pool's snapshot writer (pool/durable/snapshotter.py) calls these from its thread.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from loraplex.errors import CorruptSnapshotError, InvalidRequestError
 from loraplex.runtime.fsutil import private_dirs
-from loraplex.workers.state.snapshots import ROWS, AdapterSnapshot
+from loraplex.workers.state.slot_images import ROWS, SlotImage
 from loraplex.workers.state.spill_format import read_raw_metadata, read_spill, write_spill
 
 HASH_CHUNK = 1 << 20
@@ -30,11 +30,11 @@ class WrittenSnapshot:
     size_bytes: int
 
 
-def write_durable_snapshot(path: Path, snapshot: AdapterSnapshot, *, version: int, applied_seq_id: int) -> WrittenSnapshot:
+def write_durable_snapshot(path: Path, image: SlotImage, *, version: int, applied_seq_id: int) -> WrittenSnapshot:
     """Write (atomically: a failure, e.g. a full disk, leaves no file and raises) and return its hash and size."""
     extra = {"snapshot_version": str(version), "applied_seq_id": str(applied_seq_id)}
     private_dirs(path.parent)  # owner-only, as the file (fsutil.atomic_write)
-    digest = write_spill(path, snapshot, extra)
+    digest = write_spill(path, image, extra)
     return WrittenSnapshot(path, digest, path.stat().st_size)
 
 
@@ -46,8 +46,8 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_durable_snapshot(path: Path, sha256: str, width: int) -> tuple[AdapterSnapshot, int]:
-    """The snapshot and the applied seq_id it covers, after checking the whole file against `sha256`;
+def read_durable_snapshot(path: Path, sha256: str, width: int) -> tuple[SlotImage, int]:
+    """The snapshot's slot image and the applied seq_id it covers, after checking the whole file against `sha256`;
     CorruptSnapshotError when it is missing, does not match, or is not a snapshot file of this layout (`width`)."""
     try:
         actual = file_sha256(path)
@@ -58,7 +58,7 @@ def read_durable_snapshot(path: Path, sha256: str, width: int) -> tuple[AdapterS
     try:
         meta = read_raw_metadata(path)
         out = torch.empty((len(ROWS), width))
-        snapshot = read_spill(path, out)
-        return snapshot, int(meta["applied_seq_id"])
+        image = read_spill(path, out)
+        return image, int(meta["applied_seq_id"])
     except (OSError, ValueError, KeyError, InvalidRequestError) as exc:
         raise CorruptSnapshotError(f"snapshot {path} is not a snapshot file of this pool: {exc}") from exc

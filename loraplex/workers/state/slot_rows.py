@@ -1,6 +1,6 @@
 """The engine's slot rows: a slot's four fp32 rows of the optimizer's flat buffers (weights, gradients, Adam's two
-moments), copied to and from host memory as snapshots, swaps and checkpoints share them. A mixin of `Engine`
-(workers/engine/engine.py), kept apart so the engine's file holds its training path."""
+moments), copied to and from host memory: slot images (swaps), durable snapshots and checkpoints share them. A
+mixin of `Engine` (workers/engine/engine.py), kept apart so the engine's file holds its training path."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ class SlotRows:
         after); the returned function, callable from another thread (the snapshot or checkpoint writer), copies it to
         the host and gives the [len(rows), P] fp32 rows. On CUDA the copy goes through the engine's two pinned
         buffers on a side stream (pinned_staging.py): the training thread spends only the clone, and neither a
-        pinned allocation nor a pageable copy holds the driver while it trains (a fresh pinned tensor per snapshot
-        stalled the pool's loop ~0.65 s per GiB on the H200, RESULTS.md session 11). The clone holds GPU memory until
+        pinned allocation nor a pageable copy holds the driver while it trains (a fresh pinned tensor per copy
+        stalled the pool's loop ~0.65 s per GiB on the H200, RESULTS.md 2026-12-04). The clone holds GPU memory until
         the copy is done."""
         flats = self._flat_rows(rows)
         with torch.no_grad():

@@ -1,6 +1,7 @@
-"""The spill file: an AdapterSnapshot on disk, for adapters the adapter store moves past its host-memory budget.
+"""The spill file: a SlotImage (slot_images.py) on disk, for adapters the adapter store moves past its host-memory
+budget.
 
-One safetensors file: a single F32 tensor "rows" [4, P] (the snapshot's weights, gradients, exp_avg and exp_avg_sq
+One safetensors file: a single F32 tensor "rows" [4, P] (the image's weights, gradients, exp_avg and exp_avg_sq
 rows, zero padding included) and string metadata: format, version, model_id, rank, alpha, seed, step (the Adam step
 count), signature (JSON: max_rank, modules, width), so a restarted pool can tell whether a file fits its layout, and
 target_modules (JSON: the adapter's subset of the pool's target modules, or null for all; absent in older files = null).
@@ -19,29 +20,29 @@ import torch
 
 from loraplex.errors import InvalidRequestError
 from loraplex.runtime.fsutil import atomic_write
-from loraplex.workers.state.snapshots import AdapterSnapshot, PoolSignature
+from loraplex.workers.state.slot_images import PoolSignature, SlotImage
 
 SPILL_FORMAT = "loraplex-adapter-spill"
 SPILL_VERSION = "1"
 SPILL_SUFFIX = ".safetensors"
 
 
-def write_spill(path: Path, snapshot: AdapterSnapshot, extra: Mapping[str, str] | None = None) -> str:
+def write_spill(path: Path, image: SlotImage, extra: Mapping[str, str] | None = None) -> str:
     """Write atomically (a reader or a restart sees the old file or the whole new one). Streams the rows straight from
     the (pinned) buffer: no extra copy in memory. `extra`: more string metadata (durable snapshots add theirs).
     Returns the sha256 (hex) of the whole file."""
-    rows = snapshot.rows
-    sig = snapshot.signature
+    rows = image.rows
+    sig = image.signature
     metadata = {
         "format": SPILL_FORMAT,
         "version": SPILL_VERSION,
-        "model_id": snapshot.model_id,
-        "rank": str(snapshot.rank),
-        "alpha": repr(float(snapshot.alpha)),
-        "seed": str(snapshot.seed),
-        "step": str(snapshot.step),
+        "model_id": image.model_id,
+        "rank": str(image.rank),
+        "alpha": repr(float(image.alpha)),
+        "seed": str(image.seed),
+        "step": str(image.step),
         "signature": json.dumps({"max_rank": sig.max_rank, "modules": list(sig.modules), "width": sig.width}),
-        "target_modules": json.dumps(None if snapshot.target_modules is None else list(snapshot.target_modules)),
+        "target_modules": json.dumps(None if image.target_modules is None else list(image.target_modules)),
         **(extra or {}),
     }
     nbytes = rows.numel() * rows.element_size()
@@ -74,7 +75,7 @@ def read_spill_metadata(path: Path) -> dict:
     return _parse_metadata(header)
 
 
-def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
+def read_spill(path: Path, out: torch.Tensor) -> SlotImage:
     """Read a spill file's rows straight into `out` [4, P] (e.g. a pinned buffer); checks the layout and length."""
     with open(path, "rb") as f:
         header, start = _read_header(f)
@@ -87,7 +88,7 @@ def read_spill(path: Path, out: torch.Tensor) -> AdapterSnapshot:
         view = memoryview(cast(Any, out.numpy())).cast("B")
         if f.readinto(view) != len(view):
             raise InvalidRequestError(f"spill file {path.name} is truncated")
-    return AdapterSnapshot(
+    return SlotImage(
         meta["model_id"],
         meta["rank"],
         meta["alpha"],

@@ -1,4 +1,4 @@
-"""Sampler snapshots (workers/state/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
+"""Sampler copies (workers/state/adapter_store.py: freeze_copy): a named save_weights_for_sampler keeps a frozen copy of
 the adapter's weights as an adapter of its own (in a free slot: a device-to-device copy; else in host memory), which
 stays as it was while the adapter trains on, survives swaps through host memory and disk bit for bit, and never
 reaches the SQL residency records."""
@@ -17,9 +17,9 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.step import SampleStep
-from loraplex.workers.state.adapter_store import AdapterStore, is_snapshot_id
+from loraplex.workers.state.adapter_store import AdapterStore, is_sampler_copy_id
 
-SNAP = "tinker://a/sampler_weights/s1"
+COPY = "tinker://a/sampler_weights/s1"
 DATA = [{"model_input": [3, 5, 7, 9, 11], "loss_fn_inputs": {"target_tokens": [5, 7, 9, 11, 13]}}]
 
 
@@ -51,43 +51,43 @@ def test_a_sampler_save_keeps_a_frozen_copy_while_the_adapter_trains_on(pool, tm
     store.create("a", 4, 8.0, seed=1)
     _train(executor, 1)
     weights_then = store.engine.adapter_weights("a")
-    save = _req("s", RequestKind.SAVE_SAMPLER, 3, name="s1", path=SNAP, directory=str(tmp_path / "ckpt"))
+    save = _req("s", RequestKind.SAVE_SAMPLER, 3, name="s1", path=COPY, directory=str(tmp_path / "ckpt"))
     (saved,) = executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),)))
     assert saved.ok, saved.error
-    assert store.tier_of(SNAP) == "gpu" and is_snapshot_id(SNAP)  # a free slot: the copy stays on the device
+    assert store.tier_of(COPY) == "gpu" and is_sampler_copy_id(COPY)  # a free slot: the copy stays on the device
     engine = store.engine
-    frozen = engine.read_slot(engine.adapter(SNAP).slot)
+    frozen = engine.read_slot(engine.adapter(COPY).slot)
     assert not frozen[1:].any()  # weights only: no gradients or Adam moments
     assert torch.equal(frozen[0], engine.read_slot(engine.adapter("a").slot, ("weights",))[0])
     _train(executor, 4)  # the adapter moves on
-    store.ensure_resident([SNAP])
-    assert _same(store.engine.adapter_weights(SNAP), weights_then)  # the snapshot is the weights at the save
+    store.ensure_resident([COPY])
+    assert _same(store.engine.adapter_weights(COPY), weights_then)  # the copy is the weights at the save
     assert not _same(store.engine.adapter_weights("a"), weights_then)  # while the adapter trained on
-    assert all(not is_snapshot_id(c.model_id) for c in store.drain_changes())  # no residency rows for snapshots
+    assert all(not is_sampler_copy_id(c.model_id) for c in store.drain_changes())  # no residency rows for sampler copies
 
 
-def test_a_snapshot_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, tmp_path: Path) -> None:
+def test_a_sampler_copy_survives_disk_and_a_second_save_replaces_it(tiny_dir: Path, tmp_path: Path) -> None:
     model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     engine = build_engine(model, EngineConfig(num_slots=2, max_rank=4))
     store = AdapterStore(engine, 0, tmp_path / "spill")  # no host budget: to disk
     store.create("a", 2, 4.0, seed=2)
-    store.create("b", 2, 4.0, seed=3)  # no free slot: the snapshot is a host copy (here spilled at once)
-    store.freeze_copy("a", SNAP)
-    assert store.tier_of(SNAP) == "disk" and store.engine.is_resident("b")
-    assert not store.peek(SNAP).rows[1:].any()  # weights only
+    store.create("b", 2, 4.0, seed=3)  # no free slot: the sampler copy is a host copy (here spilled at once)
+    store.freeze_copy("a", COPY)
+    assert store.tier_of(COPY) == "disk" and store.engine.is_resident("b")
+    assert not store.peek(COPY).rows[1:].any()  # weights only
     first = store.engine.adapter_weights("a")
-    store.ensure_resident([SNAP])
-    assert _same(store.engine.adapter_weights(SNAP), first)
-    store.freeze_copy("a", SNAP)  # the same name again (overwrite): one snapshot, the newest
-    assert store.lru_order().count(SNAP) == 1
+    store.ensure_resident([COPY])
+    assert _same(store.engine.adapter_weights(COPY), first)
+    store.freeze_copy("a", COPY)  # the same name again (overwrite): one copy, the newest
+    assert store.lru_order().count(COPY) == 1
 
 
-def test_an_adapter_keeps_its_newest_snapshots_and_an_older_one_reloads_from_its_folder(pool, tmp_path) -> None:
-    """An RL loop saves a snapshot every iteration: the store keeps the newest `snapshots_per_adapter` (2 here), the
+def test_an_adapter_keeps_its_newest_copies_and_older_ones_reload_from_their_folder(pool, tmp_path) -> None:
+    """An RL loop saves a sampler copy every iteration: the store keeps the newest `copies_per_adapter` (2 here), the
     older ones are dropped from memory, and a sample naming one loads it from its checkpoint folder again; deleting
-    the adapter drops its snapshots."""
+    the adapter drops its copies."""
     executor, store = pool
-    store.snapshots_per_adapter = 2
+    store.copies_per_adapter = 2
     store.create("a", 4, 8.0, seed=1)
     paths, saved_weights = [], []
     for k in range(4):
