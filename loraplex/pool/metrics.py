@@ -208,7 +208,7 @@ class PoolMetrics:
                      ", ".join(f"{phase} {s * 1e3:.0f} ms" for phase, s in finish.items()))  # fmt: skip
 
     def queue_depths(self, depths: Mapping[str, tuple[int, int]]) -> None:
-        """tenant -> (queued requests, queued tokens) as Redis holds them now (queue/metrics_snapshot.py); a tenant
+        """tenant -> (queued requests, queued tokens) as Redis holds them now (queue/published_metrics.py); a tenant
         seen before and absent now reads zero."""
         with self._depths_lock:
             depths = {**dict.fromkeys(self._tenants_seen, (0, 0)), **depths}

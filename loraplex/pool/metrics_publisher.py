@@ -1,5 +1,5 @@
 """A thread of the pool process that, every `every_s`, reads the queue depth per tenant from Redis into the pool's
-metrics and publishes the whole registry to Redis (queue/metrics_snapshot.py) for the gateways; once more when it
+metrics and publishes the whole registry to Redis (queue/published_metrics.py) for the gateways; once more when it
 stops. Redis away: logged at most every 30 s, tried again next round."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import threading
 import redis as redis_lib
 
 from loraplex.pool.metrics import PoolMetrics
-from loraplex.queue import metrics_snapshot
+from loraplex.queue import published_metrics
 from loraplex.runtime.logutil import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-TTL_ROUNDS = 5  # a snapshot outlives this many missed rounds, then the pool drops out of /metrics/pools
+TTL_ROUNDS = 5  # the published text outlives this many missed rounds, then the pool drops out of /metrics/pools
 
 
 class MetricsPublisher:
@@ -37,13 +37,13 @@ class MetricsPublisher:
     def publish_now(self) -> None:
         exposition = self.render()
         try:
-            metrics_snapshot.publish(self.redis, self.metrics.pool, exposition, TTL_ROUNDS * self.every_s)
+            published_metrics.publish(self.redis, self.metrics.pool, exposition, TTL_ROUNDS * self.every_s)
         except redis_lib.RedisError as exc:
             self._warn.warning("publishing the pool's metrics failed (%s); retrying", exc)
 
     def _refresh_depths(self) -> None:
         try:
-            self.metrics.queue_depths(metrics_snapshot.queue_depths(self.redis, self.metrics.pool))
+            self.metrics.queue_depths(published_metrics.queue_depths(self.redis, self.metrics.pool))
         except redis_lib.RedisError as exc:  # the gauges keep their last values
             self._warn.warning("reading the queue depths failed (%s); retrying", exc)
 

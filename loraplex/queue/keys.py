@@ -17,7 +17,7 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
     loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
     loraplex:pool:{pool}:metrics         string: the pool's Prometheus metrics (text format), with a TTL, for the
-                                         gateways' /metrics/pools (queue/metrics_snapshot.py)
+                                         gateways' /metrics/pools (queue/published_metrics.py)
     loraplex:metrics:pools               set: the pools that publish metrics there
     loraplex:pool:{pool}:leader          string "<token> <holder>" with a TTL: the pool's leader lease (queue/lease.py)
     loraplex:pool:{pool}:leader_token    integer: the pool's fencing-token counter (INCR per acquisition, never expires)

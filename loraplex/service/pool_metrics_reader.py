@@ -1,4 +1,4 @@
-"""Every pool's metrics as the pools last published them to Redis (queue/metrics_snapshot.py), parsed and merged
+"""Every pool's metrics as the pools last published them to Redis (queue/published_metrics.py), parsed and merged
 into one set of metric families (each series keeps its `pool` label). GET /metrics/pools serves them; the admin
 dashboard reads them through `pool_metric_families` too, so neither needs to reach a pool's own port."""
 
@@ -12,18 +12,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.queue import metrics_snapshot
+from loraplex.queue import published_metrics
 
 log = logging.getLogger(__name__)
 
 
 def pool_metric_families(redis: redis_lib.Redis) -> list[Metric]:
     merged: dict[str, Metric] = {}
-    for pool, raw in metrics_snapshot.read_all(redis).items():
+    for pool, raw in published_metrics.read_all(redis).items():
         try:
             families = list(text_string_to_metric_families(raw.decode()))
         except (ValueError, UnicodeDecodeError) as exc:  # not ours, or cut short: leave that pool out
-            log.warning("pool %s: unreadable metrics snapshot in Redis (%s)", pool, exc)
+            log.warning("pool %s: unreadable published metrics in Redis (%s)", pool, exc)
             continue
         for family in families:
             have = merged.get(family.name)

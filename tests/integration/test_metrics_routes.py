@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplex.pool.metrics import PoolMetrics
 from loraplex.protocol import BatchPlan, Outcome, Step, StepKind
 from loraplex.protocol.results import ForwardBackwardResult
-from loraplex.queue import metrics_snapshot
+from loraplex.queue import published_metrics
 from loraplex.runtime.metrics_server import MetricsServer
 from loraplex.settings import Settings
 from tests.helpers.policy import FB, req
@@ -76,7 +76,7 @@ def _pool_with_tokens(pool: str, tenant: str, tokens: int) -> PoolMetrics:
 def test_metrics_pools_merges_every_pools_published_metrics(tmp_path, redis_client, redis_url) -> None:
     one, two = f"m1-{tmp_path.name}", f"m2-{tmp_path.name}"
     for pool, tokens in ((one, 5), (two, 9)):
-        metrics_snapshot.publish(redis_client, pool, _pool_with_tokens(pool, "tenant-x", tokens).exposition(), 30)
+        published_metrics.publish(redis_client, pool, _pool_with_tokens(pool, "tenant-x", tokens).exposition(), 30)
     with gateway_app(Settings(home=tmp_path, redis_url=redis_url, pool=one, metrics_open=True)) as gw:
         response = gw.client.get("/metrics/pools")  # no token set, opened by the operator
         assert response.status_code == 200

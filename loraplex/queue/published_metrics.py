@@ -22,7 +22,7 @@ def publish(redis: redis_lib.Redis, pool: str, exposition: bytes, ttl_s: float) 
 
 
 def read_all(redis: redis_lib.Redis) -> dict[str, bytes]:
-    """pool -> its latest published metrics (pools whose snapshot expired are left out)."""
+    """pool -> its latest published metrics (pools whose published text expired are left out)."""
     pools = sorted(text(p) for p in cast(set, redis.smembers(keys.metrics_pools())))
     if not pools:
         return {}
