@@ -167,7 +167,7 @@ class ResultStore:
                 pipe.expire(notify, self.ttl_s)
                 pipe.execute()
 
-    def snapshot(self, request_id: str) -> tuple[Outcome | None, JobState | None]:
+    def result_and_state(self, request_id: str) -> tuple[Outcome | None, JobState | None]:
         """The result and the job state read together (one MGET): `put` writes both in one MULTI, so a finished state
         never comes without its result here (reading them one after the other could see the state of a result that
         landed in between, and answer "complete" with nothing)."""

@@ -30,7 +30,7 @@ def get_future(
         with services.long_polls.hold(tenant.id, tenant.name):
             outcome = services.results.wait(request_id, wait_s)
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
-        outcome, state = services.results.snapshot(request_id)
+        outcome, state = services.results.result_and_state(request_id)
         if outcome is None:
             pool = services.pool_view.get(services.settings, services.sessions)
             return FutureOut(

@@ -29,7 +29,7 @@ def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: Servi
     with services.long_polls.hold(tenant.id, tenant.name):
         outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds)
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
-        outcome, _ = services.results.snapshot(request_id)
+        outcome, _ = services.results.result_and_state(request_id)
     if outcome is None:
         pool = services.pool_view.get(services.settings, services.sessions)
         waiting = {"type": "try_again", "request_id": body.request_id, "queue_state": pool.queue_state}
