@@ -59,15 +59,15 @@ class ServiceTrainer:
 
     def forward_backward(self, data: list[dict[str, Any]]) -> FutureRef:
         request = ForwardBackwardRequest.model_validate({"seq_id": self._seq(), "data": data})
-        return service.forward_backward(self.services, self.tenant, self.model_id, request)
+        return service.forward_backward(self.services, self.tenant, self.model_id, request.seq_id, request.payload())
 
     def forward(self, data: list[dict[str, Any]]) -> FutureRef:
         request = ForwardBackwardRequest.model_validate({"seq_id": self._seq(), "data": data})
-        return service.forward(self.services, self.tenant, self.model_id, request)
+        return service.forward(self.services, self.tenant, self.model_id, request.seq_id, request.payload())
 
     def optim_step(self, adam_params: dict[str, float]) -> FutureRef:
         request = OptimStepRequest.model_validate({"seq_id": self._seq(), "adam_params": adam_params})
-        return service.optim_step(self.services, self.tenant, self.model_id, request)
+        return service.optim_step(self.services, self.tenant, self.model_id, request.seq_id, request.payload())
 
     def save_state(self, name: str, ttl_seconds: int | None) -> FutureRef:
         body = {"seq_id": self._seq(), "name": name, "ttl_seconds": ttl_seconds, "overwrite": True}

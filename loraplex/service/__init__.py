@@ -6,7 +6,7 @@ the HTTP routes (api/: native, Tinker, OpenAI-compatible), the operators' consol
 requests go to the pools through queue/.
 
     adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete
-    training     forward_backward / forward (datum limits), optim_step
+    training     forward_backward / forward / optim_step on their payloads, checked once (limits, datums, loss, Adam)
     checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete;
                  across adapters by tinker path: list_all (paged), get, bulk delete, ttl, weights_info
     runs         training runs (Tinker's TrainingRun view of an adapter): get, list (paged)

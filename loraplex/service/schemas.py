@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from loraplex.protocol.adam import ADAM_FIELD
 from loraplex.protocol.checkpoint_paths import MAX_TTL_SECONDS
 from loraplex.protocol.losses import LOSS_NAMES
+from loraplex.protocol.payloads import DatumPayload, ForwardBackwardPayload, OptimStepPayload
 
 if TYPE_CHECKING:
     LossFn = str
@@ -40,6 +41,9 @@ class CreateAdapterRequest(Strict):
 
 
 class Datum(Strict):
+    """A datum of the native JSON body. Its rules are the body's schema (a 422 naming the field); the service checks
+    the payload built from it again, with the rules every front end meets (service/training.py)."""
+
     model_input: list[int] = Field(..., min_length=1)
     loss_fn_inputs: dict[str, list[float] | list[int]] = Field(default_factory=dict)
 
@@ -59,6 +63,14 @@ class ForwardBackwardRequest(Strict):
     data: list[Datum] = Field(..., min_length=1)
     loss_fn: LossFn = "cross_entropy"
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
+
+    def payload(self) -> ForwardBackwardPayload:
+        """The queued payload, built in one step (the service checks it: service/training.py)."""
+        return ForwardBackwardPayload(
+            data=tuple(DatumPayload(d.model_input, d.loss_fn_inputs) for d in self.data),
+            loss_fn=self.loss_fn,
+            loss_fn_config=self.loss_fn_config,
+        )
 
 
 def adam_field(name: str) -> Any:
@@ -81,6 +93,10 @@ class AdamParams(Strict):
 class OptimStepRequest(Strict):
     seq_id: int = Field(..., ge=0, lt=2**31)
     adam_params: AdamParams = Field(default_factory=lambda: AdamParams.model_validate({}))
+
+    def payload(self) -> OptimStepPayload:
+        """The queued payload: every hyperparameter by name, defaults filled in."""
+        return OptimStepPayload(adam_params=self.adam_params.model_dump())
 
 
 class SaveCheckpointRequest(Strict):

@@ -4,10 +4,13 @@ leaves nothing behind (no row, no queued request)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from loraplex import service
-from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError, RequestTooLargeError
+from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload
 from loraplex.protocol.checkpoint_paths import CheckpointKind, checkpoint_blob_key, tinker_path
 from loraplex.protocol.defaults import ADAM_DEFAULTS
 from loraplex.service import TenantRef
@@ -46,8 +49,9 @@ def _saved(services, tenant: TenantRef, model_id: str, kind: CheckpointKind, nam
     return tinker_path(model_id, kind, name)
 
 
-def _fb(seq_id: int, *data: Datum, loss_fn: str = "cross_entropy") -> ForwardBackwardRequest:
-    return ForwardBackwardRequest(seq_id=seq_id, data=list(data), loss_fn=loss_fn)
+def _fb(*data: Datum, loss_fn: str = "cross_entropy") -> ForwardBackwardPayload:
+    """The payload the native route builds from its body (seq_id 0 here: the service takes the seq_id apart)."""
+    return ForwardBackwardRequest(seq_id=0, data=list(data), loss_fn=loss_fn).payload()
 
 
 def _datum(n: int = 2) -> Datum:
@@ -115,7 +119,7 @@ def test_create_from_a_checkpoint_takes_its_hparams_and_folder(ctx):
 def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch):
     services, alice, bob = ctx
     model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
-    ref = service.forward_backward(services, alice, model_id, _fb(1, _datum()))
+    ref = service.forward_backward(services, alice, model_id, 1, _fb(_datum()))
     envelope = _queued(services)[ref.request_id]
     assert str(envelope.kind) == "forward_backward" and envelope.seq_id == 1
     assert envelope.payload.to_wire() == {
@@ -123,38 +127,103 @@ def test_training_calls_check_the_adapter_and_the_datum_limits(ctx, monkeypatch)
         "loss_fn": "cross_entropy",
         "loss_fn_config": {},
     }
-    forward = service.forward(services, alice, model_id, _fb(2, _datum()))
+    forward = service.forward(services, alice, model_id, 2, _fb(_datum()))
     assert str(_queued(services)[forward.request_id].kind) == "forward"
     # A rejection after the seq_id was taken is queued in its place (the caller's next step must not wait for it).
     before = len(queued_work(services))
     monkeypatch.setattr(services.settings, "max_datums_per_request", 2)
     monkeypatch.setattr(services.settings, "max_tokens_per_datum", 5)
-    with pytest.raises(InvalidRequestError, match="data has 3 datums; at most 2"):
-        service.forward_backward(services, alice, model_id, _fb(3, _datum(), _datum(), _datum()))
-    with pytest.raises(InvalidRequestError, match=r"data\[1\] has 6 tokens; at most 5"):
-        service.forward(services, alice, model_id, _fb(4, _datum(), _datum(6)))
+    with pytest.raises(RequestTooLargeError, match=r"data has 3 datums; at most 2 per request \(LORAPLEX_MAX_DATUMS"):
+        service.forward_backward(services, alice, model_id, 3, _fb(_datum(), _datum(), _datum()))
+    with pytest.raises(RequestTooLargeError, match=r"data\[1\] has 6 tokens; at most 5 per datum"):
+        service.forward(services, alice, model_id, 4, _fb(_datum(), _datum(6)))
     no_targets = Datum(model_input=[1, 2])
     with pytest.raises(InvalidRequestError, match=r"data\[0\].loss_fn_inputs.target_tokens is required"):
-        service.forward_backward(services, alice, model_id, _fb(5, no_targets))
+        service.forward_backward(services, alice, model_id, 5, _fb(no_targets))
     held = rejections(services)
     assert sorted(seq for m, seq in held if m == model_id) == [3, 4, 5]
     assert held[(model_id, 4)].payload.to_wire() == {
-        "rejected_kind": "forward", "error_type": "InvalidRequestError", "message": "data[1] has 6 tokens; at most 5"
+        "rejected_kind": "forward", "error_type": "RequestTooLargeError",
+        "message": "data[1] has 6 tokens; at most 5 per datum (LORAPLEX_MAX_TOKENS_PER_DATUM)",
     }  # fmt: skip
     with pytest.raises(InvalidRequestError):  # the same rejected call again: nothing more queued
-        service.forward(services, alice, model_id, _fb(4, _datum(), _datum(6)))
+        service.forward(services, alice, model_id, 4, _fb(_datum(), _datum(6)))
     with pytest.raises(ConflictError, match="seq_id 4 was already used by a rejected request"):
-        service.forward(services, alice, model_id, _fb(4, _datum()))  # the rejected seq_id is spent
+        service.forward(services, alice, model_id, 4, _fb(_datum()))  # the rejected seq_id is spent
     for call in (service.forward_backward, service.forward):  # another tenant's adapter: not found, nothing queued
         with pytest.raises(NotFoundError):
-            call(services, bob, model_id, _fb(6, _datum()))
+            call(services, bob, model_id, 6, _fb(_datum()))
     with pytest.raises(NotFoundError):
-        service.optim_step(services, bob, model_id, OptimStepRequest(seq_id=6))
+        service.optim_step(services, bob, model_id, 6, OptimStepRequest(seq_id=6).payload())
     assert len(queued_work(services)) == before and len(rejections(services)) == 3
     # Other losses need no target_tokens.
-    assert service.forward_backward(services, alice, model_id, _fb(6, no_targets, loss_fn="importance_sampling"))
-    step = service.optim_step(services, alice, model_id, OptimStepRequest(seq_id=7))
+    assert service.forward_backward(services, alice, model_id, 6, _fb(no_targets, loss_fn="importance_sampling"))
+    step = service.optim_step(services, alice, model_id, 7, OptimStepRequest(seq_id=7).payload())
     assert _queued(services)[step.request_id].payload.to_wire() == {"adam_params": dict(ADAM_DEFAULTS)}
+
+
+
+def _datum_payload(model_input: list[int], **inputs: list) -> DatumPayload:
+    return DatumPayload(model_input, {"target_tokens": [1] * len(model_input), **inputs})
+
+
+@pytest.mark.parametrize(
+    ("payload", "error", "message"),
+    [
+        (ForwardBackwardPayload(), InvalidRequestError, "data is empty"),
+        (ForwardBackwardPayload((DatumPayload([]),)), InvalidRequestError, r"data\[0\].model_input is empty"),
+        (ForwardBackwardPayload((_datum_payload([1, -2]),)), InvalidRequestError, "negative token id"),
+        (
+            ForwardBackwardPayload((_datum_payload([1, 2]), _datum_payload([1, 2], weights=[1.0]))),
+            InvalidRequestError,
+            r"data\[1\].loss_fn_inputs.weights has 1 values, model_input has 2",
+        ),
+        (
+            ForwardBackwardPayload((_datum_payload([1, 2], weights=[1.0, math.nan]),)),
+            InvalidRequestError,
+            r"payload.data\[0\].loss_fn_inputs.weights\[1\] is nan",
+        ),
+        (
+            ForwardBackwardPayload((_datum_payload([1, 2], advantages=[-math.inf, 0.0]),)),
+            InvalidRequestError,
+            r"advantages\[0\] is -inf",
+        ),
+        (ForwardBackwardPayload((_datum_payload([1]),), loss_fn="nope"), InvalidRequestError, "loss_fn 'nope'"),
+        (
+            ForwardBackwardPayload((_datum_payload([1]),), loss_fn="ppo", loss_fn_config={"clip": math.inf}),
+            InvalidRequestError,
+            "loss_fn_config.clip is inf",
+        ),
+        (
+            ForwardBackwardPayload((_datum_payload([1], **{f"x{k}": [0.0] for k in range(8)}),)),
+            RequestTooLargeError,
+            r"data\[0\] has 9 loss_fn_inputs; at most 8 \(LORAPLEX_MAX_LOSS_INPUTS_PER_DATUM\)",
+        ),
+    ],
+)
+def test_a_payload_built_without_the_body_model_meets_every_rule(ctx, payload, error, message):
+    """The Tinker routes build the payload straight from protobuf (no request model checks it first): the service's
+    one check (and, for non-finite numbers, the queue's encoder) refuses what the native body's schema would, and the
+    refusal holds its seq_id."""
+    services, alice, _ = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    with pytest.raises(error, match=message):
+        service.forward_backward(services, alice, model_id, 1, payload)
+    assert rejections(services)[(model_id, 1)].payload.to_wire()["rejected_kind"] == "forward_backward"
+    ok = ForwardBackwardPayload((_datum_payload([1, 2], weights=[1e308, 1e308]),), "ppo", {"clip": 0.2})
+    assert service.forward_backward(services, alice, model_id, 2, ok).request_id
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [({"beta1": 1.0}, r"adam_params.beta1 must be >= 0 and < 1"), ({"momentum": 0.9}, "adam_params: unknown momentum")],
+)
+def test_an_optim_step_payload_is_held_to_the_adam_table(ctx, params, message):
+    services, alice, _ = ctx
+    model_id = service.create_adapter(services, alice, CreateAdapterRequest(rank=4)).model_id
+    with pytest.raises(InvalidRequestError, match=message):
+        service.optim_step(services, alice, model_id, 1, OptimStepPayload({**ADAM_DEFAULTS, **params}))
+    assert rejections(services)[(model_id, 1)].payload.to_wire()["rejected_kind"] == "optim_step"
 
 
 def test_saves_check_the_name_and_existing_checkpoints(ctx):

@@ -45,16 +45,16 @@ def delete_adapter(model_id: str, tenant: TenantDep, services: ServicesDep) -> F
 @router.post("/{model_id}/forward_backward", status_code=202)
 @seq_step(RequestKind.FORWARD_BACKWARD)
 def forward_backward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
-    return service.forward_backward(services, tenant, model_id, body)
+    return service.forward_backward(services, tenant, model_id, body.seq_id, body.payload())
 
 
 @router.post("/{model_id}/forward", status_code=202)
 @seq_step(RequestKind.FORWARD)
 def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
-    return service.forward(services, tenant, model_id, body)
+    return service.forward(services, tenant, model_id, body.seq_id, body.payload())
 
 
 @router.post("/{model_id}/optim_step", status_code=202)
 @seq_step(RequestKind.OPTIM_STEP)
 def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
-    return service.optim_step(services, tenant, model_id, body)
+    return service.optim_step(services, tenant, model_id, body.seq_id, body.payload())

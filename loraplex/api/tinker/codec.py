@@ -1,9 +1,11 @@
 """The Tinker SDK's protobuf wire, server side: a `ForwardBackwardRequest` body in, a `ForwardBackwardOutput` out.
 
-The message classes are the SDK's own (`tinker.proto.tinker_public_pb2`, a dependency); this module only maps them
-to and from the native request shape (`api/schemas.ForwardBackwardRequest`), so a forward_backward from the SDK goes
-through exactly the rules of `POST /v1/adapters/{id}/forward_backward`. Pure: no services, no torch (numpy reads the
-little-endian buffers). Everything malformed is an InvalidRequestError naming the field, never an exception of
+The message classes are the SDK's own (`tinker.proto.tinker_public_pb2`, a dependency); this module builds the
+contract's payloads from them (ForwardBackwardPayload straight from the message, no dict or request model between;
+OptimStepPayload from the JSON body's AdamW fields) and encodes our results as the SDK's messages. The service checks
+the payload with exactly the rules of `POST /v1/adapters/{id}/forward_backward` (service/training.py); only the sizes
+a body declares are checked here first, before a sparse tensor is expanded. Pure: no services, no torch (numpy reads
+the little-endian buffers). Everything malformed is an InvalidRequestError naming the field, never an exception of
 protobuf or numpy.
 
 Wire facts (tinker-wire.md): tokens are int32 bytes inside `encoded_text` chunks; a tensor is `dense` bytes or
@@ -13,6 +15,7 @@ response's per-datum arrays are one `BatchedTensor` per field (the arrays concat
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,9 @@ from loraplex.api.tinker.proto import pb
 if TYPE_CHECKING:  # the SDK's typed stubs, for mypy only (importing `tinker` at run time pulls in torch)
     from tinker.proto import tinker_public_pb2 as pbt
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
+from loraplex.protocol import DatumPayload, ForwardBackwardPayload, OptimStepPayload, RequestKind
+from loraplex.protocol.adam import ADAM_DEFAULTS
+from loraplex.service.training import check_sizes
 from loraplex.settings import Settings
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
@@ -39,38 +45,27 @@ _NUMPY_BY_DTYPE: dict[int, np.dtype[Any]] = {
 
 @dataclass
 class DecodedForwardBackward:
-    """A parsed request: which adapter and seq_id it is for, and (`fields()`) the native ForwardBackwardRequest body,
-    still to be validated by its schema. Split so that a bad datum is a rejection queued in its seq_id's place."""
+    """A parsed request: which adapter and seq_id it is for, and (`payload()`) its ForwardBackwardPayload, built from
+    the message. Split so that a bad datum is a rejection queued in its seq_id's place."""
 
     model_id: str
     seq_id: int
     forward_only: bool
     message: pbt.ForwardBackwardRequest
 
+    @property
+    def kind(self) -> RequestKind:
+        return RequestKind.FORWARD if self.forward_only else RequestKind.FORWARD_BACKWARD
+
     def check_sizes(self, settings: Settings) -> None:
-        """The request's sizes as it declares them, before anything is expanded: datums, tokens per datum and in all,
-        loss_fn_inputs per datum, and each tensor's shape (its element count must be its datum's token count). A
-        sparse tensor of 89 bytes may declare millions of zeros; `fields()` builds them only after this passed."""
+        """The request's sizes as it declares them, before anything is expanded: the service's size limits
+        (service/training.check_sizes) on its datums' token and loss input counts, then each tensor's declared
+        shape (its element count must be its datum's token count). A sparse tensor of 89 bytes may declare millions
+        of zeros; `payload()` builds them only after this passed."""
         msg = self.message
-        if len(msg.data) > settings.max_datums_per_request:
-            raise RequestTooLargeError(
-                f"data has {len(msg.data)} datums; at most {settings.max_datums_per_request} per request "
-                "(LORAPLEX_MAX_DATUMS_PER_REQUEST)"
-            )
-        total = 0
-        for i, datum in enumerate(msg.data):
-            tokens = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.HasField("encoded_text"))
-            total += tokens
-            if tokens > settings.max_tokens_per_datum:
-                raise RequestTooLargeError(
-                    f"data[{i}] has {tokens} tokens; at most {settings.max_tokens_per_datum} per datum "
-                    "(LORAPLEX_MAX_TOKENS_PER_DATUM)"
-                )
-            if len(datum.loss_fn_inputs) > settings.max_loss_inputs_per_datum:
-                raise RequestTooLargeError(
-                    f"data[{i}] has {len(datum.loss_fn_inputs)} loss_fn_inputs; at most "
-                    f"{settings.max_loss_inputs_per_datum} (LORAPLEX_MAX_LOSS_INPUTS_PER_DATUM)"
-                )
+        tokens = [_token_count(datum) for datum in msg.data]
+        check_sizes(settings, tokens, [len(datum.loss_fn_inputs) for datum in msg.data])
+        for i, (datum, n) in enumerate(zip(msg.data, tokens, strict=True)):
             for name, tensor in datum.loss_fn_inputs.items():
                 declared = _declared_elements(tensor)
                 where = f"data[{i}].loss_fn_inputs.{name}"
@@ -79,22 +74,22 @@ class DecodedForwardBackward:
                         f"{where} declares {declared} values (shape {list(tensor.shape)}); at most "
                         f"{settings.max_tokens_per_datum}, one per token (LORAPLEX_MAX_TOKENS_PER_DATUM)"
                     )
-                if declared != tokens:
-                    raise InvalidRequestError(f"{where} declares {declared} values, model_input has {tokens} tokens")
-        if total > settings.max_tokens_per_request:
-            raise RequestTooLargeError(
-                f"data has {total} tokens; at most {settings.max_tokens_per_request} per request "
-                "(LORAPLEX_MAX_TOKENS_PER_REQUEST): split it into several forward_backward calls"
-            )
+                if declared != n:
+                    raise InvalidRequestError(f"{where} declares {declared} values, model_input has {n} tokens")
 
-    def fields(self) -> dict[str, Any]:
+    def payload(self) -> ForwardBackwardPayload:
+        """The ForwardBackwardPayload, straight from the message (the service checks it: tokens, lengths, loss)."""
         msg = self.message
-        return {
-            "seq_id": msg.seq_id,
-            "data": [_datum(i, d) for i, d in enumerate(msg.data)],
-            "loss_fn": msg.loss_fn or "cross_entropy",
-            "loss_fn_config": _loss_config(msg),
-        }
+        return ForwardBackwardPayload(
+            data=tuple(_datum(i, d) for i, d in enumerate(msg.data)),
+            loss_fn=msg.loss_fn or "cross_entropy",
+            loss_fn_config=_loss_config(msg),
+        )
+
+
+def optim_step_payload(adam_params: Mapping[str, float] | None) -> OptimStepPayload:
+    """The optim_step body's (JSON, validated by its model) AdamW hyperparameters as the payload, defaults filled in."""
+    return OptimStepPayload(adam_params={**ADAM_DEFAULTS, **(adam_params or {})})
 
 
 def decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
@@ -123,6 +118,8 @@ def decode_forward_backward(body: bytes) -> DecodedForwardBackward:
         raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
     if not msg.model_id:
         raise InvalidRequestError("model_id is required")
+    if msg.seq_id < 0:
+        raise InvalidRequestError(f"seq_id must be >= 0, got {msg.seq_id}")
     return DecodedForwardBackward(msg.model_id, msg.seq_id, msg.forward_only, msg)
 
 
@@ -138,8 +135,13 @@ def _loss_config(msg: pbt.ForwardBackwardRequest) -> dict[str, float]:
     return dict(msg.loss_fn_config)
 
 
-def _datum(i: int, datum: pbt.Datum) -> dict[str, Any]:
-    tokens: list[int] = []
+def _token_count(datum: pbt.Datum) -> int:
+    """A datum's tokens as its encoded_text chunks hold them (int32 each), before they are read."""
+    return sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.HasField("encoded_text"))
+
+
+def _datum(i: int, datum: pbt.Datum) -> DatumPayload:
+    chunks: list[np.ndarray] = []
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
@@ -149,9 +151,10 @@ def _datum(i: int, datum: pbt.Datum) -> dict[str, Any]:
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
             raise InvalidRequestError(f"data[{i}].model_input[{j}].tokens is not whole int32 values")
-        tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
+        chunks.append(np.frombuffer(raw, dtype="<i4"))
+    tokens: list[int] = np.concatenate(chunks).tolist() if chunks else []
     inputs = {name: _tensor(f"data[{i}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
-    return {"model_input": tokens, "loss_fn_inputs": inputs}
+    return DatumPayload(model_input=tokens, loss_fn_inputs=inputs)
 
 
 def _declared_elements(tensor: pbt.Tensor) -> int:

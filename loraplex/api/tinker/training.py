@@ -16,7 +16,7 @@ from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
 from loraplex.api.routes.chain import seq_step
-from loraplex.api.tinker.codec import decode_forward_backward, decompress
+from loraplex.api.tinker.codec import decode_forward_backward, decompress, optim_step_payload
 from loraplex.api.tinker.futures import Tag, future_out
 from loraplex.api.tinker.model_info import tokenizer_id
 from loraplex.api.tinker.schemas import (
@@ -37,10 +37,8 @@ from loraplex.service.rejections import filling_rejections
 from loraplex.service.schemas import (
     CreateAdapterRequest,
     CreateSamplerRequest,
-    ForwardBackwardRequest,
     FutureRef,
     LoadStateRequest,
-    OptimStepRequest,
     SaveCheckpointRequest,
 )
 from loraplex.service.training import check_live
@@ -146,18 +144,14 @@ async def forward_backward(request: Request, tenant: TenantDep, services: Servic
 
 def _forward_backward(services: Services, tenant: TenantRef, raw: bytes, encoding: str | None) -> dict[str, Any]:
     decoded = decode_forward_backward(decompress(raw, encoding, services.settings.max_body_bytes))
-    kind = RequestKind.FORWARD if decoded.forward_only else RequestKind.FORWARD_BACKWARD
     # The owner first (404 for a missing or foreign adapter), then the declared sizes: no tensor is expanded for a
-    # request that would be refused anyway.
+    # request that would be refused anyway. The service checks the built payload (tokens, lengths, loss).
     check_live(services, tenant, decoded.model_id)
-    with filling_rejections(services, tenant, decoded.model_id, decoded.seq_id, kind):
+    with filling_rejections(services, tenant, decoded.model_id, decoded.seq_id, decoded.kind):
         decoded.check_sizes(services.settings)
-        try:
-            request = ForwardBackwardRequest.model_validate(decoded.fields())
-        except ValidationError as exc:
-            raise InvalidRequestError(validation_summary(exc.errors())) from None
+        payload = decoded.payload()
     call = service.forward if decoded.forward_only else service.forward_backward
-    return future_out(Tag.FORWARD, call(services, tenant, decoded.model_id, request))
+    return future_out(Tag.FORWARD, call(services, tenant, decoded.model_id, decoded.seq_id, payload))
 
 
 @router.post("/optim_step")
@@ -166,9 +160,8 @@ def optim_step(body: OptimStepBody, tenant: TenantDep, services: ServicesDep) ->
     if body.optimizer_params is not None and body.adam_params is None:
         with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.OPTIM_STEP):
             check_optimizer(OptimizerConfigBody(type=str(body.optimizer_params.get("type", "unknown"))))
-    adam = body.adam_params.model_dump() if body.adam_params is not None else {}
-    request = OptimStepRequest.model_validate({"seq_id": body.seq_id, "adam_params": adam})
-    return future_out(Tag.OPTIM, service.optim_step(services, tenant, body.model_id, request))
+    payload = optim_step_payload(body.adam_params.model_dump() if body.adam_params is not None else None)
+    return future_out(Tag.OPTIM, service.optim_step(services, tenant, body.model_id, body.seq_id, payload))
 
 
 @router.post("/save_weights")
