@@ -54,10 +54,29 @@ def outcome_from_json(raw: bytes | str) -> Outcome:
     result, error_type = data.get("result"), data.get("error_type")
     return Outcome(
         request_id=data["request_id"],
-        result=None if result is None else result_from_wire(data["result_type"], result),
+        result=None
+        if result is None
+        else result_from_wire(data.get("result_type") or _untyped_result_type(result), result),
         error_type=None if error_type is None else error_class(error_type),
         error=data.get("error"),
     )
+
+
+# A result stored without its type's name (the version before typed results wrote the same JSON forms without it, and
+# they live for the store's time-to-live): its type is the first whose key it holds, in this order (a forward_backward
+# result holds metrics too, a load result model_id too); an empty one is a delete's.
+_TYPE_BY_KEY = (("loss_fn_outputs", "forward_backward"), ("sequences", "sample"), ("with_optimizer", "load_state"),
+                ("step", "save"), ("metrics", "optim_step"), ("model_id", "create_adapter"))  # fmt: skip
+
+
+def _untyped_result_type(result: dict[str, object]) -> str:
+    """The result type's name for a result stored without one (ValueError for a shape no version wrote)."""
+    if not result:
+        return "delete_adapter"
+    name = next((name for key, name in _TYPE_BY_KEY if key in result), None)
+    if name is None:
+        raise ValueError(f"a stored result without result_type, of unknown keys {sorted(result)}")
+    return name
 
 
 # KEYS[3..]: (result, state, notify) per outcome; ARGV[4] ttl s, ARGV[5..]: (result JSON, state) per outcome.

@@ -7,13 +7,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import redis
 
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotFoundError, error_class, error_name
 from loraplex.protocol import Outcome
 from loraplex.protocol.results import (
+    CreateResult,
     DeleteResult,
     ForwardBackwardResult,
+    LoadResult,
     LossFnOutput,
     OptimStepResult,
     SampledSequence,
@@ -128,3 +131,22 @@ def test_error_classes_travel_by_one_registry() -> None:
     assert error_class("NoSuchError") is LoraplexError
     assert Outcome.failed("r", Local("x")) == Outcome("r", error_type=NotFoundError, error="x")
     assert Outcome.failed("r", KeyError("k")) == Outcome("r", error_type=EngineError, error="KeyError: 'k'")
+
+
+def test_a_result_stored_without_its_type_name_still_reads_typed(redis_client: redis.Redis) -> None:
+    """The version before typed results stored the same JSON forms without `result_type`; such a result, still within
+    its 24 h time-to-live when the gateway is upgraded, reads back as the type its keys say."""
+    store = ResultStore(redis_client)
+    load = LoadResult("m", "tinker://m/weights/a", True)
+    saved = SaveResult("tinker://m/weights/a", "state", "a", 3, size_bytes=10, sha256="ab")
+    sample = SampleResult((SampledSequence([5, 6], [-0.1, -0.2], "stop"),), None, None)
+    optim = OptimStepResult({"grad_norm:mean": 0.5})
+    for result in (FB, sample, load, saved, optim, CreateResult("m"), DeleteResult()):
+        rid = _rid()
+        untyped = {"request_id": rid, "result": result.to_wire(), "error_type": None, "error": None}
+        redis_client.set(keys.result_key(rid), orjson.dumps(untyped), ex=60)
+        assert store.get(rid) == Outcome(rid, result=result), type(result).__name__
+    rid = _rid()  # a failure of that version: a null result and the error's name, as today
+    old_failure = {"request_id": rid, "result": None, "error_type": "NotFoundError", "error": "gone"}
+    redis_client.set(keys.result_key(rid), orjson.dumps(old_failure), ex=60)
+    assert store.get(rid) == Outcome(rid, error_type=NotFoundError, error="gone")
