@@ -31,7 +31,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from loraplex.protocol import CONTROL_KINDS, RequestKind
-from loraplex.protocol import CONTROL_SEQ_ID as CONTROL_SEQ_ID  # re-exported: the envelope's create/delete seq_id
+from loraplex.protocol import CONTROL_SEQ_ID as CONTROL_SEQ_ID  # public here too: the envelope's create/delete seq_id
 
 PREFIX = "loraplex:"
 CONSUMER_GROUP = f"{PREFIX}dispatchers"

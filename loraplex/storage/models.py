@@ -24,7 +24,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from loraplex.storage.enums import AdapterStatus, CheckpointKind, PipelineState, PoolState, ResidencyTier
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
-# The enums are re-exported: callers reading a model's fields import them from here.
+# The enums are public here too: callers reading a model's fields import them from here.
 __all__ = [
     "Adapter",
     "AdapterSnapshotRow",
@@ -219,7 +219,8 @@ class SamplingSession(Base):
 
 
 class Usage(Base):
-    """One metered unit of work (a step, a sample, an export). Append-only; kept after the adapter is deleted."""
+    """One metered request (the kinds whose KINDS row has counts_usage: forward_backward, forward). Append-only; kept
+    after the adapter is deleted."""
 
     __tablename__ = "usage"
     __table_args__ = (Index("ix_usage_tenant_id_created_at", "tenant_id", "created_at"),)

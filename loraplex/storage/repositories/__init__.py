@@ -1,6 +1,6 @@
 """Repositories: the only code that writes SQL. Tenant data is always reached through a repository bound to a tenant.
 
-Write methods flush but never commit; wrap them in `unit_of_work` (re-exported here from loraplex.storage.db)."""
+Write methods flush but never commit; wrap them in `unit_of_work` (loraplex.storage.db's, importable from here too)."""
 
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository

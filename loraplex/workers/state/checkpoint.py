@@ -48,7 +48,7 @@ import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 
-# The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); re-exported for callers here.
+# The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); importable from here too.
 from loraplex.protocol.checkpoint_paths import SAVED_KINDS
 from loraplex.protocol.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
 from loraplex.runtime.fsutil import write_folder_atomic
