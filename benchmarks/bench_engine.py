@@ -1,11 +1,11 @@
-"""Engine benchmark (issue B): plain PEFT, our engine one adapter at a time ("single-resident", no swap costs), and our
+"""Engine benchmark: plain PEFT, our engine one adapter at a time ("single-resident", no swap costs), and our
 engine concurrent (one mixed forward/backward + one batched AdamW), on a random-init Qwen3-shaped model.
 
     python3 benchmarks/bench_engine.py --model qwen3-4b-shape --rank 32 --seq-len 512 --cap 4096 --out results.json
-    python3 benchmarks/bench_engine.py --mode cost      # issue 12: 4 saturated tenants, cost model vs one by one
-    python3 benchmarks/bench_engine.py --mode ragged    # issue 14: ragged lengths vs uniform rows, packed and padded
+    python3 benchmarks/bench_engine.py --mode cost      # 4 saturated tenants, cost model vs one by one
+    python3 benchmarks/bench_engine.py --mode ragged    # ragged lengths vs uniform rows, packed and padded
 
---mode ragged (issue 14): real-token throughput of ragged lengths (lognormal, 32-2,048 tokens) against uniform 512-token
+--mode ragged: real-token throughput of ragged lengths (lognormal, 32-2,048 tokens) against uniform 512-token
 rows with the same real-token count (4 adapters x 8 x 512 tokens per step), for the packed engine (the default) and the
 padded one (EngineConfig(packed=False); `--layouts packed` or `padded` for one), all in one call.
 
@@ -196,7 +196,7 @@ def bench_engine_workload(engine: Engine, ids: list[str], per_adapter: int, args
     }
 
 
-# ---- cost-model coalescing vs one by one (issue 12, item 3) ---------------------------------------------------------
+# ---- cost-model coalescing vs one by one --------------------------------------------------------------------------
 def bench_cost_model(engine: Engine, args) -> dict[str, Any]:
     """Each round, every one of --adapters tenants runs one forward_backward (--saturated-seqs x --seq-len tokens: one
     microbatch each at the defaults) and one optim_step. "cost model": the pool's path, i.e. the dispatch policy with
@@ -325,7 +325,7 @@ def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyp
     return out
 
 
-# ---- ragged lengths vs uniform rows, packed and padded (issue 14, item 1) ----------------------------------------------
+# ---- ragged lengths vs uniform rows, packed and padded ------------------------------------------------------------
 def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict[str, Any]]:
     return [d for n in lengths for d in datums(vocab, 1, n, gen)]
 
@@ -440,8 +440,8 @@ def main() -> None:
     p.add_argument("--long-lengths", default="8192,16384,32768,65536", help="--mode long: single-sequence lengths")
     p.add_argument("--mode", default="all", choices=("all", "cost", "long", "ragged"),
                    help="all: PEFT, frozen base, single vs concurrent; cost: only the cost-model coalescing vs one by "
-                        "one comparison (issue 12); long: the longest single sequence, layers recomputed or not; "
-                        "ragged: ragged lengths vs uniform rows, packed and padded (issue 14)")  # fmt: skip
+                        "one comparison; long: the longest single sequence, layers recomputed or not; "
+                        "ragged: ragged lengths vs uniform rows, packed and padded")  # fmt: skip
     p.add_argument("--rounds", type=int, default=8, help="--mode cost: timed rounds per variant (median)")
     p.add_argument("--cost-workloads", default="saturated", help="--mode cost: saturated,underfilled")
     p.add_argument("--plan-tokens", type=int, default=16384, help="--mode cost: the policy's token cap per step")

@@ -1,5 +1,5 @@
 """Device time of one LoRA layer's forward + backward against its frozen base matmul alone, per Qwen3-4B projection
-shape: where the LoRA overhead over the frozen base comes from (issue 14's <= 10% target).
+shape: where the LoRA overhead over the frozen base comes from (DESIGN.md's LoRA step / frozen-base step target).
 
     python3 benchmarks/bench_lora_layer.py --rows 4096 --rank 32
 

@@ -1,4 +1,4 @@
-"""Pure-policy benchmark (issue 12, item 5): plans per second of dispatch/policy.plan_batch with 1,000 pending requests
+"""Pure-policy benchmark: plans per second of dispatch/policy.plan_batch with 1,000 pending requests
 from 200 adapters (20 tenants, weighted), as the pool's dispatcher calls it: the pool's limits (16,384-token steps,
 8 slots, 256 requests, 8 rounds), the fair-share ledger's view, the tenant weights and the calibrated cost model.
 Target: >= 500 plans/s, <= 2 ms per plan.

@@ -5,7 +5,7 @@ call, so service / engine is the service's own cost.
 
     python3 benchmarks/bench_service.py --model qwen3-4b-shape --device cuda --rank 32 --tenants 1,2,4,8,16
     python3 benchmarks/bench_service.py                    # CPU, tiny model: the same code path, seconds (not in CI)
-    python3 benchmarks/bench_service.py --world-sizes 1,2,4,8 --layouts fsdp,replicate --tenants 4,16,64   # issue 16
+    python3 benchmarks/bench_service.py --world-sizes 1,2,4,8 --layouts fsdp,replicate --tenants 4,16,64   # RESULTS.md, 2026-12-02
 
 Each tenant is one process (benchmarks/service_tenant.py) with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
 back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
@@ -305,7 +305,7 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=4096, help="engine microbatch tokens")
     p.add_argument("--plan-tokens", type=int, default=16384)
     # 4: enough rounds that the engine has captured the CUDA graphs of the buckets the plans produce (each on its
-    # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, session 8)
+    # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, 2026-12-01, H200)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-engine", action="store_true")

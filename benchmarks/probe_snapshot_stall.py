@@ -1,5 +1,5 @@
-"""What in a durable snapshot stalls the training thread (issue 14's service table: 4 underfilled tenants at p99
-1.2 s through the service against 115 ms in the engine alone).
+"""What in a durable snapshot stalls the training thread (RESULTS.md, 2026-12-04: 4 underfilled tenants at p99 1.2 s
+through the service against 115 ms in the engine alone).
 
 The main thread runs a training-like loop (many small kernel launches from Python plus a few large matmuls, synced
 each iteration) and times every iteration; meanwhile a second thread does one snapshot-like action on a device

@@ -1,4 +1,4 @@
-"""Soak (issue 12, item 5): many tenants train through the embedded stack for a fixed time while random faults hit it
+"""Soak: many tenants train through the embedded stack for a fixed time while random faults hit it
 (SIGKILL of the pool, SIGKILL of the gateway, redis-server SIGKILLed and restarted from its append-only file); then
 every tenant's futures must have resolved (none lost), each adapter's applied seq_id must equal the steps its client
 saw answered (none applied twice), and the memory of every process stays bounded.

@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     # true: an underfilled plan that already fills whole microbatches (`microbatch_tokens`) runs those at once instead
     # of waiting for tenants whose requests could only start another microbatch; the rest waits for them, and their
     # round trips overlap the running plan (dispatch/coalescing.py). Off until measured on the GPU (on the CPU the
-    # clients and the pool share two cores, so nothing overlaps there: RESULTS.md, session 12).
+    # clients and the pool share two cores, so nothing overlaps there: RESULTS.md, 2026-12-05, CPU).
     coalesce_early_full_microbatches: bool = False
     # Cost-model coalescing (dispatch/step_split.py): the dispatcher runs a round's forward_backward requests as the
     # split into engine steps (one mixed step, per adapter, or full adapters apart) its step cost model predicts
@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     # lease lapses), False exits at once with a message naming the holder.
     leader_wait: bool = True
 
-    # Prometheus metrics (ARCHITECTURE.md, "Metrics"). The pool process serves its own at
+    # Prometheus metrics (docs/architecture/metrics.md). The pool process serves its own at
     # http://<pool_metrics_host>:<pool_metrics_port>/metrics (port 0: no server) and writes them to Redis every
     # `pool_metrics_publish_seconds`, so every gateway serves them too, at GET /metrics/pools (its own request metrics
     # are at GET /metrics). With `metrics_token` set, each of these answers only `Authorization: Bearer <token>` (else
@@ -155,7 +155,7 @@ class Settings(BaseSettings):
     # Worker threads per gateway process for its sync routes; each waiting long-poll holds one (and a Redis connection).
     gateway_threads: int = Field(default=512, ge=8)
     # Long-polls (futures, Tinker retrieve_future, the OpenAI routes' wait) one tenant may hold at once on one gateway
-    # process (api/long_polls.py: 429 + Retry-After past it), so one tenant's outstanding futures cannot hold the
+    # process (service/long_polls.py: 429 + Retry-After past it), so one tenant's outstanding futures cannot hold the
     # threads and Redis connections every other tenant needs.
     max_long_polls_per_tenant: int = Field(default=64, ge=1)
     # Long-polls of all tenants on one gateway process; at most half of `gateway_threads`, so short calls always
@@ -265,7 +265,7 @@ class Settings(BaseSettings):
     # is a 429 naming it, without Retry-After (deleting checkpoints, or their expiry, frees room). 0: no limit.
     max_checkpoints_per_tenant: int = Field(default=1000, ge=0)
     max_checkpoint_bytes_per_tenant: int = Field(default=100 * 2**30, ge=0)
-    # Requests per second each tenant may send to one gateway process (api/rate_limit.py: 429 + Retry-After); 0: off.
+    # Requests per second each tenant may send to one gateway process (service/rate_limit.py: 429 + Retry-After); 0: off.
     tenant_requests_per_second: float = Field(default=200.0, ge=0)
     tenant_request_burst: int = Field(default=400, ge=1)
 

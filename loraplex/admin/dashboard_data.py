@@ -1,7 +1,7 @@
 """What the dashboard shows, read at page load: queue depth per tenant (Redis), GPU slots in use per pool and adapters
 per tier (the residency rows), training tokens per second per tenant over the last minutes (the usage rows, in
 buckets), the pool's plan totals (queue/stats.py: forward_backward steps and adapters per step), and from the pools'
-published metrics (api/pool_metrics.py) the swaps per tier move and the forward_backward steps per layout (mixed or
+published metrics (service/pool_metrics_reader.py) the swaps per tier move and the forward_backward steps per layout (mixed or
 single adapter: the plan's choice)."""
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ async def get_tenant(
     authorization: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
 ) -> TenantRef:
     """The key's tenant: the one api/door.py found before the body was read, else from this process's recent checks
-    (api/auth_cache.py), else from SQL in a worker thread and a short session of its own (so a long-polling route
-    holds no connection). Each call spends one of the tenant's requests (api/rate_limit.py: 429 past its rate)."""
+    (service/auth_cache.py), else from SQL in a worker thread and a short session of its own (so a long-polling route
+    holds no connection). Each call spends one of the tenant's requests (service/rate_limit.py: 429 past its rate)."""
     tenant = request.scope.get(AUTHENTICATED_TENANT)
     if not isinstance(tenant, TenantRef):
         tenant = await tenant_for_key(services, _key_from_headers(x_api_key, authorization))

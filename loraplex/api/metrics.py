@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics, every one defined here: requests per route template (never the raw path, so
 ids do not multiply the series), method and status code, and their latencies. `RequestMetrics` is the ASGI
 middleware that counts them (outermost, so a 413 from the body limit counts too); the routes are
-api/routes/metrics.py. Names: ARCHITECTURE.md, "Metrics".
+api/routes/metrics.py. Names: docs/architecture/metrics.md.
 
 Several gateway processes of one `serve` (uvicorn --workers) share their counts through prometheus-client's
 multiprocess mode: the composition root sets PROMETHEUS_MULTIPROC_DIR before the workers start

@@ -1,4 +1,4 @@
-"""One leader per pool, the pool process's side (rank 0, before it loads the model; pool_process.py calls it).
+"""One leader per pool, the pool process's side (rank 0, before it loads the model; pool/process.py calls it).
 
 `acquire_leadership` takes the pool's lease in Redis (queue/lease.py). While another pool process holds a live lease it
 waits, logging one line at most every few seconds, and takes over when that lease lapses (its holder was killed) or
@@ -9,7 +9,7 @@ the lease, it writes its fencing token to the pool's SQL row (`PoolRepository.ta
 residency rows of the earlier run), then renews the lease every ttl/3 in a thread.
 
 From then on every write of a plan is fenced by the token: results and job states in Redis (queue/results.py, a Lua
-check of the lease), SQL records and checkpoint rows (dispatch/records.check_leader, the pools row). A refused write or
+check of the lease), SQL records and checkpoint rows (pool/records.check_leader, the pools row). A refused write or
 renewal marks the lease lost; the pool process then stops its dispatcher and exits non-zero.
 """
 

@@ -1,8 +1,8 @@
 """The pool's Prometheus metrics, every one defined here, in a registry of the pool process's own. The dispatcher loop
 reports each executed plan (`executed`) and where its seconds went (`timed`); what the workers measure reaches this
-module through plain callables the composition root (pool_process.py) passes in: the rank-0 executor's per-step
+module through plain callables the composition root (pool/process.py) passes in: the rank-0 executor's per-step
 seconds, the adapter store's cumulative swap counts and its tier sizes (workers/ import no prometheus). The names and
-labels are documented in ARCHITECTURE.md ("Metrics"). Every series carries the pool's name; per-tenant series carry the
+labels are documented in docs/architecture/metrics.md. Every series carries the pool's name; per-tenant series carry the
 tenant id and nothing else of the tenant's.
 
 The registry is served on the pool's own port (loraplex/runtime/metrics_server.py) and published to Redis for the gateways

@@ -39,7 +39,7 @@ def build_services(settings: Settings) -> Services:
         raise RuntimeError("LORAPLEX_REDIS_URL is not set (`loraplex serve --embedded` sets it for its children)")
     # Two connection pools, each sized so it never runs out (redis-py's default cap of 100 did, and every call then
     # failed with 503): the short calls' pool one connection per worker thread (a thread holds at most one at a
-    # time), the long-polls' their own, as many as api/long_polls.py lets wait at once, so waits never take the
+    # time), the long-polls' their own, as many as service/long_polls.py lets wait at once, so waits never take the
     # connections the short calls need.
     long_polls = process_long_polls(settings.max_long_polls, settings.gateway_threads)
     client = _redis_client(settings, settings.gateway_threads + EVENT_LOOP_CONNECTIONS)

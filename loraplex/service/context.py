@@ -38,9 +38,9 @@ class Services:
     auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
     # This gateway's pool's health, re-read at most once a second (service/pool_health.py).
     pool_view: PoolView = field(default_factory=PoolView)
-    # Each tenant's request rate on this process (api/rate_limit.py); off unless built with a rate.
+    # Each tenant's request rate on this process (service/rate_limit.py); off unless built with a rate.
     rate_limit: TenantRateLimit = field(default_factory=lambda: TenantRateLimit(0.0, 1))
-    # Each tenant's long-polls waiting on this process (api/long_polls.py); unbounded unless built with limits.
+    # Each tenant's long-polls waiting on this process (service/long_polls.py); unbounded unless built with limits.
     long_polls: LongPollSlots = field(default_factory=lambda: LongPollSlots(2**31, 2**31))
 
 

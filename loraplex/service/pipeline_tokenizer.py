@@ -12,7 +12,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.settings import Settings
 
 # The presets of loraplex/models/presets.py (TINY_SHAPES, SHAPE_PRESETS), named here because the gateway imports no
-# torch; tests/security/test_pipelines_paths.py checks the two agree.
+# torch; tests/security/test_pipelines_tenants.py checks the two agree.
 PRESET_NAMES = frozenset({"tiny", "tiny-vllm", "tiny-moe", "qwen3-0.6b-shape", "qwen3-4b-shape", "qwen3-30b-a3b-shape"})
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")  # no leading dot: no '.', '..' or hidden folders
 MAX_SEGMENTS = 8

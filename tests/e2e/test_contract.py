@@ -75,9 +75,9 @@ def test_a_result_is_visible_only_after_its_step_is_recorded(stack) -> None:
 
 
 def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) -> None:
-    """Issue: a 235 MB body was parsed for 13 s while every tenant waited. Now a body over LORAPLEX_MAX_BODY_BYTES is
-    a 413 before it is read (a declared Content-Length: at once; chunked: once the limit is passed), and the client's
-    seq_id (named in X-Seq-Id) is held by the rejection, so its next call runs at once."""
+    """A huge body must not hold every tenant while it is parsed (235 MB took 13 s): a body over
+    LORAPLEX_MAX_BODY_BYTES is a 413 before it is read (a declared Content-Length: at once; chunked: once the limit
+    is passed), and the client's seq_id (named in X-Seq-Id) is held by the rejection, so its next call runs at once."""
     import socket
     import threading
     from urllib.parse import urlsplit
@@ -128,11 +128,11 @@ def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) ->
 
 
 def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered_first(stack) -> None:
-    """Issue: one tenant's 2.56 M-token request held the pool 93 s while another's 3-token step waited 92 s. Now a
-    request over LORAPLEX_PLAN_TOKENS (16,384 here) runs one part per plan: 15 x 3,000 tokens go as [0, 5), [5, 10) and
-    [10, 15); the other tenant's small step, sent just after, joins the first or the second plan (whether the pool read
-    it before planning the first), so it is answered at least a whole plan before the big one, which answers once, with
-    every datum's logprobs, after its last part."""
+    """One tenant's huge request must not hold the pool while another's small step waits (a 2.56 M-token request in one
+    plan holds it ~93 s): a request over LORAPLEX_PLAN_TOKENS (16,384 here) runs one part per plan: 15 x 3,000 tokens go
+    as [0, 5), [5, 10) and [10, 15); the other tenant's small step, sent just after, joins the first or the second plan
+    (whether the pool read it before planning the first), so it is answered at least a whole plan before the big one,
+    which answers once, with every datum's logprobs, after its last part."""
     import threading
 
     clients = tenant_clients(stack, "parts-big", "parts-small")

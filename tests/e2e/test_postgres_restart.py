@@ -204,7 +204,7 @@ def test_postgres_crashed_three_times_under_load_loses_and_repeats_nothing(
 
 
 def test_a_pool_restarted_while_the_database_is_down_waits_for_it(stack: Stack, postgres: PostgresServer) -> None:
-    """The pool SIGKILLed while PostgreSQL is down: its successor cannot migrate yet, and waits (pool_process.preflight)
+    """The pool SIGKILLed while PostgreSQL is down: its successor cannot migrate yet, and waits (pool/process.preflight)
     instead of exiting into the supervisor's growing backoff; once the database is back it serves a new tenant."""
     from loraplex.client import Datum
 

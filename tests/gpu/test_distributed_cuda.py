@@ -3,7 +3,7 @@
 One GPU allows one rank, so this runs the integration scenario (tests/integration/test_distributed.py) as a process
 group of one on cuda:0: FSDP2 sharding (trivial), the NCCL all-reduce of bank gradients and all-gather of outputs, and
 plans broadcast on the gloo control group; it must equal the same plans on an engine with no process group. With more
-GPUs each test also runs at world sizes 2, 4 and 8 where the machine has that many (issue 16: `nvidia-h200-x2/-x4/-x8`;
+GPUs each test also runs at world sizes 2, 4 and 8 where the machine has that many (`nvidia-h200-x2/-x4/-x8`:
 the real split of rows across ranks). Needs no service dependencies."""
 
 from __future__ import annotations

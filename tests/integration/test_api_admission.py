@@ -1,5 +1,6 @@
-"""Admission control at the gateway (issue: a 235 MB body was parsed for 13 s, holding every tenant; a valid 24.5 MB
-body held the pool 93 s; one tenant had 500 adapters and 5,000 queued requests): a body over the byte limit is a 413
+"""Admission control at the gateway, so one tenant cannot hold the others (unbounded, a 235 MB body is parsed for
+13 s, a valid 24.5 MB body holds the pool 93 s, one tenant queues 5,000 requests on 500 adapters): a body over the byte
+limit is a 413
 before it is read to the end, a request over the token limit a 413, a tenant over its queue quotas a 429 with
 Retry-After, over its adapter quota a 429 without. A refused chain step still holds its seq_id."""
 

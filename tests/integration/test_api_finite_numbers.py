@@ -1,5 +1,5 @@
-"""Every non-finite number in a request body is a 422 naming the field (issue: NaN in a bounded float was a plain-text
-500 and a reset connection; inf became JSON null and silently the default). The 422 body itself is valid JSON, and a
+"""Every non-finite number in a request body is a 422 naming the field (never a plain-text 500 and a reset connection,
+nor an inf written as JSON null and read back as the default). The 422 body itself is valid JSON, and a
 rejected request queues nothing."""
 
 from __future__ import annotations

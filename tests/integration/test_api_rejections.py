@@ -1,5 +1,5 @@
-"""A rejected chain step leaves no hole (issue: a 422 left its seq_id unfilled and the caller's NEXT call waited 60 s,
-then failed). Through the gateway's HTTP routes on real Redis and SQLite, no pool: a body that fails validation is
+"""A rejected chain step leaves no hole (an unfilled seq_id would hold the caller's next call until the gap timeout,
+then fail it). Through the gateway's HTTP routes on real Redis and SQLite, no pool: a body that fails validation is
 queued as a `rejected` request in its seq_id's place; a foreign adapter, a bad key or a body without a usable seq_id
 queues nothing."""
 

@@ -1,4 +1,4 @@
-"""LORAPLEX_DTYPE reaches the base model of every rank: the pool's own spec (pool_process.engine_spec) built from the
+"""LORAPLEX_DTYPE reaches the base model of every rank: the pool's own spec (pool/process.engine_spec) built from the
 settings, two spawned gloo ranks, each reporting the dtype of its base weights, its activations and its LoRA masters."""
 
 from __future__ import annotations

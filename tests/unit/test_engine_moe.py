@@ -1,4 +1,4 @@
-"""The engine on a mixture-of-experts base (issue 15): the `tiny-moe` preset (Qwen3-MoE, 4 experts, 2 per token) with
+"""The engine on a mixture-of-experts base: the `tiny-moe` preset (Qwen3-MoE, 4 experts, 2 per token) with
 LoRA on attention and on every expert's gate / up / down. Three adapters of different ranks trained together in mixed
 batches for 5 steps on the fast paths (fused dense banks, grouped expert LoRA) equal each adapter trained alone on the
 plain-torch reference ops (the dense loop, `experts_reference`): losses, logprobs and weights, fp32, <= 1e-5. Also

@@ -1,4 +1,4 @@
-"""The pool's metrics fed from a real engine, adapter store and executor the way pool_process wires them: with one
+"""The pool's metrics fed from a real engine, adapter store and executor the way pool/process.py wires them: with one
 slot, two adapters training in turn swap at every step, and the swap counters, tiers and per-step seconds follow
 what the store and the executor measured."""
 

@@ -1,4 +1,4 @@
-"""The per-tenant token bucket (api/rate_limit.py), on a clock the test moves."""
+"""The per-tenant token bucket (service/rate_limit.py), on a clock the test moves."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def _sample_all(
     # The whole call's work (one sample request per prompt), before any of them is queued.
     work = sum(sample_work(r.num_samples, len(r.prompt), r.max_tokens) for r in requests)
     check_sample_work(settings, work, f"{len(requests)} prompts x n={body.n}")
-    # The wait holds one of the tenant's long-poll slots (api/long_polls.py), taken before anything is queued, so a
+    # The wait holds one of the tenant's long-poll slots (service/long_polls.py), taken before anything is queued, so a
     # 429 leaves nothing behind.
     with services.long_polls.hold(tenant.id, tenant.name):
         sampler_id, first = take_seq_ids(services, tenant, body.model, model_path, len(prompts), idempotency_key)

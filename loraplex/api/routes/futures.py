@@ -1,7 +1,7 @@
 """Futures: a long-poll that answers as soon as the result is stored, or its current state after the wait, with a
 `queue_state`: "active", or "paused_capacity" and a reason while this gateway's pool is down (no recent heartbeat,
 or loading its model), so a waiting client learns why nothing happens. A wait takes one of the tenant's long-poll
-slots (api/long_polls.py: 429 past its limit); a poll with timeout=0 takes none."""
+slots (service/long_polls.py: 429 past its limit); a poll with timeout=0 takes none."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GET /metrics: this gateway's request metrics (api/metrics.py). GET /metrics/pools: every pool's metrics as it last
-published them to Redis (api/pool_metrics.py). A separate path, so scraping N gateway replicas does not count each
+published them to Redis (service/pool_metrics_reader.py). A separate path, so scraping N gateway replicas does not count each
 pool N times: scrape /metrics on every replica and /metrics/pools on one (or each pool's own port). With
 LORAPLEX_METRICS_TOKEN set, both answer `Authorization: Bearer <token>` only (401 otherwise). Without one, /metrics is
 open (route templates and status codes: nothing of any tenant), and /metrics/pools, which names every tenant's

@@ -4,7 +4,7 @@ asample, JSON for the rest),
 `{error, category}` for a failed request (the SDK raises RequestFailedError with it), or `{type: try_again,
 queue_state}` while it is still queued or running (`paused_capacity` and a reason while the pool is down). Only the
 submitting tenant may read a future: anyone else gets the 404 an unknown id gets. The wait takes one of the tenant's
-long-poll slots (api/long_polls.py): past its limit a 429 with Retry-After, which the SDK backs off from."""
+long-poll slots (service/long_polls.py): past its limit a 429 with Retry-After, which the SDK backs off from."""
 
 from __future__ import annotations
 

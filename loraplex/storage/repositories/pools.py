@@ -67,7 +67,7 @@ class PoolRepository:
             return False
         pool.leader_token = token
         pool.started_at = now
-        pool.state = PoolState.LOADING  # until this leader has its model (pool_process: READY)
+        pool.state = PoolState.LOADING  # until this leader has its model (pool/process.py sets READY)
         self.session.flush()
         return True
 

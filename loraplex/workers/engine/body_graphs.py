@@ -1,5 +1,5 @@
-"""The decoder body's forward and backward of a packed training microbatch replayed as two CUDA graphs (issue 14,
-item 2: the step was host-bound, ~6,000 kernel launches from Python for ~200 ms of device work per 4,096 tokens).
+"""The decoder body's forward and backward of a packed training microbatch replayed as two CUDA graphs (without
+them the step is host-bound: ~6,000 kernel launches from Python for ~200 ms of device work per 4,096 tokens).
 
 A graph replays fixed shapes and addresses, so a microbatch is padded to a bucket (`pad_microbatch`, pure):
   * tokens up to a multiple of `TOKEN_BUCKET`: the pad tokens form one sequence of their own (the packed attention

@@ -6,7 +6,7 @@ from the optimizer's flat master buffer and cast once, every LoRA layer is one a
 the microbatch's gradients are folded into the optimizer's flat gradient with one index_add_. `fused_lora=False` (the
 config's default when it names a `lora_op`) runs the op per layer on the master banks through autograd instead.
 
-Layout (issue 14): by default a microbatch is packed, its sequences (all adapters', adapter-contiguous) concatenated
+Layout: by default a microbatch is packed, its sequences (all adapters', adapter-contiguous) concatenated
 into one [1, N] row of real tokens, no padding (`batching.packed_layout`: RoPE positions restart per sequence, cu_seqlens
 for the packed attention, workers/kernels/packed_attention.py); microbatches are cut by real tokens. `packed=False` keeps the
 padded layout: [B, T_max] rows padded on the right, cut by count x longest. Both give the same results (to fp32

@@ -1,11 +1,11 @@
-"""The decoder's RMSNorms and gated-MLP activations as fused kernels in the engine's training microbatches (issue 14,
-item 3): workers/kernels/triton_elementwise.py on CUDA where triton is.
+"""The decoder's RMSNorms and gated-MLP activations as fused kernels in the engine's training microbatches:
+workers/kernels/triton_elementwise.py on CUDA where triton is.
 
 HF's RMSNorm is about seven kernels forward and more backward over every token of every layer (four norms a layer with
 Qwen3's q/k norms), the MLP's activation two more: memory-bound work that took a large share of the H200's device time
 in the 8x512 profile (benchmarks/RESULTS.md), plus thousands of launches on a host-bound step. (torch.compile of the
 same two functions was measured slower: dynamo's per-call guards on that host-bound step, and its recompile limit under
-FSDP; RESULTS.md, session 7.)
+FSDP; RESULTS.md, 2026-12-01, H200.)
 
 Only inside the engine's training microbatches (`active()`): the modules keep their eager forward everywhere else (the
 sampler's CUDA-graph decode captures the eager kernels; PEFT comparisons run HF's code). The eager forward is the

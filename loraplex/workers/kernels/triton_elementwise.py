@@ -1,11 +1,11 @@
-"""Triton kernels for the frozen base model's RMSNorm and the gated MLP's silu(gate) * up (issue 14, item 3; CUDA only).
+"""Triton kernels for the frozen base model's RMSNorm and the gated MLP's silu(gate) * up (CUDA only).
 
 HF's RMSNorm is about seven kernels forward (cast to fp32, square, mean, add eps, rsqrt, multiply, cast back, weight)
 and more backward, each reading and writing the whole activation in fp32; the MLP's activation is two more. Here each
 is one kernel forward and one backward with the same maths: fp32 statistics, the normalised value cast back to the
 input dtype before the weight multiplies it, as HF's. The base weights are frozen, so no weight gradient is computed
 (the kernels refuse a weight that requires grad). The plain-torch reference is HF's eager module itself
-(tests/gpu/test_triton_elementwise_cuda.py).
+(tests/gpu/test_fused_elementwise_cuda.py).
 
 Imported only where triton is (the GPU image): workers/kernels/fused_elementwise.py decides.
 """

@@ -1,4 +1,4 @@
-"""The LM head's target logprobs with the log-softmax fused into two Triton kernels (issue 14, item 3; CUDA only).
+"""The LM head's target logprobs with the log-softmax fused into two Triton kernels (CUDA only).
 
 Per chunk of rows, as `lm_head._target_logprobs` computes it (recomputed in the backward): logits = hidden @ W^T in the
 activations' dtype, then in fp32 target logit - logsumexp. The eager chunk writes the fp32 logits ([chunk, V]: 622 MB

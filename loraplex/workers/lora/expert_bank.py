@@ -1,4 +1,4 @@
-"""Per-slot LoRA banks on a mixture-of-experts block's fused experts (issue 15; the maths: lora/experts.py).
+"""Per-slot LoRA banks on a mixture-of-experts block's fused experts (the maths: lora/experts.py).
 
 `SlotBankExperts` takes the place of transformers' experts module (Qwen3-MoE's `mlp.experts`: `gate_up_proj`
 [E, 2I, H], `down_proj` [E, H, I], frozen) and owns one `ExpertProjectionBank` per projection the pool targets

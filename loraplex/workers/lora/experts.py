@@ -1,4 +1,4 @@
-"""LoRA on the experts of a mixture-of-experts block (issue 15): per-slot expert banks, mixed adapters and experts.
+"""LoRA on the experts of a mixture-of-experts block: per-slot expert banks, mixed adapters and experts.
 
 The base experts are transformers' fused 3-D parameters (Qwen3-MoE: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I];
 frozen), selected per token by the block's frozen router (top-k experts `idx` [N, K] with weights `w` [N, K]). Each

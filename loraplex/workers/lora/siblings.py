@@ -1,5 +1,5 @@
 """Sibling LoRA layers: the wrapped layers of one module that read the same input (an attention block's q_proj, k_proj
-and v_proj; a gated MLP's gate_proj and up_proj) run as ONE autograd node, so their A side runs once (issue 14, item 3).
+and v_proj; a gated MLP's gate_proj and up_proj) run as ONE autograd node, so their A side runs once.
 
 Semantics (plain torch): for siblings i = 0..k-1 with bank layouts L_i and base weights W_i (or none), on one x [N, in],
 
