@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lengths import lognormal_lengths  # noqa: E402
 from loraplex.models import build_preset_model, load_base_model  # noqa: E402
+from loraplex.protocol.payloads import DatumPayload  # noqa: E402
 from loraplex.workers.engine.batching import layout, split_microbatches  # noqa: E402
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
@@ -55,12 +56,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def datums(vocab: int, n: int, seq_len: int, gen: torch.Generator) -> list[dict[str, Any]]:
+def datums(vocab: int, n: int, seq_len: int, gen: torch.Generator) -> list[DatumPayload]:
+    """`n` random rows of `seq_len` tokens, next-token targets, unit weights: the payloads the engine reads."""
     out = []
     for _ in range(n):
         toks = torch.randint(0, vocab, (seq_len + 1,), generator=gen).tolist()
         out.append(
-            {"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * seq_len}}
+            DatumPayload(model_input=toks[:-1], loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * seq_len})
         )
     return out
 
@@ -326,7 +328,7 @@ def bench_long(engine: Engine, args) -> dict[str, Any]:  # type: ignore[no-untyp
 
 
 # ---- ragged lengths vs uniform rows, packed and padded ------------------------------------------------------------
-def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[dict[str, Any]]:
+def datums_of(vocab: int, lengths: list[int], gen: torch.Generator) -> list[DatumPayload]:
     return [d for n in lengths for d in datums(vocab, 1, n, gen)]
 
 

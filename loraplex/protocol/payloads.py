@@ -78,10 +78,6 @@ class DatumPayload(Payload):
     model_input: list[int]
     loss_fn_inputs: dict[str, list[Any]] = field(default_factory=dict)
 
-    def as_engine_input(self) -> dict[str, Any]:
-        """The mapping the engine's batching reads (workers/ take plain data)."""
-        return {"model_input": self.model_input, "loss_fn_inputs": self.loss_fn_inputs}
-
 
 @dataclass(frozen=True)
 class ForwardBackwardPayload(Payload):

@@ -17,6 +17,7 @@ import torch
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.lora import lora_delta_reference
+from tests.helpers.datums import with_datums
 from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def _step_and_compare(engines: tuple[Engine, Engine, Engine], items: list[tuple]
     """One forward_backward of `items` on each engine: the graphed engine's logprobs and adapter gradients within 2x
     the bf16 reference's error against the fp32 oracle; then an optimizer step on each."""
     oracle, ref_bf16, graphed = engines
-    outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in engines]
+    outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in engines]
     lp_oracle, lp_ref, lp_graphed = (flat_logprobs(o) for o in outs)
     err_ref, err_graphed = (lp_ref - lp_oracle).abs().max().item(), (lp_graphed - lp_oracle).abs().max().item()
     print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 graphed {err_graphed:.3g}")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import lora_delta_grouped, lora_delta_reference, select_lora_op
+from tests.helpers.datums import with_datums
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_fused
 
@@ -82,7 +83,10 @@ def test_engine_bf16_fused_is_as_accurate_as_bf16_reference(
     lone = [("b", random_data(g, 1, 64), "cross_entropy", None, False)]
     for items in (mixed, lone):
         for _ in range(2):
-            outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (oracle, ref_bf16, fused_bf16)]
+            outs = [
+                e.forward_backward([e.prepare(*with_datums(it)) for it in items])
+                for e in (oracle, ref_bf16, fused_bf16)
+            ]
             lp_oracle, lp_ref, lp_fused = (flat_logprobs(o) for o in outs)
             err_ref, err_fused = (lp_ref - lp_oracle).abs().max().item(), (lp_fused - lp_oracle).abs().max().item()
             print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 fused {err_fused:.3g}")

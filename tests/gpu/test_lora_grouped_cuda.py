@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import LoraOp, Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
+from tests.helpers.datums import with_datums
 from tests.helpers.gpu import QWEN3_4B, add_four_adapters, cuda_case, flat_logprobs, random_data
 from tests.helpers.lora import check_against_fp32_reference, run_op
 
@@ -112,7 +113,9 @@ def test_engine_bf16_grouped_is_as_accurate_as_bf16_reference(tmp_path_factory: 
 
     items = [(m, random_data(g, 2, 64), "cross_entropy", None, False) for m in "abcd"]
     for _ in range(2):
-        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (oracle, ref_bf16, grouped_bf16)]
+        outs = [
+            e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (oracle, ref_bf16, grouped_bf16)
+        ]
         lp_oracle, lp_ref, lp_grouped = (flat_logprobs(o) for o in outs)
         err_ref, err_grouped = (lp_ref - lp_oracle).abs().max().item(), (lp_grouped - lp_oracle).abs().max().item()
         print(f"max |logprob - fp32 oracle|: bf16 reference {err_ref:.3g}, bf16 grouped {err_grouped:.3g}")

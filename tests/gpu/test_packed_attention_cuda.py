@@ -23,6 +23,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.kernels import packed_attention as pa
+from tests.helpers.datums import with_datums
 from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
 
 RAGGED = [37, 900, 128, 2048, 64, 511, 300, 108, 1, 17]
@@ -108,7 +109,7 @@ def test_packed_engine_step_equals_padded_in_bf16(monkeypatch: pytest.MonkeyPatc
         for m in "abcd":
             lengths = torch.randint(1, 400, (3,), generator=g).tolist()
             items.append((m, [d for n in lengths for d in random_data(g, 1, n)], "cross_entropy", None, False))
-        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (oracle, padded, packed)]
+        outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (oracle, padded, packed)]
         lp_oracle, lp_padded, lp_packed = (flat_logprobs(o) for o in outs)
         err_padded, err_packed = _max_err(lp_padded, lp_oracle), _max_err(lp_packed, lp_oracle)
         print(f"step {step}: max |logprob - fp32 oracle|: padded bf16 {err_padded:.3g}, packed bf16 {err_packed:.3g}")

@@ -16,6 +16,7 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.pinned_staging import PinnedStaging
 from loraplex.workers.state.slot_rows import SLOT_ROWS
+from tests.helpers.datums import datums
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,7 +26,7 @@ ADAM = {"learning_rate": 1e-2}
 def _train(engine: Engine, k: int) -> None:
     toks = [(k * 7 + j * 3) % 300 + 1 for j in range(65)]
     datum = {"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:], "weights": [1.0] * 64}}
-    engine.forward_backward([engine.prepare("a", [datum], "cross_entropy", None, False)])
+    engine.forward_backward([engine.prepare("a", datums([datum]), "cross_entropy", None, False)])
     engine.optim_step([("a", ADAM)])
 
 
@@ -34,8 +35,8 @@ def test_the_copy_holds_the_rows_as_they_were_when_taken(tiny_dir: Path) -> None
     engine = build_engine(model, EngineConfig(num_slots=2, max_rank=8), "cuda")
     slot = engine.create_adapter("a", 8, 16.0, seed=1).slot
     _train(engine, 0)
-    engine.forward_backward([engine.prepare("a", [{"model_input": [1, 2, 3], "loss_fn_inputs": {
-        "target_tokens": [2, 3, 4], "weights": [1.0] * 3}}], "cross_entropy", None, False)])  # fmt: skip
+    engine.forward_backward([engine.prepare("a", datums([{"model_input": [1, 2, 3], "loss_fn_inputs": {
+        "target_tokens": [2, 3, 4], "weights": [1.0] * 3}}]), "cross_entropy", None, False)])  # fmt: skip
     want = engine.read_slot(slot)  # unconsumed gradients in it too
     later = engine.rows_to_host_async(slot)
     weights_now = engine.weights_to_host_async(slot)

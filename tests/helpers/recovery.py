@@ -19,6 +19,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.checkpoint import CheckpointState, read_checkpoint
 from loraplex.workers.state.checkpoint_state import state_from_engine
+from tests.helpers.datums import datums
 
 # Every AdamW field given, so the gateway fills in nothing the reference would not know.
 ADAM = {"learning_rate": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip_norm": 1.0}
@@ -95,7 +96,7 @@ def _reference(s: Settings, plans: list[Plan]) -> tuple[dict[int, CheckpointStat
         engine.create_adapter(m, p.rank, p.alpha, p.seed)
         losses[p.tenant] = []
         for k in range(p.steps):
-            item = engine.prepare(m, p.batch(k), "cross_entropy", None, False)
+            item = engine.prepare(m, datums(p.batch(k)), "cross_entropy", None, False)
             losses[p.tenant].append(engine.forward_backward([item])[0]["metrics"]["loss:sum"])
             (res,) = engine.optim_step([(m, ADAM)])
             assert not isinstance(res, BaseException), res

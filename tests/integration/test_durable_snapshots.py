@@ -38,6 +38,7 @@ from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state import spill_format
 from loraplex.workers.state.adapter_store import AdapterStore
 from loraplex.workers.state.durable_snapshot import read_durable_snapshot
+from tests.helpers.datums import datums
 
 ADAM = {"learning_rate": 2e-2}
 
@@ -83,8 +84,8 @@ def world(tiny_dir: Path, tmp_path: Path, redis_client: Any) -> Iterator[dict[st
 
 def _step(engine: Engine, k: int) -> None:
     toks = [(k * 13 + j * 5) % 400 + 1 for j in range(9)]
-    item = engine.prepare("a", [{"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:],
-                                 "weights": [1.0] * 8}}], "cross_entropy", None, False)  # fmt: skip
+    item = engine.prepare("a", datums([{"model_input": toks[:-1], "loss_fn_inputs": {"target_tokens": toks[1:],
+                                 "weights": [1.0] * 8}}]), "cross_entropy", None, False)  # fmt: skip
     engine.forward_backward([item])
     engine.optim_step([("a", ADAM)])
 
@@ -239,8 +240,8 @@ def test_a_copy_budget_of_one_adapter_takes_due_adapters_one_at_a_time_as_they_w
 
     try:
         _step(engine, 0)
-        item = engine.prepare("b", [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4],
-                              "weights": [1.0] * 3}}], "cross_entropy", None, False)  # fmt: skip
+        item = engine.prepare("b", datums([{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4],
+                              "weights": [1.0] * 3}}]), "cross_entropy", None, False)  # fmt: skip
         engine.forward_backward([item])
         engine.optim_step([("b", ADAM)])
         fin.applied.update(a=2, b=2)

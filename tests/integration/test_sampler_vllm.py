@@ -40,6 +40,7 @@ from loraplex.samplers.vllm_server import process_group_members
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.state.checkpoint_state import state_from_engine
+from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
 
 BASE = "tiny-vllm"
@@ -73,7 +74,7 @@ def peft_dirs(vllm_base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         ids = tokenizer(TRAIN_TEXT[name])["input_ids"]
         data[name] = [{"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}]
     for _ in range(8):
-        engine.forward_backward([engine.prepare(n, data[n], "cross_entropy", None, False) for n in ADAPTERS])
+        engine.forward_backward([engine.prepare(n, datums(data[n]), "cross_entropy", None, False) for n in ADAPTERS])
         engine.optim_step([(n, {"learning_rate": 5e-2}) for n in ADAPTERS])
     root = tmp_path_factory.mktemp("peft")
     return {

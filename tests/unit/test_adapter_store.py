@@ -20,6 +20,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore, TierChange
 from loraplex.workers.state.slot_images import SlotImage
+from tests.helpers.datums import datums, with_datums
 
 ADAM = {"learning_rate": 2e-2, "weight_decay": 0.01, "grad_clip_norm": 1.0}
 
@@ -80,8 +81,8 @@ def test_swapping_between_every_call_follows_the_unswapped_trajectory_bit_for_bi
         batch = [("a", data(step), "cross_entropy", None, False)]
         swap_out_and_in(k := k + 1)
         got, want = (
-            engine.forward_backward([engine.prepare(*it) for it in batch])[0],
-            ref_engine.forward_backward([ref_engine.prepare(*it) for it in batch])[0],
+            engine.forward_backward([engine.prepare(*with_datums(it)) for it in batch])[0],
+            ref_engine.forward_backward([ref_engine.prepare(*with_datums(it)) for it in batch])[0],
         )
         assert got == want  # losses and every token's logprob identical
         assert same_state(store.peek("a"), ref.peek("a"))  # unconsumed gradients included
@@ -210,7 +211,7 @@ def test_spill_file_is_safetensors_with_its_metadata_and_recovered_by_a_new_stor
     engine = make_engine(slots=1)
     store = AdapterStore(engine, 0, tmp_path)
     store.create("tenant:train:0", 3, 6.0, 11)
-    engine.forward_backward([engine.prepare("tenant:train:0", data(0), "cross_entropy", None, False)])
+    engine.forward_backward([engine.prepare("tenant:train:0", datums(data(0)), "cross_entropy", None, False)])
     engine.optim_step([("tenant:train:0", ADAM)])
     before = store.peek("tenant:train:0")
     store.create("other", 2, 4.0, 0)

@@ -18,6 +18,7 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.state.checkpoint import OPTIMIZER_FILE, CheckpointState, read_checkpoint, write_checkpoint
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
+from tests.helpers.datums import datums
 
 ADAM = {"learning_rate": 1e-2, "beta2": 0.99, "weight_decay": 0.01, "grad_clip_norm": 5.0}
 RANK, ALPHA, SEED = 4, 8.0, 7
@@ -43,7 +44,7 @@ DATA = make_data(3, [6, 11, 9])
 def train(engine: Engine, model_id: str, steps: int, adam: dict[str, float] = ADAM) -> list[float]:
     losses = []
     for _ in range(steps):
-        out = engine.forward_backward([engine.prepare(model_id, DATA, "cross_entropy", None, False)])[0]
+        out = engine.forward_backward([engine.prepare(model_id, datums(DATA), "cross_entropy", None, False)])[0]
         losses.append(out["metrics"]["loss:sum"])
         (res,) = engine.optim_step([(model_id, adam)])
         assert "metrics" in res, res
@@ -135,7 +136,9 @@ def test_load_over_existing_adapter_continues_bit_identically(tiny_dir: Path, ru
     engine.create_adapter("bystander", 3, 6.0, seed=9)
     train(engine, "x", 2)
     train(engine, "bystander", 1)
-    engine.forward_backward([engine.prepare("x", DATA, "cross_entropy", None, False)])  # unconsumed gradients on x
+    engine.forward_backward(
+        [engine.prepare("x", datums(DATA), "cross_entropy", None, False)]
+    )  # unconsumed gradients on x
     bystander = full_state(engine, "bystander")
     slot = engine.adapter("x").slot
 

@@ -34,6 +34,7 @@ from loraplex.workers.state.checkpoint import (
     write_checkpoint,
 )
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
+from tests.helpers.datums import datums
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,7 @@ def engine(tiny_dir: Path) -> Engine:
     engine.create_adapter("a", 4, 8.0, seed=3)
     data = [{"model_input": list(range(5, 17)), "loss_fn_inputs": {"target_tokens": list(range(6, 18))}}]
     for _ in range(2):
-        engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, False)])
+        engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, False)])
         engine.optim_step([("a", {"learning_rate": 1e-2})])
     return engine
 

@@ -18,6 +18,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.lm_head import target_logprobs
+from tests.helpers.datums import with_datums
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -140,10 +141,10 @@ def test_engine_step_never_materialises_whole_batch_logits(tiny_dir: Path) -> No
     ]  # fmt: skip
     items = [("a", data[:2], "cross_entropy", None, False), ("b", rl, "ppo", None, False)]
     with VocabWideAllocations(vocab) as rec:
-        chunked = engines[0].forward_backward([engines[0].prepare(*it) for it in items])
+        chunked = engines[0].forward_backward([engines[0].prepare(*with_datums(it)) for it in items])
     assert rec.ops > 0 and 0 < rec.largest <= chunk, rec.largest
     with VocabWideAllocations(vocab) as rec_whole:
-        whole = engines[1].forward_backward([engines[1].prepare(*it) for it in items])
+        whole = engines[1].forward_backward([engines[1].prepare(*with_datums(it)) for it in items])
     assert rec_whole.largest == sum(len(d["model_input"]) for d in data)  # the detector would catch whole-batch logits
     for x, y in zip(chunked, whole, strict=True):
         assert x["metrics"]["loss:sum"] == pytest.approx(y["metrics"]["loss:sum"], rel=1e-5)

@@ -12,6 +12,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
+from tests.helpers.datums import datums, with_datums
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def datum(tokens=(1, 2, 3), targets=(2, 3, 4), weights=(1.0, 1.0, 1.0), **extra)
         ([datum(weights=(1.0, 1.0))], "cross_entropy", "weights: length"),
         ([datum(weights=(1.0, float("nan"), 1.0))], "cross_entropy", "NaN"),
         ([datum(tokens=(), targets=())], "cross_entropy", "non-empty"),
-        ([datum(tokens=(1.5, 2, 3))], "cross_entropy", "integers"),
+        ([datum(targets=(2.5, 3, 4))], "cross_entropy", "integers"),
         ([], "cross_entropy", "data is empty"),
         ([{"model_input": [1, 2]}], "cross_entropy", "target_tokens is required"),
         ([datum()], "kl_magic", "unknown loss_fn"),
@@ -49,7 +50,7 @@ def datum(tokens=(1, 2, 3), targets=(2, 3, 4), weights=(1.0, 1.0, 1.0), **extra)
 )
 def test_bad_forward_backward_input(engine: Engine, data: list, loss_fn: str, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:
-        engine.forward_backward([engine.prepare("a", data, loss_fn, None, False)])
+        engine.forward_backward([engine.prepare("a", datums(data), loss_fn, None, False)])
     assert isinstance(info.value, ValueError)  # the stdlib cousin
 
 
@@ -57,20 +58,25 @@ def test_a_bad_item_fails_the_call_before_any_gradient(engine: Engine) -> None:
     good = ("a", [datum()], "cross_entropy", None, False)
     with pytest.raises(InvalidRequestError):
         engine.forward_backward(
-            [engine.prepare(*good), engine.prepare("a", [datum(tokens=(1, 2, 999))], "cross_entropy", None, False)]
+            [
+                engine.prepare(*with_datums(good)),
+                engine.prepare("a", datums([datum(tokens=(1, 2, 999))]), "cross_entropy", None, False),
+            ]
         )
     assert all(torch.count_nonzero(g) == 0 for pair in engine.adapter_grads("a").values() for g in pair)
 
 
 def test_weights_default_to_one_for_cross_entropy(engine: Engine) -> None:
-    with_w = engine.forward_backward([engine.prepare("a", [datum()], "cross_entropy", None, True)])[0]
-    without = engine.forward_backward([engine.prepare("a", [datum(weights=None)], "cross_entropy", None, True)])[0]
+    with_w = engine.forward_backward([engine.prepare("a", datums([datum()]), "cross_entropy", None, True)])[0]
+    without = engine.forward_backward(
+        [engine.prepare("a", datums([datum(weights=None)]), "cross_entropy", None, True)]
+    )[0]
     assert with_w == without
 
 
 def test_adapter_identity_and_capacity_errors(engine: Engine) -> None:
     with pytest.raises(NotFoundError):
-        engine.forward_backward([engine.prepare("ghost", [datum()], "cross_entropy", None, False)])
+        engine.forward_backward([engine.prepare("ghost", datums([datum()]), "cross_entropy", None, False)])
     with pytest.raises(NotFoundError):
         engine.delete_adapter("ghost")
     with pytest.raises(ConflictError):
@@ -89,8 +95,8 @@ def test_optim_step_errors_are_per_item(engine: Engine) -> None:
     engine.create_adapter("b", 4, 8.0, seed=1)
     engine.forward_backward(
         [
-            engine.prepare("a", [datum()], "cross_entropy", None, False),
-            engine.prepare("b", [datum()], "cross_entropy", None, False),
+            engine.prepare("a", datums([datum()]), "cross_entropy", None, False),
+            engine.prepare("b", datums([datum()]), "cross_entropy", None, False),
         ]
     )
     res = engine.optim_step([("ghost", None), ("a", {"learning_rate": -1.0}), ("b", {"learning_rate": 1e-3})])

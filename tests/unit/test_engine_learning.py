@@ -9,6 +9,7 @@ import pytest
 from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
+from tests.helpers.datums import datums
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -32,7 +33,7 @@ def test_tiny_adapter_learns_fast(tmp_path_factory: pytest.TempPathFactory) -> N
     start = time.perf_counter()
     losses = []
     for _ in range(STEPS):
-        out = engine.forward_backward([engine.prepare("demo", data, "cross_entropy", None, False)])
+        out = engine.forward_backward([engine.prepare("demo", datums(data), "cross_entropy", None, False)])
         losses.append(out[0]["metrics"]["loss:sum"])
         assert "metrics" in engine.optim_step([("demo", {"learning_rate": LR})])[0]
     elapsed = time.perf_counter() - start
@@ -60,7 +61,7 @@ def test_four_adapters_learn_different_tasks_in_one_mixed_batch(tmp_path_factory
     first = None
     for _ in range(STEPS):
         out = engine.forward_backward(
-            [engine.prepare(name, d, "cross_entropy", None, False) for name, d in data.items()]
+            [engine.prepare(name, datums(d), "cross_entropy", None, False) for name, d in data.items()]
         )
         engine.optim_step([(name, {"learning_rate": LR}) for name in data])
         losses = [o["metrics"]["loss:sum"] for o in out]

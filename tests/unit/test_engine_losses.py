@@ -16,6 +16,7 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import target_logprobs
 from loraplex.workers.engine.losses import LOSSES, segments_of
+from tests.helpers.datums import datums, with_datums
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_cross_entropy_is_a_weighted_sum_over_datums(engine: Engine) -> None:
             "loss_fn_inputs": {"target_tokens": [11, 12, 13, 14, 15, 16, 17], "weights": [1] * 7},
         },
     ]
-    out = engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, True)])[0]
+    out = engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, True)])[0]
     expected = 0.0
     for d, o in zip(data, out["loss_fn_outputs"], strict=True):
         assert len(o["logprobs"]) == len(d["model_input"]) and all(lp < 0 for lp in o["logprobs"])
@@ -61,7 +62,7 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     n = 9
     g = torch.Generator().manual_seed(3)
     base = {"model_input": list(range(20, 20 + n)), "loss_fn_inputs": {"target_tokens": list(range(21, 21 + n))}}
-    forward = engine.forward_backward([engine.prepare("a", [base], "cross_entropy", None, True)])
+    forward = engine.forward_backward([engine.prepare("a", datums([base]), "cross_entropy", None, True)])
     lp = torch.tensor(forward[0]["loss_fn_outputs"][0]["logprobs"])
     sampling = lp + 0.3 * torch.randn(n, generator=g)
     adv = torch.randn(n, generator=g)
@@ -75,7 +76,11 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
     }
     for name, value in expected.items():
         out = engine.forward_backward(
-            [engine.prepare("a", [{"model_input": base["model_input"], "loss_fn_inputs": inputs}], name, None, True)]
+            [
+                engine.prepare(
+                    "a", datums([{"model_input": base["model_input"], "loss_fn_inputs": inputs}]), name, None, True
+                )
+            ]
         )[0]
         assert out["metrics"]["loss:sum"] == pytest.approx(value.item(), rel=1e-4, abs=1e-5), name
         assert out["loss_fn_outputs"][0]["logprobs"] == lp.tolist()
@@ -83,7 +88,7 @@ def test_policy_gradient_losses_follow_tinker_formulas(engine: Engine) -> None:
         [
             engine.prepare(
                 "a",
-                [{"model_input": base["model_input"], "loss_fn_inputs": inputs}],
+                datums([{"model_input": base["model_input"], "loss_fn_inputs": inputs}]),
                 "ppo",
                 {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05},
                 True,
@@ -111,12 +116,12 @@ def test_mixed_losses_share_one_batch(engine: Engine) -> None:
     ]
     together = engine.forward_backward(
         [
-            engine.prepare("a", ce, "cross_entropy", None, True),
-            engine.prepare("a", is_, "importance_sampling", None, True),
+            engine.prepare("a", datums(ce), "cross_entropy", None, True),
+            engine.prepare("a", datums(is_), "importance_sampling", None, True),
         ]
     )
     apart = [
-        engine.forward_backward([engine.prepare("a", d, fn, None, True)])[0]
+        engine.forward_backward([engine.prepare("a", datums(d), fn, None, True)])[0]
         for d, fn in ((ce, "cross_entropy"), (is_, "importance_sampling"))
     ]
     for t, a in zip(together, apart, strict=True):
@@ -131,7 +136,7 @@ def rl_datum(engine: Engine, n: int, seed: int, **extra: list[float]) -> tuple[d
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
     probe = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}
-    forward = engine.forward_backward([engine.prepare("a", [probe], "cross_entropy", None, True)])
+    forward = engine.forward_backward([engine.prepare("a", datums([probe]), "cross_entropy", None, True)])
     lp = torch.tensor(forward[0]["loss_fn_outputs"][0]["logprobs"])
     sampling = (lp + 0.3 * torch.randn(n, generator=g)).tolist()
     adv = torch.randn(n, generator=g).tolist()
@@ -151,7 +156,7 @@ def test_config_and_per_token_clip_thresholds(engine: Engine) -> None:
         r = torch.exp(lp - q)
         return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
 
-    out = engine.forward_backward([engine.prepare("a", [d_tok, d_one, d_cfg], "ppo", config, True)])[0]
+    out = engine.forward_backward([engine.prepare("a", datums([d_tok, d_one, d_cfg]), "ppo", config, True)])[0]
     expected = ppo(d_tok, lp_tok, torch.tensor(low), torch.tensor(high)) + ppo(d_one, lp_one, 0.97, 1.02)
     expected += ppo(d_cfg, lp_cfg, 0.9, 1.02)
     assert out["metrics"]["loss:sum"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-5)
@@ -161,7 +166,7 @@ def test_config_and_per_token_clip_thresholds(engine: Engine) -> None:
         ("dro", {"beta": 0.05}, lambda lp, q, a: -(lp * a - 0.025 * (lp - q) ** 2)),
     ]:  # fmt: skip
         q, a = (torch.tensor(d_cfg["loss_fn_inputs"][k]) for k in ("logprobs", "advantages"))
-        got = engine.forward_backward([engine.prepare("a", [d_cfg], name, cfg, True)])[0]["metrics"]["loss:sum"]
+        got = engine.forward_backward([engine.prepare("a", datums([d_cfg]), name, cfg, True)])[0]["metrics"]["loss:sum"]
         assert got == pytest.approx(formula(lp_cfg, q, a).sum().item(), rel=1e-5, abs=1e-5), name
 
 
@@ -200,8 +205,8 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
     adv = torch.tensor(inputs["advantages"])
     ce = {"model_input": d["model_input"], "loss_fn_inputs": {"target_tokens": inputs["target_tokens"]}}
     outs = engine.forward_backward(
-        [engine.prepare("a", [ce], "cross_entropy", None, True)]
-        + [engine.prepare("a", [d], name, None, True) for name in RL_LOSSES]
+        [engine.prepare("a", datums([ce]), "cross_entropy", None, True)]
+        + [engine.prepare("a", datums([d]), name, None, True) for name in RL_LOSSES]
     )
     for out in outs:
         assert "loss:sum" in out["metrics"]
@@ -220,7 +225,7 @@ def test_metrics_are_name_reduction_keyed_and_finite(engine: Engine) -> None:
     assert by_loss["cispo"]["clip_fraction:mean"] == pytest.approx(cispo_out.sum().item() / active.sum().item())
     # No active token at all: the ratio metrics are left out rather than NaN.
     inputs["advantages"] = [0.0] * 12
-    quiet = engine.forward_backward([engine.prepare("a", [d], "ppo", None, True)])[0]["metrics"]
+    quiet = engine.forward_backward([engine.prepare("a", datums([d]), "ppo", None, True)])[0]["metrics"]
     assert quiet == {"loss:sum": quiet["loss:sum"], "clip_fraction:mean": 0.0}
 
 
@@ -231,10 +236,10 @@ def test_forward_only_rl_rows_return_logprobs_and_leave_no_gradient(tmp_path_fac
     e.create_adapter("a", 8, 16.0, seed=0)
     d, lp = rl_datum(e, 9, 11)
     for name in RL_LOSSES:
-        out = e.forward_backward([e.prepare("a", [d], name, None, True)])[0]
+        out = e.forward_backward([e.prepare("a", datums([d]), name, None, True)])[0]
         assert out["loss_fn_outputs"][0]["logprobs"] == lp.tolist()
     assert all(torch.count_nonzero(t) == 0 for pair in e.adapter_grads("a").values() for t in pair)
-    e.forward_backward([e.prepare("a", [d], "dro", None, False)])
+    e.forward_backward([e.prepare("a", datums([d]), "dro", None, False)])
     assert any(torch.count_nonzero(t) > 0 for pair in e.adapter_grads("a").values() for t in pair)
 
 
@@ -280,7 +285,7 @@ def test_bad_loss_inputs_are_refused(
     engine: Engine, datum: dict, loss_fn: str, config: dict | None, match: str
 ) -> None:
     with pytest.raises(InvalidRequestError, match=match):
-        engine.forward_backward([engine.prepare("a", [datum], loss_fn, config, False)])
+        engine.forward_backward([engine.prepare("a", datums([datum]), loss_fn, config, False)])
     assert all(torch.count_nonzero(t) == 0 for pair in engine.adapter_grads("a").values() for t in pair)
 
 
@@ -290,9 +295,9 @@ def test_all_losses_share_one_batch(engine: Engine) -> None:
     ce = {"model_input": d1["model_input"], "loss_fn_inputs": {"target_tokens": d1["loss_fn_inputs"]["target_tokens"]}}
     items = [("a", [ce], "cross_entropy", None, True)]
     items += [("a", [d1, d2], name, {"beta": 0.2}, True) for name in RL_LOSSES]
-    together = engine.forward_backward([engine.prepare(*it) for it in items])
+    together = engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
     for item, got in zip(items, together, strict=True):
-        alone = engine.forward_backward([engine.prepare(*item)])[0]
+        alone = engine.forward_backward([engine.prepare(*with_datums(item))])[0]
         assert got["metrics"] == pytest.approx(alone["metrics"], rel=1e-5, abs=1e-6), item[2]
         for x, y in zip(got["loss_fn_outputs"], alone["loss_fn_outputs"], strict=True):
             torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)
@@ -366,7 +371,7 @@ def test_sequence_losses_equal_a_per_datum_reference_with_gradients(
 ) -> None:
     data = sequence_level_data(engine)
     engine_grads(engine)
-    out = engine.forward_backward([engine.prepare("a", data, name, config, False)])[0]
+    out = engine.forward_backward([engine.prepare("a", datums(data), name, config, False)])[0]
     got_grads = engine_grads(engine)
     lps = [torch.tensor(o["logprobs"], requires_grad=True) for o in out["loss_fn_outputs"]]
     if name == "gspo":
@@ -385,7 +390,7 @@ def test_sequence_losses_equal_a_per_datum_reference_with_gradients(
                                                               "weights": (-g).tolist()}}
         for d, g in zip(data, token_grads, strict=True)
     ]  # fmt: skip
-    engine.forward_backward([engine.prepare("a", as_ce, "cross_entropy", None, False)])
+    engine.forward_backward([engine.prepare("a", datums(as_ce), "cross_entropy", None, False)])
     want_grads = engine_grads(engine)
     for module, (ga, gb) in got_grads.items():
         torch.testing.assert_close(ga, want_grads[module][0], atol=2e-5, rtol=1e-4)
@@ -419,6 +424,6 @@ def test_gspo_without_a_mask_takes_the_tokens_with_advantages(engine: Engine) ->
                                  "sequence_ratio_mask": [float(x != 0) for x in d["loss_fn_inputs"]["advantages"]]}}
         for d in data
     ]  # fmt: skip
-    got = engine.forward_backward([engine.prepare("a", data, "gspo", None, True)])[0]
-    want = engine.forward_backward([engine.prepare("a", explicit, "gspo", None, True)])[0]
+    got = engine.forward_backward([engine.prepare("a", datums(data), "gspo", None, True)])[0]
+    want = engine.forward_backward([engine.prepare("a", datums(explicit), "gspo", None, True)])[0]
     assert got == want

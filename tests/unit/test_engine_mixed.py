@@ -13,6 +13,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
+from tests.helpers.datums import datums, with_datums
 from tests.helpers.lora import make_data
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
@@ -56,9 +57,9 @@ def test_mixed_batch_equals_each_adapter_alone(tiny_dir: Path) -> None:
     # Interleaved on purpose: the engine lays rows out adapter-contiguous itself.
     items = [("b", DATA["b"][:1], "cross_entropy", None, False), ("a", DATA["a"], "cross_entropy", None, False)]
     items += [("c", DATA["c"], "cross_entropy", None, False), ("b", DATA["b"][1:], "cross_entropy", None, False)]
-    got = mixed.forward_backward([mixed.prepare(*it) for it in items])
+    got = mixed.forward_backward([mixed.prepare(*with_datums(it)) for it in items])
     for item, res in zip(items, got, strict=True):
-        assert_results_close(res, alone.forward_backward([alone.prepare(*item)])[0])
+        assert_results_close(res, alone.forward_backward([alone.prepare(*with_datums(item))])[0])
     for model_id, *_ in ADAPTERS:
         assert_grads_close(mixed, alone, model_id)
         assert any(g.abs().sum() > 0 for pair in mixed.adapter_grads(model_id).values() for g in pair)
@@ -66,17 +67,17 @@ def test_mixed_batch_equals_each_adapter_alone(tiny_dir: Path) -> None:
 
 def test_an_adapter_is_untouched_while_others_train(tiny_dir: Path) -> None:
     engine = with_adapters(make_engine(tiny_dir))
-    before = engine.forward_backward([engine.prepare("a", DATA["a"], "cross_entropy", None, True)])[0]
+    before = engine.forward_backward([engine.prepare("a", datums(DATA["a"]), "cross_entropy", None, True)])[0]
     weights_before = engine.adapter_weights("a")
     for _ in range(3):
         engine.forward_backward(
             [
-                engine.prepare("b", DATA["b"], "cross_entropy", None, False),
-                engine.prepare("c", DATA["c"], "cross_entropy", None, False),
+                engine.prepare("b", datums(DATA["b"]), "cross_entropy", None, False),
+                engine.prepare("c", datums(DATA["c"]), "cross_entropy", None, False),
             ]
         )
         assert all(r.get("metrics") for r in engine.optim_step([("b", None), ("c", {"learning_rate": 1e-2})]))
-    after = engine.forward_backward([engine.prepare("a", DATA["a"], "cross_entropy", None, True)])[0]
+    after = engine.forward_backward([engine.prepare("a", datums(DATA["a"]), "cross_entropy", None, True)])[0]
     assert after == before  # bit-identical
     for name, (a, b) in engine.adapter_weights("a").items():
         assert torch.equal(a, weights_before[name][0]) and torch.equal(b, weights_before[name][1])
@@ -92,13 +93,13 @@ def test_twins_with_identical_data_stay_bit_identical(tiny_dir: Path) -> None:
     for step in range(3):
         items = [("t1", data, "cross_entropy", None, False), ("other", DATA["b"], "cross_entropy", None, False)]
         items.append(("t2", data, "cross_entropy", None, False))
-        out = engine.forward_backward([engine.prepare(*it) for it in items])
+        out = engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
         assert out[0] == out[2]
         res = engine.optim_step([("t2", {"learning_rate": 1e-2}), ("other", None), ("t1", {"learning_rate": 1e-2})])
         assert res[0] == res[2]
         if step == 1:  # also interleaved across calls: each twin alone in its own batch
-            out1 = engine.forward_backward([engine.prepare("t1", data, "cross_entropy", None, False)])
-            out2 = engine.forward_backward([engine.prepare("t2", data, "cross_entropy", None, False)])
+            out1 = engine.forward_backward([engine.prepare("t1", datums(data), "cross_entropy", None, False)])
+            out2 = engine.forward_backward([engine.prepare("t2", datums(data), "cross_entropy", None, False)])
             assert out1 == out2
             engine.optim_step([("t1", {"learning_rate": 1e-2})])
             engine.optim_step([("t2", {"learning_rate": 1e-2})])
@@ -112,10 +113,10 @@ def test_microbatching_equals_one_big_batch(tiny_dir: Path) -> None:
     from loraplex.workers.engine.batching import layout, split_microbatches
 
     # Lengths 5, 9 | 13, 2, 7 | 6 packed at 12 tokens: [5] [9] [13] (longer than the cap: alone) [2, 7] [6].
-    assert len(split_microbatches(layout([small.prepare(*it) for it in items]), 12)) >= 4
+    assert len(split_microbatches(layout([small.prepare(*with_datums(it)) for it in items]), 12)) >= 4
     for got, expected in zip(
-        small.forward_backward([small.prepare(*it) for it in items]),
-        big.forward_backward([big.prepare(*it) for it in items]),
+        small.forward_backward([small.prepare(*with_datums(it)) for it in items]),
+        big.forward_backward([big.prepare(*with_datums(it)) for it in items]),
         strict=True,
     ):
         assert_results_close(got, expected)
@@ -127,32 +128,32 @@ def test_forward_only_rows_give_no_gradient(tiny_dir: Path) -> None:
     engine, reference = with_adapters(make_engine(tiny_dir)), with_adapters(make_engine(tiny_dir))
     out = engine.forward_backward(
         [
-            engine.prepare("a", DATA["a"], "cross_entropy", None, True),
-            engine.prepare("b", DATA["b"], "cross_entropy", None, False),
+            engine.prepare("a", datums(DATA["a"]), "cross_entropy", None, True),
+            engine.prepare("b", datums(DATA["b"]), "cross_entropy", None, False),
         ]
     )
     assert all(torch.count_nonzero(g) == 0 for pair in engine.adapter_grads("a").values() for g in pair)
-    ref = reference.forward_backward([reference.prepare("b", DATA["b"], "cross_entropy", None, False)])
+    ref = reference.forward_backward([reference.prepare("b", datums(DATA["b"]), "cross_entropy", None, False)])
     assert_results_close(out[1], ref[0])
     assert_grads_close(engine, reference, "b")
     # The same adapter forward-only and training in one batch: only the training rows count.
     engine2, reference2 = with_adapters(make_engine(tiny_dir)), with_adapters(make_engine(tiny_dir))
     engine2.forward_backward(
         [
-            engine2.prepare("c", DATA["c"], "cross_entropy", None, False),
-            engine2.prepare("c", DATA["a"], "cross_entropy", None, True),
+            engine2.prepare("c", datums(DATA["c"]), "cross_entropy", None, False),
+            engine2.prepare("c", datums(DATA["a"]), "cross_entropy", None, True),
         ]
     )
-    reference2.forward_backward([reference2.prepare("c", DATA["c"], "cross_entropy", None, False)])
+    reference2.forward_backward([reference2.prepare("c", datums(DATA["c"]), "cross_entropy", None, False)])
     assert_grads_close(engine2, reference2, "c")
 
 
 def test_datum_logprobs_do_not_depend_on_batch_mates(tiny_dir: Path) -> None:
     engine = with_adapters(make_engine(tiny_dir))
     data = make_data(30, [3, 17, 1, 9])
-    batched = engine.forward_backward([engine.prepare("b", data, "cross_entropy", None, True)])[0]
+    batched = engine.forward_backward([engine.prepare("b", datums(data), "cross_entropy", None, True)])[0]
     for d, got in zip(data, batched["loss_fn_outputs"], strict=True):
-        out = engine.forward_backward([engine.prepare("b", [d], "cross_entropy", None, True)])
+        out = engine.forward_backward([engine.prepare("b", datums([d]), "cross_entropy", None, True)])
         alone = out[0]["loss_fn_outputs"][0]
         assert len(got["logprobs"]) == len(d["model_input"])
         torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(alone["logprobs"]), atol=1e-5, rtol=0)
@@ -162,10 +163,10 @@ def test_create_after_delete_starts_from_the_seed(tiny_dir: Path) -> None:
     used, fresh = make_engine(tiny_dir, num_slots=1), make_engine(tiny_dir, num_slots=1)
     used.create_adapter("old", 8, 8.0, seed=1)
     for _ in range(2):
-        used.forward_backward([used.prepare("old", DATA["b"], "cross_entropy", None, False)])
+        used.forward_backward([used.prepare("old", datums(DATA["b"]), "cross_entropy", None, False)])
         used.optim_step([("old", {"learning_rate": 1e-2})])
     # Leave unconsumed gradients behind.
-    used.forward_backward([used.prepare("old", DATA["b"], "cross_entropy", None, False)])
+    used.forward_backward([used.prepare("old", datums(DATA["b"]), "cross_entropy", None, False)])
     used.delete_adapter("old")
     with pytest.raises(NotFoundError):
         used.adapter_weights("old")
@@ -177,8 +178,8 @@ def test_create_after_delete_starts_from_the_seed(tiny_dir: Path) -> None:
         for bank in engine.banks.values():  # the slot's padding was wiped too
             assert torch.count_nonzero(bank.lora_A[0, :, 4:]) == 0 and torch.count_nonzero(bank.lora_B[0]) == 0
     for _ in range(2):  # identical training: Adam state and step count were reset as well
-        r_used = used.forward_backward([used.prepare("new", DATA["c"], "cross_entropy", None, False)])
-        r_fresh = fresh.forward_backward([fresh.prepare("new", DATA["c"], "cross_entropy", None, False)])
+        r_used = used.forward_backward([used.prepare("new", datums(DATA["c"]), "cross_entropy", None, False)])
+        r_fresh = fresh.forward_backward([fresh.prepare("new", datums(DATA["c"]), "cross_entropy", None, False)])
         assert r_used == r_fresh
         assert used.optim_step([("new", {"learning_rate": 1e-2})]) == fresh.optim_step(
             [("new", {"learning_rate": 1e-2})]
@@ -210,7 +211,7 @@ def rl_data(engine: Engine, model_id: str, lengths: list[int], seed: int) -> lis
     for n in lengths:
         ids = torch.randint(0, 512, (n + 1,), generator=g).tolist()
         probe = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:]}}
-        out = engine.forward_backward([engine.prepare(model_id, [probe], "cross_entropy", None, True)])[0]
+        out = engine.forward_backward([engine.prepare(model_id, datums([probe]), "cross_entropy", None, True)])[0]
         lp = torch.tensor(out["loss_fn_outputs"][0]["logprobs"])
         prompt = n // 3
         q = [0.0] * prompt + (lp[prompt:] + 0.3 * torch.randn(n - prompt, generator=g)).tolist()
@@ -236,9 +237,9 @@ def test_one_batch_of_all_seven_losses_equals_each_loss_alone(tiny_dir: Path) ->
         config = {"beta": 0.3, "kl_coeff": 0.2, "clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
         items.append((model_id, data, name, config if name != "cross_entropy" else None, False))
     items.append(("b", rl_data(alone, "b", [4], seed=7), "gspo", None, True))  # forward-only rows mixed in too
-    together = mixed.forward_backward([mixed.prepare(*it) for it in items])
+    together = mixed.forward_backward([mixed.prepare(*with_datums(it)) for it in items])
     for item, got in zip(items, together, strict=True):
-        expected = alone.forward_backward([alone.prepare(*item)])[0]
+        expected = alone.forward_backward([alone.prepare(*with_datums(item))])[0]
         assert got["metrics"].keys() == expected["metrics"].keys(), item[2]
         assert got["metrics"] == pytest.approx(expected["metrics"], rel=1e-5, abs=1e-5), item[2]
         assert_results_close(got, expected)

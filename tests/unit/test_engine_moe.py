@@ -18,6 +18,7 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, SlotBankExperts
+from tests.helpers.datums import datums
 from tests.helpers.lora import make_data
 
 ADAPTERS = [("a", 2, 4.0, 1), ("b", 4, 16.0, 2), ("c", 8, 8.0, 3)]  # model_id, rank, alpha, seed
@@ -62,11 +63,13 @@ def test_mixed_moe_training_equals_each_adapter_alone_on_the_reference(moe_dir: 
     adam = {"learning_rate": 1e-2, "weight_decay": 0.01}
     before = {m: fast.adapter_weights(m) for m, *_ in ADAPTERS}
     for _ in range(5):
-        mixed = fast.forward_backward([fast.prepare(m, DATA[m], "cross_entropy", None, False) for m, *_ in ADAPTERS])
+        mixed = fast.forward_backward(
+            [fast.prepare(m, datums(DATA[m]), "cross_entropy", None, False) for m, *_ in ADAPTERS]
+        )
         fast.optim_step([(m, adam) for m, *_ in ADAPTERS])
         for (model_id, *_), got in zip(ADAPTERS, mixed, strict=True):
             (want,) = reference.forward_backward(
-                [reference.prepare(model_id, DATA[model_id], "cross_entropy", None, False)]
+                [reference.prepare(model_id, datums(DATA[model_id]), "cross_entropy", None, False)]
             )
             reference.optim_step([(model_id, adam)])
             assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-4)
@@ -87,7 +90,7 @@ def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_
     from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
 
     engine = _engine(moe_dir)
-    data = [engine.prepare("b", DATA["b"], "cross_entropy", None, False)]
+    data = [engine.prepare("b", datums(DATA["b"]), "cross_entropy", None, False)]
     engine.forward_backward(data)
     engine.optim_step([("b", {"learning_rate": 1e-2})])
     write_checkpoint(state_from_engine(engine, "b", base_model="tiny-moe", with_optimizer=True), tmp_path / "ckpt")
@@ -101,7 +104,7 @@ def test_an_moe_adapter_checkpoints_and_restores_bit_for_bit(moe_dir: Path, tmp_
         assert torch.equal(wa, ga) and torch.equal(wb, gb), name
     # training continues identically from the restored state
     for e, model_id in ((engine, "b"), (fresh, "b2")):
-        e.forward_backward([e.prepare(model_id, DATA["b"], "cross_entropy", None, False)])
+        e.forward_backward([e.prepare(model_id, datums(DATA["b"]), "cross_entropy", None, False)])
         e.optim_step([(model_id, {"learning_rate": 1e-2})])
     for name, (wa, wb) in engine.adapter_weights("b").items():
         ga, gb = fresh.adapter_weights("b2")[name]
@@ -126,7 +129,9 @@ def test_peft_loads_the_exported_moe_adapter_and_computes_what_the_engine_does(
     engine.load_adapter_weights("x", {n: (a, 0.2 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()})
     ids = [5, 17, 99, 3, 250, 41, 8, 77, 64, 12]
     datum = {"model_input": ids[:-1], "loss_fn_inputs": {"target_tokens": ids[1:], "weights": [1.0] * 9}}
-    (ours,) = engine.forward_backward([engine.prepare("x", [datum], "cross_entropy", None, True)])  # forward only
+    (ours,) = engine.forward_backward(
+        [engine.prepare("x", datums([datum]), "cross_entropy", None, True)]
+    )  # forward only
     export_peft(state_from_engine(engine, "x", base_model="tiny-moe", with_optimizer=False), tmp_path / "peft")
 
     base, _ = load_base_model(str(moe_dir), moe_dir.parent)

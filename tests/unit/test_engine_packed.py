@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from loraplex.protocol.payloads import DatumPayload
 from loraplex.workers.engine.batching import layout, split_microbatches
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
@@ -23,7 +24,7 @@ TOL = 1e-5
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "gspo")
 
 
-def ragged_items(rng: random.Random, cap: int) -> list[tuple[str, list[dict], str, None, bool]]:
+def ragged_items(rng: random.Random, cap: int) -> list[tuple[str, list[DatumPayload], str, None, bool]]:
     """1-2 requests per adapter, interleaved, of 1-4 datums of 1-60 tokens (now and then one longer than the cap),
     random losses, one request in five forward-only."""
     items = []
@@ -33,12 +34,12 @@ def ragged_items(rng: random.Random, cap: int) -> list[tuple[str, list[dict], st
             if rng.random() < 0.2:
                 lengths[0] = cap + rng.randint(1, 30)
             loss = rng.choice(LOSSES)
-            items.append((model_id, datums(rng, lengths, loss), loss, None, rng.random() < 0.2))
+            items.append((model_id, random_datums(rng, lengths, loss), loss, None, rng.random() < 0.2))
     rng.shuffle(items)
     return items
 
 
-def datums(rng: random.Random, lengths: list[int], loss: str) -> list[dict]:
+def random_datums(rng: random.Random, lengths: list[int], loss: str) -> list[DatumPayload]:
     out = []
     for n in lengths:
         ids = [rng.randrange(512) for _ in range(n + 1)]
@@ -48,7 +49,7 @@ def datums(rng: random.Random, lengths: list[int], loss: str) -> list[dict]:
         else:
             inputs["logprobs"] = [-rng.uniform(3.0, 9.0) for _ in range(n)]
             inputs["advantages"] = [rng.uniform(-1.0, 1.0) for _ in range(n)]
-        out.append({"model_input": ids[:-1], "loss_fn_inputs": inputs})
+        out.append(DatumPayload(model_input=ids[:-1], loss_fn_inputs=inputs))
     return out
 
 
@@ -68,7 +69,7 @@ class Diffs:
 def compare_results(diffs: Diffs, items: list[tuple], packed: list[dict], padded: list[dict]) -> None:
     for item, x, y in zip(items, packed, padded, strict=True):
         assert x["metrics"].keys() == y["metrics"].keys()
-        tokens = sum(len(d["model_input"]) for d in item[1])
+        tokens = sum(len(d.model_input) for d in item[1])
         for key, value in x["metrics"].items():
             scale = max(1.0, abs(value), tokens) if key == "loss:sum" else max(1.0, abs(value))
             diffs.check("loss:sum" if key == "loss:sum" else "metrics", value, y["metrics"][key], scale)

@@ -24,6 +24,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing
 from loraplex.workers.state.checkpoint import CheckpointState, write_checkpoint
 from loraplex.workers.state.checkpoint_state import state_from_engine
+from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
 
 ADAPTERS = {"a": (4, 8.0, 1), "b": (8, 12.5, 2)}  # model_id: (rank, alpha, seed); alpha 12.5 is not an integer
@@ -50,7 +51,7 @@ def engine(tiny_dir: Path) -> Engine:
         engine.create_adapter(model_id, rank, alpha, seed)
     data = make_data(1, [12, 9])
     for _ in range(4):
-        engine.forward_backward([engine.prepare(m, data, "cross_entropy", None, False) for m in ADAPTERS])
+        engine.forward_backward([engine.prepare(m, datums(data), "cross_entropy", None, False) for m in ADAPTERS])
         engine.optim_step([(m, {"learning_rate": 2e-2}) for m in ADAPTERS])
     return engine
 
@@ -90,7 +91,7 @@ def test_peft_loads_export_to_engine_logits(engine: Engine, tiny_dir: Path, tmp_
         assert torch.equal(loaded[f"base_model.model.{name}.lora_B.default.weight"], b)
 
     rank, alpha, _ = ADAPTERS[model_id]
-    forward = engine.forward_backward([engine.prepare(model_id, SEQUENCES, "cross_entropy", None, True)])[0]
+    forward = engine.forward_backward([engine.prepare(model_id, datums(SEQUENCES), "cross_entropy", None, True)])[0]
     for datum, ours in zip(SEQUENCES, forward["loss_fn_outputs"], strict=True):
         ids = datum["model_input"]
         with torch.no_grad():

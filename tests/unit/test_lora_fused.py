@@ -12,6 +12,7 @@ import torch
 
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
 from loraplex.workers.lora.gemm import gmm_operand
+from tests.helpers.datums import with_datums
 from tests.helpers.lora import (
     ADAPTERS,
     CASES,
@@ -164,7 +165,7 @@ def test_fused_engine_equals_reference_engine_over_three_steps(
     ]
     adam = {"learning_rate": 1e-2, "weight_decay": 0.01}
     for step in range(3):
-        outs = [engine.forward_backward([engine.prepare(*it) for it in items]) for engine in (fused, reference)]
+        outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (fused, reference)]
         for got, want in zip(*outs, strict=True):
             assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-5, rel=1e-6)
             for dg, dw in zip(got["loss_fn_outputs"], want["loss_fn_outputs"], strict=True):
@@ -205,10 +206,10 @@ def test_fused_flag_can_be_flipped_between_calls(tiny_dir: Path) -> None:
         ("a", make_data(7, [6, 3]), "cross_entropy", None, False),
         ("c", make_data(8, [5]), "cross_entropy", None, False),
     ]
-    engine.forward_backward([engine.prepare(*it) for it in items])
+    engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
     once = {m: engine.adapter_grads(m) for m in "ac"}
     engine.fused_lora = False
-    engine.forward_backward([engine.prepare(*it) for it in items])
+    engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
     for m in "ac":
         for name, (ga, gb) in engine.adapter_grads(m).items():
             torch.testing.assert_close(ga, 2 * once[m][name][0], atol=1e-5, rtol=1e-5)

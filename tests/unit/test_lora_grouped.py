@@ -11,6 +11,7 @@ import torch
 
 from loraplex.workers.lora import Routing, lora_delta_grouped, lora_delta_reference, select_lora_op
 from loraplex.workers.lora.slot_bank import LoraOp
+from tests.helpers.datums import with_datums
 from tests.helpers.lora import (
     ADAPTERS,
     CASES,
@@ -179,7 +180,7 @@ def test_engine_with_grouped_op_equals_engine_with_reference_op(
         ("a", make_data(5, [4]), "cross_entropy", None, True),  # forward-only rows in the same batch
     ]
     for _ in range(2):
-        outs = [engine.forward_backward([engine.prepare(*it) for it in items]) for engine in (grouped, reference)]
+        outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (grouped, reference)]
         for got, want in zip(*outs, strict=True):
             assert got["metrics"]["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], abs=1e-4, rel=1e-5)
             for dg, dw in zip(got["loss_fn_outputs"], want["loss_fn_outputs"], strict=True):

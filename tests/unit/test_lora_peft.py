@@ -13,6 +13,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
+from tests.helpers.datums import datums
 
 
 def make_data(seed: int, lengths: list[int]) -> list[dict]:
@@ -75,7 +76,7 @@ def test_engine_matches_peft(tiny_dir: Path, rank: int, alpha: float, adam: dict
     peft_model = peft_twin(tiny_dir, engine, "a")
 
     lps, loss = peft_logprobs(peft_model, data)
-    out = engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, True)])[0]
+    out = engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, True)])[0]
     assert out["metrics"]["loss:sum"] == pytest.approx(loss.item(), abs=1e-4)
     for ours, theirs in zip(out["loss_fn_outputs"], lps, strict=True):
         assert (torch.tensor(ours["logprobs"]) - theirs).abs().max() <= 1e-5
@@ -95,7 +96,7 @@ def test_engine_matches_peft(tiny_dir: Path, rank: int, alpha: float, adam: dict
             torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
         opt.step()
         opt.zero_grad()
-        out = engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, False)])[0]
+        out = engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, False)])[0]
         assert out["metrics"]["loss:sum"] == pytest.approx(loss.item(), abs=1e-4)
         (res,) = engine.optim_step([("a", adam)])
         assert "metrics" in res, res

@@ -13,6 +13,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import Routing, lora_delta_reference, siblings, slot_bank
+from tests.helpers.datums import datums
 
 
 def make_engine(tiny_dir: Path, **kw) -> Engine:
@@ -94,8 +95,8 @@ def test_routing_is_built_once_per_microbatch_and_shared_by_every_layer(
         bank.op = lambda x, a, b, routing, inner=inner: (seen.append(routing), inner(x, a, b, routing))[1]
     engine.forward_backward(
         [
-            engine.prepare("a", random_data(0, [7, 9]), "cross_entropy", None, False),
-            engine.prepare("b", random_data(1, [8, 6]), "cross_entropy", None, False),
+            engine.prepare("a", datums(random_data(0, [7, 9])), "cross_entropy", None, False),
+            engine.prepare("b", datums(random_data(1, [8, 6])), "cross_entropy", None, False),
         ]
     )
     per_layer = len(engine.banks)
@@ -115,8 +116,8 @@ def test_rank_padding_is_exact(tiny_dir: Path) -> None:
         engine.create_adapter("a", 4, 16.0, seed=3)
     data = random_data(5, [6, 11, 3])
     for step in range(3):
-        out_w = wide.forward_backward([wide.prepare("a", data, "cross_entropy", None, False)])
-        out_n = narrow.forward_backward([narrow.prepare("a", data, "cross_entropy", None, False)])
+        out_w = wide.forward_backward([wide.prepare("a", datums(data), "cross_entropy", None, False)])
+        out_n = narrow.forward_backward([narrow.prepare("a", datums(data), "cross_entropy", None, False)])
         assert out_w[0]["metrics"]["loss:sum"] == pytest.approx(out_n[0]["metrics"]["loss:sum"], abs=1e-5)
         for d_w, d_n in zip(out_w[0]["loss_fn_outputs"], out_n[0]["loss_fn_outputs"], strict=True):
             torch.testing.assert_close(torch.tensor(d_w["logprobs"]), torch.tensor(d_n["logprobs"]), atol=1e-5, rtol=0)
@@ -156,7 +157,7 @@ def test_base_is_frozen_and_a_trainable_non_lora_parameter_is_refused(tiny_dir: 
     engine.create_adapter("a", 4, 8.0, seed=0)
     engine.model.model.norm.weight.requires_grad_(True)
     with pytest.raises(InvalidRequestError, match="non-LoRA"):
-        engine.forward_backward([engine.prepare("a", random_data(0, [5]), "cross_entropy", None, False)])
+        engine.forward_backward([engine.prepare("a", datums(random_data(0, [5])), "cross_entropy", None, False)])
 
 
 def test_rank_above_r_max_is_refused(tiny_dir: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_reference
 from loraplex.workers.lora.siblings import siblings_fusable
+from tests.helpers.datums import with_datums
 from tests.helpers.lora import CASES, flat_sibling_banks, make_banks, make_data, make_engine, run_op, run_siblings
 
 N_IN, R_MAX = 24, 8
@@ -146,7 +147,7 @@ def test_engine_with_sibling_nodes_trains_as_with_each_layer_alone(tiny_dir: Pat
     ]
     adam = {"learning_rate": 1e-2, "weight_decay": 0.01}
     for _ in range(3):
-        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (shared, alone)]
+        outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (shared, alone)]
         for got, want in zip(*outs, strict=True):
             for dg, dw in zip(got["loss_fn_outputs"], want["loss_fn_outputs"], strict=True):
                 torch.testing.assert_close(

@@ -19,6 +19,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
+from tests.helpers.datums import datums, with_datums
 
 STEPS = 5
 TOL = 1e-5
@@ -86,7 +87,7 @@ def token_data(seed: int, lengths: tuple[int, ...], vocab: int = 512) -> list[di
 
 def current_logprobs(engine: Engine, model_id: str, data: list[dict]) -> list[torch.Tensor]:
     """The adapter's own logprobs now (forward only): the policy a sampler would have used."""
-    out = engine.forward_backward([engine.prepare(model_id, data, "cross_entropy", None, True)])[0]
+    out = engine.forward_backward([engine.prepare(model_id, datums(data), "cross_entropy", None, True)])[0]
     return [torch.tensor(o["logprobs"]) for o in out["loss_fn_outputs"]]
 
 
@@ -203,7 +204,7 @@ def test_four_adapters_in_mixed_batches_equal_peft_alone(tiny_dir: Path) -> None
     clip_fractions: dict[str, list[float]] = {}
     for step in range(STEPS):
         items = step_items(engine, step)
-        results = engine.forward_backward([engine.prepare(*it) for it in items])
+        results = engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
         assert len({(r[0], r[2]) for r in items}) == 5  # 4 adapters, 5 (adapter, loss) pairs in one batch
         for item, res in zip(items, results, strict=True):
             model_id, data, loss_fn, config, _ = item
@@ -266,7 +267,7 @@ def test_twins_given_identical_data_interleaved_stay_bit_identical(tiny_dir: Pat
             ("other", ppo, "importance_sampling", None, False),
             ("t1", dro, "dro", {"beta": 0.5}, False),
         ]
-        out = engine.forward_backward([engine.prepare(*it) for it in items])
+        out = engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])
         assert out[0] == out[2] and out[3] == out[5]  # logprobs, loss:sum and metrics, bit for bit
         res = engine.optim_step([("t2", adam), ("other", {"learning_rate": 1e-2}), ("t1", adam)])
         assert res[0] == res[2]
@@ -288,16 +289,18 @@ def test_an_adapters_logprobs_do_not_change_while_others_train(tiny_dir: Path) -
     watched_data = with_loss_inputs(engine, "watched", token_data(99, (10, 6, 13)), "ppo", 99)
     training = step_items(engine, 0)  # the same training data every step: the batch layout stays the same
     weights_before = engine.adapter_weights("watched")
-    alone_before = engine.forward_backward([engine.prepare("watched", watched_data, "ppo", None, True)])[0]
+    alone_before = engine.forward_backward([engine.prepare("watched", datums(watched_data), "ppo", None, True)])[0]
     first = None
     for _ in range(4):
         # The watched adapter rides forward-only in the middle of the others' training batch.
         items = training[:2] + [("watched", watched_data, "ppo", None, True)] + training[2:]
-        out = engine.forward_backward([engine.prepare(*it) for it in items])[2]
+        out = engine.forward_backward([engine.prepare(*with_datums(it)) for it in items])[2]
         first = first or out
         assert out == first  # bit-identical logprobs, loss and metrics at every step
         assert all("metrics" in r for r in engine.optim_step([(s.model_id, s.adam) for s in SPECS]))
-    assert engine.forward_backward([engine.prepare("watched", watched_data, "ppo", None, True)])[0] == alone_before
+    assert (
+        engine.forward_backward([engine.prepare("watched", datums(watched_data), "ppo", None, True)])[0] == alone_before
+    )
     torch.testing.assert_close(  # batched or alone: the same numbers (to fp32 reduction order)
         torch.tensor([v for o in first["loss_fn_outputs"] for v in o["logprobs"]]),
         torch.tensor([v for o in alone_before["loss_fn_outputs"] for v in o["logprobs"]]),

@@ -14,6 +14,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.recompute import RecomputePolicy
+from tests.helpers.datums import datums, with_datums
 from tests.helpers.gpu import flat_logprobs, random_data
 
 
@@ -44,7 +45,7 @@ def test_a_recomputed_step_equals_the_plain_one(tiny_dir: Path, monkeypatch) -> 
     g = torch.Generator().manual_seed(0)
     items = [(m, random_data(g, 2, 24), "cross_entropy", None, False) for m in "ab"]
     for _ in range(2):
-        outs = [e.forward_backward([e.prepare(*it) for it in items]) for e in (plain, recomputed)]
+        outs = [e.forward_backward([e.prepare(*with_datums(it)) for it in items]) for e in (plain, recomputed)]
         torch.testing.assert_close(flat_logprobs(outs[1]), flat_logprobs(outs[0]), rtol=0, atol=1e-6)
         for m in "ab":
             for name, (ga, gb) in plain.adapter_grads(m).items():
@@ -66,11 +67,13 @@ def test_auto_recomputes_only_microbatches_above_the_threshold(tiny_dir: Path, m
     e = _engine(tiny_dir, RecomputePolicy("auto", above_tokens=40))
     calls = _count_recomputes(monkeypatch)
     g = torch.Generator().manual_seed(1)
-    e.forward_backward([e.prepare("a", random_data(g, 1, 32), "cross_entropy", None, False)])
+    e.forward_backward([e.prepare("a", datums(random_data(g, 1, 32)), "cross_entropy", None, False)])
     assert calls["n"] == 0
-    e.forward_backward([e.prepare("a", random_data(g, 2, 32), "cross_entropy", None, False)])  # 64 tokens
+    e.forward_backward([e.prepare("a", datums(random_data(g, 2, 32)), "cross_entropy", None, False)])  # 64 tokens
     assert calls["n"] == len(e.body.layers)
-    e.forward_backward([e.prepare("a", random_data(g, 2, 32), "cross_entropy", None, True)])  # forward only: none
+    e.forward_backward(
+        [e.prepare("a", datums(random_data(g, 2, 32)), "cross_entropy", None, True)]
+    )  # forward only: none
     assert calls["n"] == len(e.body.layers)
 
 

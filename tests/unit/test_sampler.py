@@ -20,6 +20,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator
 from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
+from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
 
 # model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
@@ -253,7 +254,9 @@ def test_prompt_logprobs_equal_engine_forward_and_topk_lists(setup: tuple[Engine
         datum = {"model_input": list(job.prompt[:-1]), "loss_fn_inputs": {"target_tokens": list(job.prompt[1:])}}
         if job.model_id is None:
             continue  # the engine's forward needs an adapter; the base rows are checked against HF below
-        forward = engine.forward_backward([engine.prepare(job.model_id, [datum], "cross_entropy", None, True)])[0]
+        forward = engine.forward_backward([engine.prepare(job.model_id, datums([datum]), "cross_entropy", None, True)])[
+            0
+        ]
         expected = forward["loss_fn_outputs"][0]["logprobs"]
         assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
         got = out.prompt_logprobs[1:]

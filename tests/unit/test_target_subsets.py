@@ -22,6 +22,7 @@ from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.state.adapter_store import AdapterStore
 from loraplex.workers.state.checkpoint import read_checkpoint, write_checkpoint
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
+from tests.helpers.datums import datums, with_datums
 from tests.helpers.lora import make_data
 from tests.helpers.peft import export_peft
 
@@ -130,8 +131,8 @@ def test_attention_only_adapter_trains_like_peft_with_those_modules(tiny_dir: Pa
         opt.zero_grad()
         out = engine.forward_backward(
             [
-                engine.prepare("a", data, "cross_entropy", None, False),
-                engine.prepare("neighbour", data, "cross_entropy", None, False),
+                engine.prepare("a", datums(data), "cross_entropy", None, False),
+                engine.prepare("neighbour", datums(data), "cross_entropy", None, False),
             ]
         )[0]
         assert out["metrics"]["loss:sum"] == pytest.approx(loss.item(), abs=1e-4)
@@ -156,9 +157,9 @@ def test_subset_and_full_adapters_in_one_batch_each_equal_alone(tiny_dir: Path) 
             with_random_b(engine, model_id, seed + 100)
     for _ in range(3):
         items = [(m, data[m], "cross_entropy", None, False) for m, *_ in adapters]
-        together = mixed.forward_backward([mixed.prepare(*it) for it in items])
+        together = mixed.forward_backward([mixed.prepare(*with_datums(it)) for it in items])
         for item, got in zip(items, together, strict=True):
-            expected = alone.forward_backward([alone.prepare(*item)])[0]
+            expected = alone.forward_backward([alone.prepare(*with_datums(item))])[0]
             assert got["metrics"]["loss:sum"] == pytest.approx(expected["metrics"]["loss:sum"], abs=1e-4)
             for x, y in zip(got["loss_fn_outputs"], expected["loss_fn_outputs"], strict=True):
                 torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)
@@ -184,7 +185,7 @@ def trained_subset_engine(tiny_dir: Path) -> Engine:
     engine.create_adapter("a", 4, 6.0, seed=8, target_modules=["v_proj", "q_proj"])
     data = make_data(70, [9, 5])
     for _ in range(3):
-        engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, False)])
+        engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, False)])
         engine.optim_step([("a", {"learning_rate": 2e-2})])
     return engine
 
@@ -208,7 +209,7 @@ def test_checkpoint_round_trip_keeps_the_subset(tiny_dir: Path, tmp_path: Path) 
     # Training continues bit-identically, and a load over an existing full adapter takes the checkpoint's subset.
     data = make_data(71, [6])
     for e, m in ((engine, "a"), (fresh, "b")):
-        e.forward_backward([e.prepare(m, data, "cross_entropy", None, False)])
+        e.forward_backward([e.prepare(m, datums(data), "cross_entropy", None, False)])
         e.optim_step([(m, {"learning_rate": 2e-2, "weight_decay": 0.1})])
     w1, w2 = engine.adapter_weights("a"), fresh.adapter_weights("b")
     assert all(torch.equal(w1[n][i], w2[n][i]) for n in w1 for i in (0, 1))
@@ -225,7 +226,7 @@ def test_subset_survives_swaps_through_host_and_disk(tiny_dir: Path, tmp_path: P
     assert store.tier_of("a") == "disk"
     store.ensure_resident(["a"])
     assert engine.adapter("a").target_modules == ATTN
-    engine.forward_backward([engine.prepare("a", make_data(80, [5]), "cross_entropy", None, False)])
+    engine.forward_backward([engine.prepare("a", datums(make_data(80, [5])), "cross_entropy", None, False)])
     engine.optim_step([("a", ADAM)])
     assert_excluded_zero(engine, "a")
 
@@ -242,7 +243,7 @@ def test_export_of_a_subset_adapter_loads_in_peft_with_matching_logprobs(tiny_di
     assert lora_keys and all(k.split(".lora_")[0].rsplit(".", 1)[-1] in ("q_proj", "v_proj") for k in lora_keys)
     assert len(lora_keys) == 2 * len(state.modules)
     data = make_data(90, [7, 12])
-    ours = engine.forward_backward([engine.prepare("a", data, "cross_entropy", None, True)])[0]
+    ours = engine.forward_backward([engine.prepare("a", datums(data), "cross_entropy", None, True)])[0]
     with torch.no_grad():
         for d, o in zip(data, ours["loss_fn_outputs"], strict=True):
             logits = peft_model(input_ids=torch.tensor([d["model_input"]])).logits[0].float()

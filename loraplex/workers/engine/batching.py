@@ -1,4 +1,4 @@
-"""Request data -> validated tensors, and the mixed batch layout (adapter-contiguous sequences, token-capped
+"""A request's datums (the payloads the pool decoded) -> validated tensors, and the mixed batch layout (adapter-contiguous
 microbatches, and a packed microbatch's positions and sequence offsets)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from loraplex.errors import InvalidRequestError
+from loraplex.protocol.payloads import DatumPayload
 from loraplex.workers.engine.losses import LossSpec, check_clip_thresholds, get_loss, resolve_loss_config
 
 
@@ -43,21 +44,9 @@ class PreparedItem:
         return self.loss.item_metrics(logprobs, [d.inputs for d in self.datums], self.loss_config)
 
 
-def _values(raw: Any, what: str) -> Any:
-    """Accept a list, tuple, numpy array, tensor, Tinker-style {"data": [...]} or {"tokens": [...]}/{"chunks": [...]}."""
-    if isinstance(raw, Mapping):
-        if "chunks" in raw:
-            return [t for chunk in raw["chunks"] for t in _values(chunk, what)]
-        for key in ("data", "tokens"):
-            if key in raw:
-                return raw[key]
-        raise InvalidRequestError(f"{what}: cannot read values from a mapping with keys {sorted(raw)}")
-    return raw
-
-
-def _int_tensor(raw: Any, what: str, vocab_size: int) -> torch.Tensor:
+def _int_tensor(raw: Sequence[Any], what: str, vocab_size: int) -> torch.Tensor:
     try:
-        t = torch.as_tensor(_values(raw, what))
+        t = torch.as_tensor(raw)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidRequestError(f"{what}: not a list of token ids ({exc})") from None
     if t.dim() != 1 or t.numel() == 0:
@@ -71,10 +60,10 @@ def _int_tensor(raw: Any, what: str, vocab_size: int) -> torch.Tensor:
     return t
 
 
-def _float_tensor(raw: Any, what: str, length: int, broadcast: bool = False) -> torch.Tensor:
-    """fp32 [length] from a list/array/tensor; with `broadcast`, one value (a scalar or a single-element list) for all."""
+def _float_tensor(raw: Sequence[Any], what: str, length: int, broadcast: bool = False) -> torch.Tensor:
+    """fp32 [length] from a list of numbers; with `broadcast`, one value (a single-element list) for all."""
     try:
-        t = torch.as_tensor(_values(raw, what), dtype=torch.float32)
+        t = torch.as_tensor(raw, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidRequestError(f"{what}: not a list of numbers ({exc})") from None
     if broadcast and t.numel() == 1 and t.dim() <= 1:
@@ -90,17 +79,15 @@ def _float_tensor(raw: Any, what: str, length: int, broadcast: bool = False) -> 
 
 
 def prepare_datum(
-    datum: Mapping[str, Any], loss: LossSpec, vocab_size: int, where: str, config: Mapping[str, float] | None = None
+    datum: DatumPayload, loss: LossSpec, vocab_size: int, where: str, config: Mapping[str, float] | None = None
 ) -> PreparedDatum:
     """Validate one datum for `loss` (with its resolved `config`): token ids in the vocabulary, every float input the loss
-    reads present (or defaulted), one value per token, finite. Inputs the loss does not read are ignored, as Tinker does."""
-    if not isinstance(datum, Mapping) or "model_input" not in datum:
-        raise InvalidRequestError(f"{where}: a datum needs model_input and loss_fn_inputs")
-    tokens = _int_tensor(datum["model_input"], f"{where}.model_input", vocab_size)
+    reads present (or defaulted), one value per token, finite. Inputs the loss does not read are ignored, as Tinker does.
+    The datum's shape (model_input a list of ints, loss_fn_inputs a mapping of name -> list) is the payload decoder's
+    (protocol/wire.py); what is checked here are the values."""
+    tokens = _int_tensor(datum.model_input, f"{where}.model_input", vocab_size)
     n = tokens.numel()
-    raw_inputs = datum.get("loss_fn_inputs") or {}
-    if not isinstance(raw_inputs, Mapping):
-        raise InvalidRequestError(f"{where}.loss_fn_inputs: expected a mapping of name -> values")
+    raw_inputs = datum.loss_fn_inputs
     if "target_tokens" not in raw_inputs:
         raise InvalidRequestError(f"{where}.loss_fn_inputs: target_tokens is required")
     targets = _int_tensor(raw_inputs["target_tokens"], f"{where}.target_tokens", vocab_size)
@@ -133,7 +120,7 @@ def prepare_datum(
 
 def prepare_item(
     model_id: str,
-    data: Sequence[Mapping[str, Any]],
+    data: Sequence[DatumPayload],
     loss_fn: str,
     loss_fn_config: Mapping[str, Any] | None,
     forward_only: bool,

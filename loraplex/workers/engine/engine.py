@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from loraplex.errors import CapacityError, ConflictError, EngineError, InvalidRequestError, LoraplexError, NotFoundError
+from loraplex.protocol.payloads import DatumPayload
 from loraplex.workers.engine.batching import (
     PreparedItem,
     SeqRef,
@@ -307,12 +308,13 @@ class Engine(SlotRows):
     def prepare(
         self,
         model_id: str,
-        data: Sequence[Mapping[str, Any]],
+        data: Sequence[DatumPayload],
         loss_fn: str,
         loss_fn_config: Mapping[str, Any] | None = None,
         forward_only: bool = False,
     ) -> PreparedItem:
-        """Validate one request against this engine (adapter resident, ids in vocab, lengths, loss)."""
+        """Validate one request's datums, as the payload decoder built them, against this engine (adapter resident, ids
+        in vocab, lengths, loss)."""
         self.adapter(model_id)
         return prepare_item(model_id, data, loss_fn, loss_fn_config, forward_only, self.vocab_size)
 

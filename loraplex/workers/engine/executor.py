@@ -306,8 +306,7 @@ class PlanExecutor:
         bad datum in a later part fails it before any gradient), and the parts are slices of that."""
         forward_only = not KINDS[request.kind].trains
         if request.part is None or request.part[0] == 0:
-            data = [d.as_engine_input() for d in p.data]
-            item = self.engine.prepare(request.model_id, data, p.loss_fn, p.loss_fn_config, forward_only)
+            item = self.engine.prepare(request.model_id, p.data, p.loss_fn, p.loss_fn_config, forward_only)
             if request.part is None:
                 return item
             self._parts[request.request_id] = _Parts(item)
