@@ -1,6 +1,6 @@
 """The LoRA op tests' builders and oracles: random slot banks, one op's outputs and gradients, the grouped-op cases,
 the bf16 rounding bound against the fp32 reference, the fused path on a flat bank buffer, and an engine of four
-adapters with mixed ranks (shared by tests/unit/test_lora_grouped.py, test_lora_fused.py and the GPU tests)."""
+adapters with mixed ranks (shared by tests/unit/workers/test_lora_grouped.py, test_lora_fused.py and the GPU tests)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Repository and unit-of-work test bodies that run on both backends: tests/unit/test_storage_repositories.py and
+"""Repository and unit-of-work test bodies that run on both backends: tests/unit/storage/test_storage_repositories.py and
 test_storage_uow.py import them (SQLite), tests/integration/test_storage_postgres.py imports them too (PostgreSQL).
 Each of those modules defines the `factory` fixture (a migrated, empty database of its backend) that these take; pytest
 collects the imported test functions as the importing module's own tests."""

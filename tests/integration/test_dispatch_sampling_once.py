@@ -1,7 +1,7 @@
 """Each request runs once per request id, on a real redis-server: a plan (or a sample run held over
 many plans) longer than the stale-entry claim's idle time is never claimed back and run again, by this dispatcher or
 another consumer, and a redelivered twin of a sample being finished is answered by its result, not run again. The
-engine is a stand-in that counts what it starts (the real sampler is tested in tests/unit/test_sampler_slices.py)."""
+engine is a stand-in that counts what it starts (the real sampler is tested in tests/unit/workers/test_sampler_slices.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 LoRA on attention and on every expert's gate / up / down. Three adapters of different ranks trained together in mixed
 batches for 5 steps on the fast paths (fused dense banks, grouped expert LoRA) equal each adapter trained alone on the
 plain-torch reference ops (the dense loop, `experts_reference`): losses, logprobs and weights, fp32, <= 1e-5. Also
-checkpoints (a documented layout), the PEFT export (PEFT loads it and computes the same logprobs); swaps: tests/unit/test_adapter_store.py; the Tinker SDK:
+checkpoints (a documented layout), the PEFT export (PEFT loads it and computes the same logprobs); swaps: tests/unit/workers/test_adapter_store.py; the Tinker SDK:
 tests/e2e/test_tinker_sdk_moe.py."""
 
 from __future__ import annotations

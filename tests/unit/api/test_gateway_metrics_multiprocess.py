@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.api.metrics import MULTIPROC_ENV, multiprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 COUNT = """
 from loraplex.api.metrics import LATENCY, REQUESTS

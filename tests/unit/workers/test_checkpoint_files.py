@@ -36,7 +36,7 @@ from loraplex.workers.state.checkpoint import (
 from loraplex.workers.state.checkpoint_state import load_into_engine, state_from_engine
 from tests.helpers.datums import datums
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
