@@ -1,6 +1,6 @@
 """The loss functions a forward_backward may name (Tinker's, plus gspo and stable_reinforce), listed once: the gateway's
 request model (service/schemas.py LossFn) accepts exactly these, and the engine's registry (workers/engine/losses.py
-LOSSES) implements exactly these (tests/unit/test_engine_losses.py holds the two together). Stdlib only."""
+LOSSES) implements exactly these (tests/unit/workers/test_engine_losses.py holds the two together). Stdlib only."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ A_up_e], B'_e = [[B_gate_e, 0], [0, B_up_e]] (the gate's rows first, as the expe
 alpha' = 2 alpha so that the scaling stays alpha / r (rank_pattern / alpha_pattern say so); down_proj maps one to
 one. Two parameters of one module nest: the inner wrapper (keys under `<experts>.base_layer.`) holds gate_up_proj,
 the outer (under `<experts>.`) down_proj, as PEFT's sorted matching wraps them. A projection the adapter does not
-train contributes zeros. (tests/unit/test_engine_moe.py loads the files with PEFT and compares outputs.)
+train contributes zeros. (tests/unit/workers/test_engine_moe.py loads the files with PEFT and compares outputs.)
 
 Each file is written atomically, the config last: its presence marks a complete export.
 """

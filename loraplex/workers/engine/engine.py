@@ -10,7 +10,7 @@ Layout: by default a microbatch is packed, its sequences (all adapters', adapter
 into one [1, N] row of real tokens, no padding (`batching.packed_layout`: RoPE positions restart per sequence, cu_seqlens
 for the packed attention, workers/kernels/packed_attention.py); microbatches are cut by real tokens. `packed=False` keeps the
 padded layout: [B, T_max] rows padded on the right, cut by count x longest. Both give the same results (to fp32
-rounding on the CPU: tests/unit/test_engine_packed.py)."""
+rounding on the CPU: tests/unit/workers/test_engine_packed.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ long sequence train (the longest single sequence one GPU trains is measured in b
 ordinary sizes, so the engine turns it on only for microbatches above a token count (`RecomputePolicy`).
 
 The recomputed forward runs inside the same LoRA context (the engine's backward happens inside `context.use`), so it
-reads the same routing and banks; its gradients are the plain forward's (tests/unit/test_recompute.py).
+reads the same routing and banks; its gradients are the plain forward's (tests/unit/workers/test_recompute.py).
 """
 
 from __future__ import annotations

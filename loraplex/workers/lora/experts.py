@@ -17,7 +17,7 @@ r_g, scale c_g = alpha_g / r_g) and each of its k slots (e = idx[n, k]):
 
 So the expert LoRA is scaled by the routing weight, as the base expert's output is (our documented choice: it is what
 merging the adapter into the expert weights computes, so an exported adapter merged into the base model gives the
-same outputs). With zero LoRA this is transformers' own `Qwen3MoeExperts.forward` (tests/unit/test_lora_experts.py).
+same outputs). With zero LoRA this is transformers' own `Qwen3MoeExperts.forward` (tests/unit/workers/test_lora_experts.py).
 
 Fast path (`experts_grouped`): the N*K (token, slot) pairs sorted by (expert, adapter group); the base projections as
 one `grouped_mm` over experts, the LoRA products as `grouped_mm`s over the E*G (expert, group) groups with the
