@@ -29,10 +29,8 @@ Each file is written atomically, the config last: its presence marks a complete 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,21 @@ from safetensors.numpy import save as save_arrays
 from sqlalchemy.orm import Session
 
 from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.protocol.checkpoint_files import (
+    CHECKPOINT_FORMAT_VERSION,
+    FORMAT_NAME,
+    HEADER_KEYS,
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    OPTIMIZER_FILE,
+    PEFT_PREFIX,
+    WEIGHTS_FILE,
+    embedded_header,
+    manifest_digest,
+    manifest_field,
+    read_capped,
+    read_verified,
+)
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.runtime.fsutil import write_bytes_atomic
 from loraplex.service.context import Services, TenantRef
@@ -70,14 +83,6 @@ TOKENIZER_FILES = (
 # What can be exported (an export never needs the optimizer state, so a state checkpoint serves as well).
 EXPORTABLE_KINDS = (CheckpointKind.SAMPLER, CheckpointKind.STATE)
 
-# The checkpoint format (workers/state/checkpoint.py writes it; its module doc describes every field).
-_FORMAT_NAME, _FORMAT_VERSION = "loraplex-checkpoint", 1
-_MANIFEST_FILE = "checkpoint.json"
-_WEIGHTS_FILE = "adapter_model.safetensors"
-_OPTIMIZER_FILE = "optimizer.safetensors"
-_HEADER_KEYS = ("format", "format_version", "kind", "model_id", "base_model", "signature", "hparams", "step")
-_MAX_MANIFEST_BYTES = 64 << 20
-_PEFT_PREFIX = "base_model.model."
 _GATE_UP, _DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
@@ -220,7 +225,7 @@ def adapter_tensors(saved: SavedAdapter) -> dict[str, np.ndarray]:
     """adapter_model.safetensors's tensors by PEFT key name: the dense modules as stored, an MoE's expert
     projections as PEFT's target_parameters LoRA (module doc)."""
     tensors = {
-        f"{_PEFT_PREFIX}{name}.lora_{part}.weight": np.ascontiguousarray(t, dtype=np.float32)
+        f"{PEFT_PREFIX}{name}.lora_{part}.weight": np.ascontiguousarray(t, dtype=np.float32)
         for name in saved.modules
         if saved.weights[name][0].ndim == 2
         for part, t in zip("AB", saved.weights[name], strict=True)
@@ -305,11 +310,11 @@ def _moe_tensors(saved: SavedAdapter) -> dict[str, np.ndarray]:
             if "up_proj" in parts:
                 a[:, r:], b[:, inter:, r:] = parts["up_proj"]
             inner = f"{experts}.base_layer" if "down_proj" in parts else experts
-            tensors[f"{_PEFT_PREFIX}{inner}.lora_A.weight"], tensors[f"{_PEFT_PREFIX}{inner}.lora_B.weight"] = (
+            tensors[f"{PEFT_PREFIX}{inner}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{inner}.lora_B.weight"] = (
                 _peft_pair(a, b)
             )
         if "down_proj" in parts:
-            tensors[f"{_PEFT_PREFIX}{experts}.lora_A.weight"], tensors[f"{_PEFT_PREFIX}{experts}.lora_B.weight"] = (
+            tensors[f"{PEFT_PREFIX}{experts}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{experts}.lora_B.weight"] = (
                 _peft_pair(*parts["down_proj"])
             )
     return tensors
@@ -320,50 +325,50 @@ def read_saved_adapter(directory: Path) -> SavedAdapter:
     """Read and verify a checkpoint folder's weights (module doc). NotFoundError when there is none;
     InvalidRequestError when any file is missing, truncated, tampered with or inconsistent."""
     directory = Path(directory)
-    manifest_path = directory / _MANIFEST_FILE
+    manifest_path = directory / MANIFEST_FILE
     if not directory.is_dir() or not manifest_path.is_file():
-        raise NotFoundError(f"no checkpoint at {directory} ({_MANIFEST_FILE} missing)")
+        raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
     try:
-        manifest = json.loads(_read_capped(manifest_path, _MAX_MANIFEST_BYTES))
+        manifest = json.loads(read_capped(manifest_path, MAX_MANIFEST_BYTES))
     except (UnicodeDecodeError, ValueError):
-        raise InvalidRequestError(f"{_MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT_NAME:
-        raise InvalidRequestError(f"{_MANIFEST_FILE} is not a loraplex checkpoint manifest")
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not a loraplex checkpoint manifest")
     version = manifest.get("format_version")
-    if version != _FORMAT_VERSION:
+    if version != CHECKPOINT_FORMAT_VERSION:
         raise InvalidRequestError(
-            f"checkpoint format version {version!r} is not supported (this build reads {_FORMAT_VERSION})"
+            f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
         )
-    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
-        raise InvalidRequestError(f"{_MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
-    files = _field(manifest, "files", dict)
-    if _WEIGHTS_FILE not in files:
-        raise InvalidRequestError(f"{_MANIFEST_FILE} lists no {_WEIGHTS_FILE}")
-    unknown = set(files) - {_WEIGHTS_FILE, _OPTIMIZER_FILE}
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
+    files = manifest_field(manifest, "files", dict)
+    if WEIGHTS_FILE not in files:
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
+    unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
     if unknown:
-        raise InvalidRequestError(f"{_MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
-    blobs = {name: _read_verified(directory, name, files[name]) for name in sorted(files)}
-    header = _embedded_header(blobs[_WEIGHTS_FILE])
-    differs = sorted(k for k in set(header) | set(_HEADER_KEYS) if header.get(k) != manifest.get(k))
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
+    blobs = {name: read_verified(directory, name, files[name]) for name in sorted(files)}
+    header = embedded_header(blobs[WEIGHTS_FILE])
+    differs = sorted(k for k in set(header) | set(HEADER_KEYS) if header.get(k) != manifest.get(k))
     if differs:
-        raise InvalidRequestError(f"{_MANIFEST_FILE} disagrees with {_WEIGHTS_FILE} on {differs} (edited?)")
+        raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
 
-    signature = _field(manifest, "signature", dict)
-    hparams = _field(manifest, "hparams", dict)
-    modules = tuple(_field(signature, "modules", list))
-    targets = tuple(_field(signature, "target_modules", list))
+    signature = manifest_field(manifest, "signature", dict)
+    hparams = manifest_field(manifest, "hparams", dict)
+    modules = tuple(manifest_field(signature, "modules", list))
+    targets = tuple(manifest_field(signature, "target_modules", list))
     if not modules or len(set(modules)) != len(modules) or not all(isinstance(m, str) and m for m in modules):
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: signature.modules must be distinct names")
+        raise InvalidRequestError(f"{MANIFEST_FILE}: signature.modules must be distinct names")
     if not all(isinstance(t, str) for t in targets) or {m.rsplit(".", 1)[-1] for m in modules} != set(targets):
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: the modules' leaf names do not match target_modules")
-    rank = _field(hparams, "rank", int)
-    alpha = float(_field(hparams, "alpha", (int, float)))
+        raise InvalidRequestError(f"{MANIFEST_FILE}: the modules' leaf names do not match target_modules")
+    rank = manifest_field(hparams, "rank", int)
+    alpha = float(manifest_field(hparams, "alpha", (int, float)))
     if rank < 1 or not math.isfinite(alpha) or alpha <= 0:
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: rank {rank} and alpha {alpha} out of range")
-    arrays = _load_arrays(blobs[_WEIGHTS_FILE])
+        raise InvalidRequestError(f"{MANIFEST_FILE}: rank {rank} and alpha {alpha} out of range")
+    arrays = _load_arrays(blobs[WEIGHTS_FILE])
     weights = {name: (_take(arrays, name, "A"), _take(arrays, name, "B")) for name in modules}
     if arrays:
-        raise InvalidRequestError(f"{_WEIGHTS_FILE} holds unexpected tensors, e.g. {sorted(arrays)[:3]}")
+        raise InvalidRequestError(f"{WEIGHTS_FILE} holds unexpected tensors, e.g. {sorted(arrays)[:3]}")
     for name, (a, b) in weights.items():
         fits = a.ndim in (2, 3) and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] and min(a.shape + b.shape) > 0
         if not fits or a.shape[-2] != rank or b.shape[-1] != rank:
@@ -372,8 +377,8 @@ def read_saved_adapter(directory: Path) -> SavedAdapter:
                 f"rank], got {a.shape}, {b.shape}"
             )
     return SavedAdapter(
-        model_id=_field(manifest, "model_id", str),
-        base_model=_field(manifest, "base_model", str),
+        model_id=manifest_field(manifest, "model_id", str),
+        base_model=manifest_field(manifest, "base_model", str),
         rank=rank,
         alpha=alpha,
         target_modules=targets,
@@ -382,83 +387,25 @@ def read_saved_adapter(directory: Path) -> SavedAdapter:
     )
 
 
-def _manifest_digest(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    try:
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: values are not plain JSON") from None
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _field(obj: Mapping[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: field {name!r} missing or of the wrong type ({value!r})")
-    return value
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise InvalidRequestError(f"{path.name} is larger than {limit} bytes")
-    return data
-
-
-def _read_verified(directory: Path, name: str, entry: object) -> bytes:
-    if (
-        not isinstance(entry, dict)
-        or not isinstance(entry.get("size"), int)
-        or not isinstance(entry.get("sha256"), str)
-    ):
-        raise InvalidRequestError(f"{_MANIFEST_FILE}: bad entry for {name}")
-    path = directory / name
-    if not path.is_file():
-        raise InvalidRequestError(f"checkpoint file {name} is missing")
-    size = path.stat().st_size
-    if size != entry["size"]:
-        raise InvalidRequestError(
-            f"checkpoint file {name} is {size} bytes, expected {entry['size']} (truncated or modified)"
-        )
-    data = _read_capped(path, entry["size"])  # hashed and parsed from the same bytes
-    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise InvalidRequestError(f"checkpoint file {name} is corrupted or tampered with (sha256 mismatch)")
-    return data
-
-
-def _embedded_header(data: bytes) -> dict[str, Any]:
-    """The loraplex header from a safetensors file's __metadata__ (the format: u64 LE header size, JSON header)."""
-    try:
-        size = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-        header = json.loads(meta["loraplex"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InvalidRequestError(f"{_WEIGHTS_FILE} carries no readable loraplex header") from None
-    if not isinstance(header, dict):
-        raise InvalidRequestError(f"{_WEIGHTS_FILE}'s loraplex header is not an object")
-    return header
-
-
 def _load_arrays(data: bytes) -> dict[str, np.ndarray]:
     # The header's dtype first: a file holding a dtype numpy lacks (bf16) must be refused by name, not by numpy.
     try:
         size = int.from_bytes(data[:8], "little")
         entries = {k: v for k, v in json.loads(data[8 : 8 + size]).items() if k != "__metadata__"}
     except (ValueError, AttributeError):
-        raise InvalidRequestError(f"{_WEIGHTS_FILE} is not a valid safetensors file") from None
+        raise InvalidRequestError(f"{WEIGHTS_FILE} is not a valid safetensors file") from None
     for key, entry in entries.items():
         if not isinstance(entry, dict) or entry.get("dtype") != "F32":
             dtype = entry.get("dtype") if isinstance(entry, dict) else entry
-            raise InvalidRequestError(f"{_WEIGHTS_FILE}: {key} is {dtype}, expected float32")
+            raise InvalidRequestError(f"{WEIGHTS_FILE}: {key} is {dtype}, expected float32")
     try:
         return load_arrays(data)
     except Exception as exc:  # safetensors raises its own SafetensorError
-        raise InvalidRequestError(f"{_WEIGHTS_FILE} is not a valid safetensors file ({exc})") from None
+        raise InvalidRequestError(f"{WEIGHTS_FILE} is not a valid safetensors file ({exc})") from None
 
 
 def _take(arrays: dict[str, np.ndarray], module: str, part: str) -> np.ndarray:
-    key = f"{_PEFT_PREFIX}{module}.lora_{part}.weight"
+    key = f"{PEFT_PREFIX}{module}.lora_{part}.weight"
     try:
         return arrays.pop(key)
     except KeyError:

@@ -48,20 +48,30 @@ import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 
+# The folder's format (file names, manifest digest, verified reads) is torch-free; importable from here too.
+from loraplex.protocol.checkpoint_files import CHECKPOINT_FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
+from loraplex.protocol.checkpoint_files import FORMAT_NAME as FORMAT_NAME
+from loraplex.protocol.checkpoint_files import (
+    HEADER_KEYS,
+    MAX_MANIFEST_BYTES,
+    embedded_header,
+    manifest_digest,
+    manifest_field,
+    read_capped,
+    read_verified,
+)
+from loraplex.protocol.checkpoint_files import MANIFEST_FILE as MANIFEST_FILE
+from loraplex.protocol.checkpoint_files import OPTIMIZER_FILE as OPTIMIZER_FILE
+from loraplex.protocol.checkpoint_files import PEFT_PREFIX as PEFT_PREFIX
+from loraplex.protocol.checkpoint_files import WEIGHTS_FILE as WEIGHTS_FILE
+
 # The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); importable from here too.
 from loraplex.protocol.checkpoint_paths import SAVED_KINDS
 from loraplex.protocol.checkpoint_paths import validate_checkpoint_name as validate_checkpoint_name
 from loraplex.runtime.fsutil import write_folder_atomic
 
-CHECKPOINT_FORMAT_VERSION = 1
-FORMAT_NAME = "loraplex-checkpoint"
-MANIFEST_FILE = "checkpoint.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
 KINDS = tuple(str(k) for k in SAVED_KINDS)  # as plain strings: they appear in error messages
-PEFT_PREFIX = "base_model.model."
 MOMENT_NAMES = ("lora_A.exp_avg", "lora_A.exp_avg_sq", "lora_B.exp_avg", "lora_B.exp_avg_sq")
-MAX_MANIFEST_BYTES = 64 << 20
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [r, in], B [out, r])
 Moments = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # module -> (m_A, v_A, m_B, v_B)
@@ -119,7 +129,7 @@ def write_checkpoint(state: CheckpointState, directory: Path) -> CheckpointFiles
         "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
         "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in files.items()},
     }
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     blobs[MANIFEST_FILE] = manifest_bytes  # written last
     files[MANIFEST_FILE] = (len(manifest_bytes), hashlib.sha256(manifest_bytes).hexdigest())
@@ -139,7 +149,7 @@ def read_checkpoint(directory: Path) -> CheckpointState:
     manifest_path = directory / MANIFEST_FILE
     if not directory.is_dir() or not manifest_path.is_file():
         raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
-    raw = _read_capped(manifest_path, MAX_MANIFEST_BYTES)
+    raw = read_capped(manifest_path, MAX_MANIFEST_BYTES)
     try:
         manifest = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
@@ -153,13 +163,13 @@ def read_checkpoint(directory: Path) -> CheckpointState:
         raise InvalidRequestError(
             f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
         )
-    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
 
-    kind = _field(manifest, "kind", str)
+    kind = manifest_field(manifest, "kind", str)
     if kind not in KINDS:
         raise InvalidRequestError(f"{MANIFEST_FILE}: unknown kind {kind!r}")
-    files = _field(manifest, "files", dict)
+    files = manifest_field(manifest, "files", dict)
     if WEIGHTS_FILE not in files:
         raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
     unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
@@ -167,16 +177,16 @@ def read_checkpoint(directory: Path) -> CheckpointState:
         raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
     if kind == "sampler" and OPTIMIZER_FILE in files:
         raise InvalidRequestError("a sampler checkpoint must not carry optimizer state")
-    blobs = {name: _read_verified(directory, name, files[name]) for name in sorted(files)}
+    blobs = {name: read_verified(directory, name, files[name]) for name in sorted(files)}
 
-    header = _embedded_header(blobs[WEIGHTS_FILE])
-    differs = sorted(k for k in set(header) | set(_HEADER_KEYS) if header.get(k) != manifest.get(k))
+    header = embedded_header(blobs[WEIGHTS_FILE])
+    differs = sorted(k for k in set(header) | set(HEADER_KEYS) if header.get(k) != manifest.get(k))
     if differs:
         raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
 
-    signature = _field(manifest, "signature", dict)
-    hparams = _field(manifest, "hparams", dict)
-    modules = tuple(_field(signature, "modules", list))
+    signature = manifest_field(manifest, "signature", dict)
+    hparams = manifest_field(manifest, "hparams", dict)
+    modules = tuple(manifest_field(signature, "modules", list))
     if not all(isinstance(m, str) for m in modules):
         raise InvalidRequestError(f"{MANIFEST_FILE}: signature.modules must be names")
     user_metadata = manifest.get("user_metadata", {})
@@ -200,15 +210,15 @@ def read_checkpoint(directory: Path) -> CheckpointState:
         }
         _no_leftovers(opt_t, OPTIMIZER_FILE)
     state = CheckpointState(
-        model_id=_field(manifest, "model_id", str),
-        rank=_field(hparams, "rank", int),
-        alpha=float(_field(hparams, "alpha", (int, float))),
-        seed=_field(hparams, "seed", int),
-        step=_field(manifest, "step", int),
-        base_model=_field(manifest, "base_model", str),
-        target_modules=tuple(_field(signature, "target_modules", list)),
+        model_id=manifest_field(manifest, "model_id", str),
+        rank=manifest_field(hparams, "rank", int),
+        alpha=float(manifest_field(hparams, "alpha", (int, float))),
+        seed=manifest_field(hparams, "seed", int),
+        step=manifest_field(manifest, "step", int),
+        base_model=manifest_field(manifest, "base_model", str),
+        target_modules=tuple(manifest_field(signature, "target_modules", list)),
         modules=modules,
-        max_rank_hint=_field(signature, "max_rank", int),
+        max_rank_hint=manifest_field(signature, "max_rank", int),
         weights=weights,
         optimizer=moments,
         kind=kind,
@@ -241,7 +251,6 @@ def tensors_file_bytes(tensors: Mapping[str, torch.Tensor], header: Mapping[str,
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------------
-_HEADER_KEYS = ("format", "format_version", "kind", "model_id", "base_model", "signature", "hparams", "step")
 
 
 def _header(state: CheckpointState) -> dict[str, Any]:
@@ -259,15 +268,6 @@ def _header(state: CheckpointState) -> dict[str, Any]:
         "hparams": {"rank": int(state.rank), "alpha": float(state.alpha), "seed": int(state.seed)},
         "step": int(state.step),
     }
-
-
-def _manifest_digest(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    try:
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{MANIFEST_FILE}: values are not plain JSON") from None
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def validate_state(state: CheckpointState) -> None:
@@ -331,55 +331,6 @@ def _is_matrix(t: object) -> bool:
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous fp32 CPU tensor with its own storage (safetensors refuses shared storage)."""
     return t.detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)
-
-
-def _field(obj: Mapping[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise InvalidRequestError(f"{MANIFEST_FILE}: field {name!r} missing or of the wrong type ({value!r})")
-    return value
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise InvalidRequestError(f"{path.name} is larger than {limit} bytes")
-    return data
-
-
-def _read_verified(directory: Path, name: str, entry: object) -> bytes:
-    if (
-        not isinstance(entry, dict)
-        or not isinstance(entry.get("size"), int)
-        or not isinstance(entry.get("sha256"), str)
-    ):
-        raise InvalidRequestError(f"{MANIFEST_FILE}: bad entry for {name}")
-    path = directory / name
-    if not path.is_file():
-        raise InvalidRequestError(f"checkpoint file {name} is missing")
-    size = path.stat().st_size
-    if size != entry["size"]:
-        raise InvalidRequestError(
-            f"checkpoint file {name} is {size} bytes, expected {entry['size']} (truncated or modified)"
-        )
-    data = _read_capped(path, entry["size"])  # hashed and parsed from the same bytes
-    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise InvalidRequestError(f"checkpoint file {name} is corrupted or tampered with (sha256 mismatch)")
-    return data
-
-
-def _embedded_header(data: bytes) -> dict[str, Any]:
-    """The loraplex header from a safetensors file's __metadata__ (the format: u64 LE header size, JSON header)."""
-    try:
-        size = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-        header = json.loads(meta["loraplex"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InvalidRequestError(f"{WEIGHTS_FILE} carries no readable loraplex header") from None
-    if not isinstance(header, dict):
-        raise InvalidRequestError(f"{WEIGHTS_FILE}'s loraplex header is not an object")
-    return header
 
 
 def _load_tensors(data: bytes, name: str) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
+from loraplex.protocol.checkpoint_files import manifest_digest
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
@@ -28,7 +29,6 @@ from loraplex.workers.state.checkpoint import (
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
     CheckpointState,
-    _manifest_digest,
     read_checkpoint,
     validate_checkpoint_name,
     write_checkpoint,
@@ -170,7 +170,7 @@ def edit_manifest(change: Callable[[dict], None], *, fix_hash: bool = False) -> 
         manifest = json.loads(path.read_text())
         change(manifest)
         if fix_hash:
-            manifest["manifest_sha256"] = _manifest_digest(manifest)
+            manifest["manifest_sha256"] = manifest_digest(manifest)
         path.write_text(json.dumps(manifest))
 
     return edit
