@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.protocol.checkpoint_paths import SAVED_KINDS
 
 CHECKPOINT_FORMAT_VERSION = 1
 FORMAT_NAME = "loraplex-checkpoint"
@@ -84,3 +85,46 @@ def embedded_header(data: bytes) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise InvalidRequestError(f"{WEIGHTS_FILE}'s loraplex header is not an object")
     return header
+
+
+def read_folder(directory: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A checkpoint folder's manifest and the bytes of every file it lists, each verified: the format and its version,
+    the manifest's own digest, the kind, the listed files (the weights, and the optimizer state for a state checkpoint
+    only) with their sizes and sha256, and the header embedded in the weights equal to the manifest's. NotFoundError
+    when there is no checkpoint; InvalidRequestError naming what is wrong otherwise."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not directory.is_dir() or not manifest_path.is_file():
+        raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
+    try:
+        manifest = json.loads(read_capped(manifest_path, MAX_MANIFEST_BYTES))
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
+    if not isinstance(manifest, dict):
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not a JSON object")
+    if manifest.get("format") != FORMAT_NAME:
+        raise InvalidRequestError(f"{MANIFEST_FILE} is not a loraplex checkpoint manifest")
+    version = manifest.get("format_version")
+    if version != CHECKPOINT_FORMAT_VERSION:
+        raise InvalidRequestError(
+            f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
+        )
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
+    kind = manifest_field(manifest, "kind", str)
+    if kind not in {str(k) for k in SAVED_KINDS}:
+        raise InvalidRequestError(f"{MANIFEST_FILE}: unknown kind {kind!r}")
+    files = manifest_field(manifest, "files", dict)
+    if WEIGHTS_FILE not in files:
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
+    unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
+    if unknown:
+        raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
+    if kind == "sampler" and OPTIMIZER_FILE in files:
+        raise InvalidRequestError("a sampler checkpoint must not carry optimizer state")
+    blobs = {name: read_verified(directory, name, files[name]) for name in sorted(files)}
+    header = embedded_header(blobs[WEIGHTS_FILE])
+    differs = sorted(k for k in set(header) | set(HEADER_KEYS) if header.get(k) != manifest.get(k))
+    if differs:
+        raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
+    return manifest, blobs

@@ -42,19 +42,11 @@ from sqlalchemy.orm import Session
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.protocol.checkpoint_files import (
-    CHECKPOINT_FORMAT_VERSION,
-    FORMAT_NAME,
-    HEADER_KEYS,
     MANIFEST_FILE,
-    MAX_MANIFEST_BYTES,
-    OPTIMIZER_FILE,
     PEFT_PREFIX,
     WEIGHTS_FILE,
-    embedded_header,
-    manifest_digest,
     manifest_field,
-    read_capped,
-    read_verified,
+    read_folder,
 )
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.runtime.fsutil import write_bytes_atomic
@@ -324,34 +316,7 @@ def _moe_tensors(saved: SavedAdapter) -> dict[str, np.ndarray]:
 def read_saved_adapter(directory: Path) -> SavedAdapter:
     """Read and verify a checkpoint folder's weights (module doc). NotFoundError when there is none;
     InvalidRequestError when any file is missing, truncated, tampered with or inconsistent."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST_FILE
-    if not directory.is_dir() or not manifest_path.is_file():
-        raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
-    try:
-        manifest = json.loads(read_capped(manifest_path, MAX_MANIFEST_BYTES))
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidRequestError(f"{MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise InvalidRequestError(f"{MANIFEST_FILE} is not a loraplex checkpoint manifest")
-    version = manifest.get("format_version")
-    if version != CHECKPOINT_FORMAT_VERSION:
-        raise InvalidRequestError(
-            f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
-        )
-    if manifest.get("manifest_sha256") != manifest_digest(manifest):
-        raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
-    files = manifest_field(manifest, "files", dict)
-    if WEIGHTS_FILE not in files:
-        raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
-    unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
-    if unknown:
-        raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
-    blobs = {name: read_verified(directory, name, files[name]) for name in sorted(files)}
-    header = embedded_header(blobs[WEIGHTS_FILE])
-    differs = sorted(k for k in set(header) | set(HEADER_KEYS) if header.get(k) != manifest.get(k))
-    if differs:
-        raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
+    manifest, blobs = read_folder(directory)
 
     signature = manifest_field(manifest, "signature", dict)
     hparams = manifest_field(manifest, "hparams", dict)

@@ -46,24 +46,16 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.errors import InvalidRequestError
 
 # The folder's format (file names, manifest digest, verified reads) is torch-free; importable from here too.
 from loraplex.protocol.checkpoint_files import CHECKPOINT_FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from loraplex.protocol.checkpoint_files import FORMAT_NAME as FORMAT_NAME
-from loraplex.protocol.checkpoint_files import (
-    HEADER_KEYS,
-    MAX_MANIFEST_BYTES,
-    embedded_header,
-    manifest_digest,
-    manifest_field,
-    read_capped,
-    read_verified,
-)
 from loraplex.protocol.checkpoint_files import MANIFEST_FILE as MANIFEST_FILE
 from loraplex.protocol.checkpoint_files import OPTIMIZER_FILE as OPTIMIZER_FILE
 from loraplex.protocol.checkpoint_files import PEFT_PREFIX as PEFT_PREFIX
 from loraplex.protocol.checkpoint_files import WEIGHTS_FILE as WEIGHTS_FILE
+from loraplex.protocol.checkpoint_files import manifest_digest, manifest_field, read_folder
 
 # The name rule lives in the torch-free checkpoint_paths (the gateway checks names too); importable from here too.
 from loraplex.protocol.checkpoint_paths import SAVED_KINDS
@@ -145,44 +137,8 @@ def write_checkpoint(state: CheckpointState, directory: Path) -> CheckpointFiles
 def read_checkpoint(directory: Path) -> CheckpointState:
     """Read and verify a checkpoint directory. NotFoundError when there is none; InvalidRequestError when any file is
     missing, truncated, tampered with or inconsistent (nothing is returned then)."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST_FILE
-    if not directory.is_dir() or not manifest_path.is_file():
-        raise NotFoundError(f"no checkpoint at {directory} ({MANIFEST_FILE} missing)")
-    raw = read_capped(manifest_path, MAX_MANIFEST_BYTES)
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidRequestError(f"{MANIFEST_FILE} is not valid JSON (truncated or corrupted)") from None
-    if not isinstance(manifest, dict):
-        raise InvalidRequestError(f"{MANIFEST_FILE} is not a JSON object")
-    if manifest.get("format") != FORMAT_NAME:
-        raise InvalidRequestError(f"{MANIFEST_FILE} is not a loraplex checkpoint manifest")
-    version = manifest.get("format_version")
-    if version != CHECKPOINT_FORMAT_VERSION:
-        raise InvalidRequestError(
-            f"checkpoint format version {version!r} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
-        )
-    if manifest.get("manifest_sha256") != manifest_digest(manifest):
-        raise InvalidRequestError(f"{MANIFEST_FILE} was modified after it was written (manifest hash mismatch)")
-
-    kind = manifest_field(manifest, "kind", str)
-    if kind not in KINDS:
-        raise InvalidRequestError(f"{MANIFEST_FILE}: unknown kind {kind!r}")
-    files = manifest_field(manifest, "files", dict)
-    if WEIGHTS_FILE not in files:
-        raise InvalidRequestError(f"{MANIFEST_FILE} lists no {WEIGHTS_FILE}")
-    unknown = set(files) - {WEIGHTS_FILE, OPTIMIZER_FILE}
-    if unknown:
-        raise InvalidRequestError(f"{MANIFEST_FILE} lists unexpected files {sorted(unknown)}")
-    if kind == "sampler" and OPTIMIZER_FILE in files:
-        raise InvalidRequestError("a sampler checkpoint must not carry optimizer state")
-    blobs = {name: read_verified(directory, name, files[name]) for name in sorted(files)}
-
-    header = embedded_header(blobs[WEIGHTS_FILE])
-    differs = sorted(k for k in set(header) | set(HEADER_KEYS) if header.get(k) != manifest.get(k))
-    if differs:
-        raise InvalidRequestError(f"{MANIFEST_FILE} disagrees with {WEIGHTS_FILE} on {differs} (edited?)")
+    manifest, blobs = read_folder(directory)
+    kind = manifest["kind"]
 
     signature = manifest_field(manifest, "signature", dict)
     hparams = manifest_field(manifest, "hparams", dict)
