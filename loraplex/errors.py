@@ -189,8 +189,8 @@ def error_class(name: str) -> type[LoraplexError]:
     return ERRORS.get(name, LoraplexError)
 
 
-# The errors a request's result may carry to a client, as they were before the registry: a server-side error outside
-# this set reads as category "server" in the futures' answers.
+# The errors a request's result carries to a client as the caller's own (category "user" in the futures' answers);
+# any other class reads as category "server".
 USER_ERRORS: dict[str, type[LoraplexError]] = {
     error_name(cls): cls
     for cls in (
