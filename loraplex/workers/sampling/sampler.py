@@ -146,10 +146,12 @@ class Sampler:
         max_rows: int = 32,
         eos_token_ids: tuple[int, ...] | None = None,
         cuda_graphs: bool = True,
+        paged_kv: bool = False,
     ) -> None:
         """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
         with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
-        each decode step as a captured graph (False: run it eagerly, for comparison)."""
+        each decode step as a captured graph (False: run it eagerly, for comparison); paged_kv: decode on the paged KV
+        cache (static_decoder.py's paged mode: a job's prompt KV written once, its samples fork it; no CUDA graph)."""
         if engine.dist is not None:
             raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
@@ -161,6 +163,7 @@ class Sampler:
         self.tokenizer = tokenizer
         self.max_rows = max_rows
         self.cuda_graphs = cuda_graphs
+        self.paged_kv = paged_kv
         if eos_token_ids is None:
             eos: Any = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             if eos is None:
@@ -170,17 +173,18 @@ class Sampler:
         self.max_positions = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
         check_decodable(engine)
         self.stats = SamplerStats()
-        self._decoders: dict[tuple[int, int, int], StaticDecoder] = {}  # insertion order = least recently used first
+        # Insertion order = least recently used first.
+        self._decoders: dict[tuple[int, int, int, bool], StaticDecoder] = {}
 
     def decoder(self, rows: int, width: int, groups: int) -> StaticDecoder:
         """A static decoder of this shape for one run, which holds it alone until `release`: a kept one, or a new one
         (the least recently used kept one beyond KEPT_DECODERS is dropped first, freeing its cache and graph)."""
-        key = (rows, width, groups)
+        key = (rows, width, groups, self.paged_kv)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             while len(self._decoders) >= KEPT_DECODERS:
                 self._decoders.pop(next(iter(self._decoders)))
-            decoder = StaticDecoder(self.engine, rows, width, groups)
+            decoder = StaticDecoder(self.engine, rows, width, groups, paged=self.paged_kv)
             if self.cuda_graphs and self.engine.device.type == "cuda":
                 decoder.capture()
                 self.stats.graph_captures += 1
@@ -293,6 +297,7 @@ class SampleRun:
     def close(self) -> None:
         """Give the decode cache back (a run abandoned before its end: its outputs stay incomplete)."""
         if self._run is not None:
+            self._run.decoder.reset()  # paged: every block back, whether the run ended or was abandoned
             self._sampler.release(self._run.decoder)
             self._run = None
 
@@ -349,6 +354,7 @@ class _Run:
         self.free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
         self.live: list[_Row] = []
         self.prefilled: dict[int, _Prefilled] = {}
+        self.held: set[int] = set()  # paged: jobs whose prompt KV the decoder holds for their samples to fork
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
@@ -398,6 +404,9 @@ class _Run:
         while not self.done:
             for row, kv in self._admit():
                 self._join(row, kv)
+            for j in [j for j in self.held if self.unadmitted[j] == 0]:  # every sample forked: the holder ends
+                self.decoder.drop_prompt(j)
+                self.held.discard(j)
             if self.live:
                 stats.peak_rows = max(stats.peak_rows, len(self.live))
                 self._decode_step()  # reads its tokens back to the host: the time includes the device's work
@@ -446,7 +455,11 @@ class _Run:
         row.cache_row = self.free_rows.pop()
         group = self.groups[row.group]
         lora_group = self.adapter_groups.index(row.group) if group.scale != 0.0 else None
-        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv)
+        if self.decoder.paged and row.job not in self.held:
+            self.decoder.hold_prompt(row.job, self.jobs[row.job].prompt, kv)
+            self.held.add(row.job)
+        max_new = self.jobs[row.job].params.max_tokens
+        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=row.job, max_new=max_new)
         self.live.append(row)
 
     def _new_row(self, j: int, s: int) -> _Row:
@@ -515,6 +528,7 @@ class _Run:
         if done:
             for row in done:
                 self._finish(row)
+                self.decoder.end_row(row.cache_row)
                 self.free_rows.append(row.cache_row)
             self.live = [row for row in self.live if row.stop_reason is None]
 

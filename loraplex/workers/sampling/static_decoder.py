@@ -17,6 +17,14 @@ activation) over buffers allocated once:
     each module's h_block @ B_cat into the base output (addmm). Row b's delta is exactly ((x_b @ A_g) * c_g) @ B_g:
     the other blocks of h_b are zeros and contribute exact zeros (the slot banks' rank padding is zero as well).
 
+Paged mode (`paged=True`, off by default): K/V live in a `PagedKvCache` instead of the dense per-row cache, each row
+in the blocks of its block table (a `BlockAllocator` sized for every row at full width, plus one scratch block that
+rows without a sample write to). A prompt's KV is written once into the blocks of a holder row (`hold_prompt`) and
+every sample of it forks the holder's blocks (`set_row(..., prompt=key)`), so num_samples rows share one copy of the
+prompt until each writes its first token (copy-on-write of a shared partial block). A step appends each live row's
+position (`append`, copying a block where it says), writes the new K/V through `slots_for` and attends with
+`paged_attention`. Plain torch only: the paged step is never captured as a CUDA graph (its tables change shape).
+
 Semantics per step (plain torch, what `step` returns): fp32 logits [B, V] of the model with row b's adapter at
 position positions[b] given the row's cache, i.e. what the model's own forward with that adapter gives for the same
 token after the same prefix (tests compare it with transformers + PEFT generate). Supported: decoder layers shaped as
@@ -39,8 +47,11 @@ from loraplex.errors import EngineError
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
+from loraplex.workers.sampling.kv_blocks import BlockAllocator
+from loraplex.workers.sampling.paged_kv import PagedKvCache, block_table_tensor, paged_attention, slots_for
 
 ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj")
+BLOCK_TOKENS = 16  # positions per block of the paged cache
 MLP_INPUT = ("gate_proj", "up_proj")
 
 
@@ -90,12 +101,15 @@ class _LoraPoint:
 class StaticDecoder:
     """Decode buffers for `rows` rows, `width` cached positions and `slots` (the call's adapters' bank slots, in
     group order; empty: base model only). Reusable across `generate` calls with the same shape: `load` copies new
-    adapters' weights into the same buffers (a captured graph keeps reading them)."""
+    adapters' weights into the same buffers (a captured graph keeps reading them). paged: keep K/V in a paged cache
+    (see the module docstring) instead of the dense one."""
 
-    def __init__(self, engine: Engine, rows: int, width: int, groups: int) -> None:
+    def __init__(
+        self, engine: Engine, rows: int, width: int, groups: int, paged: bool = False, block_tokens: int = BLOCK_TOKENS
+    ) -> None:
         check_decodable(engine)
         self.engine = engine
-        self.rows, self.width, self.groups = rows, width, groups
+        self.rows, self.width, self.groups, self.paged = rows, width, groups, paged
         body: Any = engine.body
         self.body = body
         config: Any = engine.model.config
@@ -105,10 +119,30 @@ class StaticDecoder:
         self.head_dim = int(attn0.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.heads = int(config.num_attention_heads)
-        self.keys = [
-            torch.zeros(rows, self.kv_heads, width, self.head_dim, dtype=dtype, device=device) for _ in body.layers
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.blocks: BlockAllocator | None = None
+        self.cache: PagedKvCache | None = None
+        self.live_rows: set[int] = set()  # paged: rows holding a sample (their blocks are in `blocks`)
+        if paged:
+            # The worst case: every row reaches `width` positions, one prompt holder whose samples all ended waits for
+            # rows, and each row's own copy of its shared partial prompt block. The extra last block is the scratch
+            # of rows without a sample.
+            per_row = -(-width // block_tokens)
+            num_blocks = (rows + 1) * per_row + rows
+            self.blocks = BlockAllocator(num_blocks, block_tokens)
+            self.cache = PagedKvCache(
+                len(body.layers), num_blocks + 1, block_tokens, self.kv_heads, self.head_dim, dtype, device
+            )
+            self.scratch = num_blocks
+        else:
+            self.keys = [
+                torch.zeros(rows, self.kv_heads, width, self.head_dim, dtype=dtype, device=device) for _ in body.layers
+            ]
+            self.values = [torch.zeros_like(k) for k in self.keys]
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=device)  # paged: this step's write slot per row
+        self.tables = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(rows, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.columns = torch.arange(width, device=device)
@@ -146,8 +180,8 @@ class StaticDecoder:
         return point
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.rows, self.width, self.groups)
+    def key(self) -> tuple[int, int, int, bool]:
+        return (self.rows, self.width, self.groups, self.paged)
 
     # ---- per call ----------------------------------------------------------------------------------------------------
     def load(self, slots: Sequence[int]) -> None:
@@ -175,17 +209,65 @@ class StaticDecoder:
         if self.mask is not None:
             self.mask.zero_()
 
-    def set_row(
-        self, row: int, group: int | None, scale: float, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """Row `row` now holds a new sample of group `group` (None: the base model) with this prompt KV (per layer
-        [kv_heads, L, D]); its next step feeds position L."""
+    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Paged: write a prompt's KV (per layer [kv_heads, L, D]) once into the blocks of holder row `key`, for its
+        samples to fork (`set_row(..., prompt=key)`); `drop_prompt(key)` once every sample has forked. Dense: nothing
+        (each row gets its own copy in set_row)."""
+        if self.blocks is None or self.cache is None:
+            return
         length = int(kv[0][0].shape[-2])
         if length >= self.width:
             raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+        self.blocks.admit(("prompt", key), prompt, 0)
+        table = torch.tensor(self.blocks.table(("prompt", key)), dtype=torch.int64, device=self.engine.device)
+        positions = torch.arange(length, device=self.engine.device)
+        slots = slots_for(table.expand(length, -1), positions, self.blocks.block_tokens)
         for layer, (k, v) in enumerate(kv):
-            self.keys[layer][row, :, :length] = k
-            self.values[layer][row, :, :length] = v
+            self.cache.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))
+
+    def drop_prompt(self, key: Any) -> None:
+        """Paged: the holder row of `key` ends (its blocks stay with the samples that forked them)."""
+        if self.blocks is not None:
+            self.blocks.free(("prompt", key))
+
+    def end_row(self, row: int) -> None:
+        """Row `row`'s sample ended: paged, its blocks go back (dense: nothing to do, the row is simply reused)."""
+        if self.blocks is not None and row in self.live_rows:
+            self.live_rows.discard(row)
+            self.blocks.free(row)
+
+    def reset(self) -> None:
+        """Paged: end every row and holder (a run that ends or is abandoned), every block back to the pool."""
+        if self.blocks is not None:
+            for row in self.blocks.rows():
+                self.blocks.free(row)
+            self.live_rows.clear()
+
+    def set_row(
+        self,
+        row: int,
+        group: int | None,
+        scale: float,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        prompt: Any = None,
+        max_new: int = 0,
+    ) -> None:
+        """Row `row` now holds a new sample of group `group` (None: the base model) with this prompt KV (per layer
+        [kv_heads, L, D]); its next step feeds position L. Paged: the row forks holder `prompt` (`hold_prompt`)
+        instead, allowed `max_new` more positions."""
+        length = int(kv[0][0].shape[-2])
+        if length >= self.width:
+            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+        if self.blocks is not None:
+            if prompt is None:
+                raise ValueError("a paged decoder's row forks a held prompt: pass prompt=")
+            self.end_row(row)
+            self.blocks.fork(("prompt", prompt), row, max_new)
+            self.live_rows.add(row)
+        else:
+            for layer, (k, v) in enumerate(kv):
+                self.keys[layer][row, :, :length] = k
+                self.values[layer][row, :, :length] = v
         if self.mask is not None:
             self.mask[row].zero_()
             if group is not None:
@@ -198,7 +280,7 @@ class StaticDecoder:
         hidden = body.embed_tokens(self.tokens)  # [B, H]
         pos = self.positions.view(rows, 1)
         cos, sin = body.rotary_emb(hidden[:, None], pos)
-        visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width)
+        visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width) if self.cache is None else None
         write = pos.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)
         for i, layer in enumerate(body.layers):
             attn_in, o_point, mlp_in, down_point = self.points[i]
@@ -211,12 +293,20 @@ class StaticDecoder:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = self.rotary[i](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             v = v.view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            self.keys[i].scatter_(2, write, k)
-            self.values[i].scatter_(2, write, v)
-            out = F.scaled_dot_product_attention(
-                q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling, enable_gqa=True
-            )
-            (o,) = o_point(out.transpose(1, 2).reshape(rows, self.heads * self.head_dim), mask)
+            if self.cache is not None:
+                self.cache.write(i, self.slots, k[:, :, 0], v[:, :, 0])
+                paged = paged_attention(
+                    q[:, :, 0], self.cache.k[i], self.cache.v[i], self.tables, self.lengths, scale=attn.scaling
+                )
+                attended = paged.reshape(rows, self.heads * self.head_dim)
+            else:
+                self.keys[i].scatter_(2, write, k)
+                self.values[i].scatter_(2, write, v)
+                out = F.scaled_dot_product_attention(
+                    q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling, enable_gqa=True
+                )
+                attended = out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)
+            (o,) = o_point(attended, mask)
             hidden = hidden + o
             x = layer.post_attention_layernorm(hidden)
             gate, up = mlp_in(x, mask)
@@ -226,8 +316,9 @@ class StaticDecoder:
 
     def capture(self) -> None:
         """On CUDA: record the step as one graph (after two warm-up runs on a side stream, as torch's docs ask).
-        The warm-ups write the cache at the current positions; callers capture before any row holds a sample."""
-        if self.engine.device.type != "cuda" or self.graph is not None:
+        The warm-ups write the cache at the current positions; callers capture before any row holds a sample. The
+        paged step runs eagerly (not captured yet)."""
+        if self.engine.device.type != "cuda" or self.graph is not None or self.paged:
             return
         stream = torch.cuda.Stream(self.engine.device)
         stream.wait_stream(torch.cuda.current_stream(self.engine.device))
@@ -246,8 +337,40 @@ class StaticDecoder:
         device = self.engine.device
         self.tokens.copy_(to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
         self.positions.copy_(to_device(torch.tensor(list(positions), dtype=torch.int64), device))
+        if self.blocks is not None:
+            self._page(positions)
         if self.graph is None:
             return self._forward()
         self.graph.replay()
         assert self.logits is not None
         return self.logits
+
+    def _page(self, positions: Sequence[int]) -> None:
+        """Paged: give each live row its next position (copying a shared block first where the allocator says), and
+        set this step's write slots, block tables and attended lengths; rows without a sample write to the scratch
+        block and attend to it alone (their logits are ignored)."""
+        assert self.blocks is not None and self.cache is not None
+        blocks, device = self.blocks, self.engine.device
+        copies = []
+        tables: list[list[int]] = []
+        lengths = []
+        for row in range(self.rows):
+            if row not in self.live_rows:
+                tables.append([self.scratch])
+                lengths.append(1)
+                continue
+            if blocks.length(row) != positions[row]:
+                raise ValueError(f"row {row} feeds position {positions[row]} but holds {blocks.length(row)}")
+            cow = blocks.append(row)
+            if cow is not None:
+                copies.append(cow)
+            tables.append(blocks.table(row))
+            lengths.append(positions[row] + 1)
+        if copies:
+            src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
+            dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
+            self.cache.copy_blocks(src, dst)
+        self.tables = block_table_tensor(tables, device)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        scratch = torch.tensor([p if r in self.live_rows else 0 for r, p in enumerate(positions)], device=device)
+        self.slots = slots_for(self.tables, scratch, blocks.block_tokens)

@@ -1,0 +1,148 @@
+"""The native sampler's paged decode (Sampler(paged_kv=True), static_decoder.py's paged mode) on the tiny model, fp32
+CPU: greedy tokens and logprobs equal the dense path's (which test_sampler.py compares with transformers + PEFT
+generate) and transformers + PEFT generate itself, with mixed adapters, base rows and prompts of different lengths;
+num_samples rows fork one prompt whose prefill and KV write ran once; continuous batching with few rows; every block is
+back in the pool when a run ends or is abandoned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import PeftModel
+
+from loraplex.models import load_base_model
+from loraplex.workers.engine.engine import Engine
+from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.static_decoder import StaticDecoder
+from loraplex.workers.state.checkpoint_state import state_from_engine
+from tests.helpers.peft import export_peft
+from tests.unit.workers.test_sampler import GREEDY, assert_same, hf_greedy, prompt, setup  # noqa: F401
+
+
+def decoders(sampler: Sampler) -> list[StaticDecoder]:
+    kept = list(sampler._decoders.values())
+    assert kept and all(d.paged for d in kept)
+    return kept
+
+
+def assert_blocks_back(sampler: Sampler) -> None:
+    for decoder in decoders(sampler):
+        assert decoder.blocks is not None
+        assert decoder.blocks.free_blocks == decoder.blocks.num_blocks and decoder.blocks.committed == 0
+        assert decoder.blocks.rows() == [] and not decoder.live_rows
+
+
+def test_paged_greedy_equals_dense_and_peft_generate(
+    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_dir: Path,
+    tmp_path: Path,
+) -> None:
+    engine, tokenizer = setup
+    base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    state = state_from_engine(engine, "r8", base_model="tiny", with_optimizer=False)
+    oracle = PeftModel.from_pretrained(base, export_peft(state, tmp_path / "peft", base_model_path=str(tiny_dir)))
+    oracle.eval()
+    paged = Sampler(engine, tokenizer, paged_kv=True)
+    # Prompts shorter than, equal to and longer than a block (16 positions), so rows cross block boundaries.
+    prompts = [prompt(1, 5), prompt(2, 17), prompt(3, 1), prompt(4, 16)]
+    ours = paged.generate([SampleJob(p, "r8", GREEDY) for p in prompts])
+    dense = Sampler(engine, tokenizer).generate([SampleJob(p, "r8", GREEDY) for p in prompts])
+    for p, out, ref in zip(prompts, ours, dense, strict=True):
+        (seq,) = out.sequences
+        assert_same(seq, ref.sequences[0])
+        tokens, logprobs = hf_greedy(oracle, p, GREEDY.max_tokens, tokenizer)
+        assert seq.tokens == tokens
+        assert max(abs(x - y) for x, y in zip(seq.logprobs, logprobs, strict=True)) <= 1e-4
+    assert_blocks_back(paged)
+
+
+def test_paged_mixed_adapters_ragged_prompts_and_forked_samples_equal_dense(
+    setup: tuple[Engine, Any],  # noqa: F811
+) -> None:
+    engine, tokenizer = setup
+    order = ["r8", None, "r2", "r16", None, "r4", "attn", "r8"]
+    seeded = SampleParams(max_tokens=20, temperature=0.9, top_k=40, seed=5)
+    jobs = [
+        SampleJob(prompt(100 + i, 3 + (7 * i) % 29), m, GREEDY if i % 2 else seeded, num_samples=1 + i % 3)
+        for i, m in enumerate(order)
+    ]
+    dense = Sampler(engine, tokenizer, max_rows=64).generate(jobs)
+    paged = Sampler(engine, tokenizer, max_rows=64, paged_kv=True)
+    ours = paged.generate(jobs)
+    assert paged.stats.prefill_forwards == 1  # every job's prompt prefilled once, however many samples fork it
+    for a, b in zip(ours, dense, strict=True):
+        assert len(a.sequences) == len(b.sequences)
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert_same(x, y)
+    # Greedy samples forked from one prompt are the same sequence; seeded ones differ from each other.
+    assert all(len({tuple(s.tokens) for s in out.sequences}) == 1 for out in ours[1::2])
+    assert len({tuple(s.tokens) for s in ours[2].sequences}) == 3
+    assert_blocks_back(paged)
+
+
+def test_paged_forked_samples_share_the_prompt_blocks(setup: tuple[Engine, Any]) -> None:  # noqa: F811
+    """While 4 samples of a 40-token prompt decode, the prompt's 2 full blocks are held once (refcount 4), and each
+    row copied the shared partial third block on its first write."""
+    engine, tokenizer = setup
+    job = SampleJob(prompt(7, 40), "r4", SampleParams(max_tokens=6, temperature=0.8, seed=3), num_samples=4)
+    paged = Sampler(engine, tokenizer, paged_kv=True)
+    run = paged.start([job])
+    run.advance(0.0)  # the admission and one decode step
+    run_state: Any = run._run
+    decoder = run_state.decoder
+    tables = [decoder.blocks.table(r) for r in sorted(decoder.live_rows)]
+    assert len(tables) == 4
+    assert len({t[0] for t in tables}) == 1 and len({t[1] for t in tables}) == 1
+    assert decoder.blocks.refcount(tables[0][0]) == 4
+    assert len({t[2] for t in tables}) == 4  # the partial block: one private copy each
+    run.advance(None)
+    assert run.done
+    dense = Sampler(engine, tokenizer).generate([job])
+    for x, y in zip(run.outputs[0].sequences, dense[0].sequences, strict=True):
+        assert_same(x, y)
+    assert_blocks_back(paged)
+
+
+def test_paged_continuous_batching_and_abandoned_run_free_every_block(
+    setup: tuple[Engine, Any],  # noqa: F811
+) -> None:
+    engine, tokenizer = setup
+    models = ["r2", None, "r16", "r4", "attn", "r8"]
+    jobs = [
+        SampleJob(
+            prompt(200 + i, 2 + (11 * i) % 30),
+            m,
+            SampleParams(max_tokens=3 + (5 * i) % 17, temperature=0.0 if i % 2 else 0.9, seed=1000 + i),
+            3,
+        )
+        for i, m in enumerate(models)
+    ]
+    small = Sampler(engine, tokenizer, max_rows=4, paged_kv=True)
+    few = small.generate(jobs)
+    assert small.stats.peak_rows == 4 and small.stats.joined_live_batch > 0
+    many = Sampler(engine, tokenizer, max_rows=64).generate(jobs)
+    for a, b in zip(few, many, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert_same(x, y)
+    assert_blocks_back(small)
+    run = small.start(jobs)
+    run.advance(0.0)
+    assert not run.done
+    run.close()  # abandoned mid-run
+    assert_blocks_back(small)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_paged_decoder_refuses_rows_without_a_held_prompt(setup: tuple[Engine, Any], paged: bool) -> None:  # noqa: F811
+    engine, _ = setup
+    decoder = StaticDecoder(engine, rows=2, width=64, groups=0, paged=paged)
+    kv = [(torch.zeros(decoder.kv_heads, 3, decoder.head_dim), torch.zeros(decoder.kv_heads, 3, decoder.head_dim))]
+    kv = kv * len(decoder.body.layers)
+    if paged:
+        with pytest.raises(ValueError, match="held prompt"):
+            decoder.set_row(0, None, 0.0, kv)
+    else:
+        decoder.set_row(0, None, 0.0, kv)  # the dense cache takes the KV itself
