@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from loraplex.errors import InvalidRequestError
-from loraplex.service.schemas import Strict, adam_field
+from loraplex.service.schemas import AdamFields, Strict
 
 RecordFormat = Literal["chat", "prompt_completion"]
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -47,13 +47,7 @@ class LoraConfig(Strict):
     alpha: float | None = Field(None, gt=0, description="empty: 2 x rank")
 
 
-class OptimizerConfig(Strict):
-    learning_rate: float = adam_field("learning_rate")
-    beta1: float = adam_field("beta1")
-    beta2: float = adam_field("beta2")
-    eps: float = adam_field("eps")
-    weight_decay: float = adam_field("weight_decay")
-    grad_clip_norm: float = adam_field("grad_clip_norm")
+class OptimizerConfig(Strict, AdamFields):
     # The learning rate rises linearly over the first `warmup_steps` steps, then follows `schedule` down to
     # `min_lr_ratio` x learning_rate at the last step.
     warmup_steps: int = Field(0, ge=0)

@@ -80,14 +80,20 @@ def adam_field(name: str) -> Any:
     return Field(spec.default, ge=spec.ge, gt=spec.gt, lt=spec.lt, allow_inf_nan=False)
 
 
-class AdamParams(Strict):
-    # The names of protocol/adam.py's ADAM_FIELDS (tests/unit/test_shared_tables.py holds every model to them).
+class AdamFields(BaseModel):
+    """AdamW's six fields with protocol/adam.py's defaults and bounds, for every request model that carries them (this
+    one, the Tinker body, a pipeline's optimizer config); each model brings its own config (extra fields...)."""
+
     learning_rate: float = adam_field("learning_rate")
     beta1: float = adam_field("beta1")
     beta2: float = adam_field("beta2")
     eps: float = adam_field("eps")
     weight_decay: float = adam_field("weight_decay")
     grad_clip_norm: float = adam_field("grad_clip_norm")
+
+
+class AdamParams(Strict, AdamFields):
+    """The native optim_step's hyperparameters (tests/unit/test_shared_tables.py holds every model to ADAM_FIELDS)."""
 
 
 class OptimStepRequest(Strict):

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from loraplex.service.schemas import adam_field
+from loraplex.service.schemas import AdamFields
 
 SEQ_ID = Field(..., ge=0, lt=2**31)
 
@@ -64,13 +64,8 @@ class ModelBody(Body):
     model_id: str = Field(..., min_length=1, max_length=128)
 
 
-class AdamParamsBody(Body):
-    learning_rate: float = adam_field("learning_rate")
-    beta1: float = adam_field("beta1")
-    beta2: float = adam_field("beta2")
-    eps: float = adam_field("eps")
-    weight_decay: float = adam_field("weight_decay")
-    grad_clip_norm: float = adam_field("grad_clip_norm")
+class AdamParamsBody(Body, AdamFields):
+    """Tinker's optim_step hyperparameters."""
 
 
 class OptimStepBody(ModelBody):
