@@ -19,7 +19,8 @@ activation) over buffers allocated once:
 
 Paged mode (`paged=True`, off by default): K/V live in a `PagedKvCache` instead of the dense per-row cache, each row
 in the blocks of its block table (a `BlockAllocator` sized for every row at full width, plus one scratch block that
-rows without a sample write to). A prompt's KV is written once into the blocks of a holder row (`hold_prompt`) and
+rows without a sample write to). A prompt's KV is written once into the blocks of a holder row (`prompt_slots`: the
+sampler's prefill writes it there) and
 every sample of it forks the holder's blocks (`set_row(..., prompt=key)`), so num_samples rows share one copy of the
 prompt until each writes its first token (copy-on-write of a shared partial block). Before a step the host appends
 each live row's position (`append`; copying a block where it says) and copies the block tables [rows, blocks per row]
@@ -256,19 +257,24 @@ class StaticDecoder:
         if self.mask is not None:
             self.mask.zero_()
 
-    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Paged: write a prompt's KV (per layer [kv_heads, L, D]) once into the blocks of holder row `key`, for its
-        samples to fork (`set_row(..., prompt=key)`); `drop_prompt(key)` once every sample has forked. Dense: nothing
-        (each row gets its own copy in set_row)."""
-        if self.blocks is None or self.cache is None:
-            return
-        length = int(kv[0][0].shape[-2])
-        if length >= self.width:
-            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+    def prompt_slots(self, key: Any, prompt: Sequence[int]) -> torch.Tensor:
+        """Paged: blocks for a prompt held by holder row `key`, for its samples to fork (`set_row(..., prompt=key)`);
+        returns the cache slot of each prompt position (int64 [L] on the device), where the caller writes the prompt's
+        K/V (the sampler's packed prefill writes them there layer by layer). `drop_prompt(key)` once every sample has
+        forked."""
+        if self.blocks is None:
+            raise ValueError("only a paged decoder holds prompts")
+        if len(prompt) >= self.width:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit {self.width} cached positions")
         self.blocks.admit(("prompt", key), prompt, 0)
         table = torch.tensor(self.blocks.table(("prompt", key)), dtype=torch.int64, device=self.engine.device)
-        positions = torch.arange(length, device=self.engine.device)
-        slots = slots_for(table.expand(length, -1), positions, self.blocks.block_tokens)
+        positions = torch.arange(len(prompt), device=self.engine.device)
+        return slots_for(table.expand(len(prompt), -1), positions, self.blocks.block_tokens)
+
+    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Paged: `prompt_slots` with the prompt's KV given (per layer [kv_heads, L, D]) and written here."""
+        assert self.cache is not None
+        slots = self.prompt_slots(key, prompt)
         for layer, (k, v) in enumerate(kv):
             self.cache.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))
 
@@ -299,16 +305,13 @@ class StaticDecoder:
         row: int,
         group: int | None,
         scale: float,
-        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         prompt: Any = None,
         max_new: int = 0,
     ) -> None:
-        """Row `row` now holds a new sample of group `group` (None: the base model) with this prompt KV (per layer
-        [kv_heads, L, D]); its next step feeds position L. Paged: the row forks holder `prompt` (`hold_prompt`)
-        instead, allowed `max_new` more positions."""
-        length = int(kv[0][0].shape[-2])
-        if length >= self.width:
-            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+        """Row `row` now holds a new sample of group `group` (None: the base model). Dense: with this prompt KV (per
+        layer [kv_heads, L, D]); its next step feeds position L. Paged: the row forks holder `prompt`
+        (`prompt_slots`) instead, allowed `max_new` more positions; its next step feeds the prompt's length."""
         if self.blocks is not None:
             if prompt is None:
                 raise ValueError("a paged decoder's row forks a held prompt: pass prompt=")
@@ -319,6 +322,11 @@ class StaticDecoder:
             self.table_host[row, : len(table)] = table
             self.tables_changed = True
         else:
+            if kv is None:
+                raise ValueError("a dense decoder's row takes its prompt KV: pass kv=")
+            length = int(kv[0][0].shape[-2])
+            if length >= self.width:
+                raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
             for layer, (k, v) in enumerate(kv):
                 self.keys[layer][row, :, :length] = k
                 self.values[layer][row, :, :length] = v
