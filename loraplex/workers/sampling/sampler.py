@@ -618,7 +618,7 @@ class _Run:
             counts[self.group_of[self.jobs[j].model_id]] += n
         routing, banks = self._lora(counts)
         writer = _PagedPromptWriter(decoder, slots)
-        with engine.context.use(routing, banks):
+        with engine.context.use(routing, banks), engine.elementwise():
             hidden = engine.body(
                 input_ids=tokens,
                 position_ids=positions,
