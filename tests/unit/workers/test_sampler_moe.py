@@ -106,6 +106,9 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
     assert sampler.stats.peak_rows == len(jobs) and sampler.stats.prefill_forwards == 1
     for job, out in zip(jobs, mixed, strict=True):
         assert_same(out.sequences[0], sampler.generate([job])[0].sequences[0])
+    paged = Sampler(engine, tokenizer, max_rows=16, paged_kv=True).generate(jobs)  # the paged KV cache: the same
+    for a, b in zip(paged, mixed, strict=True):
+        assert_same(a.sequences[0], b.sequences[0])
     same = sampler.generate([SampleJob(prompt(7, 6), m, GREEDY) for m in [None, *ADAPTERS]])
     assert len({tuple(out.sequences[0].tokens) for out in same}) == 5  # each adapter (and the base) its own tokens
 
