@@ -146,6 +146,18 @@ class _PagedPromptWriter:
         self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
         return keys, values
 
+    # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
+    # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).
+    # The chunk has no past: it starts at offset 0 and its keys are its own tokens.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, q_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return q_length, 0
+
 
 @dataclass(frozen=True)
 class _Group:

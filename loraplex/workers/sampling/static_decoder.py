@@ -56,6 +56,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.sampling.kv_blocks import BlockAllocator
+from loraplex.workers.sampling.moe_decode import MoeDecodeMlp, check_moe_block, is_moe_block, mlp_linears
 from loraplex.workers.sampling.paged_kv import PagedKvCache, paged_attention, slots_for
 
 ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj")
@@ -72,7 +73,10 @@ def check_decodable(engine: Engine) -> None:
     for layer in body.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         parts = [getattr(attn, n, None) for n in (*ATTENTION_INPUT, "o_proj")]
-        parts += [getattr(mlp, n, None) for n in (*MLP_INPUT, "down_proj")]
+        if mlp is not None and is_moe_block(mlp):
+            check_moe_block(mlp)  # its routed experts run in moe_decode.py
+        else:
+            parts += [getattr(mlp, n, None) for n in (*MLP_INPUT, "down_proj")]
         if any(p is None for p in parts) or not hasattr(layer, "post_attention_layernorm"):
             raise EngineError("the native sampler needs decoder layers with q/k/v/o projections and a gated MLP")
 
@@ -197,14 +201,20 @@ class StaticDecoder:
         self.points: list[tuple[_LoraPoint, _LoraPoint, _LoraPoint, _LoraPoint]] = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            gate_up, down = mlp_linears(mlp)  # an MoE block: its shared expert's (or none)
             self.points.append(
                 (
                     self._point([getattr(attn, n) for n in ATTENTION_INPUT]),
                     self._point([attn.o_proj]),
-                    self._point([getattr(mlp, n) for n in MLP_INPUT]),
-                    self._point([mlp.down_proj]),
+                    self._point(gate_up),
+                    self._point(down),
                 )
             )
+        # MoE layers' MLP (routed experts with expert LoRA, then the shared expert on the points above); None: dense.
+        self.moe = [
+            MoeDecodeMlp(layer.mlp, p[2], p[3], groups, self.rank, dtype, device) if is_moe_block(layer.mlp) else None
+            for layer, p in zip(body.layers, self.points, strict=True)
+        ]
         self.rotary = [_apply_rotary(layer.self_attn) for layer in body.layers]
         self.head_weight = cast(torch.Tensor, engine.head.weight)
         self.fused = _fused_kernels(engine) if fused else None
@@ -254,6 +264,9 @@ class StaticDecoder:
                     blocks.append(a.permute(1, 0, 2).reshape(w.in_features, g * r))
                     b_cat.copy_(w.lora_B.detach().index_select(0, index).reshape(g * r, w.out_features))
                 point.a_cat.copy_(torch.cat(blocks, dim=1))
+        for moe in self.moe:
+            if moe is not None:
+                moe.load(index)
         if self.mask is not None:
             self.mask.zero_()
 
@@ -386,6 +399,10 @@ class StaticDecoder:
             (o,) = o_point(attended, mask)
             hidden = hidden + o
             x = self._norm(layer.post_attention_layernorm, hidden)
+            moe = self.moe[i]
+            if moe is not None:
+                hidden = hidden + moe(x, mask)
+                continue
             gate, up = mlp_in(x, mask)
             act = mlp.act_fn(gate) * up if self.fused is None else self.fused.silu_mul(gate, up)
             (down,) = down_point(act, mask)
