@@ -83,8 +83,9 @@ def check_decodable(engine: Engine) -> None:
 
 def _fused_kernels(engine: Engine) -> Any:
     """The Triton RMSNorm, silu-gate and rotary kernels (workers/kernels/triton_elementwise.py) for the decode step on
-    CUDA where triton is and every layer has what they compute (RMSNorms, a silu-gated MLP, rotary over the whole head
-    dim a power of two); None elsewhere: the model's own modules (the reference the kernels are tested against)."""
+    CUDA where triton is and every layer has what they compute (RMSNorms, a silu-gated dense MLP or an MoE block,
+    whose experts moe_decode.py runs, rotary over the whole head dim a power of two); None elsewhere: the model's own
+    modules (the reference the kernels are tested against)."""
     from loraplex.workers.kernels import fused_elementwise
 
     body: Any = engine.body
@@ -96,7 +97,7 @@ def _fused_kernels(engine: Engine) -> Any:
         engine.device.type == "cuda"
         and fused_elementwise.available()
         and all(fused_elementwise.is_rms_norm(n) for n in norms)
-        and all(fused_elementwise.is_silu_gated_mlp(layer.mlp) for layer in body.layers)
+        and all(is_moe_block(layer.mlp) or fused_elementwise.is_silu_gated_mlp(layer.mlp) for layer in body.layers)
         and dim & (dim - 1) == 0
         and float(getattr(engine.model.config, "partial_rotary_factor", 1.0) or 1.0) == 1.0
     )
