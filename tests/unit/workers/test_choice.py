@@ -228,17 +228,20 @@ def test_hand_made_distributions_are_drawn_from_renormalised() -> None:
 
 
 def test_a_long_tail_of_tiny_probabilities_keeps_its_mass() -> None:
-    """One token of weight 1 first in the vocabulary, then 50,000 tokens of weight 2e-8 (0.1% of the mass together):
-    uniforms above 1 / 1.001 draw tail tokens, spread over the tail. An fp32 running sum would stay at 1 (each 2e-8
-    is under half its ulp) and give token 0 every time."""
+    """One token of weight 1 first in the vocabulary, then 50,000 tokens of weight w = 2e-8 (0.1% of the mass
+    together): a uniform u above 1 / total draws the tail token 1 + floor((u * total - 1) / w), give or take one. An
+    fp32 running sum would stay at 1 (each w is under half its ulp): token 0 every time; fp32 prefix sums rounded
+    from exact ones move in steps of ~6 tail tokens."""
     vocab = 50_001
     z = torch.full((vocab,), math.log(2e-8))
     z[0] = 0.0
+    w = float(z[1].exp())
+    total = 1 + (vocab - 1) * w
     rows = 100
-    uniforms: list[float | None] = [0.9991 + 0.0009 * (i + 0.5) / rows for i in range(rows)]
+    uniforms = [(1 + (vocab - 1) * w * (i + 0.5) / rows) / total for i in range(rows)]
     got = choose_tokens(z.expand(rows, vocab).contiguous(), [1.0] * rows, [-1] * rows, [1.0] * rows, uniforms)
-    assert 0 not in got.tokens.tolist()
-    assert len(set(got.tokens.tolist())) == rows
+    want = [1 + math.floor((u * total - 1) / w) for u in uniforms]
+    assert all(abs(a - b) <= 1 for a, b in zip(got.tokens.tolist(), want, strict=True)), (got.tokens, want)
     head = choose_tokens(z[None], [1.0], [-1], [1.0], [0.99899])
     assert head.tokens.tolist() == [0]
 
