@@ -3,22 +3,24 @@ and top-p. This docstring is the specification; `choose_tokens_reference` restat
 
 Per row, z = fp32 logits [V], T = temperature, k = top_k (-1 or >= V: off), p = top_p, u = the row's uniform draw:
 
-    reported logprob  = z[token] - logsumexp(z)     # the raw policy's logprob (before T, k, p), as RL losses compare
+    reported logprob  = log_softmax(z)[token]        # the raw policy's logprob (before T, k, p), as RL losses compare
     T == 0 (greedy):    token = argmax(z)           # the first index of the maximum
     plain (k off and p == 1): no sort. In vocabulary order,
-                        w = exp((z - max(z)) / T); cdf = cumsum(w) in fp64
+                        w = softmax(z / T) (torch's, fp32); cdf = cumsum(w) in fp64
                         token = the first i with cdf[i] > min(u * cdf[-1], the fp64 just below cdf[-1])
     truncated (k on or p < 1): in the order of z descending, ties by vocabulary index (a stable sort),
                         s = z in that order; w = exp((s - s[0]) / T) for rank < k, 0 beyond
                         cdf = cumsum(w) in fp64; a rank is kept while the mass before it is < p * cdf[-1]
                         (the smallest prefix holding p of the top-k mass; the first rank is always kept)
                         token = the inverse CDF over the kept ranks at u, as above, mapped back to its vocabulary id
-    top-k logprobs (when a row asks n): its n largest logits (ties by vocabulary index), each with z - logsumexp(z)
+    top-k logprobs (when a row asks n): its n largest log_softmax(z) (ties by vocabulary index), with their ids
 
 So top_k = 1 is greedy, and a draw follows softmax(z / T) restricted to the kept tokens and renormalised. The cdf is
 fp64 because a long tail of small probabilities added to an fp32 running sum near 1 rounds to nothing: that mass
 would never be drawn (a vocabulary of 150k tokens at 1e-8 each is 0.15% of the draws). Tokens whose w underflows to
-0 (z more than ~87 T below the maximum) are never drawn.
+0 (z more than ~87 T below the maximum) are never drawn. Plain rows at T == 1 that ask no top-k logprobs report
+z[token] - max(z) + log(w[argmax z]) (from the softmax they drew from: no second pass that writes the vocabulary),
+log_softmax's value to fp32 rounding.
 
 Which path a row takes depends on its own (T, k, p) only, and every operation is row-wise, so a row's token never
 depends on the other rows of the batch. How a path computes is free as long as it gives the specification's token:
@@ -146,8 +148,9 @@ class _Plan:
     plain: list[int]
     topk: list[int]  # truncated, top_k <= TOPK_LIMIT
     sort: list[int]  # truncated, wider
-    lse: list[int]  # rows whose logsumexp is computed alone (all but plain rows at T == 1, which reuse the draw's sum)
-    top: list[int]  # rows asking for top-k logprobs
+    full: list[int]  # rows whose log_softmax is computed (all but plain rows at T == 1 asking no top-k logprobs)
+    top: list[int]  # rows asking for top-k logprobs (a subset of full)
+    top_in_full: list[int]  # their places in full
     k_eff: list[int]  # top_k with "off" as V
 
 
@@ -159,7 +162,7 @@ def _plan(
     top_counts: Sequence[int],
     drawn: Sequence[bool],
 ) -> _Plan:
-    plan = _Plan([], [], [], [], [], [], [])
+    plan = _Plan([], [], [], [], [], [], [], [])
     for b, (t, k, p, n, has_draw) in enumerate(zip(temperatures, top_ks, top_ps, top_counts, drawn, strict=True)):
         if not (isinstance(t, int | float) and 0 <= t < math.inf):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -173,19 +176,18 @@ def _plan(
         plan.k_eff.append(k_eff)
         if n:
             plan.top.append(b)
+            plan.top_in_full.append(len(plan.full))
+        if n or t != 1 or k_eff < vocab or p < 1:
+            plan.full.append(b)
         if t == 0:
             plan.greedy.append(b)
-            plan.lse.append(b)
             continue
         if not has_draw:
             raise InvalidRequestError("every sampled row (temperature > 0) needs a draw")
         if k_eff >= vocab and p >= 1:
             plan.plain.append(b)
-            if t != 1:
-                plan.lse.append(b)
         else:
             (plan.topk if k_eff <= TOPK_LIMIT else plan.sort).append(b)
-            plan.lse.append(b)
     return plan
 
 
@@ -220,7 +222,7 @@ def choose_tokens(
     device = logits.device
 
     # One host-to-device transfer of everything per row: int64 columns, fp64 ones carried as their bits.
-    index_lists = [plan.greedy, plain := plan.plain, plan.topk, plan.sort, plan.lse, plan.top]
+    index_lists = [plan.greedy, plain := plan.plain, plan.topk, plan.sort, plan.full, plan.top, plan.top_in_full]
     ints = [as_int64(s) if s is not None else 0 for s in streams] if streams is not None else [0] * rows
     ints += list(steps) if steps is not None else [0] * rows
     ints += plan.k_eff
@@ -239,13 +241,13 @@ def choose_tokens(
     cuts = [rows, rows, rows] + [len(idx) for idx in index_lists] + [rows, rows] + ([rows] if given_uniforms else [])
     parts = list(torch.split(packed, cuts))
     keys, counts_t, k_eff = parts[0:3]
-    g_idx, p_idx, k_idx, s_idx, l_idx, t_idx = parts[3:9]
-    temps = parts[9].view(torch.float64).float()  # fp32 temperatures, as the logits
-    ps = parts[10].view(torch.float64)
+    g_idx, p_idx, k_idx, s_idx, f_idx, t_idx, t_in_f = parts[3:10]
+    temps = parts[10].view(torch.float64).float()  # fp32 temperatures, as the logits
+    ps = parts[11].view(torch.float64)
     if isinstance(uniforms, torch.Tensor):
         u = uniforms.to(device=device, dtype=torch.float64)
     elif given_uniforms:
-        u = parts[11].view(torch.float64)
+        u = parts[12].view(torch.float64)
     else:
         u = draw_uniforms(keys, counts_t)
 
@@ -253,21 +255,22 @@ def choose_tokens(
         return logits if len(idx_list) == rows else logits.index_select(0, idx)
 
     tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-    lse = torch.zeros(rows, dtype=torch.float32, device=device)
+    logprobs = torch.zeros(rows, dtype=torch.float32, device=device)
     if plan.greedy:
         tokens[g_idx] = take(plan.greedy, g_idx).argmax(dim=-1)
     if plain:
         z = take(plain, p_idx)
-        m = z.amax(dim=-1, keepdim=True)
-        w = z - m
-        if any(temperatures[b] != 1 for b in plain):
-            w.div_(temps[p_idx, None])
-        cdf = w.exp_().cumsum(dim=-1, dtype=torch.float64)
-        del w
-        total = cdf[:, -1]
-        tokens[p_idx] = _inverse_cdf(cdf, total, u[p_idx])
-        lse[p_idx] = (m[:, 0].double() + total.log()).float()  # T == 1: sum(w) is the logsumexp's sum (others below)
+        scaled = z / temps[p_idx, None] if any(temperatures[b] != 1 for b in plain) else z  # / 1 is exact
+        w = torch.softmax(scaled, dim=-1)  # one fused pass: max, exp, sum, divide
+        cdf = w.cumsum(dim=-1, dtype=torch.float64)
+        picked = _inverse_cdf(cdf, cdf[:, -1], u[p_idx])
         del cdf
+        tokens[p_idx] = picked
+        # T == 1: log_softmax(z)[token] = z[token] - max(z) + log(w[argmax]), precise even where w[token] is
+        # subnormal (w[argmax] >= 1 / V); the other rows get theirs below.
+        top, arg = z.max(dim=-1, keepdim=True)
+        logprobs[p_idx] = (z.gather(1, picked[:, None]) - top + w.gather(1, arg).log())[:, 0]
+        del w
     for sub, sub_idx in ((plan.topk, k_idx), (plan.sort, s_idx)):
         if not sub:
             continue
@@ -277,16 +280,15 @@ def choose_tokens(
         else:
             vals, ids = z.sort(dim=-1, descending=True, stable=True)
         tokens[sub_idx] = _draw_sorted(vals, ids, temps[sub_idx], k_eff[sub_idx], ps[sub_idx], u[sub_idx])
-    if plan.lse:
-        lse[l_idx] = torch.logsumexp(take(plan.lse, l_idx), dim=-1)
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - lse
     k_max = max(counts, default=0)
     top_ids = torch.zeros(rows, k_max, dtype=torch.int64, device=device)
     top_lps = torch.zeros(rows, k_max, dtype=torch.float32, device=device)
-    if plan.top:
-        vals, ids = _top_by_key(take(plan.top, t_idx), k_max)
-        top_ids[t_idx] = ids
-        top_lps[t_idx] = vals - lse[t_idx, None]
+    if plan.full:
+        log_probs = torch.log_softmax(take(plan.full, f_idx), dim=-1)
+        logprobs[f_idx] = log_probs.gather(1, tokens[f_idx, None])[:, 0]
+        if plan.top:
+            asked = log_probs if len(plan.top) == len(plan.full) else log_probs.index_select(0, t_in_f)
+            top_lps[t_idx], top_ids[t_idx] = _top_by_key(asked, k_max)
     return Choices(tokens, logprobs, top_ids, top_lps, tuple(counts))
 
 
@@ -352,7 +354,7 @@ def choose_tokens_reference(
         else:
             assert u is not None
             if k >= vocab and p >= 1:
-                w = ((z - z.max()) / t32).exp()
+                w = torch.softmax(z / t32, dim=0)
                 order = torch.arange(vocab)
             else:
                 s, order = z.sort(descending=True, stable=True)
@@ -365,13 +367,13 @@ def choose_tokens_reference(
             below = torch.nextafter(kept_total, torch.tensor(0.0, dtype=torch.float64))
             target = torch.minimum(torch.tensor(u, dtype=torch.float64) * kept_total, below)
             token = int(order[int((cdf[:kept] <= target).sum())])
-        lse = torch.logsumexp(z, 0)
+        log_probs = torch.log_softmax(z, 0)
         tokens.append(token)
-        logprobs.append(float(z[token] - lse))
+        logprobs.append(float(log_probs[token]))
         if counts[b]:
-            s, order = z.sort(descending=True, stable=True)
+            s, order = log_probs.sort(descending=True, stable=True)
             top_ids[b, : counts[b]] = order[: counts[b]]
-            top_lps[b, : counts[b]] = s[: counts[b]] - lse
+            top_lps[b, : counts[b]] = s[: counts[b]]
     return Choices(
         torch.tensor(tokens, dtype=torch.int64),
         torch.tensor(logprobs, dtype=torch.float32),
