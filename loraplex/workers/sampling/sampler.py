@@ -34,6 +34,7 @@ cutting the text at the string is the caller's business); `max_tokens` tokens en
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -49,7 +50,7 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
-from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
 from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decodable
 
 STOP = "stop"
@@ -116,7 +117,7 @@ class _Row:
     job: int
     sample: int
     group: int  # the call's routing group (adapter or base)
-    generator: torch.Generator | None  # None: greedy
+    stream: int | None  # its draws' key (choice.stream_key of the job's seed and the sample index); None: greedy
     length: int  # tokens in the KV cache (the last sampled token is not yet)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -388,9 +389,8 @@ class _Run:
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
         self.unadmitted = [job.num_samples for job in jobs]
-        self.seeds = [
-            job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**62, ()).item()) for job in jobs
-        ]
+        # A job without a seed draws one now, from the OS (not torch's global generator, which model init seeds).
+        self.seeds = [job.params.seed if job.params.seed is not None else secrets.randbits(64) for job in jobs]
 
     # ---- routing -----------------------------------------------------------------------------------------------------
     def _lora(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
@@ -489,8 +489,8 @@ class _Run:
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
-        generator = row_generator(self.seeds[j], s) if job.params.temperature > 0 else None
-        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], generator=generator, length=len(job.prompt))
+        stream = stream_key(self.seeds[j], s) if job.params.temperature > 0 else None
+        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], stream=stream, length=len(job.prompt))
         if job.topk_sample_logprobs:
             row.topk = []
         if job.params.max_tokens == 0:
@@ -500,15 +500,16 @@ class _Run:
     def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
         """Pick each row's next token from its logits [B, V] (fp32), append it and check the stops."""
         params = [self.jobs[r.job].params for r in rows]
-        uniforms = [draw_uniform(r.generator) if r.generator is not None else None for r in rows]
-        tokens, logprobs = choose_tokens(
-            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params], uniforms
-        )
-        picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-        tokens_l, picked_l = tokens.cpu().tolist(), picked.cpu().tolist()
-        ks = [self.jobs[r.job].topk_sample_logprobs for r in rows]
-        tops = top_logprobs(logprobs, ks) if any(ks) else [None] * len(rows)
-        for row, p, tok, lp, top in zip(rows, params, tokens_l, picked_l, tops, strict=True):
+        chosen = choose_tokens(  # each row's t-th draw: t = the tokens it has sampled so far
+            logits,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            streams=[r.stream for r in rows],
+            steps=[len(r.tokens) for r in rows],
+            topk_logprobs=[self.jobs[r.job].topk_sample_logprobs for r in rows],
+        ).to_host()  # tokens, logprobs and top-k logprobs in one copy
+        for row, p, tok, lp, top in zip(rows, params, chosen.tokens, chosen.logprobs, chosen.top, strict=True):
             row.tokens.append(int(tok))
             row.logprobs.append(float(lp))
             if row.topk is not None and top is not None:
