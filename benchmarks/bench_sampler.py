@@ -229,7 +229,7 @@ def breakdown(
     """Where a decode step's time goes: a graph replay alone (base / 1 / 4 adapters), choosing the tokens from [B, V]
     logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time). Paged: every
     row holds its own prompt's KV (zeros) and each timed step appends one position to every row."""
-    from loraplex.workers.sampling.choice import choose_tokens
+    from loraplex.workers.sampling.choice import choose_tokens, stream_key
     from loraplex.workers.sampling.static_decoder import StaticDecoder
 
     rows, out = len(prompts), {}
@@ -277,9 +277,12 @@ def breakdown(
             decoder.reset()
             del decoder
         logits = torch.randn(rows, engine.vocab_size, device=engine.device)
-        uniforms = [0.5] * rows
-        out["choose_ms"] = 1e3 * timed(
-            lambda: choose_tokens(logits, [1.0] * rows, [-1] * rows, [1.0] * rows, uniforms)[0].cpu(), 20
+        streams = [stream_key(7, r) for r in range(rows)]
+        out["choose_ms"] = 1e3 * timed(  # what a decode step does: draws on the device, one copy back
+            lambda: choose_tokens(
+                logits, [1.0] * rows, [-1] * rows, [1.0] * rows, streams=streams, steps=[3] * rows
+            ).to_host(),
+            20,
         )
         sampler = Sampler(engine, tokenizer=None, max_rows=rows, eos_token_ids=(), paged_kv=paged)
         one = SampleParams(max_tokens=1, temperature=1.0, seed=7)
