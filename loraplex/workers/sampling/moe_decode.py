@@ -246,6 +246,14 @@ class MoeDecodeMlp:
             s.a.copy_(a.transpose(0, 1))
             s.b.copy_(b.transpose(0, 1))
 
+    def load_group(self, group: int, slot: int) -> None:
+        """Copy the expert LoRA of bank slot `slot` into group `group` of the stacks (the others unchanged)."""
+        for bank, s in zip(self.banks, self.stacks, strict=True):
+            if bank is None or s is None:
+                continue
+            s.a[:, group].copy_(bank.lora_A.detach()[slot])
+            s.b[:, group].copy_(bank.lora_B.detach()[slot])
+
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         row_group, row_scale = rows_of(mask, x.shape[0], self.groups, self.rank, x.device)
         if self.batched:

@@ -152,6 +152,7 @@ class StaticDecoder:
         paged: bool = False,
         block_tokens: int = BLOCK_TOKENS,
         fused: bool = True,
+        num_blocks: int | None = None,
     ) -> None:
         check_decodable(engine)
         self.engine = engine
@@ -171,11 +172,12 @@ class StaticDecoder:
         self.cache: PagedKvCache | None = None
         self.live_rows: set[int] = set()  # paged: rows holding a sample (their blocks are in `blocks`)
         if paged:
-            # The worst case: every row reaches `width` positions, one prompt holder whose samples all ended waits for
-            # rows, and each row's own copy of its shared partial prompt block. The extra last block is the scratch
-            # of rows without a sample.
+            # num_blocks None: the worst case, every row reaching `width` positions, one prompt holder whose samples
+            # all ended waiting for rows, and each row's own copy of its shared partial prompt block (else the
+            # caller's budget, and admission waits for blocks). The extra last block is the scratch of rows without a
+            # sample.
             per_row = -(-width // block_tokens)
-            num_blocks = (rows + 1) * per_row + rows
+            num_blocks = (rows + 1) * per_row + rows if num_blocks is None else num_blocks
             self.blocks = BlockAllocator(num_blocks, block_tokens)
             self.cache = PagedKvCache(
                 len(body.layers), num_blocks + 1, block_tokens, self.kv_heads, self.head_dim, dtype, device
@@ -219,8 +221,10 @@ class StaticDecoder:
         self.rotary = [_apply_rotary(layer.self_attn) for layer in body.layers]
         self.head_weight = cast(torch.Tensor, engine.head.weight)
         self.fused = _fused_kernels(engine) if fused else None
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
-        self.logits: torch.Tensor | None = None
+        # Captured steps per row bucket (the step runs rows [0, bucket) only): torch.cuda.CUDAGraph and its logits.
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.use_graphs = False  # set by `enable_graphs` (CUDA): a bucket's graph is captured at its first step
+        self.pool: Any = None  # the graphs' shared memory pool (they never replay at once)
 
     def _point(self, modules: Sequence[nn.Module]) -> _LoraPoint:
         wrapped = [m if isinstance(m, SlotBankLinear) else None for m in modules]
@@ -250,26 +254,33 @@ class StaticDecoder:
             raise ValueError(f"this decoder holds {self.groups} adapters, got {len(slots)} slots")
         if not slots:
             return
+        for group, slot in enumerate(slots):
+            self.load_group(group, slot)
+        if self.mask is not None:
+            self.mask.zero_()
+
+    def load_group(self, group: int, slot: int) -> None:
+        """Copy the adapter in bank slot `slot` into LoRA group `group` of the buffers (the other groups unchanged:
+        rows of other adapters keep decoding); a row's mask entries are set by `set_row`."""
+        if not 0 <= group < self.groups:
+            raise ValueError(f"this decoder holds {self.groups} adapters, not group {group}")
         self.engine.optimizer.adopt_views()
-        index = torch.tensor(list(slots), dtype=torch.int64, device=self.engine.device)
-        g, r = self.groups, self.rank
+        r = self.rank
         for layer_points in self.points:
             for point in layer_points:
                 if point.a_cat is None or point.b_cats is None:
                     continue
-                blocks = []
+                block = 0
                 for w, b_cat in zip(point.wrapped, point.b_cats, strict=True):
                     if w is None or b_cat is None:
                         continue
-                    a = w.lora_A.detach().index_select(0, index)  # [G, in, r]
-                    blocks.append(a.permute(1, 0, 2).reshape(w.in_features, g * r))
-                    b_cat.copy_(w.lora_B.detach().index_select(0, index).reshape(g * r, w.out_features))
-                point.a_cat.copy_(torch.cat(blocks, dim=1))
+                    start = (block * self.groups + group) * r
+                    point.a_cat[:, start : start + r].copy_(w.lora_A.detach()[slot])
+                    b_cat[group * r : (group + 1) * r].copy_(w.lora_B.detach()[slot])
+                    block += 1
         for moe in self.moe:
             if moe is not None:
-                moe.load(index)
-        if self.mask is not None:
-            self.mask.zero_()
+                moe.load_group(group, slot)
 
     def prompt_slots(self, key: Any, prompt: Sequence[int]) -> torch.Tensor:
         """Paged: blocks for a prompt held by holder row `key`, for its samples to fork (`set_row(..., prompt=key)`);
@@ -362,18 +373,20 @@ class StaticDecoder:
         qr, kr = self.rotary[layer](q.unsqueeze(2), k.unsqueeze(2), cos[:, None], sin[:, None])
         return qr[:, :, 0], kr[:, :, 0]
 
-    def _forward(self) -> torch.Tensor:
-        body, rows, heads, kv_heads, dim = self.body, self.rows, self.heads, self.kv_heads, self.head_dim
-        mask = self.mask
-        hidden = body.embed_tokens(self.tokens)  # [B, H]
-        pos = self.positions.view(rows, 1)
+    def _forward(self, rows: int) -> torch.Tensor:
+        """The step for rows [0, rows) of the buffers."""
+        body, heads, kv_heads, dim = self.body, self.heads, self.kv_heads, self.head_dim
+        mask = None if self.mask is None else self.mask[:rows]
+        positions, tables = self.positions[:rows], self.tables[:rows]
+        hidden = body.embed_tokens(self.tokens[:rows])  # [B, H]
+        pos = positions.view(rows, 1)
         cos, sin = body.rotary_emb(hidden[:, None], pos)
         cos, sin = cos.view(rows, -1), sin.view(rows, -1)
         if self.cache is not None:
             # rows without a sample sit at position 0 of the scratch block (their tables' first column)
             bt = self.cache.block_tokens
-            slots = self.tables.gather(1, pos // bt).view(rows).long() * bt + self.positions % bt
-            lengths = self.positions + 1
+            slots = tables.gather(1, pos // bt).view(rows).long() * bt + positions % bt
+            lengths = positions + 1
         else:
             visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width)
             write = pos.view(rows, 1, 1, 1).expand(rows, kv_heads, 1, dim)
@@ -388,13 +401,14 @@ class StaticDecoder:
             q, k = self._rope(i, q, k, cos, sin)
             if self.cache is not None:
                 self.cache.write(i, slots, k, v)
-                paged = paged_attention(q, self.cache.k[i], self.cache.v[i], self.tables, lengths, scale=attn.scaling)
+                paged = paged_attention(q, self.cache.k[i], self.cache.v[i], tables, lengths, scale=attn.scaling)
                 attended = paged.reshape(rows, heads * dim)
             else:
-                self.keys[i].scatter_(2, write, k[:, :, None])
-                self.values[i].scatter_(2, write, v[:, :, None])
+                keys, values = self.keys[i][:rows], self.values[i][:rows]
+                keys.scatter_(2, write, k[:, :, None])
+                values.scatter_(2, write, v[:, :, None])
                 out = F.scaled_dot_product_attention(
-                    q[:, :, None], self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling, enable_gqa=True
+                    q[:, :, None], keys, values, attn_mask=visible, scale=attn.scaling, enable_gqa=True
                 )
                 attended = out.reshape(rows, heads * dim)
             (o,) = o_point(attended, mask)
@@ -410,37 +424,56 @@ class StaticDecoder:
             hidden = hidden + down
         return F.linear(self._norm(body.norm, hidden), self.head_weight).float()
 
-    def capture(self) -> None:
-        """On CUDA: record the step as one graph (after two warm-up runs on a side stream, as torch's docs ask).
-        The warm-ups write the cache at the current positions; callers capture before any row holds a sample."""
-        if self.engine.device.type != "cuda" or self.graph is not None:
-            return
-        stream = torch.cuda.Stream(self.engine.device)
-        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+    def enable_graphs(self) -> None:
+        """On CUDA: replay each row bucket's step as a CUDA graph from now on, captured at the bucket's first step."""
+        self.use_graphs = self.engine.device.type == "cuda"
+
+    def bucket(self, rows: int) -> int:
+        """The rows a step over rows [0, rows) runs: with graphs the next power of two from 8, at most the decoder's
+        rows (one graph per bucket; rows past the live ones are idle: they write and read the scratch block, or their
+        own dense row, and their logits are ignored); eagerly exactly `rows`."""
+        if not self.use_graphs:
+            return rows
+        return min(self.rows, max(8, 1 << (max(rows, 1) - 1).bit_length()))
+
+    def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
+        """Record the step of rows [0, rows) as one graph (after two warm-up runs on a side stream, as torch's docs
+        ask). The warm-ups run the very step about to be replayed (its inputs are in place: a step writes each row's
+        new K/V before attending, so running it again writes the same values)."""
+        device = self.engine.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+                self._forward(rows)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
-        self.graph = graph
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(rows)
+        self.graphs[rows] = (graph, logits)
+        return graph, logits
 
     def step(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """fp32 logits [B, V] for one token per row (rows without a sample feed anything; ignore their logits). The
-        returned tensor is overwritten by the next step."""
+        """fp32 logits [len(tokens), V] for one token per row of rows [0, len(tokens)) (rows without a sample feed
+        anything; ignore their logits). The returned tensor is overwritten by the next step."""
         device = self.engine.device
+        count, n = len(tokens), self.bucket(len(tokens))
+        tokens = [*tokens, *[0] * (n - len(tokens))]
+        positions = [*positions, *[0] * (n - len(positions))]
         if self.blocks is not None:
             live = self.live_rows
             positions = [p if r in live else 0 for r, p in enumerate(positions)]  # the scratch block's position 0
             self._page(positions)
-        self.tokens.copy_(to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
-        self.positions.copy_(to_device(torch.tensor(list(positions), dtype=torch.int64), device))
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits
+        self.tokens[:n].copy_(to_device(torch.tensor(tokens, dtype=torch.int64), device))
+        self.positions[:n].copy_(to_device(torch.tensor(positions, dtype=torch.int64), device))
+        if not self.use_graphs:
+            logits = self._forward(n)
+        else:
+            graph, logits = self.graphs.get(n) or self._capture(n)
+            graph.replay()
+        return logits[:count]
 
     def _page(self, positions: Sequence[int]) -> None:
         """Paged: give each live row its next position (copying a shared block first where the allocator says) and

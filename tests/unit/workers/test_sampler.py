@@ -124,16 +124,17 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
 
 
 def test_a_kept_decoder_samples_from_the_adapters_of_each_call(setup: tuple[Engine, Any]) -> None:
-    """Two calls of the same shape share one static decoder (its cache and, on CUDA, its graph): the second call's
-    adapters are loaded into it, and each row still gets what it gets alone."""
+    """Two calls share the sampler's one decode batch (its decoder, cache and, on CUDA, its graphs): the second call's
+    adapters are loaded into its LoRA groups, and each row still gets what it gets alone."""
     engine, tokenizer = setup
     sampler = Sampler(engine, tokenizer, max_rows=4)
     first = [SampleJob(prompt(200 + i, 6), m, GREEDY) for i, m in enumerate(["r2", "r4", None, "r2"])]
     second = [SampleJob(prompt(300 + i, 9), m, GREEDY) for i, m in enumerate(["r16", "attn", "attn", None])]
     sampler.generate(first)
-    kept = dict(sampler._decoders)
+    assert sampler._batch is not None
+    kept = sampler._batch.decoder
     outs = sampler.generate(second)
-    assert len(kept) == 1 and sampler._decoders == kept  # the same decoder object served both calls
+    assert sampler._batch.decoder is kept  # the same decoder object served both calls
     for job, out in zip(second, outs, strict=True):
         assert_same(out.sequences[0], alone(Sampler(engine, tokenizer), job).sequences[0])
 
