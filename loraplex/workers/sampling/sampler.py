@@ -152,8 +152,8 @@ class Sampler:
         with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
         each decode step as a captured graph (False: run it eagerly, for comparison); paged_kv: decode on the paged KV
         cache (static_decoder.py's paged mode: a job's prompt KV written once, its samples fork it; no CUDA graph)."""
-        if engine.dist is not None:
-            raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
+        if engine.dist is not None and engine.shard_base:  # a decode step would all-gather every layer
+            raise EngineError("the native sampler needs the base model whole: sample a replica (sampling/replica.py)")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(f"the native sampler supports full-attention layers only, got {sorted(set(layer_types))}")
