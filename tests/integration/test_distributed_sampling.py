@@ -236,3 +236,41 @@ def test_each_rank_decodes_on_a_whole_copy_sharing_the_training_banks(runs: dict
     assert all(sharded for sharded, _ in facts["training_base"].values())
     assert {n: s for n, (_, s) in facts["base"].items()} == {n: s for n, (_, s) in facts["training_base"].items()}
     print(f"\nscenario seconds: world 1 {runs['one']['seconds']:.2f}, world 2 {runs['two']['seconds']:.2f}")
+
+
+def _refusing_scenario(group: RankGroup, settings: Settings, out: str) -> None:
+    """Rank 1 has too little memory for its replica (a fraction no copy fits in); rank 0 would have enough."""
+    if not group.is_leader:
+        tight = settings.model_copy(update={"sampler_replica_fraction": 1e-12})
+        run_store_follower(group, engine_spec(tight), store_spec(tight), tight)
+        return
+    engine = build_rank_engine(engine_spec(settings), group)
+    store = store_spec(settings).build(engine, group.rank)
+    leader = LeaderExecutor(PlanExecutor(engine, store, native_sampling(settings, engine, store, group)), group)
+    create = Step(StepKind.CREATE, (_req("ca", "a", RequestKind.CREATE_ADAPTER, rank=4, alpha=8.0, seed=1),
+                                    _req("cb", "b", RequestKind.CREATE_ADAPTER, rank=4, alpha=8.0, seed=2)))  # fmt: skip
+    report: dict[str, Any] = {"create": [o.ok for o in leader.execute(BatchPlan((create,)))]}
+    sample = _req("s", "sampler-1", RequestKind.SAMPLE, prompt=[3, 4, 5], max_tokens=4, sampler_copy=None)
+    report["sample"] = leader.execute(BatchPlan((Step(StepKind.SAMPLE, (sample,)),)))
+    report["train"] = [o.ok for o in leader.execute(_train_plan("after"))]  # the ranks are still in step
+    leader.close()
+    torch.save(report, Path(out) / "refused.pt")
+
+
+def test_a_replica_refused_on_one_rank_turns_sampling_off_on_every_rank(tiny_dir: Path, tmp_path: Path) -> None:
+    settings = _settings(tiny_dir, tmp_path / "home")
+    context, _ = spawn_ranks(_refusing_scenario, (settings, str(tmp_path)), world_size=WORLD, ranks=range(WORLD),
+                             device="cpu")  # fmt: skip
+    started = time.monotonic()
+    try:
+        while not context.join(timeout=1.0):
+            assert time.monotonic() - started < 120, "the ranks did not finish in 120 s"
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    report = torch.load(tmp_path / "refused.pt", weights_only=False)
+    (outcome,) = report["sample"]
+    assert not outcome.ok and outcome.error_name == "NotSupportedError", outcome
+    assert "LORAPLEX_SAMPLER_REPLICA_FRACTION" in (outcome.error or "")
+    assert report["create"] == [True, True] and report["train"] == [True] * 4
