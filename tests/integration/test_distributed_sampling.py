@@ -149,7 +149,10 @@ def _scenario(group: RankGroup, settings: Settings, tmp: str, out: str) -> None:
     started = time.perf_counter()
     report = _drive(leader.execute, tmp)
     report["seconds"] = time.perf_counter() - started
-    report["replica"] = _replica_facts(sampling, engine)
+    if settings.pool_layout == "fsdp":
+        report["replica"] = _replica_facts(sampling, engine)
+    else:  # every rank holds the base whole already: it samples on its engine itself
+        report["decodes_on_its_engine"] = sampling.sampler.sampler.engine is engine
     leader.close()
     torch.save(report, Path(out) / "rank0.pt")
 
@@ -158,7 +161,19 @@ def _scenario(group: RankGroup, settings: Settings, tmp: str, out: str) -> None:
 def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The scenario on 2 ranks (spawned) and on one process (here)."""
     out = tmp_path_factory.mktemp("ranks-sampling")
-    settings = _settings(tiny_dir, out / "home2")
+    two = _spawn(_settings(tiny_dir, out / "home2"), out)
+    one_settings = _settings(tiny_dir, out / "home1").model_copy(update={"world_size": 1})
+    engine = build_rank_engine(engine_spec(one_settings), None)
+    store = store_spec(one_settings).build(engine, 0)
+    executor = PlanExecutor(engine, store, native_sampling(one_settings, engine, store, None))
+    started_one = time.perf_counter()
+    one = _drive(executor.execute, str(out / "ckpt1"))
+    one["seconds"] = time.perf_counter() - started_one
+    return {"two": two, "one": one}
+
+
+def _spawn(settings: Settings, out: Path) -> dict[str, Any]:
+    """The scenario on 2 spawned ranks: rank 0's report."""
     started = time.monotonic()
     context, _ = spawn_ranks(_scenario, (settings, str(out / "ckpt2"), str(out)), world_size=WORLD,
                              ranks=range(WORLD), device="cpu")  # fmt: skip
@@ -170,15 +185,7 @@ def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         for p in context.processes:
             if p.is_alive():
                 p.kill()
-    two = torch.load(out / "rank0.pt", weights_only=False)
-    one_settings = _settings(tiny_dir, out / "home1").model_copy(update={"world_size": 1})
-    engine = build_rank_engine(engine_spec(one_settings), None)
-    store = store_spec(one_settings).build(engine, 0)
-    executor = PlanExecutor(engine, store, native_sampling(one_settings, engine, store, None))
-    started_one = time.perf_counter()
-    one = _drive(executor.execute, str(out / "ckpt1"))
-    one["seconds"] = time.perf_counter() - started_one
-    return {"two": two, "one": one}
+    return torch.load(out / "rank0.pt", weights_only=False)
 
 
 def _assert_same_samples(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
@@ -274,3 +281,14 @@ def test_a_replica_refused_on_one_rank_turns_sampling_off_on_every_rank(tiny_dir
     assert not outcome.ok and outcome.error_name == "NotSupportedError", outcome
     assert "LORAPLEX_SAMPLER_REPLICA_FRACTION" in (outcome.error or "")
     assert report["create"] == [True, True] and report["train"] == [True] * 4
+
+
+def test_a_replicated_pool_samples_on_its_engines_what_one_rank_samples(
+    runs: dict[str, Any], tiny_dir: Path, tmp_path: Path
+) -> None:
+    """pool_layout "replicate": no replica to build, the Sampler runs on each rank's (unsharded) engine."""
+    settings = _settings(tiny_dir, tmp_path / "home").model_copy(update={"pool_layout": "replicate"})
+    two = _spawn(settings, tmp_path)
+    assert two["decodes_on_its_engine"]
+    _assert_same_samples(two["whole"], runs["one"]["whole"])
+    _assert_same_samples(two["interleaved"], runs["one"]["interleaved"])
