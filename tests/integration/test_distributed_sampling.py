@@ -23,7 +23,7 @@ from loraplex.settings import Settings
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import RankGroup, is_sharded
 from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_rank_engine, spawn_ranks
-from loraplex.workers.ranks.sampling import RankSampler, assign_jobs
+from loraplex.workers.ranks.sampling import RankSampler, assign_rows
 from loraplex.workers.sampling.replica import ReplicaEngine
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams
 
@@ -60,7 +60,7 @@ def _samples(tag: str, copies: dict[str, str]) -> tuple[PlannedRequest, ...]:
     """Five jobs over two sampler copies and the base model: greedy and seeded, several samples each."""
     specs: list[dict[str, Any]] = [
         {"sampler_copy": copies["a"], "temperature": 0.0, "prompt_logprobs": True},
-        {"sampler_copy": copies["b"], "temperature": 1.0, "seed": 7, "num_samples": 3},
+        {"sampler_copy": copies["b"], "temperature": 1.0, "seed": 7, "num_samples": 5},
         {"sampler_copy": None, "temperature": 0.8, "top_k": 20, "seed": 11, "num_samples": 2},
         {"sampler_copy": copies["a"], "temperature": 1.0, "top_p": 0.9, "seed": 5, "num_samples": 2,
          "topk_sample_logprobs": 2},  # fmt: skip
@@ -201,17 +201,15 @@ def _assert_same_samples(got: list[dict[str, Any]], want: list[dict[str, Any]]) 
             torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(w["prompt_logprobs"][1:]), atol=1e-5, rtol=0)
 
 
-def test_jobs_of_mixed_adapters_are_split_across_both_ranks() -> None:
-    """The scenario's run: both ranks decode jobs, and each rank's share mixes copies (and the base model)."""
+def test_rows_of_mixed_adapters_are_split_across_both_ranks() -> None:
+    """The scenario's run: both ranks decode rows of several copies, and job 1's samples are on both."""
     jobs = [
-        SampleJob(tuple(p), m, SampleParams(max_tokens=10), num_samples=n)
-        for p, m, n in zip(PROMPTS, ["a", "b", None, "a", "b"], [1, 3, 2, 2, 1], strict=True)
+        SampleJob(tuple(p), m, SampleParams(max_tokens=t), num_samples=n)
+        for p, m, n, t in zip(PROMPTS, ["a", "b", None, "a", "b"], [1, 5, 2, 2, 1], [10, 10, 10, 10, 6], strict=True)
     ]
-    shares = assign_jobs(jobs, WORLD)
-    assert sorted(j for share in shares for j in share) == list(range(len(jobs)))
-    assert all(len({jobs[j].model_id for j in share}) >= 2 for share in shares), shares
-    assert assign_jobs(jobs, 1) == [list(range(len(jobs)))]
-    assert assign_jobs(jobs[:1], 3) == [[0], [], []]  # a rank may get nothing
+    shares = assign_rows(jobs, WORLD)
+    assert all(len({jobs[p.job].model_id for p in share}) >= 2 for share in shares), shares
+    assert [{p.job for p in share} for share in shares] == [{0, 1}, {1, 2, 3, 4}], shares
 
 
 def test_two_ranks_sample_what_one_rank_samples(runs: dict[str, Any]) -> None:

@@ -1,11 +1,12 @@
-"""Sampling on a pool of several ranks: a run's jobs split across the ranks, each decoding its share alone (on a whole
-copy of the base model: workers/sampling/replica.py, or the engine itself under pool_layout "replicate"), the outputs
-gathered to the leader once the whole run is done.
+"""Sampling on a pool of several ranks: a run's rows (samples) split across the ranks, each decoding its share alone
+(on a whole copy of the base model: workers/sampling/replica.py, or the engine itself under pool_layout "replicate"),
+the outputs gathered to the leader once the whole run is done.
 
 Every rank runs the same SAMPLE step on the same plan (rank_loop.py), so every rank makes the same adapter-store
-swaps and starts the same runs; `RankSampler.start` gives this rank the jobs `assign_jobs` deals it (whole jobs,
-balanced by work: a job's draws depend only on (seed, sample index, token index), so a job decoded on any rank gives
-the tokens it gives on one process). A run advances each rank's share for the slice's budget with no collective per
+swaps and starts the same runs; `RankSampler.start` runs this rank's pieces of the jobs (`assign_rows`: contiguous
+ranges of the run's samples balanced by work, so one job of many samples spreads over ranks). A sample's draws depend
+only on (seed, sample index, token index), and a piece keeps its samples' indices (SampleJob.first_sample), so every
+sample gets the tokens it gets on one process (an unseeded job draws its seed on each rank). A run advances each rank's share for the slice's budget with no collective per
 decode step; at the end of each slice the ranks exchange one small status (done, or the error a rank hit), and when
 every share is done the outputs travel once to the leader (gather on the control group). An error on any rank fails
 the whole run on every rank alike, so the ranks stay in step.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -30,21 +32,52 @@ from loraplex.workers.sampling.replica import ReplicaEngine
 from loraplex.workers.sampling.sampler import SampleJob, SampleOutput, Sampler, SampleRun
 
 
-def job_work(job: SampleJob) -> int:
-    """What a job costs to decode, roughly: its rows times the positions each may reach."""
-    return job.num_samples * (len(job.prompt) + job.params.max_tokens)
+@dataclass(frozen=True)
+class Piece:
+    """Samples first .. first + count - 1 of job `job`: a rank's part of it."""
+
+    job: int
+    first: int
+    count: int
 
 
-def assign_jobs(jobs: Sequence[SampleJob], world_size: int) -> list[list[int]]:
-    """Job indices per rank, each list ascending: the largest job first to the least loaded rank (ties: the lower
-    job index, the lower rank). A pure function of the jobs, so every rank computes the same split."""
-    load = [0] * world_size
-    parts: list[list[int]] = [[] for _ in range(world_size)]
-    for j in sorted(range(len(jobs)), key=lambda j: (-job_work(jobs[j]), j)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        parts[r].append(j)
-        load[r] += job_work(jobs[j])
-    return [sorted(p) for p in parts]
+def row_work(job: SampleJob) -> int:
+    """What one sample of a job costs to decode, roughly: the positions its row may reach."""
+    return len(job.prompt) + job.params.max_tokens
+
+
+def assign_rows(jobs: Sequence[SampleJob], world_size: int) -> list[list[Piece]]:
+    """Each rank's pieces of the jobs: the run's rows (every job's samples, in job order) cut into `world_size`
+    contiguous ranges balanced by work, a row going to the rank whose share holds its midpoint (as split_rows cuts a
+    plan's sequences). So a job is cut only where a range ends (its prompt then prefilled on both sides), and a job of
+    many samples spreads over ranks. A pure function of the jobs: every rank computes the same split."""
+    total = sum(job.num_samples * row_work(job) for job in jobs)
+    parts: list[list[Piece]] = [[] for _ in range(world_size)]
+    before = 0
+    for j, job in enumerate(jobs):
+        w = row_work(job)
+        for s in range(job.num_samples):
+            r = min((world_size * (2 * before + w)) // (2 * total), world_size - 1) if total else 0
+            last = parts[r][-1] if parts[r] else None
+            if last is not None and last.job == j and last.first + last.count == s:
+                parts[r][-1] = Piece(j, last.first, last.count + 1)
+            else:
+                parts[r].append(Piece(j, s, 1))
+            before += w
+    return parts
+
+
+def piece_job(job: SampleJob, piece: Piece) -> SampleJob:
+    """The job a rank runs for its piece: those samples (their draws as in the whole job); the prompt's logprobs
+    only in the piece holding sample 0, so they are computed once."""
+    first = piece.first == 0
+    return replace(
+        job,
+        num_samples=piece.count,
+        first_sample=job.first_sample + piece.first,
+        prompt_logprobs=job.prompt_logprobs and first,
+        topk_prompt_logprobs=job.topk_prompt_logprobs if first else 0,
+    )
 
 
 def agree(group: RankGroup, error: BaseException | None) -> BaseException | None:
@@ -87,13 +120,13 @@ class RankSampler:
 
 
 class SplitRun:
-    """A run whose jobs are split across the ranks; the interface of SampleRun. `outputs` (on the leader) holds one
-    output per job once `advance` returned True; a follower's holds its own jobs' and empty ones for the others."""
+    """A run whose samples are split across the ranks; the interface of SampleRun. `outputs` (on the leader) holds one
+    output per job once `advance` returned True; a follower's holds only its own pieces' samples."""
 
     def __init__(self, owner: RankSampler, jobs: list[SampleJob]) -> None:
         self.group = owner.group
         self.jobs = jobs
-        self.mine = assign_jobs(jobs, self.group.world_size)[self.group.rank]
+        self.mine = assign_rows(jobs, self.group.world_size)[self.group.rank]
         self.outputs = [SampleOutput(sequences=[]) for _ in jobs]
         # Every job's adapters, whatever this rank decodes: the store's swaps before each slice are the same on every
         # rank. On the unfused path a prefill reads the slot banks (SampleRun.needs_slots).
@@ -103,7 +136,7 @@ class SplitRun:
         self.error: BaseException | None = None
         self.finished = False
         try:
-            self.local = owner.sampler.start([jobs[j] for j in self.mine])
+            self.local = owner.sampler.start([piece_job(jobs[p.job], p) for p in self.mine])
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the next advance
             self.error = exc
 
@@ -145,17 +178,18 @@ class SplitRun:
         return True
 
     def _gather(self) -> None:
-        """Every rank's outputs to the leader, in job order (one gather on the control group)."""
+        """Every rank's outputs to the leader (one gather on the control group), merged per job in sample order."""
         assert self.local is not None
-        for j, out in zip(self.mine, self.local.outputs, strict=True):
-            self.outputs[j] = out
         shares: list[Any] = [None] * self.group.world_size if self.group.is_leader else []
         mine = (self.mine, self.local.outputs)
         dist.gather_object(mine, shares if self.group.is_leader else None, dst=0, group=self.group.control)
-        if self.group.is_leader:
-            for indices, outputs in shares:
-                for j, out in zip(indices, outputs, strict=True):
-                    self.outputs[j] = out
+        for pieces, outputs in shares if self.group.is_leader else [mine]:
+            for piece, out in zip(pieces, outputs, strict=True):
+                whole = self.outputs[piece.job]
+                whole.sequences.extend(out.sequences)  # ranks in order, each one's pieces in order: sample order
+                if piece.first == 0:
+                    whole.prompt_logprobs = out.prompt_logprobs
+                    whole.topk_prompt_logprobs = out.topk_prompt_logprobs
 
     def close(self) -> None:
         """Abandon this rank's share (its decode cache goes back); no collective."""

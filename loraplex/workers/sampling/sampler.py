@@ -81,6 +81,8 @@ class SampleJob:
     prompt_logprobs: bool = False  # logprob of each prompt token given the ones before (first: None)
     topk_prompt_logprobs: int = 0  # per prompt position, the top-k (token_id, logprob) (first: None)
     topk_sample_logprobs: int = 0  # per sampled position, the top-k (token_id, logprob)
+    # The index of its first sample: samples first_sample.. of a job split across ranks draw what they draw whole.
+    first_sample: int = 0
 
 
 @dataclass
@@ -210,6 +212,8 @@ class Sampler:
             self.engine.adapter(job.model_id)
         if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
             raise InvalidRequestError(f"num_samples must be a positive integer, got {job.num_samples!r}")
+        if isinstance(job.first_sample, bool) or not isinstance(job.first_sample, int) or job.first_sample < 0:
+            raise InvalidRequestError(f"first_sample must be an integer >= 0, got {job.first_sample!r}")
         if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
         if self.max_positions and len(job.prompt) + p.max_tokens > self.max_positions:
@@ -464,7 +468,7 @@ class _Run:
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
-        generator = row_generator(self.seeds[j], s) if job.params.temperature > 0 else None
+        generator = row_generator(self.seeds[j], job.first_sample + s) if job.params.temperature > 0 else None
         row = _Row(job=j, sample=s, group=self.group_of[job.model_id], generator=generator, length=len(job.prompt))
         if job.topk_sample_logprobs:
             row.topk = []

@@ -2,7 +2,8 @@
 checked against the training model's weights, wearing slot-bank layers that share the training banks. Sampling on it
 gives what sampling on the engine itself gives (the reference), for trained adapters, mixed with base rows, on the
 fused and the unfused LoRA paths; a replica that would not fit, or weights that differ, are refused with typed errors;
-the job split across ranks (workers/ranks/sampling.assign_jobs) covers every job once and balances work."""
+the rows split across ranks (workers/ranks/sampling.assign_rows) cover every sample once in contiguous balanced
+ranges, and a job run in pieces (SampleJob.first_sample) samples what the whole job samples."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
-from loraplex.workers.ranks.sampling import assign_jobs, job_work
+from loraplex.workers.ranks.sampling import Piece, assign_rows, piece_job, row_work
 from loraplex.workers.sampling.replica import ReplicaEngine, build_replica, replica_bytes
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 
@@ -105,19 +106,41 @@ def test_a_replica_that_does_not_fit_or_differs_is_refused(tiny_dir: Path) -> No
         build_replica(engine, other_weights)
 
 
-def test_jobs_split_across_ranks_cover_every_job_once_and_balance_work() -> None:
+def test_rows_split_across_ranks_cover_every_sample_once_in_balanced_contiguous_ranges() -> None:
     rng = random.Random(0)
-    for _ in range(50):
+    for _ in range(200):
         jobs = [
             SampleJob((1,) * rng.randint(1, 40), None, SampleParams(max_tokens=rng.randint(0, 64)),
                       num_samples=rng.randint(1, 16))  # fmt: skip
-            for _ in range(rng.randint(0, 30))
+            for _ in range(rng.randint(0, 12))
         ]
         world = rng.randint(1, 4)
-        shares = assign_jobs(jobs, world)
-        assert len(shares) == world and sorted(j for s in shares for j in s) == list(range(len(jobs)))
-        assert all(s == sorted(s) for s in shares)
-        loads = [sum(job_work(jobs[j]) for j in s) for s in shares]
-        if jobs:  # greedy largest-first: no rank above the lightest by more than the largest job
-            assert max(loads) - min(loads) <= max(job_work(j) for j in jobs)
-        assert assign_jobs(jobs, world) == shares  # the same on every rank
+        shares = assign_rows(jobs, world)
+        assert assign_rows(jobs, world) == shares  # the same on every rank
+        rows = [(p.job, p.first + i) for share in shares for p in share for i in range(p.count)]
+        assert rows == [(j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)]  # in order, once each
+        assert all(p.count >= 1 for share in shares for p in share)
+        loads = [sum(p.count * row_work(jobs[p.job]) for p in share) for share in shares]
+        if jobs:  # each range within one row of its fair share
+            fair, row = sum(loads) / world, max(row_work(j) for j in jobs)
+            assert all(abs(load - fair) <= row for load in loads), (loads, fair, row)
+    one = SampleJob((1, 2, 3), None, SampleParams(max_tokens=5), num_samples=8)
+    assert assign_rows([one], 2) == [[Piece(0, 0, 4)], [Piece(0, 4, 4)]]  # one job of many samples: both ranks
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_job_run_in_pieces_samples_what_the_whole_job_samples(tiny_dir: Path, fused: bool) -> None:
+    engine = _engine(tiny_dir, fused)
+    sampler = Sampler(engine, max_rows=4)
+    for model_id in ("a", None):
+        job = SampleJob((7, 8, 9, 10), model_id, SampleParams(max_tokens=9, temperature=1.0, seed=3, stop_at_eos=False),
+                        num_samples=7, prompt_logprobs=True, topk_sample_logprobs=2)  # fmt: skip
+        (whole,) = sampler.generate([job])
+        pieces = [Piece(0, 0, 2), Piece(0, 2, 4), Piece(0, 6, 1)]
+        parts = sampler.generate([piece_job(job, p) for p in pieces])
+        assert parts[0].prompt_logprobs == whole.prompt_logprobs and parts[1].prompt_logprobs is None
+        merged = [s for out in parts for s in out.sequences]
+        assert [s.tokens for s in merged] == [s.tokens for s in whole.sequences]
+        for m, w in zip(merged, whole.sequences, strict=True):  # other rows beside it: fp32 rounding apart
+            torch.testing.assert_close(torch.tensor(m.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+        assert len({tuple(s.tokens) for s in merged}) > 1
