@@ -1,12 +1,13 @@
 """Native sampling on a pool of 2 ranks (FSDP2-sharded base, gloo on CPU) through the pool's own pieces: each rank's
 engine and adapter store as the pool process builds them, `native_sampling` on rank 0 and the real follower
-(`run_store_follower`) on rank 1, plans through the rank loop. Each rank decodes its share of a run's jobs on a whole
+(`run_store_follower`) on rank 1, plans through the rank loop. Each rank decodes its share of a run's rows on a whole
 copy of the base model (workers/sampling/replica.py) and the outputs meet on rank 0 (workers/ranks/sampling.py).
 
 Compared with the same plans on one process (fp32): two adapters trained a few steps, their sampler copies sampled
-greedy and seeded (mixed adapters and base rows, several samples per job, prompt and top-k logprobs), the jobs split
-across both ranks; the run once uninterrupted and once with training plans between its slices; the sampled logprobs
-equal a forward of the trainer on the sampled sequence."""
+greedy and seeded (mixed adapters and base rows, several samples per job, prompt and top-k logprobs), the rows split
+across both ranks (one job's samples on both); the run once uninterrupted and once with training plans between its
+slices; the sampled logprobs equal a forward of the trainer on the sampled sequence. Also: a "replicate" pool samples
+on its engines; a replica refused on one rank turns sampling off on every rank, which stay in step."""
 
 from __future__ import annotations
 
