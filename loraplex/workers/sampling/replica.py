@@ -6,8 +6,8 @@ decode step processes one token per row, so it would move the whole model across
 (Qwen3-4B shape, bf16: ~8 GB per step, ~20 ms at 400 GB/s over NVLink against ~2 ms of reading the weights from HBM)
 and hold every rank in lock step. So each rank keeps, beside its shards, the base model whole (in the compute dtype,
 frozen: it never needs refreshing) and decodes its own share of the rows alone (workers/ranks/sampling.py); the LoRA
-banks are replicated on every rank anyway (ignored by FSDP), so the replica's LoRA layers read the training banks
-themselves: the same slots, the same sampler copies, no copy of the adapters.
+banks (dense and an MoE's expert banks) are replicated on every rank anyway (ignored by FSDP), so the replica's LoRA
+layers read the training banks themselves: the same slots, the same sampler copies, no copy of the adapters.
 
 Memory: one more whole base per rank (Qwen3-4B shape in bf16: ~8 GB; on a CPU pool, the fp32 tiny model: a few MB).
 `check_fits` refuses a replica larger than `max_fraction` of the memory the device has free (CUDA: mem_get_info; CPU:
@@ -16,8 +16,9 @@ out of memory; `pool_layout = "replicate"` needs no replica (every rank holds th
 
 How: the base model is loaded again by the pool's own loader (deterministic: a folder, or a seeded preset), each of
 its weights checked against this rank's FSDP shard of it (a local comparison, no collective), then given the
-training engine's slot-bank wrappers (new `SlotBankLinear`s over the replica's Linears, sharing the training banks'
-Parameters, layout and routing context). `ReplicaEngine` is the training engine seen through it: model, body and head
+training engine's slot-bank wrappers (new `SlotBankLinear`s over the replica's Linears and `SlotBankExperts` over its
+fused experts, sharing the training banks' Parameters, layout and routing context; sibling groups and the fused norm
+/ activation kernels installed as build_engine installs them). `ReplicaEngine` is the training engine seen through it: model, body and head
 are the replica's, everything else (adapters, optimizer, banks, routing context) the training engine's own.
 """
 
@@ -30,8 +31,10 @@ import torch
 from torch import nn
 
 from loraplex.errors import CapacityError, EngineError
+from loraplex.workers.engine.build import fuse_elementwise
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.kernels.packed_attention import install_packed_attention
+from loraplex.workers.lora.expert_bank import SlotBankExperts
 from loraplex.workers.lora.siblings import install_sibling_groups
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.ranks.distributed import is_sharded
@@ -97,17 +100,16 @@ def check_fits(engine: Engine, max_fraction: float) -> None:
 
 
 def build_replica(engine: Engine, load_model: ModelLoader, max_fraction: float = 1.0) -> Engine:
-    """The training engine seen through a whole copy of its base model (see the module docstring). EngineError for a
-    model with expert banks (the native decoder is dense) or weights that differ from the training model's."""
-    if any(not isinstance(bank, SlotBankLinear) for bank in engine.banks.values()):
-        raise EngineError("no sampling replica of a model with expert LoRA banks (the native decoder is dense)")
+    """The training engine seen through a whole copy of its base model (see the module docstring). CapacityError when
+    it does not fit, EngineError for weights that differ from the training model's."""
     check_fits(engine, max_fraction)
     model = load_model(engine.device).eval().requires_grad_(False)
     install_packed_attention(model)  # as build_engine: the prefill's attention is the training forward's
     check_same_weights(engine, model)
     wrapped: dict[str, SlotBankLinear] = {}
     for name, bank in engine.banks.items():
-        assert isinstance(bank, SlotBankLinear)
+        if not isinstance(bank, SlotBankLinear):
+            continue  # an expert projection's bank: its experts module is wrapped below
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, leaf)
@@ -118,8 +120,21 @@ def build_replica(engine: Engine, load_model: ModelLoader, max_fraction: float =
         layer.lora_A, layer.lora_B, layer.layout = bank.lora_A, bank.lora_B, bank.layout
         setattr(parent, leaf, layer)
         wrapped[name] = layer
+    for name, module in list(engine.model.named_modules()):
+        if isinstance(module, SlotBankExperts):  # an MoE's fused experts: the same, per expert projection
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            projections = module.projection_banks()
+            experts = SlotBankExperts(getattr(parent, leaf), 0, engine.max_rank, engine.context, projections,
+                                      module.grouped)  # fmt: skip
+            for projection, bank in projections.items():
+                own = experts.projection_banks()[projection]
+                own.lora_A, own.lora_B = bank.lora_A, bank.lora_B
+            setattr(parent, leaf, experts)
     if engine.sibling_groups:
         install_sibling_groups(wrapped)
+    if engine.fused_modules:  # the fused norm / activation kernels, on where the training model has them
+        fuse_elementwise(model, engine.config, engine.device)
     return cast(Engine, ReplicaEngine(engine, model))
 
 

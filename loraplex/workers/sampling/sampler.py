@@ -34,6 +34,7 @@ cutting the text at the string is the caller's business); `max_tokens` tokens en
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,8 +48,9 @@ from transformers import DynamicCache
 from loraplex.errors import EngineError, InvalidRequestError
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
+from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
-from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
 from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decodable
 
 STOP = "stop"
@@ -117,7 +119,7 @@ class _Row:
     job: int
     sample: int
     group: int  # the call's routing group (adapter or base)
-    generator: torch.Generator | None  # None: greedy
+    stream: int | None  # its draws' key (choice.stream_key of the job's seed and the sample index); None: greedy
     length: int  # tokens in the KV cache (the last sampled token is not yet)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -129,8 +131,35 @@ class _Row:
 
 @dataclass
 class _Prefilled:
-    kv: list[LayerKV]  # per layer [H, L, D]
+    kv: list[LayerKV] | None  # per layer [H, L, D]; None when paged (the KV sits in the decoder's blocks)
     last_logits: torch.Tensor  # fp32 [V]
+
+
+class _PagedPromptWriter:
+    """What a packed prefill passes as the body's `past_key_values`: each attention layer's `update` stores the
+    chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary embedding) at their cache slots and hands
+    them back unchanged, so the layer attends over the chunk alone (its prompts start at position 0)."""
+
+    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor) -> None:
+        self.decoder = decoder
+        self.slots = slots  # [N]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        assert self.decoder.cache is not None
+        self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        return keys, values
+
+    # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
+    # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).
+    # The chunk has no past: it starts at offset 0 and its keys are its own tokens.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, q_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return q_length, 0
 
 
 @dataclass(frozen=True)
@@ -148,12 +177,13 @@ class Sampler:
         max_rows: int = 32,
         eos_token_ids: tuple[int, ...] | None = None,
         cuda_graphs: bool = True,
-        paged_kv: bool = False,
+        paged_kv: bool = True,
     ) -> None:
         """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
         with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
         each decode step as a captured graph (False: run it eagerly, for comparison); paged_kv: decode on the paged KV
-        cache (static_decoder.py's paged mode: a job's prompt KV written once, its samples fork it; no CUDA graph)."""
+        cache (static_decoder.py's paged mode, the default: prompts prefilled packed, a job's prompt KV written once
+        and its samples fork it); False: the dense per-row cache (kept for comparison)."""
         if engine.dist is not None and engine.shard_base:  # a decode step would all-gather every layer
             raise EngineError("the native sampler needs the base model whole: sample a replica (sampling/replica.py)")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
@@ -363,9 +393,8 @@ class _Run:
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
         self.unadmitted = [job.num_samples for job in jobs]
-        self.seeds = [
-            job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**62, ()).item()) for job in jobs
-        ]
+        # A job without a seed draws one now, from the OS (not torch's global generator, which model init seeds).
+        self.seeds = [job.params.seed if job.params.seed is not None else secrets.randbits(64) for job in jobs]
 
     # ---- routing -----------------------------------------------------------------------------------------------------
     def _lora(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
@@ -406,11 +435,7 @@ class _Run:
         self._rebind()
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         while not self.done:
-            for row, kv in self._admit():
-                self._join(row, kv)
-            for j in [j for j in self.held if self.unadmitted[j] == 0]:  # every sample forked: the holder ends
-                self.decoder.drop_prompt(j)
-                self.held.discard(j)
+            self._admit()
             if self.live:
                 stats.peak_rows = max(stats.peak_rows, len(self.live))
                 self._decode_step()  # reads its tokens back to the host: the time includes the device's work
@@ -430,12 +455,13 @@ class _Run:
                 r = self.engine.adapter(model_id)
                 self.groups[g] = _Group(slot=r.slot, rank=r.rank, scale=r.scale)
 
-    def _admit(self) -> list[tuple[_Row, list[LayerKV]]]:
-        """Admit waiting samples into free rows; returns those that join the decode batch (with their prompt KV)."""
+    def _admit(self) -> None:
+        """Admit waiting samples into free rows of the decode batch (rows that end at their first token finish here).
+        Paged: a job's holder row ends once every sample of it has forked its prompt."""
         stats = self.stats
-        joiners: list[tuple[_Row, list[LayerKV]]] = []
-        while self.waiting and len(self.live) + len(joiners) < self.decoder.rows:
-            free = self.decoder.rows - len(self.live) - len(joiners)
+        decoding = bool(self.live)  # rows joining now join a batch already mid-decode
+        while self.waiting and len(self.live) < self.decoder.rows:
+            free = self.decoder.rows - len(self.live)
             take = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
             self._prefill(sorted({j for j, _ in take if j not in self.prefilled}))
             rows = [self._new_row(j, s) for j, s in take]
@@ -445,31 +471,30 @@ class _Run:
             for row in rows:
                 stats.rows_admitted += 1
                 if row.stop_reason is None:
-                    joiners.append((row, self.prefilled[row.job].kv))
-                    stats.joined_live_batch += bool(self.live)
+                    self._join(row, self.prefilled[row.job].kv)
+                    stats.joined_live_batch += decoding
                 else:
                     self._finish(row)
                 self.unadmitted[row.job] -= 1
                 if self.unadmitted[row.job] == 0:
                     del self.prefilled[row.job]  # every sample has its copy of the prompt KV in the cache
-        return joiners
+                    if row.job in self.held:
+                        self.decoder.drop_prompt(row.job)
+                        self.held.discard(row.job)
 
-    def _join(self, row: _Row, kv: list[LayerKV]) -> None:
+    def _join(self, row: _Row, kv: list[LayerKV] | None) -> None:
         """A new row takes a free row of the decode cache (with its prompt KV and its adapter's LoRA block)."""
         row.cache_row = self.free_rows.pop()
         group = self.groups[row.group]
         lora_group = self.adapter_groups.index(row.group) if group.scale != 0.0 else None
-        if self.decoder.paged and row.job not in self.held:
-            self.decoder.hold_prompt(row.job, self.jobs[row.job].prompt, kv)
-            self.held.add(row.job)
         max_new = self.jobs[row.job].params.max_tokens
         self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=row.job, max_new=max_new)
         self.live.append(row)
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
-        generator = row_generator(self.seeds[j], job.first_sample + s) if job.params.temperature > 0 else None
-        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], generator=generator, length=len(job.prompt))
+        stream = stream_key(self.seeds[j], job.first_sample + s) if job.params.temperature > 0 else None
+        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], stream=stream, length=len(job.prompt))
         if job.topk_sample_logprobs:
             row.topk = []
         if job.params.max_tokens == 0:
@@ -479,15 +504,16 @@ class _Run:
     def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
         """Pick each row's next token from its logits [B, V] (fp32), append it and check the stops."""
         params = [self.jobs[r.job].params for r in rows]
-        uniforms = [draw_uniform(r.generator) if r.generator is not None else None for r in rows]
-        tokens, logprobs = choose_tokens(
-            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params], uniforms
-        )
-        picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-        tokens_l, picked_l = tokens.cpu().tolist(), picked.cpu().tolist()
-        ks = [self.jobs[r.job].topk_sample_logprobs for r in rows]
-        tops = top_logprobs(logprobs, ks) if any(ks) else [None] * len(rows)
-        for row, p, tok, lp, top in zip(rows, params, tokens_l, picked_l, tops, strict=True):
+        chosen = choose_tokens(  # each row's t-th draw: t = the tokens it has sampled so far
+            logits,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            streams=[r.stream for r in rows],
+            steps=[len(r.tokens) for r in rows],
+            topk_logprobs=[self.jobs[r.job].topk_sample_logprobs for r in rows],
+        ).to_host()  # tokens, logprobs and top-k logprobs in one copy
+        for row, p, tok, lp, top in zip(rows, params, chosen.tokens, chosen.logprobs, chosen.top, strict=True):
             row.tokens.append(int(tok))
             row.logprobs.append(float(lp))
             if row.topk is not None and top is not None:
@@ -538,14 +564,17 @@ class _Run:
 
     # ---- prefill -----------------------------------------------------------------------------------------------------
     def _prefill(self, job_ids: Sequence[int]) -> None:
-        """Prefill these jobs' prompts (chunks of at most engine.microbatch_tokens padded tokens, rows contiguous per
-        group): keep each job's prompt KV and last logits, and fill in its prompt logprobs when asked."""
+        """Prefill these jobs' prompts (rows contiguous per group, in chunks of at most engine.microbatch_tokens
+        tokens: packed without padding when paged, right padded to the chunk's longest prompt when dense; a longer
+        prompt runs alone): keep each job's last logits (and, dense, its prompt KV), and fill in its prompt logprobs
+        when asked."""
         pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
         budget = max(1, self.engine.microbatch_tokens)
         chunk: list[int] = []
         for j in pending:
-            longest = max([len(self.jobs[i].prompt) for i in chunk] + [len(self.jobs[j].prompt)])
-            if chunk and longest * (len(chunk) + 1) > budget:
+            lengths = [len(self.jobs[i].prompt) for i in (*chunk, j)]
+            size = sum(lengths) if self.decoder.paged else max(lengths) * len(lengths)
+            if chunk and size > budget:
                 self._prefill_chunk(chunk)
                 chunk = []
             chunk.append(j)
@@ -553,6 +582,9 @@ class _Run:
             self._prefill_chunk(chunk)
 
     def _prefill_chunk(self, job_ids: Sequence[int]) -> None:
+        if self.decoder.paged:
+            self._prefill_packed(job_ids)
+            return
         engine = self.engine
         self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
@@ -582,6 +614,42 @@ class _Run:
             job = self.jobs[j]
             if job.prompt_logprobs or job.topk_prompt_logprobs:
                 self._prompt_logprobs(j, hidden[b, : n - 1])
+
+    def _prefill_packed(self, job_ids: Sequence[int]) -> None:
+        """Paged: the chunk's prompts back to back in one [1, N] row (positions restarting at 0 per prompt, the
+        engine's packed attention), each prompt's K/V written by the forward itself into the blocks of its holder row
+        (`_PagedPromptWriter`), which the job's samples then fork."""
+        engine, decoder = self.engine, self.decoder
+        self.stats.prefill_forwards += 1
+        prompts = [self.jobs[j].prompt for j in job_ids]
+        lengths = [len(p) for p in prompts]
+        device = engine.device
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(device).view(1, -1)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device).view(1, -1)
+        ends = torch.tensor(lengths).cumsum(0)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(device, torch.int32)
+        slots = torch.cat([decoder.prompt_slots(j, p) for j, p in zip(job_ids, prompts, strict=True)])
+        self.held.update(job_ids)
+        counts = [0] * len(self.groups)
+        for j, n in zip(job_ids, lengths, strict=True):
+            counts[self.group_of[self.jobs[j].model_id]] += n
+        routing, banks = self._lora(counts)
+        writer = _PagedPromptWriter(decoder, slots)
+        with engine.context.use(routing, banks), engine.elementwise():
+            hidden = engine.body(
+                input_ids=tokens,
+                position_ids=positions,
+                past_key_values=writer,
+                use_cache=True,
+                **packed_forward_kwargs(self.config, cu_seqlens, max(lengths)),
+            ).last_hidden_state[0]
+        last = self._logits(hidden.index_select(0, (ends - 1).to(device)))
+        starts = (ends - torch.tensor(lengths)).tolist()
+        for b, j in enumerate(job_ids):
+            self.prefilled[j] = _Prefilled(kv=None, last_logits=last[b])
+            job = self.jobs[j]
+            if job.prompt_logprobs or job.topk_prompt_logprobs:
+                self._prompt_logprobs(j, hidden[starts[b] : starts[b] + lengths[b] - 1])
 
     def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
         """Prompt token t's logprob given tokens < t (from hidden states of positions 0..n-2), chunked over tokens."""

@@ -146,3 +146,27 @@ def test_paged_decoder_refuses_rows_without_a_held_prompt(setup: tuple[Engine, A
             decoder.set_row(0, None, 0.0, kv)
     else:
         decoder.set_row(0, None, 0.0, kv)  # the dense cache takes the KV itself
+
+
+def test_paged_packed_prefill_gives_the_dense_prefills_prompt_logprobs(setup: tuple[Engine, Any]) -> None:  # noqa: F811
+    """The paged prefill packs prompts of different lengths and adapters into one row without padding; each prompt's
+    logprobs (and top-k) and first tokens equal the dense path's right-padded prefill."""
+    engine, tokenizer = setup
+    jobs = [
+        SampleJob(prompt(300 + i, n), m, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3)
+        for i, (n, m) in enumerate([(2, "r8"), (19, None), (33, "r4"), (5, "r8"), (16, "attn")])
+    ]
+    dense = Sampler(engine, tokenizer).generate(jobs)
+    paged = Sampler(engine, tokenizer, paged_kv=True)
+    ours = paged.generate(jobs)
+    assert paged.stats.prefill_forwards == 1
+    for a, b in zip(ours, dense, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert a.prompt_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(a.prompt_logprobs[1:]), torch.tensor(b.prompt_logprobs[1:]))
+        assert a.topk_prompt_logprobs is not None and b.topk_prompt_logprobs is not None
+        for x, y in zip(a.topk_prompt_logprobs[1:], b.topk_prompt_logprobs[1:], strict=True):
+            assert x is not None and y is not None
+            assert [t for t, _ in x] == [t for t, _ in y]
+        assert_same(a.sequences[0], b.sequences[0])
+    assert_blocks_back(paged)

@@ -33,6 +33,7 @@ class _Loader:
 
 
 def _engine(tiny_dir: Path, fused: bool) -> Engine:
+    """Two adapters (ranks 4 and 8) with random B on the model of `tiny_dir` (dense or MoE)."""
     model = _Loader(tiny_dir)(torch.device("cpu"))
     config = EngineConfig(num_slots=3, max_rank=8, lora_op=None if fused else lora_delta_reference)
     engine = build_engine(model, config)
@@ -72,6 +73,19 @@ def test_sampling_on_the_replica_equals_sampling_on_the_engine(tiny_dir: Path, f
             assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
             assert [s.logprobs for s in g.sequences] == [s.logprobs for s in w.sequences]
             assert g.prompt_logprobs == w.prompt_logprobs
+
+
+def test_an_moe_replica_samples_what_the_moe_engine_samples(tiny_moe_dir: Path) -> None:
+    """Expert LoRA too: the replica's experts modules read the training engine's expert banks."""
+    engine = _engine(tiny_moe_dir, fused=True)
+    assert any("experts" in name for name in engine.banks)
+    replica = build_replica(engine, _Loader(tiny_moe_dir))
+    jobs = _jobs(0)
+    want = Sampler(engine, max_rows=4).generate(jobs)
+    got = Sampler(replica, max_rows=4).generate(jobs)
+    for w, g in zip(want, got, strict=True):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        assert [s.logprobs for s in g.sequences] == [s.logprobs for s in w.sequences]
 
 
 def test_the_replica_reads_adapters_as_they_are_now(tiny_dir: Path) -> None:
