@@ -85,6 +85,8 @@ class SampleJob:
     prompt_logprobs: bool = False  # logprob of each prompt token given the ones before (first: None)
     topk_prompt_logprobs: int = 0  # per prompt position, the top-k (token_id, logprob) (first: None)
     topk_sample_logprobs: int = 0  # per sampled position, the top-k (token_id, logprob)
+    # The index of its first sample: samples first_sample.. of a job split across ranks draw what they draw whole.
+    first_sample: int = 0
 
 
 @dataclass
@@ -189,8 +191,8 @@ class Sampler:
         and its samples fork it); False: the dense per-row cache (kept for comparison); kv_blocks: the paged cache's
         blocks (None: enough for every row at full width; fewer, and samples wait for blocks as they wait for rows);
         max_groups: the adapters decoding at once, over all runs (default the engine's slots)."""
-        if engine.dist is not None:
-            raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
+        if engine.dist is not None and engine.shard_base:  # a decode step would all-gather every layer
+            raise EngineError("the native sampler needs the base model whole: sample a replica (sampling/replica.py)")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(f"the native sampler supports full-attention layers only, got {sorted(set(layer_types))}")
@@ -243,6 +245,8 @@ class Sampler:
             self.engine.adapter(job.model_id)
         if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
             raise InvalidRequestError(f"num_samples must be a positive integer, got {job.num_samples!r}")
+        if isinstance(job.first_sample, bool) or not isinstance(job.first_sample, int) or job.first_sample < 0:
+            raise InvalidRequestError(f"first_sample must be an integer >= 0, got {job.first_sample!r}")
         if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
         if self.max_positions and len(job.prompt) + p.max_tokens > self.max_positions:
@@ -555,7 +559,7 @@ class _Run:
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
-        stream = stream_key(self.seeds[j], s) if job.params.temperature > 0 else None
+        stream = stream_key(self.seeds[j], job.first_sample + s) if job.params.temperature > 0 else None
         row = _Row(run=self, job=j, sample=s, group=self.group_of[job.model_id], stream=stream, length=len(job.prompt))
         if job.topk_sample_logprobs:
             row.topk = []
