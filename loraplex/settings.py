@@ -307,6 +307,9 @@ class Settings(BaseSettings):
     # Celery beat: expired checkpoints deleted (storage/retention.py), finished pipelines' missing exports written.
     retention_interval_seconds: float = Field(default=300.0, gt=0)
     export_interval_seconds: float = Field(default=300.0, gt=0)
+    # Tests only: while this file exists the pool writes no sampler save's files (they wait), so a test can kill the
+    # pool between a save's answer and its files, a fault nothing outside the pool can cause. Unset in production.
+    test_hold_writes_file: Path | None = None
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -70,8 +70,26 @@ class BaseModelLoader:
         return model
 
 
+def hold_writes(settings: Settings) -> Callable[[], None] | None:
+    """Tests only (`test_hold_writes_file`): the background writer waits while that file exists."""
+    path = settings.test_hold_writes_file
+    if path is None:
+        return None
+
+    def hold() -> None:
+        while path.exists():
+            time.sleep(0.05)
+
+    return hold
+
+
 def native_sampling(
-    settings: Settings, engine: Any, store: Any, group: Any, others_waiting: threading.Event | None = None
+    settings: Settings,
+    engine: Any,
+    store: Any,
+    group: Any,
+    others_waiting: threading.Event | None = None,
+    written: Callable[[str], None] | None = None,
 ) -> Any:
     """The SAMPLE step over this engine (workers/sampling/step.py), or None (no sampler: its requests fail saying so):
     settings.sampler "none", or "vllm" on a multi-rank pool; for a model it does not support (an MoE), a step whose
@@ -93,7 +111,7 @@ def native_sampling(
         if group is not None:  # each rank decodes its share of a run's jobs
             sampler = rank_sampler(sampler, group)
         return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight,
-                          others_waiting.is_set if others_waiting is not None else None)  # fmt: skip
+                          others_waiting.is_set if others_waiting is not None else None, written)  # fmt: skip
     except (LoraplexError, OSError) as exc:
         log.warning("pool %s: no native sampler (%s)", settings.pool, exc)
         reason = NotSupportedError(f"this pool has no native sampler: {exc}")
@@ -313,12 +331,12 @@ def _lead(
     beating.start()
     engine = build_rank_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
     store = stores.build(engine, group.rank if group is not None else 0)
-    writes = BackgroundWrites()  # sampler saves' files, written beside the next plans
+    writes = BackgroundWrites(hold_writes(settings))  # sampler saves' files, written beside the next plans
     # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.
     cost = OnlineCostModel(default_cost(settings.device), settings.microbatch_tokens) if settings.cost_model else None
     # Set by the dispatcher's prefetch thread while training waits unplanned; the sampler's idle slices end on it.
     others_waiting = threading.Event()
-    sampling = native_sampling(settings, engine, store, group, others_waiting)
+    sampling = native_sampling(settings, engine, store, group, others_waiting, writes.wait_folder)
     executor = PlanExecutor(engine, store, sampling, writes,
                             on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
@@ -329,10 +347,12 @@ def _lead(
     metrics = pool_metrics(settings, executor, store)
     client = redis.Redis.from_url(settings.redis_url)
     # The snapshot cadence (durable/snapshotter.py) and the request log, when durable snapshots are on.
-    snapshotter = build_snapshotter(settings, store, sessions, client, lease) if settings.durable_snapshots else None
+    snapshotter = build_snapshotter(settings, store, sessions, client, lease, writes) if settings.durable_snapshots else None
     hooks = PlanHooks(
         results=ResultStore(client, lease=lease),
-        finish=PlanFinish(sessions, pool=settings.pool, store=store, writes=writes, lease=lease),
+        # With the request log on, a sampler save is answered once its weights are frozen, before its files exist.
+        finish=PlanFinish(sessions, pool=settings.pool, store=store, writes=writes, lease=lease,
+                          answer_before_files=snapshotter is not None),  # fmt: skip
         applied_seq_lookup=applied_seq_lookup(sessions),
         after_plan=snapshotter.after_plan if snapshotter is not None else None,
         observer=metrics,
@@ -353,7 +373,7 @@ def _lead(
         return
     try:
         if snapshotter is not None:
-            _recover(settings, dispatcher, snapshotter, store, leader or executor, sessions)
+            _recover(settings, dispatcher, snapshotter, store, leader or executor, sessions, writes)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis went away while this process adopted its adapters: nothing was answered or written yet, so the
         # supervisor's next process starts the recovery over (found by benchmarks/soak.py: a pool restarted while
@@ -466,7 +486,9 @@ def serve_metrics(settings: Settings, redis_client: Any, metrics: Any) -> tuple[
     return publisher, server
 
 
-def _recover(settings: Settings, dispatcher: Any, snapshotter: Any, store: Any, executor: Any, sessions: Any) -> None:
+def _recover(
+    settings: Settings, dispatcher: Any, snapshotter: Any, store: Any, executor: Any, sessions: Any, writes: Any = None
+) -> None:
     """Adopt this pool's adapters from their durable snapshots and request logs (pool/durable/recovery.py) before the
     dispatcher reads anything: it continues from the seq_ids reached, and the snapshot cadence from the adopted state.
     `executor`: with several ranks the LeaderExecutor, so every rank adopts each snapshot and replays each logged
@@ -474,7 +496,8 @@ def _recover(settings: Settings, dispatcher: Any, snapshotter: Any, store: Any, 
     from loraplex.pool.durable.recovery import adopt_into, recover_pool
 
     recovery = recover_pool(pool=settings.pool, store=store, executor=executor, sessions=sessions,
-                            redis=dispatcher.redis, adopt=getattr(executor, "adopt", store.adopt))  # fmt: skip
+                            redis=dispatcher.redis, adopt=getattr(executor, "adopt", store.adopt),
+                            writes=writes)  # fmt: skip
     dispatcher.seed_applied(recovery.seeds)
     adopt_into(snapshotter, recovery)
 

@@ -45,6 +45,7 @@ from loraplex.service.schemas import (
 from loraplex.service.submit import already_submitted, submit
 from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
+from loraplex.storage.repositories.checkpoints import files_pending
 from loraplex.storage.retention import delete_checkpoint_files
 from loraplex.storage.types import utcnow
 
@@ -70,7 +71,9 @@ def resolve_checkpoint(db: Session, tenant_id: str, path: str, with_optimizer: b
 
 
 def checkpoint_out(c: Checkpoint) -> CheckpointOut:
+    """Size and hash are None while the pool still writes the files of an answered sampler save."""
     kind = CheckpointKind(c.kind)
+    pending = files_pending(c)
     return CheckpointOut(
         checkpoint_id=f"{SEGMENT_BY_KIND.get(kind, kind.value)}/{c.name}",
         checkpoint_type=TYPE_BY_KIND[kind],
@@ -78,8 +81,8 @@ def checkpoint_out(c: Checkpoint) -> CheckpointOut:
         model_id=c.model_id,
         kind=kind.value,
         name=c.name,
-        size_bytes=c.size_bytes,
-        sha256=c.sha256,
+        size_bytes=None if pending else c.size_bytes,
+        sha256=None if pending else c.sha256,
         step=c.step,
         time=c.created_at,
         expires_at=c.expires_at,

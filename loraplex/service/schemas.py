@@ -129,8 +129,8 @@ class CheckpointOut(BaseModel):
     model_id: str
     kind: str  # "state" or "sampler"
     name: str
-    size_bytes: int
-    sha256: str
+    size_bytes: int | None  # None (with sha256) while the files of an answered sampler save are still being written
+    sha256: str | None
     step: int
     time: Any
     expires_at: Any | None = None

@@ -1,10 +1,14 @@
 """The end of a plan in the pool (pool/finish.py) on the real engine and adapter store (tiny model, CPU), real SQLite
 and a real redis-server: a plan that trains and saves (one save written in the plan, a sampler save written in the
 background) costs exactly one SQL transaction between the engine's end and its results, and that transaction holds
-everything the plan changed (checkpoint rows, applied seq_ids, usage, residency)."""
+everything the plan changed (checkpoint rows, applied seq_ids, usage, residency). With the request log on, a sampler
+save is answered before its files are written (its row pending, settled once they are there; deleted meanwhile, they
+go); the writer is held by the hook the pool takes from `test_hold_writes_file`, so the order is observed, not timed."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +148,80 @@ def test_a_plan_with_saves_is_recorded_in_one_transaction(pool_world: dict[str, 
     sampler = next(o for o in outcomes if o.request_id == plan.steps[3].requests[0].request_id)
     assert isinstance(sampler.result, SaveResult) and sampler.result.sha256  # its background write, completed
     assert transactions == (1, 1)
+
+
+def _held_world(w: dict[str, Any]) -> tuple[BackgroundWrites, threading.Event]:
+    """The pool's writer held until the event is set (the hook the pool takes from `test_hold_writes_file`)."""
+    release = threading.Event()
+    writes = BackgroundWrites(lambda: release.wait(60))
+    w["executor"].writes = writes
+    return writes, release
+
+
+def _checkpoint_row(w: dict[str, Any], name: str) -> Checkpoint | None:
+    with w["sessions"]() as session:
+        return session.scalar(select(Checkpoint).where(Checkpoint.name == name))
+
+
+def test_with_the_request_log_a_sampler_save_is_answered_before_its_files_and_settled_after(
+    pool_world: dict[str, Any],
+) -> None:
+    w = pool_world
+    _created(w)
+    writes, release = _held_world(w)
+    finish = PlanFinish(w["sessions"], pool=w["pool"], store=w["store"], writes=writes, answer_before_files=True)
+    plan = _train_and_save(w)
+    seen: list[tuple[Checkpoint | None, bool]] = []
+    stored: list[list[Outcome]] = []
+
+    def publish(shown: list[Outcome]) -> None:  # the answer: its row is there, its files are not
+        seen.append((_checkpoint_row(w, "sampler-1"), (w["blobs"] / "sampler-1").exists()))
+        stored.append(shown)
+
+    try:
+        outcomes = w["executor"].execute(plan)
+        finish(AnsweredPlan(plan, outcomes, 0.1, finish.on_loop(plan), publish, lambda: None))
+        ((row, exists),) = seen
+        assert row is not None and row.sha256 == "" and not exists  # answered before the files, row pending
+        sampler = next(o for o in stored[0] if o.request_id == plan.steps[3].requests[0].request_id)
+        assert sampler.ok and isinstance(sampler.result, SaveResult) and sampler.result.sha256 is None
+        assert "sampler-1" in [c.name for c in _checkpoints_out(w)]  # listed while pending, size None
+        assert next(c for c in _checkpoints_out(w) if c.name == "sampler-1").size_bytes is None
+        barrier = writes.barrier()
+        assert not barrier.done()  # a snapshot recorded now would wait for the files
+    finally:
+        release.set()
+    barrier.result(timeout=60)  # done only after the write and its row's settling
+    row = _checkpoint_row(w, "sampler-1")
+    manifest = (w["blobs"] / "sampler-1" / "checkpoint.json").read_bytes()
+    assert row is not None and row.sha256 == hashlib.sha256(manifest).hexdigest()
+    assert row.size_bytes == sum(f.stat().st_size for f in (w["blobs"] / "sampler-1").iterdir())
+    writes.close()
+
+
+def test_a_pending_save_deleted_before_its_files_leaves_none(pool_world: dict[str, Any]) -> None:
+    w = pool_world
+    _created(w)
+    writes, release = _held_world(w)
+    finish = PlanFinish(w["sessions"], pool=w["pool"], store=w["store"], writes=writes, answer_before_files=True)
+    plan = _train_and_save(w)
+    try:
+        outcomes = w["executor"].execute(plan)
+        finish(AnsweredPlan(plan, outcomes, 0.1, finish.on_loop(plan), lambda shown: None, lambda: None))
+        with unit_of_work(w["sessions"]) as session:
+            row = session.scalar(select(Checkpoint).where(Checkpoint.name == "sampler-1"))
+            assert row is not None and row.sha256 == ""
+            session.delete(row)  # the tenant deletes it while its files are being written
+    finally:
+        release.set()
+    writes.barrier().result(timeout=60)
+    assert not (w["blobs"] / "sampler-1").exists()  # written, then removed: no row names it
+    assert (w["blobs"] / "state-1").exists()
+    writes.close()
+
+
+def _checkpoints_out(w: dict[str, Any]) -> list[Any]:
+    from loraplex.service.checkpoints import checkpoint_out
+
+    with w["sessions"]() as session:
+        return [checkpoint_out(c) for c in session.scalars(select(Checkpoint))]

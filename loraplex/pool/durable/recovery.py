@@ -8,6 +8,8 @@
    no snapshot) run again in seq_id order, one at a time, through the pool's executor; their results were delivered
    already and are not sent again (nothing here writes a result); requests logged as failed or state-free only
    advance the seq_id;
+   a sampler save answered before its files were written and whose files are not there runs again at its place in
+   the log, writing them (pool/durable/pending_files.py);
 4. the dispatcher starts from the seq_id reached (Dispatcher.seed_applied): requests still in the streams after it
    (accepted, not yet answered, or answered but not acked) are applied exactly once, by the dispatcher.
 
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.errors import CorruptSnapshotError
-from loraplex.protocol import KINDS, UNCHAINED_KINDS, BatchPlan, Executor, RequestKind, Step
+from loraplex.pool.durable import pending_files
+from loraplex.protocol import KINDS, UNCHAINED_KINDS, BatchPlan, Executor, RequestKind, SaveCheckpointPayload, Step
 from loraplex.queue import replay_log
 from loraplex.queue.envelope import to_planned
 from loraplex.storage.repositories import SnapshotRepository
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     import redis as redis_lib
     from sqlalchemy.orm import Session, sessionmaker
 
+    from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.workers.state.adapter_store import AdapterStore
     from loraplex.workers.state.slot_images import SlotImage
 
@@ -73,9 +77,11 @@ def recover_pool(
     sessions: sessionmaker[Session],
     redis: redis_lib.Redis,
     adopt: Callable[[SlotImage], None] | None = None,
+    writes: BackgroundWrites | None = None,
 ) -> Recovery:
     """adopt: takes a snapshot's slot image into the pool (default `store.adopt`; a multi-rank pool's
-    LeaderExecutor.adopt gives it to every rank)."""
+    LeaderExecutor.adopt gives it to every rank); writes: the executor's background file writes (a sampler save run
+    again is waited for)."""
     out = Recovery()
     adopt = adopt or store.adopt
     with sessions() as session:
@@ -88,7 +94,8 @@ def recover_pool(
         if not live:
             replay_log.drop(redis, pool, model_id)
             continue
-        adopted = _adopt_one(pool, model_id, snapshots, store.signature.width, adopt, executor, redis, out)
+        files = _Files(sessions, writes)
+        adopted = _adopt_one(pool, model_id, snapshots, store.signature.width, adopt, executor, redis, out, files)
         if adopted is not None:
             out.adopted.append(adopted)
     if out.adopted or out.lost:
@@ -120,6 +127,7 @@ def _adopt_one(
     executor: Executor,
     redis: redis_lib.Redis,
     out: Recovery,
+    files: _Files | None = None,
 ) -> Adopted | None:
     found = _newest_valid(snapshots, width, out)
     after = found[2] if found is not None else None
@@ -140,8 +148,11 @@ def _adopt_one(
             log.warning("adapter %s: its log starts at seq_id %d, after the snapshot's %d", model_id,
                         entries[0].seq_id, last)  # fmt: skip
     replayed = steps = 0
-    for entry in entries:
+    pending = files.pending(tenant or "", model_id, entries) if files is not None else {}
+    for index, entry in enumerate(entries):
         request = to_planned(entry.envelope)
+        if index in pending and files is not None:
+            files.write_again(request, pending.pop(index), executor)
         if entry.apply:
             outcome = executor.execute(BatchPlan((Step(KINDS[request.kind].step, (request,)),)))
             if outcome and not outcome[0].ok:
@@ -154,6 +165,40 @@ def _adopt_one(
     return Adopted(
         model_id, tenant or "", found[0].version if found else None, found[2] if found else None, last, replayed, steps
     )
+
+
+@dataclass
+class _Files:
+    """The adapter's sampler checkpoints answered before their files were written (pool/durable/pending_files.py)."""
+
+    sessions: sessionmaker[Session]
+    writes: BackgroundWrites | None
+
+    def pending(self, tenant: str, model_id: str, entries: list[replay_log.LoggedRequest]) -> dict[int, Any]:
+        """Settles the rows whose files are complete; returns the others to write again: the index of the last logged
+        save of each -> its row (a row whose save is not in the log is logged: it cannot be rebuilt)."""
+        rows = pending_files.pending_rows(self.sessions, tenant, model_id)
+        for name, row in list(rows.items()):
+            complete = pending_files.complete_files(row)
+            if complete is not None:
+                pending_files.settle(self.sessions, tenant, row, complete)
+                del rows[name]
+        last: dict[str, int] = {}
+        for index, entry in enumerate(entries):
+            p = entry.envelope.payload
+            if entry.envelope.kind == RequestKind.SAVE_SAMPLER and isinstance(p, SaveCheckpointPayload) and p.name in rows:
+                last[str(p.name)] = index
+        for name in rows.keys() - last.keys():
+            log.error("adapter %s: sampler checkpoint %s has no files and its save is not in the request log: it "
+                      "cannot be rebuilt", model_id, name)  # fmt: skip
+        return {index: rows[name] for name, index in last.items()}
+
+    def write_again(self, request: Any, row: pending_files.PendingRow, executor: Executor) -> None:
+        written = pending_files.write_again(request, executor, self.writes)
+        if written is not None:
+            pending_files.settle(self.sessions, request.tenant_id, row, written)
+            log.info("adapter %s: the files of sampler checkpoint %s written again at seq_id %d", request.model_id,
+                     row.name, request.seq_id)  # fmt: skip
 
 
 def _tenant_of(info: SnapshotInfo) -> str:

@@ -13,7 +13,10 @@ goes on:
 1. write the file (workers/state/durable_snapshot.py: atomic, fsynced, hashed);
 2. wait until the dispatcher's finisher has stored the results of every plan up to this one (`after_finished`): a
    snapshot may only become the one a restart adopts once everything it covers was answered, or a restart would
-   find requests it covers with no result to send;
+   find requests it covers with no result to send; and until every sampler save's files handed to the background
+   writer up to this plan are written (`writes.barrier`): a sampler save is answered before its files, and a restart
+   rebuilds missing files by replaying the log after the newest snapshot, so no snapshot may pass a save whose
+   files are not there yet (pool/durable/pending_files.py);
 3. one transaction, fenced by the lease: its `adapter_snapshots` row, older rows past `keep` dropped; then the
    request log trimmed to the previous snapshot's seq_id (the log covers two snapshots, so a corrupt newest file can
    be skipped for the one before it); the dropped files removed.
@@ -31,6 +34,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
 
     from loraplex.dispatch.hooks import LoopProgress
     from loraplex.queue.lease import PoolLease
+    from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.workers.state.adapter_store import AdapterStore
     from loraplex.workers.state.slot_images import SlotImage
 
@@ -77,6 +83,7 @@ class _Job:
     applied_seq_id: int
     take: Callable[[], SlotImage] | None  # the state's host copy (writer thread); None: forget the adapter
     released: threading.Event = field(default_factory=threading.Event)
+    files_written: Future[None] | None = None  # every sampler save's files handed in before this job
 
 
 class Snapshotter:
@@ -95,10 +102,13 @@ class Snapshotter:
         clock: Callable[[], float] = time.monotonic,
         write: Callable[..., Any] = write_durable_snapshot,
         copy_budget_bytes: int = 4 << 30,
+        writes: BackgroundWrites | None = None,
     ) -> None:
         """write: the file writer (workers/durable_snapshot.write_durable_snapshot; tests inject a failing one).
         copy_budget_bytes: the most adapter state taken but not yet written at once (device clones; at least one
-        adapter is always taken)."""
+        adapter is always taken). writes: the sampler saves' background file writes (a snapshot is recorded only after
+        those handed in before it)."""
+        self.writes = writes
         self.store = store
         self.sessions = sessions
         self.redis = redis
@@ -149,8 +159,15 @@ class Snapshotter:
                     j.released.set()
 
             progress.after_finished(release)
+            self._after_writes(jobs)
             for job in jobs:
                 self._jobs.put(job)
+
+    def _after_writes(self, jobs: list[_Job]) -> None:
+        if self.writes is not None:
+            barrier = self.writes.barrier()
+            for job in jobs:
+                job.files_written = barrier
 
     def _is_due(self, c: _Cadence, now: float) -> bool:
         return (self.every_steps > 0 and c.steps >= self.every_steps) or (
@@ -190,6 +207,7 @@ class Snapshotter:
         """A clean stop, after the last plan was finished: snapshot every changed adapter, wait for the writer."""
         # Unbounded: training is over (no activations), and every changed adapter must reach the disk now.
         jobs = self._take([m for m, c in self._cadence.items() if c.dirty], progress, bounded=False)
+        self._after_writes(jobs)
         for job in jobs:
             job.released.set()  # every plan is finished: nothing to wait for
             self._jobs.put(job)
@@ -234,6 +252,13 @@ class Snapshotter:
         while not job.released.wait(0.5):
             if self._stopping.is_set():
                 return False
+        while job.files_written is not None:
+            try:
+                job.files_written.result(timeout=0.5)
+                return True
+            except FutureTimeout:
+                if self._stopping.is_set():
+                    return False
         return True
 
     def _write_one(self, job: _Job) -> None:
@@ -274,10 +299,12 @@ class Snapshotter:
             Path(p).unlink(missing_ok=True)
 
 
-def build_snapshotter(settings: Any, store: AdapterStore, sessions: Any, redis: Any, lease: Any) -> Snapshotter:
+def build_snapshotter(
+    settings: Any, store: AdapterStore, sessions: Any, redis: Any, lease: Any, writes: BackgroundWrites | None = None
+) -> Snapshotter:
     return Snapshotter(
         store, sessions, redis, pool=settings.pool, blob_root=settings.resolved_blob_root,
         every_steps=settings.snapshot_every_steps, every_s=settings.snapshot_every_seconds,
-        keep=settings.snapshot_keep, lease=lease,
+        keep=settings.snapshot_keep, lease=lease, writes=writes,
     )  # fmt: skip
 

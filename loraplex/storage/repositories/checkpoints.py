@@ -17,6 +17,15 @@ from loraplex.storage.models import Checkpoint
 from loraplex.storage.repositories._common import add_or_conflict
 from loraplex.storage.repositories.adapters import AdapterRepository
 
+# The sha256 of a row whose files are still being written: a sampler save is answered once its weights are copied and
+# its save is in the durable request log; the pool fills in size and hash when the files are there (pool/finish.py),
+# or rebuilds them after a crash (pool/durable/pending_files.py).
+FILES_PENDING = ""
+
+
+def files_pending(checkpoint: Checkpoint) -> bool:
+    return checkpoint.sha256 == FILES_PENDING
+
 
 def expired_checkpoints(session: Session, now: datetime) -> list[Checkpoint]:
     """Every tenant's checkpoints whose expiry has passed (for the retention job, which is operator-side)."""
@@ -76,6 +85,20 @@ class CheckpointRepository:
                 Checkpoint.name == name,
             )
         )
+
+    def settle(self, checkpoint_id: str, size_bytes: int, sha256: str) -> bool:
+        """The files of a row recorded while they were being written are there: False when the row is gone (deleted,
+        or replaced by a newer save of the same name)."""
+        checkpoint = self.session.get(Checkpoint, checkpoint_id)
+        if checkpoint is None or checkpoint.tenant_id != self.tenant_id:
+            return False
+        checkpoint.size_bytes, checkpoint.sha256 = size_bytes, sha256
+        self.session.flush()
+        return True
+
+    def pending(self, model_id: str) -> builtins.list[Checkpoint]:
+        """The adapter's checkpoints whose files are still being written (oldest first)."""
+        return [c for c in self.list(model_id) if files_pending(c)]
 
     def get(self, model_id: str, kind: CheckpointKind, name: str) -> Checkpoint:
         checkpoint = self.find(model_id, kind, name)

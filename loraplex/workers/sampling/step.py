@@ -46,10 +46,14 @@ class SampleStep:
         slice_s: float | None = None,
         max_runs: int = 4,
         yield_now: Callable[[], bool] | None = None,
+        written: Callable[[str], None] | None = None,
     ) -> None:
         """slice_s: the seconds of sampling one step runs (None: every run to its end); max_runs: the runs in flight
         at once (each holds its decode cache and gathered weights); yield_now: whether other requests wait for the
-        pool (the dispatcher's arrivals event), so a slice on an otherwise idle pool ends after its decode step."""
+        pool (the dispatcher's arrivals event), so a slice on an otherwise idle pool ends after its decode step;
+        written: waits for a checkpoint folder's files still being written (runtime/background_writes.py) before a
+        copy is loaded from it (a save is answered before its files)."""
+        self.written = written
         self.sampler = sampler
         self.store = store
         self.slice_s = slice_s
@@ -190,6 +194,8 @@ class SampleStep:
             return
         if not directory:
             raise NotFoundError(f"sampler weights {copy_id} are not on this pool and name no checkpoint folder")
+        if self.written is not None:
+            self.written(directory)
         restore_checkpoint(self.sampler.engine, self.store, copy_id, Path(directory), with_optimizer=False)
 
     def _groups(self, ready: list[tuple[PlannedRequest, SampleJob]]) -> list[list[tuple[PlannedRequest, SampleJob]]]:

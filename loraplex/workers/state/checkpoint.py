@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -203,7 +204,23 @@ def tensors_file_bytes(tensors: Mapping[str, torch.Tensor], header: Mapping[str,
     metadata = {"format": "pt"}
     if header is not None:
         metadata["loraplex"] = json.dumps(header, sort_keys=True, allow_nan=False)
-    return safetensors.torch.save(dict(tensors), metadata=metadata)
+    return _metadata_sorted(safetensors.torch.save(dict(tensors), metadata=metadata))
+
+
+def _metadata_sorted(data: bytes) -> bytes:
+    """The same file with its metadata's keys in sorted order. safetensors writes them in the order of a Rust HashMap,
+    which is seeded per process, so the same weights saved by two processes (a save, and the same save rebuilt by a
+    restarted pool) would differ in their header bytes alone; sorted, equal weights give equal files."""
+    (length,) = struct.unpack("<Q", data[:8])
+    raw = data[8 : 8 + length]
+    header = json.loads(raw, object_pairs_hook=dict)
+    if "__metadata__" not in header:
+        return data
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:  # another spelling than safetensors' (never seen): keep its bytes
+        return data
+    return data[:8] + text.ljust(length, b" ") + data[8 + length :]
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------------
