@@ -93,9 +93,9 @@ class PlanFinish(FinishStep):
         tier_moves = answer.from_loop if isinstance(answer.from_loop, list) else []
         rows: dict[str, str] = {}
         outcomes = self.record(answer.plan, outcomes, answer.busy_s, tier_moves, rows)
-        self._settle_later(answer.plan, outcomes, rows)
         answer.publish(outcomes)
         answer.ack()
+        self._settle_later(answer.plan, rows)
 
     def written(self, plan: BatchPlan, outcomes: list[Outcome]) -> list[Outcome]:
         """Wait for the plan's background writes; complete their saves' results (a failed write fails its save)."""
@@ -121,7 +121,7 @@ class PlanFinish(FinishStep):
     def _writing(self, request: PlannedRequest) -> bool:
         return self._writes is not None and self._writes.pending(request.request_id)
 
-    def _settle_later(self, plan: BatchPlan, outcomes: list[Outcome], rows: dict[str, str]) -> None:
+    def _settle_later(self, plan: BatchPlan, rows: dict[str, str]) -> None:
         """The saves answered before their files: each row settled (or the files removed) once its write is done."""
         if self._writes is None:
             return

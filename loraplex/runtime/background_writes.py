@@ -61,10 +61,13 @@ class BackgroundWrites:
         return future.result()
 
     def then(self, request_id: str, settle: Callable[[Future[dict[str, Any]]], None]) -> None:
-        """Hand this request's write to `settle` once it is done (on the writer thread, before the next write starts;
-        at once on this thread when it is done already) instead of waiting for it."""
+        """Hand this request's write to `settle` once it is done, on the writer thread (before the next write starts;
+        queued behind the writes handed in so far when it is done already), never on the caller's, which goes on."""
         with self._lock:
             future = self._by_request.pop(request_id)
+            if future.done():
+                self._pool.submit(settle, future)
+                return
         future.add_done_callback(settle)
 
     def barrier(self) -> Future[None]:

@@ -9,6 +9,7 @@ tenant's checkpoint is a 404, the same as a missing one."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -53,12 +54,29 @@ from loraplex.storage.types import utcnow
 ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
 MAX_DELETE_PATHS = MAX_PAGE_LIMIT  # paths per bulk delete
+FILES_WAIT_S = 60.0  # longest a reader of a checkpoint's files (export, weights_info) waits for them
 
 
 def checkpoint_dir(services: Services, checkpoint: Checkpoint) -> Path:
     """The folder of a recorded checkpoint (its URI checked to lie inside the blob store)."""
     store = blob_store(services)
     return store.path(store.key_for_uri(checkpoint.blob_uri))
+
+
+def files_written(services: Services, tenant_id: str, checkpoint: Checkpoint) -> Checkpoint:
+    """The checkpoint once its files are there. A sampler save is answered before the pool writes its files (about a
+    second for 130 MB, pool/finish.py): its row is read again until they are, for up to FILES_WAIT_S, then a
+    ConflictError saying to retry; a row deleted meanwhile is a 404."""
+    deadline = time.monotonic() + FILES_WAIT_S
+    kind, name, model_id = CheckpointKind(checkpoint.kind), checkpoint.name, checkpoint.model_id
+    while files_pending(checkpoint):
+        if time.monotonic() > deadline:
+            path = tinker_path(model_id, kind, name)
+            raise ConflictError(f"the files of {path} are still being written; try again in a few seconds")
+        time.sleep(0.1)
+        with services.sessions() as db:
+            checkpoint = CheckpointRepository(db, tenant_id).get(model_id, kind, name)
+    return checkpoint
 
 
 def resolve_checkpoint(db: Session, tenant_id: str, path: str, with_optimizer: bool) -> Checkpoint:
@@ -257,17 +275,18 @@ def weights_info(services: Services, tenant: TenantRef, path: str) -> WeightsInf
     with services.sessions() as db:
         checkpoint = CheckpointRepository(db, tenant.id).get(parsed.model_id, parsed.kind, parsed.name)
         adapter = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
-        targets = {m.rsplit(".", 1)[-1] for m in adapter.target_modules}
-        kind = CheckpointKind(checkpoint.kind)
-        return WeightsInfoOut(
-            base_model=adapter.base_model,
-            lora_rank=adapter.rank,
-            train_mlp=bool(targets & MLP_MODULES),
-            train_attn=bool(targets & ATTENTION_MODULES),
-            tinker_path=tinker_path(checkpoint.model_id, kind, checkpoint.name),
-            model_id=checkpoint.model_id,
-            kind=kind.value,
-            checkpoint_type=TYPE_BY_KIND[kind],
-            size_bytes=checkpoint.size_bytes,
-            step=checkpoint.step,
-        )
+    checkpoint = files_written(services, tenant.id, checkpoint)  # its size is known once they are written
+    targets = {m.rsplit(".", 1)[-1] for m in adapter.target_modules}
+    kind = CheckpointKind(checkpoint.kind)
+    return WeightsInfoOut(
+        base_model=adapter.base_model,
+        lora_rank=adapter.rank,
+        train_mlp=bool(targets & MLP_MODULES),
+        train_attn=bool(targets & ATTENTION_MODULES),
+        tinker_path=tinker_path(checkpoint.model_id, kind, checkpoint.name),
+        model_id=checkpoint.model_id,
+        kind=kind.value,
+        checkpoint_type=TYPE_BY_KIND[kind],
+        size_bytes=checkpoint.size_bytes,
+        step=checkpoint.step,
+    )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from safetensors.numpy import load as load_arrays
 from safetensors.numpy import save as save_arrays
 from sqlalchemy.orm import Session
 
-from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.protocol.checkpoint_files import (
     MANIFEST_FILE,
     PEFT_PREFIX,
@@ -51,12 +50,12 @@ from loraplex.protocol.checkpoint_files import (
 )
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_checkpoint_ref, tinker_path
 from loraplex.runtime.fsutil import write_bytes_atomic
+from loraplex.service.checkpoints import files_written
 from loraplex.service.context import Services, TenantRef
 from loraplex.settings import Settings
 from loraplex.storage.blobs import BlobStore
 from loraplex.storage.models import Adapter, Checkpoint
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository
-from loraplex.storage.repositories.checkpoints import files_pending
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -101,9 +100,6 @@ class PeftExport:
 
 
 # ---- the tenant's export (gateway route, pipelines) and the operator's (`loraplex export`) ---------------------------
-FILES_WAIT_S = 60.0  # longest an export waits for the files of an answered sampler save
-
-
 def export_peft(services: Services, tenant: TenantRef, model_id: str, ref: str | None, out_dir: Path) -> PeftExport:
     """Write the PEFT folder of `ref` (a tinker path of this adapter or `<kind>/<name>`; default: the latest sampler
     or state checkpoint) into `out_dir`. 404 for another tenant's or a missing adapter or checkpoint, or nothing
@@ -120,22 +116,6 @@ def export_peft(services: Services, tenant: TenantRef, model_id: str, ref: str |
         settings, found, out_dir, base_model=settings.base_model, base_model_path=adapter.base_model
     )
     return PeftExport(folder, tinker_path(found.model_id, CheckpointKind(found.kind), found.name), found.name)
-
-
-def files_written(services: Services, tenant_id: str, checkpoint: Checkpoint) -> Checkpoint:
-    """The checkpoint once its files are there. A sampler save is answered before the pool writes its files (about a
-    second for 130 MB, pool/finish.py): its row is read again until they are, for up to FILES_WAIT_S, then a
-    ConflictError saying to retry; a row deleted meanwhile is a 404."""
-    deadline = time.monotonic() + FILES_WAIT_S
-    kind, name, model_id = CheckpointKind(checkpoint.kind), checkpoint.name, checkpoint.model_id
-    while files_pending(checkpoint):
-        if time.monotonic() > deadline:
-            path = tinker_path(model_id, kind, name)
-            raise ConflictError(f"the files of {path} are still being written; try again in a few seconds")
-        time.sleep(0.1)
-        with services.sessions() as db:
-            checkpoint = CheckpointRepository(db, tenant_id).get(model_id, kind, name)
-    return checkpoint
 
 
 def find_export_checkpoint(
