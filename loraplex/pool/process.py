@@ -96,7 +96,7 @@ def native_sampling(
     requests fail with the reason (logged too). With several ranks every rank builds its own (rank 0 and the
     followers alike) and decodes its share of each run's jobs (workers/ranks/sampling.py)."""
     if settings.sampler == "vllm" and group is None:
-        return vllm_sampling(settings)
+        return vllm_sampling(settings, written)
     if settings.sampler != "native":
         return None
     from loraplex.errors import LoraplexError, NotSupportedError
@@ -154,9 +154,10 @@ def rank_sampler(sampler: Any, group: Any) -> Any:
     return RankSampler(sampler, group)
 
 
-def vllm_sampling(settings: Settings) -> Any:
+def vllm_sampling(settings: Settings, written: Callable[[str], None] | None = None) -> Any:
     """The SAMPLE step on a vLLM server this process starts (and supervises: a dead server is restarted with its
-    adapters); the server stops when this process exits. Sampler checkpoints reach it as PEFT folders."""
+    adapters); the server stops when this process exits. Sampler checkpoints reach it as PEFT folders, exported once
+    their files are written (`written`: waits for a folder the background writer still writes)."""
     import atexit
 
     from loraplex.models import resolve
@@ -176,6 +177,8 @@ def vllm_sampling(settings: Settings) -> Any:
     server.supervise()
 
     def export(checkpoint_dir: Path, out_dir: Path) -> Path:
+        if written is not None:
+            written(str(checkpoint_dir))
         return export_checkpoint(checkpoint_dir, out_dir, base_model_path=str(folder))
 
     log.info("pool %s: sampling on a vLLM server at %s (logs/vllm-%s.log)", settings.pool, server.base_url,

@@ -188,9 +188,9 @@ class _Files:
             p = entry.envelope.payload
             if entry.envelope.kind == RequestKind.SAVE_SAMPLER and isinstance(p, SaveCheckpointPayload) and p.name in rows:
                 last[str(p.name)] = index
-        for name in rows.keys() - last.keys():
-            log.error("adapter %s: sampler checkpoint %s has no files and its save is not in the request log: it "
-                      "cannot be rebuilt", model_id, name)  # fmt: skip
+        for name in rows.keys() - last.keys():  # answered and not acked, it is redelivered and runs again
+            log.warning("adapter %s: sampler checkpoint %s has no files and its save is not in the request log: it is "
+                        "rebuilt only if its request is still in its stream", model_id, name)  # fmt: skip
         return {index: rows[name] for name, index in last.items()}
 
     def write_again(self, request: Any, row: pending_files.PendingRow, executor: Executor) -> None:
