@@ -4,7 +4,7 @@ from the new sampler answers after it.
 
     python benchmarks/probe_sync.py [--model tiny|qwen3-0.6b-shape] [--rank 32] [--repeats 5] [--dtype float32]
 
-Printed: each sync's seconds, their median, then one sample's seconds. On the CPU `qwen3-0.6b-shape` at rank 32 holds
+Printed: each sync's seconds, their median, and the seconds of one sample right after each (unless --no-sample). On the CPU `qwen3-0.6b-shape` at rank 32 holds
 ~88 MB of LoRA weights (the Qwen3-4B shape at rank 32 holds ~130 MB on the GPU)."""
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-sample", action="store_true", help="time the sync only")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="probe-sync-"))
+    print(f"stack home (logs): {home}", flush=True)
     settings = Settings(home=home, base_model=args.model, max_rank=args.rank, slots=2, dtype=args.dtype)
     with Stack(settings, api_port=free_port()) as stack:
         with unit_of_work(session_factory(make_db_engine(settings.resolved_database_url))) as session:
@@ -49,6 +51,9 @@ def main() -> None:
             start = time.perf_counter()
             sampler = training.save_weights_and_get_sampling_client().result()
             seconds.append(time.perf_counter() - start)
+            if args.no_sample:
+                print(f"sync {i}: {seconds[-1] * 1000:.1f} ms", flush=True)
+                continue
             start = time.perf_counter()
             sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1,
                            types.SamplingParams(max_tokens=4, seed=i)).result()  # fmt: skip
