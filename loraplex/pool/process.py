@@ -353,9 +353,10 @@ def _lead(
     snapshotter = build_snapshotter(settings, store, sessions, client, lease, writes) if settings.durable_snapshots else None
     hooks = PlanHooks(
         results=ResultStore(client, lease=lease),
-        # With the request log on, a sampler save is answered once its weights are frozen, before its files exist.
+        # With the request log on, a sampler save is answered once its weights are frozen, before its files exist;
+        # not yet with several ranks: a follower that loads a copy from its folder cannot wait for rank 0's writer.
         finish=PlanFinish(sessions, pool=settings.pool, store=store, writes=writes, lease=lease,
-                          answer_before_files=snapshotter is not None),  # fmt: skip
+                          answer_before_files=snapshotter is not None and group is None),  # fmt: skip
         applied_seq_lookup=applied_seq_lookup(sessions),
         after_plan=snapshotter.after_plan if snapshotter is not None else None,
         observer=metrics,
