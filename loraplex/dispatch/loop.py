@@ -105,6 +105,7 @@ class Dispatcher:
         self.limits = PolicyLimits(
             plan_tokens=config.plan_tokens, max_requests=config.max_requests_per_plan,
             max_adapters_per_step=config.slots, max_sample_batches=config.sample_runs_in_flight,
+            max_sample_rows=config.sample_rows,
         )  # fmt: skip
         self._buffer: list[_Held] = []  # arrival order
         self._held_ids: set[EntryRef] = set()  # stream entries in the buffer

@@ -87,7 +87,10 @@ def native_sampling(
 
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
-        sampler = Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows)
+        budget = sampler_budget(settings, engine)
+        # The paged cache's size: the blocks the budget leaves for the sampler's KV (for Sampler's kv_blocks).
+        kv_blocks = budget.blocks  # noqa: F841 - handed to the Sampler once it takes a block count
+        sampler = Sampler(engine, tokenizer, max_rows=budget.rows)
         return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight,
                           others_waiting.is_set if others_waiting is not None else None)  # fmt: skip
     except (LoraplexError, OSError) as exc:
@@ -98,6 +101,36 @@ def native_sampling(
             raise reason
 
         return unavailable
+
+
+def sampler_budget(settings: Settings, engine: Any) -> Any:
+    """The native sampler's rows and KV blocks (workers/sampling/kv_budget.py), sized now, after the engine is built:
+    from the device's free memory on CUDA, from `sampler_kv_bytes` (or its CPU default) on the CPU. Logged."""
+    import torch
+
+    from loraplex.workers.sampling import kv_budget
+
+    config = engine.model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    dtype_bytes = torch.empty((), dtype=engine.compute_dtype).element_size()
+    shape = kv_budget.KvShape(int(config.num_hidden_layers), int(config.num_key_value_heads), head_dim, dtype_bytes)
+    free: int | None = None
+    configured = settings.sampler_kv_bytes
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        unused = torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
+        free = int(torch.cuda.mem_get_info(engine.device)[0]) + unused
+    elif configured is None:
+        configured = kv_budget.CPU_KV_BYTES
+    forced = settings.sampler_max_rows if isinstance(settings.sampler_max_rows, int) else None
+    budget = kv_budget.plan_kv_budget(
+        shape, free_bytes=free, fraction=settings.sampler_kv_memory_fraction, configured_bytes=configured,
+        row_tokens=settings.sampler_row_tokens, forced_rows=forced,
+        ceiling=kv_budget.ROWS_CEILING if engine.device.type == "cuda" else kv_budget.CPU_ROWS_CEILING,
+    )  # fmt: skip
+    log.info("pool %s: native sampler sized: %s", settings.pool, budget.describe())
+    return budget
 
 
 def vllm_sampling(settings: Settings) -> Any:
@@ -300,7 +333,8 @@ def _lead(
         cost_model=cost,
         others_waiting=others_waiting,
     )
-    config = DispatchConfig.from_settings(settings, pipelined=True)
+    rows = getattr(getattr(sampling, "sampler", None), "max_rows", None)  # the native sampler's, sized from memory
+    config = DispatchConfig.from_settings(settings, pipelined=True, **({"sample_rows": rows} if rows else {}))
 
     def build_dispatcher() -> Dispatcher:
         return Dispatcher(client, settings.pool, leader or executor, config, hooks)
