@@ -376,6 +376,10 @@ class Dispatcher:
             log.exception("the finish step's on_loop failed")
             from_loop = None
         outcomes = _one_per_request(outcomes, requests)
+        if self._sampling:  # a run that ended is in flight no more (a stale entry would count against new runs)
+            for r, outcome in zip(requests, outcomes, strict=True):
+                if not outcome.unfinished:
+                    self._sampling.pop(r.request_id, None)
         self._observe("executed", plan, outcomes, busy)  # before any result is visible: a client reads it counted
         if any(r.part is not None for r in requests) or any(o.unfinished for o in outcomes):
             plan, outcomes = self._settle_parts(plan, outcomes)
