@@ -207,7 +207,7 @@ class Settings(BaseSettings):
     # most 1,024 on a GPU and 32 on the CPU. An integer forces the rows. The policy starts at most this many sampled
     # sequences a plan (dispatch/policy.py). `sampler_kv_bytes` set on a GPU replaces the fraction.
     sampler_max_rows: int | Literal["auto"] = "auto"
-    sampler_kv_memory_fraction: float = Field(default=0.5, gt=0, lt=1)
+    sampler_kv_memory_fraction: float = Field(default=0.25, gt=0, lt=1)
     sampler_kv_bytes: int | None = Field(default=None, ge=0)
     sampler_row_tokens: int = Field(default=512, ge=1)
     # Longest slice of native sampling one plan runs (a long generation goes on over the next plans,

@@ -5,12 +5,14 @@ The rule, in order:
 1. Memory the pool could give the cache: on CUDA the device's free memory once the engine is built (the driver's free
    bytes plus what torch's allocator holds unused); on the CPU no such number means anything (the host's memory is
    shared with everything else), so a configured byte budget (`LORAPLEX_SAMPLER_KV_BYTES`, default `CPU_KV_BYTES`).
-2. Training keeps its share: the cache takes at most `LORAPLEX_SAMPLER_KV_MEMORY_FRACTION` (default 0.5) of that free
-   memory, and never more than the free memory less `reserve_bytes` (a measured peak of a full microbatch step, when
-   the caller has one): cache = min(fraction x free, free - reserve). The other half is what a training step's
-   activations, its CUDA-graph pools and the allocator's fragmentation use (a Qwen3-4B-shaped 4,096-token microbatch
-   holds ~20 GB for its backward; an H100 has ~70 GB free after the bf16 weights). `LORAPLEX_SAMPLER_KV_BYTES` set
-   on CUDA replaces the fraction rule.
+2. Training keeps its share: the cache takes at most `LORAPLEX_SAMPLER_KV_MEMORY_FRACTION` (default 0.25) of that
+   free memory, and never more than the free memory less `reserve_bytes` (a measured peak of a full microbatch step,
+   when the caller has one): cache = min(fraction x free, free - reserve). The rest is what a training step's
+   activations (a Qwen3-4B-shaped 3,840-token microbatch held 14.4 GiB for its backward on an H100), its CUDA-graph
+   pools (6.8 GiB), the sampler's per-step temporaries (each row's sort over the vocabulary) and, while the decoder
+   keeps a dense cache per run (up to two row shapes cached), its second cache use. Measured on an H100 with 63 GiB
+   free after the bf16 weights: 0.5 (448 rows) served one RL tenant and ran out of memory with four; see
+   benchmarks/bench_rl.py. `LORAPLEX_SAMPLER_KV_BYTES` set on CUDA replaces the fraction rule.
 3. Blocks = cache bytes // bytes per block (K and V of `block_tokens` positions in every layer: 2 x layers x
    block_tokens x kv_heads x head_dim x dtype bytes, `PagedKvCache.bytes_per_block`).
 4. Rows decoded at once ("auto"): as many as the blocks cover at `LORAPLEX_SAMPLER_ROW_TOKENS` (prompt + new tokens
@@ -95,7 +97,7 @@ def plan_kv_budget(
     shape: KvShape,
     *,
     free_bytes: int | None,
-    fraction: float = 0.5,
+    fraction: float = 0.25,
     configured_bytes: int | None = None,
     reserve_bytes: int = 0,
     row_tokens: int = 512,

@@ -31,14 +31,15 @@ def test_bytes_per_block_equals_the_paged_cache_on_random_shapes() -> None:
         assert shape.bytes_per_block(tokens) == PagedKvCache.bytes_per_block(layers, tokens, heads, dim, dtype)
 
 
-def test_an_h100_sized_budget_gives_hundreds_of_rows_and_keeps_half_for_training() -> None:
+def test_an_h100_sized_budget_gives_hundreds_of_rows_and_keeps_the_rest_for_training() -> None:
     # Qwen3-4B bf16: 144 KiB a position, 2.25 MiB a block; 70 GiB free -> 35 GiB of blocks, 32 blocks a 512-token row
-    budget = plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB)
+    assert plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB).cache_bytes <= 70 * GIB / 4  # the default fraction
+    budget = plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB, fraction=0.5)
     assert budget.bytes_per_block == 2 * 36 * 16 * 8 * 128 * 2
     assert budget.blocks == (35 * GIB) // budget.bytes_per_block == 15928
     assert budget.cache_bytes <= 35 * GIB and budget.rows == 496 and not budget.rows_forced  # 497 fit, rounded to 8
-    assert plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB, row_tokens=384).rows == 656  # the RL shape: 128 + 256
-    assert plan_kv_budget(QWEN3_4B, free_bytes=130 * GIB, row_tokens=256).rows == kv_budget.ROWS_CEILING  # an H200
+    assert plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB, fraction=0.5, row_tokens=384).rows == 656  # 128 + 256
+    assert plan_kv_budget(QWEN3_4B, free_bytes=130 * GIB, fraction=0.5, row_tokens=256).rows == 1024  # the ceiling
 
 
 def test_rows_follow_the_blocks_at_the_expected_length_rounded_to_eight() -> None:
@@ -71,7 +72,7 @@ def test_random_budgets_never_promise_more_than_the_blocks_hold() -> None:
 
 
 def test_a_measured_reserve_wins_over_the_fraction_when_larger() -> None:
-    budget = plan_kv_budget(QWEN3_4B, free_bytes=40 * GIB, reserve_bytes=30 * GIB)
+    budget = plan_kv_budget(QWEN3_4B, free_bytes=40 * GIB, fraction=0.5, reserve_bytes=30 * GIB)
     assert budget.cache_bytes <= 10 * GIB and budget.blocks == (10 * GIB) // budget.bytes_per_block
 
 
