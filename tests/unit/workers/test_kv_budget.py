@@ -44,12 +44,12 @@ def test_an_h100_sized_budget_gives_hundreds_of_rows_and_keeps_the_rest_for_trai
 
 def test_rows_follow_the_blocks_at_the_expected_length_rounded_to_eight() -> None:
     per_block = QWEN3_4B.bytes_per_block()
-    budget = plan_kv_budget(QWEN3_4B, free_bytes=2 * 300 * per_block, row_tokens=384)  # 300 blocks, 24 a row
+    budget = plan_kv_budget(QWEN3_4B, free_bytes=4 * 300 * per_block, row_tokens=384)  # a quarter: 300 blocks, 24 a row
     assert budget.blocks == 300 and budget.rows == 8  # 12 rows fit, rounded down to a multiple of 8
-    small = plan_kv_budget(QWEN3_4B, free_bytes=2 * 100 * per_block, row_tokens=384)
+    small = plan_kv_budget(QWEN3_4B, free_bytes=4 * 100 * per_block, row_tokens=384)
     assert small.rows == 4  # under 8: as many as fit
-    longer = plan_kv_budget(QWEN3_4B, free_bytes=2 * 300 * per_block, row_tokens=385)  # 25 blocks a row
-    assert longer.rows == 8 and plan_kv_budget(QWEN3_4B, free_bytes=2 * 300 * per_block, row_tokens=16).rows == 296
+    longer = plan_kv_budget(QWEN3_4B, free_bytes=4 * 300 * per_block, row_tokens=385)  # 25 blocks a row
+    assert longer.rows == 8 and plan_kv_budget(QWEN3_4B, free_bytes=4 * 300 * per_block, row_tokens=16).rows == 296
 
 
 def test_random_budgets_never_promise_more_than_the_blocks_hold() -> None:
