@@ -70,6 +70,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="time the decode step's parts and profile its kernels")
+    p.add_argument("--kv", default="dense,paged", help="KV caches to run the variants on: dense, paged or both")
+    p.add_argument("--variants", default="all", help="comma-separated variant names (default all)")
+    p.add_argument("--samples", type=int, default=16, help="samples per prompt of the shared_prompts variant")
+    p.add_argument("--skip-copies", action="store_true", help="skip the sampler-copy timings")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -80,46 +84,87 @@ def main() -> None:
     for i, model_id in enumerate(ids):
         engine.create_adapter(model_id, rank=args.rank, alpha=2 * args.rank, seed=i)
         give_b_weights(engine, model_id, seed=100 + i)
-    sampler = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=())
-    eager = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), cuda_graphs=False)
     gen = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()) for _ in range(args.prompts)]
     params = SampleParams(max_tokens=args.new, temperature=1.0, seed=7)
     new_tokens = args.prompts * args.new
-
-    def run(assignments: list[str | None], by: Sampler = sampler) -> None:
-        outs = by.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
-        assert len(outs) == len(assignments) and all(len(o.sequences[0].tokens) == args.new for o in outs)
-
     results: dict[str, Any] = {"args": vars(args), "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     per = args.prompts // 4
-    variants = {
-        "base_only": lambda: run([None] * args.prompts),
-        "one_adapter": lambda: run(["a0"] * args.prompts),
-        "four_mixed": lambda: run([ids[i // per] for i in range(args.prompts)]),
-        "four_one_after_another": lambda: [
-            sampler.generate([SampleJob(pr, ids[k], params) for pr in prompts[k * per : (k + 1) * per]])
-            for k in range(4)
-        ],
-        "base_only_eager": lambda: run([None] * args.prompts, eager),
-        "four_mixed_eager": lambda: run([ids[i // per] for i in range(args.prompts)], eager),
-    }
-    for name, fn in variants.items():
-        warm = time.perf_counter()
-        fn()  # a new shape captures its graph here (and kernels, the allocator warm up)
-        first_s = time.perf_counter() - warm
-        seconds = timed(fn, args.repeats)
-        results[name] = {"s": seconds, "tok_s": new_tokens / seconds, "first_call_s": first_s}
-        print(name, results[name], flush=True)
-    base = results["base_only"]["tok_s"]
-    results["mixed_over_base"] = results["four_mixed"]["tok_s"] / base
-    results["mixed_over_sequential"] = results["four_mixed"]["tok_s"] / results["four_one_after_another"]["tok_s"]
-    results["graph_over_eager"] = {
-        "base": base / results["base_only_eager"]["tok_s"],
-        "mixed": results["four_mixed"]["tok_s"] / results["four_mixed_eager"]["tok_s"],
-    }
+    wanted = set(args.variants.split(","))
+    sampler = None
+    for kv in args.kv.split(","):
+        paged = kv == "paged"
+        sampler = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), paged_kv=paged)
+        eager = Sampler(
+            engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), cuda_graphs=False, paged_kv=paged
+        )
 
-    # A sampler copy on the training path: the adapter's weights into a free slot, or to (pinned) host memory.
+        def run(assignments: list[str | None], by: Sampler = sampler) -> None:
+            outs = by.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
+            assert len(outs) == len(assignments) and all(len(o.sequences[0].tokens) == args.new for o in outs)
+
+        def shared(by: Sampler = sampler) -> None:
+            """--prompts rows as prompts / samples jobs of `samples` samples each (4 adapters): each job's prompt
+            prefilled once and, paged, held once for its samples."""
+            groups = max(1, args.prompts // args.samples)
+            jobs = [
+                SampleJob(prompts[j], ids[j % 4], params, num_samples=min(args.samples, args.prompts))
+                for j in range(groups)
+            ]
+            outs = by.generate(jobs)
+            assert all(len(s.tokens) == args.new for o in outs for s in o.sequences)
+
+        variants = {
+            "base_only": lambda run=run: run([None] * args.prompts),
+            "one_adapter": lambda run=run: run(["a0"] * args.prompts),
+            "four_mixed": lambda run=run: run([ids[i // per] for i in range(args.prompts)]),
+            "four_one_after_another": lambda sampler=sampler: [
+                sampler.generate([SampleJob(pr, ids[k], params) for pr in prompts[k * per : (k + 1) * per]])
+                for k in range(4)
+            ],
+            "shared_prompts": shared,
+            "base_only_eager": lambda run=run, eager=eager: run([None] * args.prompts, eager),
+            "four_mixed_eager": lambda run=run, eager=eager: run([ids[i // per] for i in range(args.prompts)], eager),
+        }
+        for name, fn in variants.items():
+            if name not in wanted and "all" not in wanted:
+                continue
+            warm = time.perf_counter()
+            fn()  # a new shape captures its graph here (and kernels, the allocator warm up)
+            first_s = time.perf_counter() - warm
+            seconds = timed(fn, args.repeats)
+            key = f"{kv}:{name}"
+            results[key] = {"s": seconds, "tok_s": new_tokens / seconds, "first_call_s": first_s}
+            print(key, results[key], flush=True)
+        del eager
+        ratios = {
+            "mixed_over_base": ("four_mixed", "base_only"),
+            "mixed_over_sequential": ("four_mixed", "four_one_after_another"),
+            "shared_over_unshared": ("shared_prompts", "four_mixed"),
+            "graph_over_eager_base": ("base_only", "base_only_eager"),
+            "graph_over_eager_mixed": ("four_mixed", "four_mixed_eager"),
+        }
+        for ratio, (a, b) in ratios.items():
+            if f"{kv}:{a}" in results and f"{kv}:{b}" in results:
+                results[f"{kv}:{ratio}"] = results[f"{kv}:{a}"]["tok_s"] / results[f"{kv}:{b}"]["tok_s"]
+    assert sampler is not None
+    if not args.skip_copies:
+        copy_timings(engine, args, results)
+    if args.breakdown:
+        for kv in args.kv.split(","):
+            results[f"{kv}:breakdown"] = breakdown(engine, ids, prompts, params, kv == "paged")
+    if not args.skip_hf:
+        results.update(hf_peft(args, engine, prompts, new_tokens))
+        one = f"{args.kv.split(',')[-1]}:one_adapter"
+        if "hf_peft" in results and one in results:
+            results["ours_over_hf_peft"] = results[one]["tok_s"] / results["hf_peft"]["tok_s"]
+    print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def copy_timings(engine: Engine, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """A sampler copy on the training path: the adapter's weights into a free slot, or to (pinned) host memory."""
     store = AdapterStore(engine, 1 << 40, Path(tempfile.mkdtemp(prefix="bench-sampler-spill-")))
     results["sampler_copy_ms"] = time_copies(store, "s", 10)
     print("sampler copy (free slot, device to device)", results["sampler_copy_ms"], flush=True)
@@ -131,16 +176,6 @@ def main() -> None:
         store.delete(f"a{k}")
     results["save_for_sampler_ms"] = save_for_sampler(engine, store)
     print("save_weights_for_sampler", results["save_for_sampler_ms"], flush=True)
-
-    if args.breakdown:
-        results["breakdown"] = breakdown(engine, ids, prompts, params)
-    if not args.skip_hf:
-        results.update(hf_peft(args, engine, prompts, new_tokens))
-        if "hf_peft" in results:
-            results["ours_over_hf_peft"] = results["one_adapter"]["tok_s"] / results["hf_peft"]["tok_s"]
-    print(json.dumps({k: v for k, v in results.items() if k != "args"}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 def time_copies(store: AdapterStore, tag: str, repeats: int) -> dict[str, float]:
@@ -188,53 +223,79 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
             "file_write_after_median": 1e3 * statistics.median(write_s[2:])}  # fmt: skip
 
 
-def breakdown(engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams) -> dict[str, Any]:
+def breakdown(
+    engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams, paged: bool
+) -> dict[str, Any]:
     """Where a decode step's time goes: a graph replay alone (base / 1 / 4 adapters), choosing the tokens from [B, V]
-    logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time)."""
-    from loraplex.workers.sampling.choice import choose_tokens
+    logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time). Paged: every
+    row holds its own prompt's KV (zeros) and each timed step appends one position to every row."""
+    from loraplex.workers.sampling.choice import choose_tokens, stream_key
     from loraplex.workers.sampling.static_decoder import StaticDecoder
 
     rows, out = len(prompts), {}
-    width = 1 << (len(prompts[0]) + params.max_tokens - 1).bit_length()
-    tokens, positions = [1] * rows, [len(prompts[0])] * rows
+    prompt_len = len(prompts[0])
+    width = 1 << (prompt_len + 200 - 1).bit_length()  # room for every timed step's new position
+    tokens = [1] * rows
     with torch.inference_mode():
         for groups in (0, 1, 4):
-            decoder = StaticDecoder(engine, rows, width, groups)
+            decoder = StaticDecoder(engine, rows, width, groups, paged=paged)
             decoder.load([engine.adapter(m).slot for m in ids[:groups]])
+            positions = [prompt_len] * rows
+            if paged:
+                c = engine.model.config
+                zeros = torch.zeros(decoder.kv_heads, prompt_len, decoder.head_dim, dtype=engine.compute_dtype,
+                                    device=engine.device)  # fmt: skip
+                kv = [(zeros, zeros)] * c.num_hidden_layers
+                for r in range(rows):
+                    decoder.hold_prompt(r, prompts[r], kv)
+                    decoder.set_row(r, None, 0.0, kv, prompt=r, max_new=200)
+                    decoder.drop_prompt(r)
             for r in range(rows):
                 if groups:
                     decoder.mask[r, (r % groups) * engine.max_rank : (r % groups + 1) * engine.max_rank] = 0.5
-            eager = timed(lambda d=decoder: d.step(tokens, positions), 20)
+
+            def step(d: StaticDecoder = decoder, positions: list[int] = positions) -> None:
+                d.step(tokens, positions)
+                if paged:
+                    positions[:] = [p + 1 for p in positions]
+
+            eager = timed(step, 20)
             decoder.capture()
-            replay = timed(lambda d=decoder: d.step(tokens, positions), 50)
+            replay = timed(step, 50)
             out[f"step_ms_{groups}_adapters"] = {"graph": 1e3 * replay, "eager": 1e3 * eager}
             if groups in (0, 4):
                 decoder.graph = None
                 cuda = engine.device.type == "cuda"
                 kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
                 with torch.profiler.profile(activities=[kind]) as prof:
-                    decoder.step(tokens, positions)
+                    step()
                     sync()
                 table = prof.key_averages().table(
                     sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=12
                 )
-                print(f"kernels of one eager step, {groups} adapters:\n{table}", flush=True)
+                print(f"kernels of one eager step, {groups} adapters, paged={paged}:\n{table}", flush=True)
+            decoder.reset()
             del decoder
         logits = torch.randn(rows, engine.vocab_size, device=engine.device)
-        uniforms = [0.5] * rows
-        out["choose_ms"] = 1e3 * timed(
-            lambda: choose_tokens(logits, [1.0] * rows, [-1] * rows, [1.0] * rows, uniforms)[0].cpu(), 20
+        streams = [stream_key(7, r) for r in range(rows)]
+        out["choose_ms"] = 1e3 * timed(  # what a decode step does: draws on the device, one copy back
+            lambda: choose_tokens(
+                logits, [1.0] * rows, [-1] * rows, [1.0] * rows, streams=streams, steps=[3] * rows
+            ).to_host(),
+            20,
         )
-        sampler = Sampler(engine, tokenizer=None, max_rows=rows, eos_token_ids=())
+        sampler = Sampler(engine, tokenizer=None, max_rows=rows, eos_token_ids=(), paged_kv=paged)
         one = SampleParams(max_tokens=1, temperature=1.0, seed=7)
         out["prefill_and_first_token_ms"] = 1e3 * timed(
             lambda: sampler.generate([SampleJob(pr, None, one) for pr in prompts]), 3
         )
-    print("breakdown", out, flush=True)
+    print("breakdown", "paged" if paged else "dense", out, flush=True)
     return out
 
 
-def hf_peft(args: argparse.Namespace, engine: Engine, prompts: list[tuple[int, ...]], new_tokens: int) -> dict[str, Any]:
+def hf_peft(
+    args: argparse.Namespace, engine: Engine, prompts: list[tuple[int, ...]], new_tokens: int
+) -> dict[str, Any]:
     """HF generate with PEFT holding a0's weights; and greedy agreement with our sampler on 4 prompts."""
     from peft import LoraConfig, get_peft_model
 
@@ -267,7 +328,9 @@ def hf_peft(args: argparse.Namespace, engine: Engine, prompts: list[tuple[int, .
         theirs = peft_model.generate(input_ids=agree_prompts, attention_mask=torch.ones_like(agree_prompts),
                                      max_new_tokens=16, do_sample=False, pad_token_id=0)  # fmt: skip
     sampler = Sampler(engine, tokenizer=None, max_rows=4, eos_token_ids=())
-    ours = sampler.generate([SampleJob(prompts[i], "a0", SampleParams(max_tokens=16, temperature=0.0)) for i in range(4)])
+    ours = sampler.generate(
+        [SampleJob(prompts[i], "a0", SampleParams(max_tokens=16, temperature=0.0)) for i in range(4)]
+    )
     agree = [
         sum(int(x == y) for x, y in zip(o.sequences[0].tokens, theirs[i, batch.shape[1] :].tolist(), strict=True)) / 16
         for i, o in enumerate(ours)

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     # collectives in the forward, CUDA graphs as on one rank). The LoRA banks are replicated either way. RESULTS.md
     # measures which wins at which size.
     pool_layout: Literal["fsdp", "replicate"] = "fsdp"
+    # Native sampling on an "fsdp" pool of several ranks decodes on a whole copy of the base model per rank (one more
+    # base in the compute dtype: ~8 GB for a 4B model in bf16; workers/sampling/replica.py), built at the pool's start
+    # only if it takes at most this fraction of the device's free memory then; else sampling requests fail saying so.
+    # 0: never build one. "replicate" pools need none.
+    sampler_replica_fraction: float = Field(default=0.5, ge=0, le=1)
     # One leader per pool: the pool process holds a lease in Redis for this many seconds, renewed every third of it
     # (queue/lease.py). A pool process killed without releasing it is replaced this long after its last renewal.
     leader_lease_seconds: float = Field(default=10.0, gt=0)
@@ -196,7 +201,7 @@ class Settings(BaseSettings):
     # a Hugging Face id such as Qwen/Qwen3-4B, or a folder the clients share. Empty: the base model's name (a
     # folder's Hugging Face id from its config.json, else the folder's name), never a path on this server.
     tokenizer_id: str = ""
-    # The pool's sampler: "native" (workers/sampling/sampler.py over the training engine; single-process pools), "vllm" (a
+    # The pool's sampler: "native" (workers/sampling/sampler.py over the training engine; on several ranks each decodes its share), "vllm" (a
     # vLLM server the pool process starts and supervises, samplers/; needs the .[vllm] extra and a base model vLLM can
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"

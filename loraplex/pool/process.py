@@ -74,11 +74,12 @@ def native_sampling(
     settings: Settings, engine: Any, store: Any, group: Any, others_waiting: threading.Event | None = None
 ) -> Any:
     """The SAMPLE step over this engine (workers/sampling/step.py), or None (no sampler: its requests fail saying so):
-    settings.sampler "none", a multi-rank pool (the native sampler runs on one process for now); for a model it does
-    not support (an MoE), a step whose requests fail with the reason (logged too)."""
+    settings.sampler "none", or "vllm" on a multi-rank pool; for a model it does not support (an MoE), a step whose
+    requests fail with the reason (logged too). With several ranks every rank builds its own (rank 0 and the
+    followers alike) and decodes its share of each run's jobs (workers/ranks/sampling.py)."""
     if settings.sampler == "vllm" and group is None:
         return vllm_sampling(settings)
-    if settings.sampler != "native" or group is not None:
+    if settings.sampler != "native":
         return None
     from loraplex.errors import LoraplexError, NotSupportedError
     from loraplex.models import load_tokenizer
@@ -87,10 +88,12 @@ def native_sampling(
 
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
+        engine = sampling_engine(settings, engine, group)  # several ranks: a whole base model to decode on
         budget = sampler_budget(settings, engine)
-        # The paged cache's size: the blocks the budget leaves for the sampler's KV (for Sampler's kv_blocks).
-        kv_blocks = budget.blocks  # noqa: F841 - handed to the Sampler once it takes a block count
-        sampler = Sampler(engine, tokenizer, max_rows=budget.rows)
+        kv_blocks = budget.blocks  # the paged cache's blocks: what the memory left after training's share holds
+        sampler = Sampler(engine, tokenizer, max_rows=budget.rows, kv_blocks=kv_blocks)
+        if group is not None:  # each rank decodes its share of a run's jobs
+            sampler = rank_sampler(sampler, group)
         return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight,
                           others_waiting.is_set if others_waiting is not None else None)  # fmt: skip
     except (LoraplexError, OSError) as exc:
@@ -131,6 +134,46 @@ def sampler_budget(settings: Settings, engine: Any) -> Any:
     )  # fmt: skip
     log.info("pool %s: native sampler sized: %s", settings.pool, budget.describe())
     return budget
+
+
+def sampler_rows(sampling: Any, world: int) -> int | None:
+    """The rows the pool's native sampler decodes at once over all its ranks (each rank decodes its share of a run's
+    rows with rank 0's sizing, near enough: their memory is alike); None without a native sampler."""
+    sampler = getattr(sampling, "sampler", None)
+    per_rank = getattr(getattr(sampler, "sampler", sampler), "max_rows", None)  # a rank's sampler wraps the Sampler
+    return per_rank * world if isinstance(per_rank, int) else None
+
+
+def sampling_engine(settings: Settings, engine: Any, group: Any) -> Any:
+    """The engine the native sampler decodes on: this one, unless it is one rank of an FSDP-sharded pool, whose every
+    rank then builds a whole copy of the base model (workers/sampling/replica.py). The ranks agree: if any rank cannot
+    build its copy (too little memory, settings.sampler_replica_fraction), every rank raises the same error."""
+    if group is None or not engine.shard_base:
+        return engine
+    from loraplex.errors import EngineError, LoraplexError
+    from loraplex.workers.ranks.sampling import agree
+    from loraplex.workers.sampling.replica import build_replica, replica_bytes
+
+    replica, error = None, None
+    try:
+        if settings.sampler_replica_fraction <= 0:
+            raise EngineError("sampling replicas are off on this pool (LORAPLEX_SAMPLER_REPLICA_FRACTION=0)")
+        replica = build_replica(engine, model_loader(settings), settings.sampler_replica_fraction)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        error = exc
+    agreed = agree(group, error)  # a collective: every rank of the pool calls this at the same point of its start
+    if agreed is not None:
+        raise agreed if isinstance(agreed, LoraplexError | OSError) else EngineError(str(agreed))
+    log.info("rank %d: sampling on a whole copy of the base model (%.2f GiB)", group.rank,
+             replica_bytes(engine) / 2**30)  # fmt: skip
+    return replica
+
+
+def rank_sampler(sampler: Any, group: Any) -> Any:
+    """The sampler of one rank of a pool (workers/ranks/sampling.RankSampler)."""
+    from loraplex.workers.ranks.sampling import RankSampler
+
+    return RankSampler(sampler, group)
 
 
 def vllm_sampling(settings: Settings) -> Any:
@@ -200,9 +243,11 @@ def store_spec(settings: Settings) -> AdapterStoreSpec:
     )
 
 
-def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec) -> None:
+def run_store_follower(
+    group: RankGroup, spec: EngineSpec, stores: AdapterStoreSpec, settings: Settings | None = None
+) -> None:
     """A follower rank's whole life (rank_loop.run_follower) with its own adapter store: it runs the same plans as
-    rank 0, so it makes the same swaps."""
+    rank 0, so it makes the same swaps, and (with `settings`) its own share of every sample run."""
     from loraplex.runtime.supervisor import die_with_parent
     from loraplex.workers.engine.executor import PlanExecutor
     from loraplex.workers.ranks.rank_loop import build_rank_engine, follow
@@ -210,7 +255,9 @@ def run_store_follower(group: RankGroup, spec: EngineSpec, stores: AdapterStoreS
     die_with_parent(signal.SIGKILL)  # a SIGKILLed leader leaves no follower behind (the restarted pool spawns anew)
     engine = build_rank_engine(spec, group)
     freeze_startup_objects()  # as rank 0 does (gcutil.py): a follower's pause would hold every rank's collective
-    executed = follow(PlanExecutor(engine, stores.build(engine, group.rank)), group)
+    store = stores.build(engine, group.rank)
+    sampling = native_sampling(settings, engine, store, group) if settings is not None else None  # as rank 0's
+    executed = follow(PlanExecutor(engine, store, sampling), group)
     log.info("rank %d stopped after %d plans", group.rank, executed)
 
 
@@ -224,7 +271,7 @@ def run_pool(settings: Settings, stop: threading.Event, lease: PoolLease | None 
     if settings.world_size > 1 or env is not None:
         model_loader(settings).prepare()
     if env is not None and env.world_size > 1 and env.rank != 0:  # torchrun: a follower rank, nothing else
-        run_store_follower(init_rank_group(env, settings.device), spec, stores)
+        run_store_follower(init_rank_group(env, settings.device), spec, stores, settings)
         destroy_rank_group()
         sys.stdout.flush()
         os._exit(0)
@@ -234,7 +281,8 @@ def run_pool(settings: Settings, stop: threading.Event, lease: PoolLease | None 
     if world > 1:
         if env is None:  # this process is rank 0; spawn the others
             ranks, port = spawn_ranks(
-                run_store_follower, (spec, stores), world_size=world, ranks=range(1, world), device=settings.device
+                run_store_follower, (spec, stores, settings), world_size=world, ranks=range(1, world),
+                device=settings.device,
             )
             env = RankEnv(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
         group = init_rank_group(env, settings.device)
@@ -333,7 +381,7 @@ def _lead(
         cost_model=cost,
         others_waiting=others_waiting,
     )
-    rows = getattr(getattr(sampling, "sampler", None), "max_rows", None)  # the native sampler's, sized from memory
+    rows = sampler_rows(sampling, world)
     config = DispatchConfig.from_settings(settings, pipelined=True, **({"sample_rows": rows} if rows else {}))
 
     def build_dispatcher() -> Dispatcher:

@@ -39,7 +39,7 @@ from loraplex.service.context import Services, TenantRef, write_session
 from loraplex.service.peft_export import PeftExport, export_peft
 from loraplex.service.pipelines import cancel_pipeline, get_pipeline, list_pipelines, submit_pipeline
 from loraplex.service.runs import get_run, list_runs
-from loraplex.service.sampling import create_sampler, get_sampler, sample
+from loraplex.service.sampling import create_sampler, get_sampler, sample, sampleable
 from loraplex.service.sessions import (
     check_active,
     create_session,
@@ -85,6 +85,7 @@ __all__ = [
     "create_sampler",
     "get_sampler",
     "sample",
+    "sampleable",
     # sessions
     "check_active",
     "create_session",

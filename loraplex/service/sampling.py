@@ -21,6 +21,20 @@ from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository
 
 
+def sampleable(services: Services) -> bool:
+    """Whether this gateway's pool samples: the native sampler on any number of ranks (with several, each rank decodes
+    its share on a whole copy of the base model, workers/sampling/replica.py), vLLM on a pool of one rank (its pool
+    process runs none beside several ranks), "none" never. The pool's world size is the one its heartbeat reports
+    (settings.world_size before its first beat)."""
+    settings = services.settings
+    if settings.sampler == "native":
+        return True
+    if settings.sampler != "vllm":
+        return False
+    world = services.pool_view.get(settings, services.sessions).world_size
+    return (world if world is not None else settings.world_size) <= 1
+
+
 def check_stops(settings: Settings, stops: Sequence[str | int]) -> None:
     """Every sampling route's rule for stop sequences (strings or token ids; an id counts as one): how many
     (LORAPLEX_MAX_STOP_SEQUENCES), how long each string (LORAPLEX_MAX_STOP_CHARS), none empty, ids in range. The

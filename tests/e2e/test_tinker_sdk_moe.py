@@ -1,10 +1,11 @@
 """A mixture-of-experts base through the whole service: an embedded stack whose pool serves `tiny-moe`
 (Qwen3-MoE, LoRA on attention and every expert's gate / up / down), driven by the official Tinker SDK unchanged: two
-tenants train at once and their losses fall, save_state / resume with the optimizer continues exactly, and sampling
-(the native sampler decodes dense models only) is refused with a clear error that leaves training usable."""
+tenants train at once and their losses fall, save_state / resume with the optimizer continues exactly, and a
+sampler copy of an MoE adapter samples natively, its logprobs the trainer's forward."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -25,8 +26,12 @@ def moe_stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clients(moe_stack):
-    keys = create_tenants(moe_stack, "moe-alice", "moe-bob")
+def keys(moe_stack):
+    return create_tenants(moe_stack, "moe-alice", "moe-bob")
+
+
+@pytest.fixture(scope="module")
+def clients(moe_stack, keys):
     made = {name: tinker.ServiceClient(base_url=moe_stack.base_url, api_key=key) for name, key in keys.items()}
     yield made
     for client in made.values():
@@ -62,10 +67,26 @@ def test_two_tenants_train_moe_adapters_at_once_and_resume_exactly(clients) -> N
     assert train(resumed, data_a, 3) == pytest.approx(uninterrupted, rel=1e-6)
 
 
-def test_sampling_an_moe_adapter_is_refused_clearly_and_training_goes_on(clients) -> None:
-    client = clients["moe-bob"].create_lora_training_client(base_model="tiny-moe", rank=4, seed=3).result()
-    train(client, batch(2), 1)
-    sampler = client.save_weights_and_get_sampling_client("moe-sampler")
-    with pytest.raises(Exception, match="(?i)dense|gated MLP|moe|expert"):
-        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=3)).result()
+def test_an_moe_adapter_samples_and_its_logprobs_match_the_trainer(clients, keys, moe_stack) -> None:
+    """The server says the MoE base is sampleable; a sampler copy of an MoE adapter samples (greedy, then seeded at
+    temperature 1), its logprobs equal the trainer's forward over the sampled tokens, and training goes on."""
+    service = clients["moe-bob"]
+    caps = httpx.get(f"{moe_stack.base_url}/api/v1/get_server_capabilities",
+                     headers={"X-API-Key": keys["moe-bob"]}).json()  # fmt: skip
+    assert caps["supported_models"] == [
+        {"model_name": "tiny-moe", "max_context_length": moe_stack.settings.max_tokens_per_datum, "trainable": True,
+         "sampleable": True}
+    ]  # fmt: skip
+    client = service.create_lora_training_client(base_model="tiny-moe", rank=4, seed=3).result()
+    train(client, batch(2), 3)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = [5, 6, 7, 40, 41]
+    for params in (types.SamplingParams(max_tokens=8, temperature=0.0), types.SamplingParams(max_tokens=8, seed=4)):
+        seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+        assert len(seq.tokens) == len(seq.logprobs) > 0
+        full = prompt + seq.tokens
+        fwd = client.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                          loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()  # fmt: skip
+        trainer_lp = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        np.testing.assert_allclose(seq.logprobs, trainer_lp, atol=1e-4)
     assert len(train(client, batch(2), 1)) == 1

@@ -69,7 +69,7 @@ def get_server_capabilities(tenant: TenantDep, services: ServicesDep) -> dict[st
         "model_name": settings.base_model,
         "max_context_length": settings.max_tokens_per_datum,
         "trainable": True,
-        "sampleable": False,
+        "sampleable": service.sampleable(services),  # the native sampler decodes dense and MoE bases
     }
     return {"supported_models": [model]}
 

@@ -435,7 +435,7 @@ class Engine(SlotRows):
                 banks = self._gather_banks(routing, trainable)
                 # The rows every layer runs: real tokens when packed, count x longest when padded.
                 recompute = recomputing(trainable and self.recompute.wants(routing.num_rows))
-                for context in (self.context.use(routing, banks), recompute, self._elementwise()):
+                for context in (self.context.use(routing, banks), recompute, self.elementwise()):
                     scope.enter_context(context)
                 lp = self.trunk(
                     tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length,
@@ -482,8 +482,9 @@ class Engine(SlotRows):
         lp = target_logprobs(hidden, head, targets, self.loss_chunk_tokens, self.fused_head)
         return lp, routing, graph.banks
 
-    def _elementwise(self) -> AbstractContextManager[None]:
-        """The fused norm / activation kernels on for a training microbatch where the engine has them and wants them."""
+    def elementwise(self) -> AbstractContextManager[None]:
+        """The fused norm / activation kernels on for the block (a training microbatch, the sampler's prefill) where
+        the engine has them and wants them."""
         return self._elementwise_switch.active()
 
     def _body_graph(

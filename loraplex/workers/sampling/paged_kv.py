@@ -5,20 +5,20 @@ table (kv_blocks.BlockAllocator), position p at slot `table[p // block_tokens] *
 the flattened [num_blocks * block_tokens, kv_heads, head_dim] view. Rows of any lengths share one pool, and rows with
 a common prefix share its blocks, so memory follows the tokens actually held instead of rows x the longest row.
 
-Two attentions for a decode step (one query token per row, already written into the cache, so a row of length n
-attends to its positions [0, n)), both GQA (query head h reads kv head h // (q_heads // kv_heads), as transformers'
-repeat_kv does):
+Attention for a decode step (one query token per row, already written into the cache, so a row of length n attends
+to its positions [0, n)), GQA (query head h reads kv head h // (q_heads // kv_heads), as transformers' repeat_kv does):
 
   * `paged_attention_reference`: a loop over rows, each gathering its own blocks: the specification.
-  * `paged_attention`: every row at once, the tables padded to the longest row and the padding masked: the
-    vectorised form a graph or a kernel replaces, checked against the loop.
-
-Neither is the fast path on the GPU (they gather the blocks into a dense copy); they are the semantics a decode kernel
-must reproduce, fp32 on the CPU in the tests.
+  * `paged_attention_gathered`: every row at once, the tables' blocks gathered into a dense copy and the positions
+    past each row's length masked: the plain-torch form (the CPU path), checked against the loop.
+  * `paged_attention`: what the decoder calls: on CUDA where triton is, the kernel of
+    workers/kernels/triton_paged_decode.py (each row reads only its own blocks, up to its length; checked against the
+    reference in tests/gpu/test_paged_decode_cuda.py); else `paged_attention_gathered`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -114,7 +114,7 @@ def paged_attention_reference(
     return torch.cat(out) if out else q.new_empty(q.shape)
 
 
-def paged_attention(
+def paged_attention_gathered(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -133,3 +133,30 @@ def paged_attention(
     positions = torch.arange(width * k_cache.shape[1], device=q.device)
     mask = positions.unsqueeze(0) < lengths.to(q.device).unsqueeze(1)
     return _gqa_attend(q, k, v, mask, scale)
+
+
+@functools.cache
+def _kernel_available() -> bool:
+    from loraplex.workers.kernels.fused_elementwise import available
+
+    return available()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The decode step's paged attention (see the module docstring): the Triton kernel on CUDA (head dim a power of two
+    >= 16), `paged_attention_gathered` elsewhere. Same arguments and result as paged_attention_gathered."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dim = q.shape[-1]
+    if q.is_cuda and dim >= 16 and dim & (dim - 1) == 0 and _kernel_available():
+        _check_heads(q, k_cache)
+        from loraplex.workers.kernels.triton_paged_decode import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, tables, lengths, scale)
+    return paged_attention_gathered(q, k_cache, v_cache, tables, lengths, scale)

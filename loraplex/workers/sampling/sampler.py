@@ -34,6 +34,8 @@ cutting the text at the string is the caller's business); `max_tokens` tokens en
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,14 +49,16 @@ from transformers import DynamicCache
 from loraplex.errors import EngineError, InvalidRequestError
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
+from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
-from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator, top_logprobs
+from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
+from loraplex.workers.sampling.kv_blocks import KvBlocksExhausted
 from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decodable
 
 STOP = "stop"
 LENGTH = "length"
-KEPT_DECODERS = 2  # static decoders (their caches and graphs) kept for later calls of the same shape
-MIN_WIDTH = 64  # the decode cache's positions are a power of two >= the call's longest prompt + max_tokens
+MIN_WIDTH = 64  # a dense decode cache's positions: a power of two >= the longest prompt + max_tokens
+PAGED_MIN_WIDTH = 4096  # a paged one's (its rows' block tables have width / 16 columns)
 
 # One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -81,6 +85,8 @@ class SampleJob:
     prompt_logprobs: bool = False  # logprob of each prompt token given the ones before (first: None)
     topk_prompt_logprobs: int = 0  # per prompt position, the top-k (token_id, logprob) (first: None)
     topk_sample_logprobs: int = 0  # per sampled position, the top-k (token_id, logprob)
+    # The index of its first sample: samples first_sample.. of a job split across ranks draw what they draw whole.
+    first_sample: int = 0
 
 
 @dataclass
@@ -112,10 +118,11 @@ class SamplerStats:
 
 @dataclass
 class _Row:
+    run: _Run
     job: int
     sample: int
     group: int  # the call's routing group (adapter or base)
-    generator: torch.Generator | None  # None: greedy
+    stream: int | None  # its draws' key (choice.stream_key of the job's seed and the sample index); None: greedy
     length: int  # tokens in the KV cache (the last sampled token is not yet)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -127,8 +134,35 @@ class _Row:
 
 @dataclass
 class _Prefilled:
-    kv: list[LayerKV]  # per layer [H, L, D]
+    kv: list[LayerKV] | None  # per layer [H, L, D]; None when paged (the KV sits in the decoder's blocks)
     last_logits: torch.Tensor  # fp32 [V]
+
+
+class _PagedPromptWriter:
+    """What a packed prefill passes as the body's `past_key_values`: each attention layer's `update` stores the
+    chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary embedding) at their cache slots and hands
+    them back unchanged, so the layer attends over the chunk alone (its prompts start at position 0)."""
+
+    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor) -> None:
+        self.decoder = decoder
+        self.slots = slots  # [N]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        assert self.decoder.cache is not None
+        self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        return keys, values
+
+    # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
+    # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).
+    # The chunk has no past: it starts at offset 0 and its keys are its own tokens.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, q_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return q_length, 0
 
 
 @dataclass(frozen=True)
@@ -146,19 +180,25 @@ class Sampler:
         max_rows: int = 32,
         eos_token_ids: tuple[int, ...] | None = None,
         cuda_graphs: bool = True,
-        paged_kv: bool = False,
+        paged_kv: bool = True,
+        kv_blocks: int | None = None,
+        max_groups: int | None = None,
     ) -> None:
         """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
         with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
         each decode step as a captured graph (False: run it eagerly, for comparison); paged_kv: decode on the paged KV
-        cache (static_decoder.py's paged mode: a job's prompt KV written once, its samples fork it; no CUDA graph)."""
-        if engine.dist is not None:
-            raise EngineError("the native sampler runs on a single-process engine (no process group) for now")
+        cache (static_decoder.py's paged mode, the default: prompts prefilled packed, a job's prompt KV written once
+        and its samples fork it); False: the dense per-row cache (kept for comparison); kv_blocks: the paged cache's
+        blocks (None: enough for every row at full width; fewer, and samples wait for blocks as they wait for rows);
+        max_groups: the adapters decoding at once, over all runs (default the engine's slots)."""
+        if engine.dist is not None and engine.shard_base:  # a decode step would all-gather every layer
+            raise EngineError("the native sampler needs the base model whole: sample a replica (sampling/replica.py)")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(f"the native sampler supports full-attention layers only, got {sorted(set(layer_types))}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise InvalidRequestError(f"max_rows must be a positive integer, got {max_rows!r}")
+        for name, value in (("max_rows", max_rows), ("kv_blocks", kv_blocks), ("max_groups", max_groups)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_rows = max_rows
@@ -172,30 +212,25 @@ class Sampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.max_positions = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
         check_decodable(engine)
+        self.kv_blocks = kv_blocks
+        self.max_groups = max_groups or engine.num_slots
         self.stats = SamplerStats()
-        # Insertion order = least recently used first.
-        self._decoders: dict[tuple[int, int, int, bool], StaticDecoder] = {}
+        self._batch: _Batch | None = None  # the decode batch every run's rows share (built at the first run)
 
-    def decoder(self, rows: int, width: int, groups: int) -> StaticDecoder:
-        """A static decoder of this shape for one run, which holds it alone until `release`: a kept one, or a new one
-        (the least recently used kept one beyond KEPT_DECODERS is dropped first, freeing its cache and graph)."""
-        key = (rows, width, groups, self.paged_kv)
-        decoder = self._decoders.pop(key, None)
-        if decoder is None:
-            while len(self._decoders) >= KEPT_DECODERS:
-                self._decoders.pop(next(iter(self._decoders)))
-            decoder = StaticDecoder(self.engine, rows, width, groups, paged=self.paged_kv)
-            if self.cuda_graphs and self.engine.device.type == "cuda":
-                decoder.capture()
-                self.stats.graph_captures += 1
-        return decoder
+    def batch(self, width: int) -> _Batch:
+        """The shared decode batch, built (or rebuilt wider, once no row is live) for rows of `width` positions."""
+        batch = self._batch
+        if batch is None or (width > batch.decoder.width and not batch.busy):
+            self._batch = batch = _Batch(self, self._width(width))
+        return batch
 
-    def release(self, decoder: StaticDecoder) -> None:
-        """A run is done with its decoder: kept for later calls of its shape (most recently used)."""
-        self._decoders.pop(decoder.key, None)  # a run in flight beside it made another of this shape
-        self._decoders[decoder.key] = decoder
-        while len(self._decoders) > KEPT_DECODERS:
-            self._decoders.pop(next(iter(self._decoders)))
+    def _width(self, need: int) -> int:
+        """A decoder's positions for rows of `need`: a power of two, generous when paged (a wider paged decoder
+        costs only its block tables' columns), clipped to the model's positions."""
+        width = max(PAGED_MIN_WIDTH if self.paged_kv else MIN_WIDTH, 1 << (need - 1).bit_length())
+        if self.max_positions:
+            width = max(need, min(width, self.max_positions))
+        return width
 
     # ---- validation --------------------------------------------------------------------------------------------------
     def check(self, job: SampleJob) -> None:
@@ -210,6 +245,8 @@ class Sampler:
             self.engine.adapter(job.model_id)
         if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
             raise InvalidRequestError(f"num_samples must be a positive integer, got {job.num_samples!r}")
+        if isinstance(job.first_sample, bool) or not isinstance(job.first_sample, int) or job.first_sample < 0:
+            raise InvalidRequestError(f"first_sample must be an integer >= 0, got {job.first_sample!r}")
         if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 0, got {p.max_tokens!r}")
         if self.max_positions and len(job.prompt) + p.max_tokens > self.max_positions:
@@ -256,7 +293,8 @@ class Sampler:
 
 
 class SampleRun:
-    """One generation run in slices: `advance` until it returns True, then `outputs` holds one output per job."""
+    """One generation run in slices: `advance` until it returns True, then `outputs` holds one output per job. Its
+    rows decode in the sampler's shared batch beside other runs' rows."""
 
     def __init__(self, sampler: Sampler, jobs: list[SampleJob]) -> None:
         self.outputs = [SampleOutput(sequences=[]) for _ in jobs]
@@ -280,12 +318,14 @@ class SampleRun:
     @property
     def needs_slots(self) -> bool:
         """Whether its adapters must be resident in their slots while it advances: on the unfused path its prefills
-        read the slot banks (the fused path gathered its weights when it started)."""
-        return self._run is not None and self._run.banks is None and bool(self.model_ids)
+        read the slot banks (the fused path gathered its weights when it started), and until its adapters have LoRA
+        groups in the decode batch (they are copied from the slots then)."""
+        run = self._run
+        return run is not None and bool(self.model_ids) and (run.banks is None or run.decoder_group is None)
 
     def advance(self, budget_s: float | None, yield_now: Callable[[], bool] | None = None) -> bool:
         """Run for about `budget_s` seconds (None: to the end), at least one admission or decode step, and stop early
-        once `yield_now()` says other work waits; True when done (its decoder then goes back to the sampler)."""
+        once `yield_now()` says other work waits; True when done. The shared batch's other runs advance as well."""
         if self._run is None:
             return True
         with torch.inference_mode():
@@ -295,10 +335,10 @@ class SampleRun:
         return finished
 
     def close(self) -> None:
-        """Give the decode cache back (a run abandoned before its end: its outputs stay incomplete)."""
+        """Leave the batch: rows and blocks go back (a run abandoned before its end: its outputs stay incomplete)."""
         if self._run is not None:
-            self._run.decoder.reset()  # paged: every block back, whether the run ended or was abandoned
-            self._sampler.release(self._run.decoder)
+            with torch.inference_mode():
+                self._run.leave()
             self._run = None
 
 
@@ -341,27 +381,28 @@ class _Run:
             )
         self.head_weight = cast(torch.Tensor, engine.head.weight)
         self.config: Any = engine.model.config
-        # The decoder's LoRA groups: the call's adapters (not the base model), in group order.
+        # The run's adapters (not the base model), in group order, and once it has joined the batch their LoRA groups
+        # there (None until then: the batch had no free groups or was too narrow).
         self.adapter_groups = [g for g, group in enumerate(self.groups) if group.scale != 0.0]
-        total = sum(job.num_samples for job in jobs)
-        rows = min(sampler.max_rows, 1 << (total - 1).bit_length())
-        need = max(len(job.prompt) + job.params.max_tokens for job in jobs)
-        width = max(MIN_WIDTH, 1 << (need - 1).bit_length())
-        if sampler.max_positions:
-            width = max(need, min(width, sampler.max_positions))
-        self.decoder = sampler.decoder(rows, width, len(self.adapter_groups))
-        self.decoder.load([self.groups[g].slot for g in self.adapter_groups])
-        self.free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
-        self.live: list[_Row] = []
+        if len(self.adapter_groups) > sampler.max_groups:
+            raise InvalidRequestError(
+                f"{len(self.adapter_groups)} adapters in one run; the sampler decodes at most {sampler.max_groups} "
+                "at once"
+            )
+        self.need = max(len(job.prompt) + job.params.max_tokens for job in jobs)
+        self.key = next(_RUN_KEYS)  # its holder rows' keys in the decoder: (key, job)
+        self.decoder_group: dict[int, int] | None = None
+        self.live = 0  # its rows in the batch
         self.prefilled: dict[int, _Prefilled] = {}
         self.held: set[int] = set()  # paged: jobs whose prompt KV the decoder holds for their samples to fork
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
         self.unadmitted = [job.num_samples for job in jobs]
-        self.seeds = [
-            job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**62, ()).item()) for job in jobs
-        ]
+        # A job without a seed draws one now, from the OS (not torch's global generator, which model init seeds).
+        self.seeds = [job.params.seed if job.params.seed is not None else secrets.randbits(64) for job in jobs]
+        self.batch = sampler.batch(self.need)
+        self.batch.join(self)
 
     # ---- routing -----------------------------------------------------------------------------------------------------
     def _lora(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
@@ -395,104 +436,136 @@ class _Run:
     def done(self) -> bool:
         return not (self.waiting or self.live)
 
+    @property
+    def decoder(self) -> StaticDecoder:
+        return self.batch.decoder
+
     def advance(self, budget_s: float | None, yield_now: Callable[[], bool] | None = None) -> bool:
-        """Admit and decode until done, `budget_s` seconds have passed or `yield_now()` (at least one round); True
-        when done."""
-        stats = self.stats
+        """Admit this run's samples and decode the shared batch until this run is done, `budget_s` seconds have
+        passed or `yield_now()` (at least one round); True when done."""
         self._rebind()
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         while not self.done:
-            for row, kv in self._admit():
-                self._join(row, kv)
-            for j in [j for j in self.held if self.unadmitted[j] == 0]:  # every sample forked: the holder ends
-                self.decoder.drop_prompt(j)
-                self.held.discard(j)
-            if self.live:
-                stats.peak_rows = max(stats.peak_rows, len(self.live))
-                self._decode_step()  # reads its tokens back to the host: the time includes the device's work
+            if self.batch.retired:  # too narrow for this run and idle: move to the wider one the sampler builds
+                self.batch.leave(self)
+                self.batch = self.sampler.batch(self.need)
+                self.batch.join(self)
+            self.batch.place(self)
+            self._admit()
+            if self.batch.live:
+                self.stats.peak_rows = max(self.stats.peak_rows, len(self.batch.live))
+                for run in self.batch.runs:
+                    run.stats.decode_steps += run.live > 0
+                graphs = len(self.decoder.graphs)
+                self.batch.decode_step()  # reads its tokens back to the host: the time includes the device's work
+                self.stats.graph_captures += len(self.decoder.graphs) - graphs
+            elif not self.done and not self.batch.retired:
+                # Nothing decodes and this run cannot start: other runs hold the LoRA groups or blocks it needs until
+                # they advance (a sliced caller advances them in turn).
+                if budget_s is None:
+                    raise EngineError("this sampling run cannot start: other runs hold the decoder's groups or blocks")
+                break
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             if yield_now is not None and yield_now():
                 break
         return self.done
 
+    def leave(self) -> None:
+        """The run ended or is abandoned: its rows and prompt holders end, its LoRA groups go back."""
+        self.batch.leave(self)
+        for j in list(self.held):
+            self.decoder.drop_prompt((self.key, j))
+        self.held.clear()
+        self.waiting.clear()
+        self.live = 0
+
     def _rebind(self) -> None:
         """Without gathered banks (the unfused path), prefills read the slots: find the adapters' slots again (a
         swap between slices may have moved them; the caller keeps them resident while the run advances)."""
-        if self.banks is not None:
+        if self.banks is not None and self.decoder_group is not None:
             return
         for model_id, g in self.group_of.items():
             if model_id is not None:
                 r = self.engine.adapter(model_id)
                 self.groups[g] = _Group(slot=r.slot, rank=r.rank, scale=r.scale)
 
-    def _admit(self) -> list[tuple[_Row, list[LayerKV]]]:
-        """Admit waiting samples into free rows; returns those that join the decode batch (with their prompt KV)."""
-        stats = self.stats
-        joiners: list[tuple[_Row, list[LayerKV]]] = []
-        while self.waiting and len(self.live) + len(joiners) < self.decoder.rows:
-            free = self.decoder.rows - len(self.live) - len(joiners)
-            take = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+    def _admit(self) -> None:
+        """Admit this run's waiting samples into free rows of the batch while the KV blocks cover them (rows that end
+        at their first token finish here). Paged: a job's holder row ends once every sample of it has forked."""
+        if self.decoder_group is None:
+            return  # not placed in the batch yet
+        stats, batch = self.stats, self.batch
+        decoding = bool(batch.live)  # rows joining now join a batch already mid-decode
+        while self.waiting and batch.free_rows:
+            take = self._fitting(len(batch.free_rows))
+            if not take:
+                return  # wait for rows of the batch to end and give their blocks back
             self._prefill(sorted({j for j, _ in take if j not in self.prefilled}))
             rows = [self._new_row(j, s) for j, s in take]
             first = [row for row in rows if row.stop_reason is None]  # max_tokens 0 ends at once
             if first:  # every new row's first token, from its job's prefill logits: one choice for all
-                self._choose(first, torch.stack([self.prefilled[row.job].last_logits for row in first]))
+                _choose(self.sampler, first, torch.stack([self.prefilled[row.job].last_logits for row in first]))
             for row in rows:
                 stats.rows_admitted += 1
                 if row.stop_reason is None:
-                    joiners.append((row, self.prefilled[row.job].kv))
-                    stats.joined_live_batch += bool(self.live)
+                    self._join(row, self.prefilled[row.job].kv)
+                    stats.joined_live_batch += decoding
                 else:
                     self._finish(row)
                 self.unadmitted[row.job] -= 1
                 if self.unadmitted[row.job] == 0:
                     del self.prefilled[row.job]  # every sample has its copy of the prompt KV in the cache
-        return joiners
+                    if row.job in self.held:
+                        self.decoder.drop_prompt((self.key, row.job))
+                        self.held.discard(row.job)
 
-    def _join(self, row: _Row, kv: list[LayerKV]) -> None:
-        """A new row takes a free row of the decode cache (with its prompt KV and its adapter's LoRA block)."""
-        row.cache_row = self.free_rows.pop()
+    def _fitting(self, free_rows: int) -> list[tuple[int, int]]:
+        """The next waiting samples (at most `free_rows`) whose KV blocks the paged cache can hold now (each job's
+        prompt once, for its holder, then each sample's own blocks), taken off the queue."""
+        blocks = self.decoder.blocks
+        take: list[tuple[int, int]] = []
+        available = blocks.available if blocks is not None else 0
+        holding: set[int] = set()
+        while self.waiting and len(take) < free_rows:
+            j, _ = self.waiting[0]
+            if blocks is not None:
+                job = self.jobs[j]
+                length = len(job.prompt)
+                need = blocks.blocks_needed(length, job.params.max_tokens, length)
+                if j not in self.held and j not in holding:
+                    need += blocks.blocks_needed(length, 0)
+                if need > available:
+                    if need > blocks.num_blocks:
+                        raise KvBlocksExhausted(
+                            f"a sample of {length} + {job.params.max_tokens} positions needs {need} KV blocks of "
+                            f"{blocks.block_tokens}; the sampler's cache has {blocks.num_blocks}"
+                        )
+                    break
+                available -= need
+                holding.add(j)
+            take.append(self.waiting.popleft())
+        return take
+
+    def _join(self, row: _Row, kv: list[LayerKV] | None) -> None:
+        """A new row takes a free row of the batch (with its prompt KV and its adapter's LoRA group)."""
         group = self.groups[row.group]
-        lora_group = self.adapter_groups.index(row.group) if group.scale != 0.0 else None
-        if self.decoder.paged and row.job not in self.held:
-            self.decoder.hold_prompt(row.job, self.jobs[row.job].prompt, kv)
-            self.held.add(row.job)
+        assert self.decoder_group is not None
+        lora_group = self.decoder_group[row.group] if group.scale != 0.0 else None
         max_new = self.jobs[row.job].params.max_tokens
-        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=row.job, max_new=max_new)
-        self.live.append(row)
+        row.cache_row = self.batch.take_row(row)
+        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=(self.key, row.job), max_new=max_new)
+        self.live += 1
 
     def _new_row(self, j: int, s: int) -> _Row:
         job = self.jobs[j]
-        generator = row_generator(self.seeds[j], s) if job.params.temperature > 0 else None
-        row = _Row(job=j, sample=s, group=self.group_of[job.model_id], generator=generator, length=len(job.prompt))
+        stream = stream_key(self.seeds[j], job.first_sample + s) if job.params.temperature > 0 else None
+        row = _Row(run=self, job=j, sample=s, group=self.group_of[job.model_id], stream=stream, length=len(job.prompt))
         if job.topk_sample_logprobs:
             row.topk = []
         if job.params.max_tokens == 0:
             row.stop_reason = LENGTH
         return row
-
-    def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
-        """Pick each row's next token from its logits [B, V] (fp32), append it and check the stops."""
-        params = [self.jobs[r.job].params for r in rows]
-        uniforms = [draw_uniform(r.generator) if r.generator is not None else None for r in rows]
-        tokens, logprobs = choose_tokens(
-            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params], uniforms
-        )
-        picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-        tokens_l, picked_l = tokens.cpu().tolist(), picked.cpu().tolist()
-        ks = [self.jobs[r.job].topk_sample_logprobs for r in rows]
-        tops = top_logprobs(logprobs, ks) if any(ks) else [None] * len(rows)
-        for row, p, tok, lp, top in zip(rows, params, tokens_l, picked_l, tops, strict=True):
-            row.tokens.append(int(tok))
-            row.logprobs.append(float(lp))
-            if row.topk is not None and top is not None:
-                row.topk.append(top)
-            eos = p.stop_at_eos and tok in self.sampler.eos_token_ids
-            if tok in p.stop_token_ids or eos or self._hit_stop_string(row, p):
-                row.stop_reason = STOP
-            elif len(row.tokens) >= p.max_tokens:
-                row.stop_reason = LENGTH
 
     def _hit_stop_string(self, row: _Row, p: SampleParams) -> bool:
         if not p.stop_strings:
@@ -513,35 +586,19 @@ class _Run:
         if all(seq is not None for seq in self.finished[row.job]):
             out.sequences = [seq for seq in self.finished[row.job] if seq is not None]
 
-    def _decode_step(self) -> None:
-        self.stats.decode_steps += 1
-        tokens, positions = [0] * self.decoder.rows, [0] * self.decoder.rows
-        for row in self.live:
-            tokens[row.cache_row], positions[row.cache_row] = row.tokens[-1], row.length
-        logits = self.decoder.step(tokens, positions)
-        index = torch.tensor([row.cache_row for row in self.live], dtype=torch.int64, device=logits.device)
-        live_logits = logits.index_select(0, index)
-        for row in self.live:
-            row.length += 1
-        self._choose(self.live, live_logits)
-        done = [row for row in self.live if row.stop_reason is not None]
-        if done:
-            for row in done:
-                self._finish(row)
-                self.decoder.end_row(row.cache_row)
-                self.free_rows.append(row.cache_row)
-            self.live = [row for row in self.live if row.stop_reason is None]
-
     # ---- prefill -----------------------------------------------------------------------------------------------------
     def _prefill(self, job_ids: Sequence[int]) -> None:
-        """Prefill these jobs' prompts (chunks of at most engine.microbatch_tokens padded tokens, rows contiguous per
-        group): keep each job's prompt KV and last logits, and fill in its prompt logprobs when asked."""
+        """Prefill these jobs' prompts (rows contiguous per group, in chunks of at most engine.microbatch_tokens
+        tokens: packed without padding when paged, right padded to the chunk's longest prompt when dense; a longer
+        prompt runs alone): keep each job's last logits (and, dense, its prompt KV), and fill in its prompt logprobs
+        when asked."""
         pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
         budget = max(1, self.engine.microbatch_tokens)
         chunk: list[int] = []
         for j in pending:
-            longest = max([len(self.jobs[i].prompt) for i in chunk] + [len(self.jobs[j].prompt)])
-            if chunk and longest * (len(chunk) + 1) > budget:
+            lengths = [len(self.jobs[i].prompt) for i in (*chunk, j)]
+            size = sum(lengths) if self.decoder.paged else max(lengths) * len(lengths)
+            if chunk and size > budget:
                 self._prefill_chunk(chunk)
                 chunk = []
             chunk.append(j)
@@ -549,6 +606,9 @@ class _Run:
             self._prefill_chunk(chunk)
 
     def _prefill_chunk(self, job_ids: Sequence[int]) -> None:
+        if self.decoder.paged:
+            self._prefill_packed(job_ids)
+            return
         engine = self.engine
         self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
@@ -579,6 +639,42 @@ class _Run:
             if job.prompt_logprobs or job.topk_prompt_logprobs:
                 self._prompt_logprobs(j, hidden[b, : n - 1])
 
+    def _prefill_packed(self, job_ids: Sequence[int]) -> None:
+        """Paged: the chunk's prompts back to back in one [1, N] row (positions restarting at 0 per prompt, the
+        engine's packed attention), each prompt's K/V written by the forward itself into the blocks of its holder row
+        (`_PagedPromptWriter`), which the job's samples then fork."""
+        engine, decoder = self.engine, self.decoder
+        self.stats.prefill_forwards += 1
+        prompts = [self.jobs[j].prompt for j in job_ids]
+        lengths = [len(p) for p in prompts]
+        device = engine.device
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(device).view(1, -1)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device).view(1, -1)
+        ends = torch.tensor(lengths).cumsum(0)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(device, torch.int32)
+        slots = torch.cat([decoder.prompt_slots((self.key, j), p) for j, p in zip(job_ids, prompts, strict=True)])
+        self.held.update(job_ids)
+        counts = [0] * len(self.groups)
+        for j, n in zip(job_ids, lengths, strict=True):
+            counts[self.group_of[self.jobs[j].model_id]] += n
+        routing, banks = self._lora(counts)
+        writer = _PagedPromptWriter(decoder, slots)
+        with engine.context.use(routing, banks), engine.elementwise():
+            hidden = engine.body(
+                input_ids=tokens,
+                position_ids=positions,
+                past_key_values=writer,
+                use_cache=True,
+                **packed_forward_kwargs(self.config, cu_seqlens, max(lengths)),
+            ).last_hidden_state[0]
+        last = self._logits(hidden.index_select(0, (ends - 1).to(device)))
+        starts = (ends - torch.tensor(lengths)).tolist()
+        for b, j in enumerate(job_ids):
+            self.prefilled[j] = _Prefilled(kv=None, last_logits=last[b])
+            job = self.jobs[j]
+            if job.prompt_logprobs or job.topk_prompt_logprobs:
+                self._prompt_logprobs(j, hidden[starts[b] : starts[b] + lengths[b] - 1])
+
     def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
         """Prompt token t's logprob given tokens < t (from hidden states of positions 0..n-2), chunked over tokens."""
         job = self.jobs[j]
@@ -596,3 +692,117 @@ class _Run:
             out.prompt_logprobs = [None, *values]
         if job.topk_prompt_logprobs:
             out.topk_prompt_logprobs = [None, *tops]
+
+
+class _Batch:
+    """The decode batch every run of a sampler shares: one static decoder (its rows, KV cache and LoRA groups), the
+    live rows of all runs, and one decode step for them all, so runs that start at different times (other tenants'
+    requests, later plans) decode together instead of one batch each."""
+
+    def __init__(self, sampler: Sampler, width: int) -> None:
+        self.sampler = sampler
+        self.decoder = StaticDecoder(
+            sampler.engine, sampler.max_rows, width, sampler.max_groups, paged=sampler.paged_kv,
+            num_blocks=sampler.kv_blocks,
+        )  # fmt: skip
+        if sampler.cuda_graphs:
+            self.decoder.enable_graphs()
+        self.free_rows = list(range(sampler.max_rows - 1, -1, -1))  # popped from the end: low rows first
+        self.free_groups = list(range(sampler.max_groups - 1, -1, -1))
+        self.rows: dict[int, _Row] = {}  # cache row -> its live row
+        self.runs: list[_Run] = []  # joined, in order
+        self.retired = False  # replaced by a wider batch
+
+    @property
+    def live(self) -> list[_Row]:
+        return list(self.rows.values())
+
+    @property
+    def busy(self) -> bool:
+        """Some run holds rows, prompt holders or LoRA groups here."""
+        return any(run.live or run.held or run.decoder_group is not None for run in self.runs)
+
+    def join(self, run: _Run) -> None:
+        self.runs.append(run)
+        self.place(run)
+
+    def place(self, run: _Run) -> None:
+        """Give a joined run LoRA groups for its adapters (copied from their slots now) when enough are free and its
+        rows fit the decoder's width; until then it waits (its `decoder_group` stays None)."""
+        if run.decoder_group is not None or run.need > self.decoder.width:
+            if run.need > self.decoder.width and not self.busy:
+                self.retired = True  # the sampler builds a wider batch for it
+            return
+        if len(run.adapter_groups) > len(self.free_groups):
+            return
+        run._rebind()
+        placed = {}
+        for g in run.adapter_groups:
+            placed[g] = self.free_groups.pop()
+            self.decoder.load_group(placed[g], run.groups[g].slot)
+        run.decoder_group = placed
+
+    def leave(self, run: _Run) -> None:
+        for row in [row for row in self.rows.values() if row.run is run]:
+            self.end_row(row)
+        if run.decoder_group is not None:
+            self.free_groups.extend(run.decoder_group.values())
+            run.decoder_group = None
+        if run in self.runs:
+            self.runs.remove(run)
+
+    def take_row(self, row: _Row) -> int:
+        cache_row = self.free_rows.pop()
+        self.rows[cache_row] = row
+        return cache_row
+
+    def end_row(self, row: _Row) -> None:
+        self.decoder.end_row(row.cache_row)
+        del self.rows[row.cache_row]
+        self.free_rows.append(row.cache_row)
+        row.run.live -= 1
+
+    def decode_step(self) -> None:
+        """One token for every live row of every run (rows [0, highest live row] of the decoder)."""
+        live = sorted(self.rows.items())
+        count = live[-1][0] + 1
+        tokens, positions = [0] * count, [0] * count
+        for cache_row, row in live:
+            tokens[cache_row], positions[cache_row] = row.tokens[-1], row.length
+        logits = self.decoder.step(tokens, positions)
+        rows = [row for _, row in live]
+        index = torch.tensor([r for r, _ in live], dtype=torch.int64, device=logits.device)
+        for row in rows:
+            row.length += 1
+        _choose(self.sampler, rows, logits.index_select(0, index))
+        for row in rows:
+            if row.stop_reason is not None:
+                row.run._finish(row)
+                self.end_row(row)
+
+
+_RUN_KEYS = itertools.count()
+
+
+def _choose(sampler: Sampler, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+    """Pick each row's next token from its logits [B, V] (fp32), append it and check the stops (rows of any runs)."""
+    params = [r.run.jobs[r.job].params for r in rows]
+    chosen = choose_tokens(  # each row's t-th draw: t = the tokens it has sampled so far
+        logits,
+        [p.temperature for p in params],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        streams=[r.stream for r in rows],
+        steps=[len(r.tokens) for r in rows],
+        topk_logprobs=[r.run.jobs[r.job].topk_sample_logprobs for r in rows],
+    ).to_host()  # tokens, logprobs and top-k logprobs in one copy
+    for row, p, tok, lp, top in zip(rows, params, chosen.tokens, chosen.logprobs, chosen.top, strict=True):
+        row.tokens.append(int(tok))
+        row.logprobs.append(float(lp))
+        if row.topk is not None and top is not None:
+            row.topk.append(top)
+        eos = p.stop_at_eos and tok in sampler.eos_token_ids
+        if tok in p.stop_token_ids or eos or row.run._hit_stop_string(row, p):
+            row.stop_reason = STOP
+        elif len(row.tokens) >= p.max_tokens:
+            row.stop_reason = LENGTH

@@ -19,11 +19,18 @@ activation) over buffers allocated once:
 
 Paged mode (`paged=True`, off by default): K/V live in a `PagedKvCache` instead of the dense per-row cache, each row
 in the blocks of its block table (a `BlockAllocator` sized for every row at full width, plus one scratch block that
-rows without a sample write to). A prompt's KV is written once into the blocks of a holder row (`hold_prompt`) and
+rows without a sample write to). A prompt's KV is written once into the blocks of a holder row (`prompt_slots`: the
+sampler's prefill writes it there) and
 every sample of it forks the holder's blocks (`set_row(..., prompt=key)`), so num_samples rows share one copy of the
-prompt until each writes its first token (copy-on-write of a shared partial block). A step appends each live row's
-position (`append`, copying a block where it says), writes the new K/V through `slots_for` and attends with
-`paged_attention`. Plain torch only: the paged step is never captured as a CUDA graph (its tables change shape).
+prompt until each writes its first token (copy-on-write of a shared partial block). Before a step the host appends
+each live row's position (`append`; copying a block where it says) and copies the block tables [rows, blocks per row]
+to the device when a row gained a block; the step itself computes every row's write slot and length from its position
+and attends with `paged_attention` (on CUDA a Triton kernel reading each row's own blocks), so it has static shapes and
+is captured as a CUDA graph like the dense one.
+
+Kernels: on CUDA where triton is, the RMSNorms, rotary embedding and silu gate run as the Triton kernels of
+workers/kernels/triton_elementwise.py (one launch each instead of ~7, 10 and 2 small ones: the decode step at a few
+hundred rows is made of such launches as much as of weight reads); elsewhere the model's own modules.
 
 Semantics per step (plain torch, what `step` returns): fp32 logits [B, V] of the model with row b's adapter at
 position positions[b] given the row's cache, i.e. what the model's own forward with that adapter gives for the same
@@ -39,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,7 +56,8 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.sampling.kv_blocks import BlockAllocator
-from loraplex.workers.sampling.paged_kv import PagedKvCache, block_table_tensor, paged_attention, slots_for
+from loraplex.workers.sampling.moe_decode import MoeDecodeMlp, check_moe_block, is_moe_block, mlp_linears
+from loraplex.workers.sampling.paged_kv import PagedKvCache, paged_attention, slots_for
 
 ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj")
 BLOCK_TOKENS = 16  # positions per block of the paged cache
@@ -64,9 +73,39 @@ def check_decodable(engine: Engine) -> None:
     for layer in body.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         parts = [getattr(attn, n, None) for n in (*ATTENTION_INPUT, "o_proj")]
-        parts += [getattr(mlp, n, None) for n in (*MLP_INPUT, "down_proj")]
+        if mlp is not None and is_moe_block(mlp):
+            check_moe_block(mlp)  # its routed experts run in moe_decode.py
+        else:
+            parts += [getattr(mlp, n, None) for n in (*MLP_INPUT, "down_proj")]
         if any(p is None for p in parts) or not hasattr(layer, "post_attention_layernorm"):
             raise EngineError("the native sampler needs decoder layers with q/k/v/o projections and a gated MLP")
+
+
+def _fused_kernels(engine: Engine) -> Any:
+    """The Triton RMSNorm, silu-gate and rotary kernels (workers/kernels/triton_elementwise.py) for the decode step on
+    CUDA where triton is and every layer has what they compute (RMSNorms, a silu-gated dense MLP or an MoE block,
+    whose experts moe_decode.py runs, rotary over the whole head dim a power of two); None elsewhere: the model's own
+    modules (the reference the kernels are tested against)."""
+    from loraplex.workers.kernels import fused_elementwise
+
+    body: Any = engine.body
+    dim = int(body.layers[0].self_attn.head_dim)
+    norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms += [getattr(layer.self_attn, n) for layer in body.layers for n in ("q_norm", "k_norm")
+              if hasattr(layer.self_attn, n)]  # fmt: skip
+    usable = (
+        engine.device.type == "cuda"
+        and fused_elementwise.available()
+        and all(fused_elementwise.is_rms_norm(n) for n in norms)
+        and all(is_moe_block(layer.mlp) or fused_elementwise.is_silu_gated_mlp(layer.mlp) for layer in body.layers)
+        and dim & (dim - 1) == 0
+        and float(getattr(engine.model.config, "partial_rotary_factor", 1.0) or 1.0) == 1.0
+    )
+    if not usable:
+        return None
+    from loraplex.workers.kernels import triton_elementwise
+
+    return triton_elementwise
 
 
 def _apply_rotary(attn: nn.Module) -> Any:
@@ -105,7 +144,15 @@ class StaticDecoder:
     (see the module docstring) instead of the dense one."""
 
     def __init__(
-        self, engine: Engine, rows: int, width: int, groups: int, paged: bool = False, block_tokens: int = BLOCK_TOKENS
+        self,
+        engine: Engine,
+        rows: int,
+        width: int,
+        groups: int,
+        paged: bool = False,
+        block_tokens: int = BLOCK_TOKENS,
+        fused: bool = True,
+        num_blocks: int | None = None,
     ) -> None:
         check_decodable(engine)
         self.engine = engine
@@ -125,11 +172,12 @@ class StaticDecoder:
         self.cache: PagedKvCache | None = None
         self.live_rows: set[int] = set()  # paged: rows holding a sample (their blocks are in `blocks`)
         if paged:
-            # The worst case: every row reaches `width` positions, one prompt holder whose samples all ended waits for
-            # rows, and each row's own copy of its shared partial prompt block. The extra last block is the scratch
-            # of rows without a sample.
+            # num_blocks None: the worst case, every row reaching `width` positions, one prompt holder whose samples
+            # all ended waiting for rows, and each row's own copy of its shared partial prompt block (else the
+            # caller's budget, and admission waits for blocks). The extra last block is the scratch of rows without a
+            # sample.
             per_row = -(-width // block_tokens)
-            num_blocks = (rows + 1) * per_row + rows
+            num_blocks = (rows + 1) * per_row + rows if num_blocks is None else num_blocks
             self.blocks = BlockAllocator(num_blocks, block_tokens)
             self.cache = PagedKvCache(
                 len(body.layers), num_blocks + 1, block_tokens, self.kv_heads, self.head_dim, dtype, device
@@ -140,9 +188,15 @@ class StaticDecoder:
                 torch.zeros(rows, self.kv_heads, width, self.head_dim, dtype=dtype, device=device) for _ in body.layers
             ]
             self.values = [torch.zeros_like(k) for k in self.keys]
-        self.slots = torch.zeros(rows, dtype=torch.int64, device=device)  # paged: this step's write slot per row
-        self.tables = torch.zeros(rows, 1, dtype=torch.int64, device=device)
-        self.lengths = torch.ones(rows, dtype=torch.int64, device=device)
+        # Paged: every row's block table, [rows, blocks per row at full width]; the device copy a captured step reads,
+        # and its host mirror, written as rows gain blocks and copied over before a step when it changed. A row
+        # without a sample points at the scratch block.
+        per_row_blocks = -(-width // block_tokens) if paged else 1
+        self.table_host = np.zeros((rows, per_row_blocks), dtype=np.int32)  # numpy: written outside inference_mode too
+        if paged:
+            self.table_host[:, 0] = self.scratch
+        self.tables = torch.from_numpy(self.table_host).to(device)
+        self.tables_changed = False
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.columns = torch.arange(width, device=device)
@@ -150,18 +204,27 @@ class StaticDecoder:
         self.points: list[tuple[_LoraPoint, _LoraPoint, _LoraPoint, _LoraPoint]] = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            gate_up, down = mlp_linears(mlp)  # an MoE block: its shared expert's (or none)
             self.points.append(
                 (
                     self._point([getattr(attn, n) for n in ATTENTION_INPUT]),
                     self._point([attn.o_proj]),
-                    self._point([getattr(mlp, n) for n in MLP_INPUT]),
-                    self._point([mlp.down_proj]),
+                    self._point(gate_up),
+                    self._point(down),
                 )
             )
+        # MoE layers' MLP (routed experts with expert LoRA, then the shared expert on the points above); None: dense.
+        self.moe = [
+            MoeDecodeMlp(layer.mlp, p[2], p[3], groups, self.rank, dtype, device) if is_moe_block(layer.mlp) else None
+            for layer, p in zip(body.layers, self.points, strict=True)
+        ]
         self.rotary = [_apply_rotary(layer.self_attn) for layer in body.layers]
         self.head_weight = cast(torch.Tensor, engine.head.weight)
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
-        self.logits: torch.Tensor | None = None
+        self.fused = _fused_kernels(engine) if fused else None
+        # Captured steps per row bucket (the step runs rows [0, bucket) only): torch.cuda.CUDAGraph and its logits.
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.use_graphs = False  # set by `enable_graphs` (CUDA): a bucket's graph is captured at its first step
+        self.pool: Any = None  # the graphs' shared memory pool (they never replay at once)
 
     def _point(self, modules: Sequence[nn.Module]) -> _LoraPoint:
         wrapped = [m if isinstance(m, SlotBankLinear) else None for m in modules]
@@ -191,37 +254,52 @@ class StaticDecoder:
             raise ValueError(f"this decoder holds {self.groups} adapters, got {len(slots)} slots")
         if not slots:
             return
+        for group, slot in enumerate(slots):
+            self.load_group(group, slot)
+        if self.mask is not None:
+            self.mask.zero_()
+
+    def load_group(self, group: int, slot: int) -> None:
+        """Copy the adapter in bank slot `slot` into LoRA group `group` of the buffers (the other groups unchanged:
+        rows of other adapters keep decoding); a row's mask entries are set by `set_row`."""
+        if not 0 <= group < self.groups:
+            raise ValueError(f"this decoder holds {self.groups} adapters, not group {group}")
         self.engine.optimizer.adopt_views()
-        index = torch.tensor(list(slots), dtype=torch.int64, device=self.engine.device)
-        g, r = self.groups, self.rank
+        r = self.rank
         for layer_points in self.points:
             for point in layer_points:
                 if point.a_cat is None or point.b_cats is None:
                     continue
-                blocks = []
+                block = 0
                 for w, b_cat in zip(point.wrapped, point.b_cats, strict=True):
                     if w is None or b_cat is None:
                         continue
-                    a = w.lora_A.detach().index_select(0, index)  # [G, in, r]
-                    blocks.append(a.permute(1, 0, 2).reshape(w.in_features, g * r))
-                    b_cat.copy_(w.lora_B.detach().index_select(0, index).reshape(g * r, w.out_features))
-                point.a_cat.copy_(torch.cat(blocks, dim=1))
-        if self.mask is not None:
-            self.mask.zero_()
+                    start = (block * self.groups + group) * r
+                    point.a_cat[:, start : start + r].copy_(w.lora_A.detach()[slot])
+                    b_cat[group * r : (group + 1) * r].copy_(w.lora_B.detach()[slot])
+                    block += 1
+        for moe in self.moe:
+            if moe is not None:
+                moe.load_group(group, slot)
 
-    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Paged: write a prompt's KV (per layer [kv_heads, L, D]) once into the blocks of holder row `key`, for its
-        samples to fork (`set_row(..., prompt=key)`); `drop_prompt(key)` once every sample has forked. Dense: nothing
-        (each row gets its own copy in set_row)."""
-        if self.blocks is None or self.cache is None:
-            return
-        length = int(kv[0][0].shape[-2])
-        if length >= self.width:
-            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+    def prompt_slots(self, key: Any, prompt: Sequence[int]) -> torch.Tensor:
+        """Paged: blocks for a prompt held by holder row `key`, for its samples to fork (`set_row(..., prompt=key)`);
+        returns the cache slot of each prompt position (int64 [L] on the device), where the caller writes the prompt's
+        K/V (the sampler's packed prefill writes them there layer by layer). `drop_prompt(key)` once every sample has
+        forked."""
+        if self.blocks is None:
+            raise ValueError("only a paged decoder holds prompts")
+        if len(prompt) >= self.width:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit {self.width} cached positions")
         self.blocks.admit(("prompt", key), prompt, 0)
         table = torch.tensor(self.blocks.table(("prompt", key)), dtype=torch.int64, device=self.engine.device)
-        positions = torch.arange(length, device=self.engine.device)
-        slots = slots_for(table.expand(length, -1), positions, self.blocks.block_tokens)
+        positions = torch.arange(len(prompt), device=self.engine.device)
+        return slots_for(table.expand(len(prompt), -1), positions, self.blocks.block_tokens)
+
+    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Paged: `prompt_slots` with the prompt's KV given (per layer [kv_heads, L, D]) and written here."""
+        assert self.cache is not None
+        slots = self.prompt_slots(key, prompt)
         for layer, (k, v) in enumerate(kv):
             self.cache.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))
 
@@ -235,6 +313,8 @@ class StaticDecoder:
         if self.blocks is not None and row in self.live_rows:
             self.live_rows.discard(row)
             self.blocks.free(row)
+            self.table_host[row, 0] = self.scratch
+            self.tables_changed = True
 
     def reset(self) -> None:
         """Paged: end every row and holder (a run that ends or is abandoned), every block back to the pool."""
@@ -242,29 +322,36 @@ class StaticDecoder:
             for row in self.blocks.rows():
                 self.blocks.free(row)
             self.live_rows.clear()
+            self.table_host[:, 0] = self.scratch
+            self.tables_changed = True
 
     def set_row(
         self,
         row: int,
         group: int | None,
         scale: float,
-        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         prompt: Any = None,
         max_new: int = 0,
     ) -> None:
-        """Row `row` now holds a new sample of group `group` (None: the base model) with this prompt KV (per layer
-        [kv_heads, L, D]); its next step feeds position L. Paged: the row forks holder `prompt` (`hold_prompt`)
-        instead, allowed `max_new` more positions."""
-        length = int(kv[0][0].shape[-2])
-        if length >= self.width:
-            raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
+        """Row `row` now holds a new sample of group `group` (None: the base model). Dense: with this prompt KV (per
+        layer [kv_heads, L, D]); its next step feeds position L. Paged: the row forks holder `prompt`
+        (`prompt_slots`) instead, allowed `max_new` more positions; its next step feeds the prompt's length."""
         if self.blocks is not None:
             if prompt is None:
                 raise ValueError("a paged decoder's row forks a held prompt: pass prompt=")
             self.end_row(row)
             self.blocks.fork(("prompt", prompt), row, max_new)
             self.live_rows.add(row)
+            table = self.blocks.table(row)
+            self.table_host[row, : len(table)] = table
+            self.tables_changed = True
         else:
+            if kv is None:
+                raise ValueError("a dense decoder's row takes its prompt KV: pass kv=")
+            length = int(kv[0][0].shape[-2])
+            if length >= self.width:
+                raise ValueError(f"a prompt of {length} tokens does not fit {self.width} cached positions")
             for layer, (k, v) in enumerate(kv):
                 self.keys[layer][row, :, :length] = k
                 self.values[layer][row, :, :length] = v
@@ -274,103 +361,142 @@ class StaticDecoder:
                 self.mask[row, group * self.rank : (group + 1) * self.rank] = scale
 
     # ---- one step ----------------------------------------------------------------------------------------------------
-    def _forward(self) -> torch.Tensor:
-        body, rows = self.body, self.rows
-        mask = self.mask
-        hidden = body.embed_tokens(self.tokens)  # [B, H]
-        pos = self.positions.view(rows, 1)
+    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None:
+            return cast(torch.Tensor, module(x))
+        return cast(torch.Tensor, self.fused.rms_norm(x, module.weight, module.variance_epsilon))
+
+    def _rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        """q [B, Hq, D], k [B, Hkv, D], cos/sin [B, D] -> rotated (q, k), the model's own rotary maths."""
+        if self.fused is not None:
+            return self.fused.rope(q, k, cos, sin)
+        qr, kr = self.rotary[layer](q.unsqueeze(2), k.unsqueeze(2), cos[:, None], sin[:, None])
+        return qr[:, :, 0], kr[:, :, 0]
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        """The step for rows [0, rows) of the buffers."""
+        body, heads, kv_heads, dim = self.body, self.heads, self.kv_heads, self.head_dim
+        mask = None if self.mask is None else self.mask[:rows]
+        positions, tables = self.positions[:rows], self.tables[:rows]
+        hidden = body.embed_tokens(self.tokens[:rows])  # [B, H]
+        pos = positions.view(rows, 1)
         cos, sin = body.rotary_emb(hidden[:, None], pos)
-        visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width) if self.cache is None else None
-        write = pos.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)
+        cos, sin = cos.view(rows, -1), sin.view(rows, -1)
+        if self.cache is not None:
+            # rows without a sample sit at position 0 of the scratch block (their tables' first column)
+            bt = self.cache.block_tokens
+            slots = tables.gather(1, pos // bt).view(rows).long() * bt + positions % bt
+            lengths = positions + 1
+        else:
+            visible = (self.columns[None, :] <= pos).view(rows, 1, 1, self.width)
+            write = pos.view(rows, 1, 1, 1).expand(rows, kv_heads, 1, dim)
         for i, layer in enumerate(body.layers):
             attn_in, o_point, mlp_in, down_point = self.points[i]
             attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(hidden)
+            x = self._norm(layer.input_layernorm, hidden)
             q, k, v = attn_in(x, mask)
-            q = q.view(rows, 1, self.heads, self.head_dim)
-            k = k.view(rows, 1, self.kv_heads, self.head_dim)
+            q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rotary[i](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            v = v.view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k = self._rope(i, q, k, cos, sin)
             if self.cache is not None:
-                self.cache.write(i, self.slots, k[:, :, 0], v[:, :, 0])
-                paged = paged_attention(
-                    q[:, :, 0], self.cache.k[i], self.cache.v[i], self.tables, self.lengths, scale=attn.scaling
-                )
-                attended = paged.reshape(rows, self.heads * self.head_dim)
+                self.cache.write(i, slots, k, v)
+                paged = paged_attention(q, self.cache.k[i], self.cache.v[i], tables, lengths, scale=attn.scaling)
+                attended = paged.reshape(rows, heads * dim)
             else:
-                self.keys[i].scatter_(2, write, k)
-                self.values[i].scatter_(2, write, v)
+                keys, values = self.keys[i][:rows], self.values[i][:rows]
+                keys.scatter_(2, write, k[:, :, None])
+                values.scatter_(2, write, v[:, :, None])
                 out = F.scaled_dot_product_attention(
-                    q, self.keys[i], self.values[i], attn_mask=visible, scale=attn.scaling, enable_gqa=True
+                    q[:, :, None], keys, values, attn_mask=visible, scale=attn.scaling, enable_gqa=True
                 )
-                attended = out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)
+                attended = out.reshape(rows, heads * dim)
             (o,) = o_point(attended, mask)
             hidden = hidden + o
-            x = layer.post_attention_layernorm(hidden)
+            x = self._norm(layer.post_attention_layernorm, hidden)
+            moe = self.moe[i]
+            if moe is not None:
+                hidden = hidden + moe(x, mask)
+                continue
             gate, up = mlp_in(x, mask)
-            (down,) = down_point(mlp.act_fn(gate) * up, mask)
+            act = mlp.act_fn(gate) * up if self.fused is None else self.fused.silu_mul(gate, up)
+            (down,) = down_point(act, mask)
             hidden = hidden + down
-        return F.linear(body.norm(hidden), self.head_weight).float()
+        return F.linear(self._norm(body.norm, hidden), self.head_weight).float()
 
-    def capture(self) -> None:
-        """On CUDA: record the step as one graph (after two warm-up runs on a side stream, as torch's docs ask).
-        The warm-ups write the cache at the current positions; callers capture before any row holds a sample. The
-        paged step runs eagerly (not captured yet)."""
-        if self.engine.device.type != "cuda" or self.graph is not None or self.paged:
-            return
-        stream = torch.cuda.Stream(self.engine.device)
-        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+    def enable_graphs(self) -> None:
+        """On CUDA: replay each row bucket's step as a CUDA graph from now on, captured at the bucket's first step."""
+        self.use_graphs = self.engine.device.type == "cuda"
+
+    def bucket(self, rows: int) -> int:
+        """The rows a step over rows [0, rows) runs: with graphs the next power of two from 8, at most the decoder's
+        rows (one graph per bucket; rows past the live ones are idle: they write and read the scratch block, or their
+        own dense row, and their logits are ignored); eagerly exactly `rows`."""
+        if not self.use_graphs:
+            return rows
+        return min(self.rows, max(8, 1 << (max(rows, 1) - 1).bit_length()))
+
+    def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
+        """Record the step of rows [0, rows) as one graph (after two warm-up runs on a side stream, as torch's docs
+        ask). The warm-ups run the very step about to be replayed (its inputs are in place: a step writes each row's
+        new K/V before attending, so running it again writes the same values)."""
+        device = self.engine.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+                self._forward(rows)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
-        self.graph = graph
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(rows)
+        self.graphs[rows] = (graph, logits)
+        return graph, logits
 
     def step(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """fp32 logits [B, V] for one token per row (rows without a sample feed anything; ignore their logits). The
-        returned tensor is overwritten by the next step."""
+        """fp32 logits [len(tokens), V] for one token per row of rows [0, len(tokens)) (rows without a sample feed
+        anything; ignore their logits). The returned tensor is overwritten by the next step."""
         device = self.engine.device
-        self.tokens.copy_(to_device(torch.tensor(list(tokens), dtype=torch.int64), device))
-        self.positions.copy_(to_device(torch.tensor(list(positions), dtype=torch.int64), device))
+        count, n = len(tokens), self.bucket(len(tokens))
+        tokens = [*tokens, *[0] * (n - len(tokens))]
+        positions = [*positions, *[0] * (n - len(positions))]
         if self.blocks is not None:
+            live = self.live_rows
+            positions = [p if r in live else 0 for r, p in enumerate(positions)]  # the scratch block's position 0
             self._page(positions)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits
+        self.tokens[:n].copy_(to_device(torch.tensor(tokens, dtype=torch.int64), device))
+        self.positions[:n].copy_(to_device(torch.tensor(positions, dtype=torch.int64), device))
+        if not self.use_graphs:
+            logits = self._forward(n)
+        else:
+            graph, logits = self.graphs.get(n) or self._capture(n)
+            graph.replay()
+        return logits[:count]
 
     def _page(self, positions: Sequence[int]) -> None:
-        """Paged: give each live row its next position (copying a shared block first where the allocator says), and
-        set this step's write slots, block tables and attended lengths; rows without a sample write to the scratch
-        block and attend to it alone (their logits are ignored)."""
+        """Paged: give each live row its next position (copying a shared block first where the allocator says) and
+        bring the device's block tables up to date; the step computes the write slots and lengths from the positions.
+        Rows without a sample must feed position 0 (they write to and attend to the scratch block)."""
         assert self.blocks is not None and self.cache is not None
-        blocks, device = self.blocks, self.engine.device
+        blocks, bt = self.blocks, self.blocks.block_tokens
         copies = []
-        tables: list[list[int]] = []
-        lengths = []
-        for row in range(self.rows):
-            if row not in self.live_rows:
-                tables.append([self.scratch])
-                lengths.append(1)
-                continue
-            if blocks.length(row) != positions[row]:
-                raise ValueError(f"row {row} feeds position {positions[row]} but holds {blocks.length(row)}")
+        for row in self.live_rows:
+            position = positions[row]
+            if blocks.length(row) != position:
+                raise ValueError(f"row {row} feeds position {position} but holds {blocks.length(row)}")
             cow = blocks.append(row)
             if cow is not None:
                 copies.append(cow)
-            tables.append(blocks.table(row))
-            lengths.append(positions[row] + 1)
+            if cow is not None or position % bt == 0:  # the row's last block is new: its table changed
+                self.table_host[row, position // bt] = blocks.slot(row, position) // bt
+                self.tables_changed = True
         if copies:
+            device = self.engine.device
             src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
             dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
             self.cache.copy_blocks(src, dst)
-        self.tables = block_table_tensor(tables, device)
-        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
-        scratch = torch.tensor([p if r in self.live_rows else 0 for r, p in enumerate(positions)], device=device)
-        self.slots = slots_for(self.tables, scratch, blocks.block_tokens)
+        if self.tables_changed:
+            self.tables.copy_(torch.from_numpy(self.table_host))
+            self.tables_changed = False

@@ -11,11 +11,13 @@ import torch
 
 from loraplex.dispatch.hooks import DispatchConfig
 from loraplex.errors import InvalidRequestError
-from loraplex.pool.process import sampler_budget
+from loraplex.pool.process import sampler_budget, sampler_rows
 from loraplex.settings import Settings
 from loraplex.workers.sampling import kv_budget
 from loraplex.workers.sampling.kv_budget import KvShape, plan_kv_budget
 from loraplex.workers.sampling.paged_kv import PagedKvCache
+from loraplex.workers.sampling.sampler import Sampler
+from loraplex.workers.sampling.step import SampleStep
 from tests.helpers.lora import make_engine
 
 QWEN3_4B = KvShape(layers=36, kv_heads=8, head_dim=128, dtype_bytes=2)  # bf16
@@ -127,3 +129,6 @@ def test_the_pool_sizes_a_tiny_cpu_engine_and_the_dispatcher_takes_its_rows(tiny
     assert DispatchConfig.from_settings(Settings(), sample_rows=budget.rows).sample_rows == 32
     assert DispatchConfig.from_settings(Settings(sampler_max_rows=12)).sample_rows == 12
     assert DispatchConfig.from_settings(Settings()).sample_rows == 64  # auto without a native sampler (vLLM)
+    step = SampleStep(Sampler(engine, max_rows=small.rows, kv_blocks=small.blocks), None)
+    assert sampler_rows(step, 1) == 8 and sampler_rows(step, 2) == 16  # every rank decodes its share
+    assert sampler_rows(None, 1) is None

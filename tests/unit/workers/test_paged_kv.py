@@ -14,6 +14,7 @@ from loraplex.workers.sampling.paged_kv import (
     PagedKvCache,
     block_table_tensor,
     paged_attention,
+    paged_attention_gathered,
     paged_attention_reference,
     slots_for,
 )
@@ -70,8 +71,11 @@ class Run:
         lengths = [self.alloc.length(r) for r in rows]
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         ref = paged_attention_reference(q, k_cache, v_cache, tables, lengths)
-        batched = paged_attention(q, k_cache, v_cache, block_table_tensor(tables), torch.tensor(lengths))
+        table_t, lengths_t = block_table_tensor(tables), torch.tensor(lengths)
+        batched = paged_attention_gathered(q, k_cache, v_cache, table_t, lengths_t)
         torch.testing.assert_close(batched, ref, rtol=1e-5, atol=1e-6)
+        # what the decoder calls: the gathered form here on the CPU (the kernel on CUDA, tests/gpu)
+        torch.testing.assert_close(paged_attention(q, k_cache, v_cache, table_t, lengths_t), ref, rtol=1e-5, atol=1e-6)
         for i, r in enumerate(rows):
             dk, dv = self.dense[r][layer]
             assert dk.shape[0] == lengths[i]

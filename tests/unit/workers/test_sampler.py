@@ -17,7 +17,6 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.choice import choose_tokens, draw_uniform, row_generator
 from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
@@ -125,16 +124,17 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
 
 
 def test_a_kept_decoder_samples_from_the_adapters_of_each_call(setup: tuple[Engine, Any]) -> None:
-    """Two calls of the same shape share one static decoder (its cache and, on CUDA, its graph): the second call's
-    adapters are loaded into it, and each row still gets what it gets alone."""
+    """Two calls share the sampler's one decode batch (its decoder, cache and, on CUDA, its graphs): the second call's
+    adapters are loaded into its LoRA groups, and each row still gets what it gets alone."""
     engine, tokenizer = setup
     sampler = Sampler(engine, tokenizer, max_rows=4)
     first = [SampleJob(prompt(200 + i, 6), m, GREEDY) for i, m in enumerate(["r2", "r4", None, "r2"])]
     second = [SampleJob(prompt(300 + i, 9), m, GREEDY) for i, m in enumerate(["r16", "attn", "attn", None])]
     sampler.generate(first)
-    kept = dict(sampler._decoders)
+    assert sampler._batch is not None
+    kept = sampler._batch.decoder
     outs = sampler.generate(second)
-    assert len(kept) == 1 and sampler._decoders == kept  # the same decoder object served both calls
+    assert sampler._batch.decoder is kept  # the same decoder object served both calls
     for job, out in zip(second, outs, strict=True):
         assert_same(out.sequences[0], alone(Sampler(engine, tokenizer), job).sequences[0])
 
@@ -356,36 +356,6 @@ def test_bad_jobs_are_refused_before_any_work(setup: tuple[Engine, Any]) -> None
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         Sampler(engine).generate([SampleJob((1,), None, SampleParams(stop_strings=("x",)))])
     assert sampler.generate([]) == []
-
-
-# ---- the token choice itself ----------------------------------------------------------------------------------------
-def test_choose_tokens_draws_from_the_filtered_renormalised_distribution() -> None:
-    """2000 seeded draws per row from hand-made logits: the frequencies follow temperature -> top-k -> top-p,
-    renormalised, and filtered-out tokens never come."""
-    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
-    logits = probs.log().repeat(3, 1)
-    cases = [  # (temperature, top_k, top_p) -> the distribution the draws must follow
-        ((1.0, 2, 1.0), torch.tensor([0.0, 0.4, 0.0, 0.3, 0.0]) / 0.7),
-        ((1.0, -1, 0.75), torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15]) / 0.85),  # 0.4 + 0.3 < 0.75: the 0.15 is needed
-        ((0.5, -1, 1.0), probs**2 / (probs**2).sum()),
-    ]
-    gens = [row_generator(5, i) for i in range(3)]
-    counts = torch.zeros(3, 5)
-    for _ in range(2000):
-        tokens, logprobs = choose_tokens(
-            logits,
-            [c[0][0] for c in cases],
-            [c[0][1] for c in cases],
-            [c[0][2] for c in cases],
-            [draw_uniform(g) for g in gens],
-        )
-        counts[torch.arange(3), tokens] += 1
-    for row, (_, expected) in enumerate(cases):
-        assert (counts[row] / 2000 - expected).abs().max() < 0.035, (row, counts[row])
-        assert torch.all(counts[row][expected == 0] == 0)
-    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1))  # reported: the raw distribution
-    greedy, _ = choose_tokens(logits, [0.0] * 3, [-1] * 3, [1.0] * 3, [None] * 3)
-    assert greedy.tolist() == [1, 1, 1]
 
 
 def test_generate_leaves_the_engine_as_it_was(setup: tuple[Engine, Any]) -> None:

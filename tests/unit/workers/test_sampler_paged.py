@@ -23,9 +23,8 @@ from tests.unit.workers.test_sampler import GREEDY, assert_same, hf_greedy, prom
 
 
 def decoders(sampler: Sampler) -> list[StaticDecoder]:
-    kept = list(sampler._decoders.values())
-    assert kept and all(d.paged for d in kept)
-    return kept
+    assert sampler._batch is not None and sampler._batch.decoder.paged
+    return [sampler._batch.decoder]
 
 
 def assert_blocks_back(sampler: Sampler) -> None:
@@ -146,3 +145,54 @@ def test_paged_decoder_refuses_rows_without_a_held_prompt(setup: tuple[Engine, A
             decoder.set_row(0, None, 0.0, kv)
     else:
         decoder.set_row(0, None, 0.0, kv)  # the dense cache takes the KV itself
+
+
+def test_paged_packed_prefill_gives_the_dense_prefills_prompt_logprobs(setup: tuple[Engine, Any]) -> None:  # noqa: F811
+    """The paged prefill packs prompts of different lengths and adapters into one row without padding; each prompt's
+    logprobs (and top-k) and first tokens equal the dense path's right-padded prefill."""
+    engine, tokenizer = setup
+    jobs = [
+        SampleJob(prompt(300 + i, n), m, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3)
+        for i, (n, m) in enumerate([(2, "r8"), (19, None), (33, "r4"), (5, "r8"), (16, "attn")])
+    ]
+    dense = Sampler(engine, tokenizer).generate(jobs)
+    paged = Sampler(engine, tokenizer, paged_kv=True)
+    ours = paged.generate(jobs)
+    assert paged.stats.prefill_forwards == 1
+    for a, b in zip(ours, dense, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert a.prompt_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(a.prompt_logprobs[1:]), torch.tensor(b.prompt_logprobs[1:]))
+        assert a.topk_prompt_logprobs is not None and b.topk_prompt_logprobs is not None
+        for x, y in zip(a.topk_prompt_logprobs[1:], b.topk_prompt_logprobs[1:], strict=True):
+            assert x is not None and y is not None
+            assert [t for t, _ in x] == [t for t, _ in y]
+        assert_same(a.sequences[0], b.sequences[0])
+    assert_blocks_back(paged)
+
+
+def test_runs_started_apart_decode_in_one_batch_and_each_gets_what_it_gets_alone(
+    setup: tuple[Engine, Any],  # noqa: F811
+) -> None:
+    """Two runs of different adapters, the second started while the first is mid-decode: the second's rows join the
+    first's decode batch (one step serves both), each run's samples equal the same jobs run alone, and every block
+    and LoRA group is back once both have ended."""
+    engine, tokenizer = setup
+    seeded = SampleParams(max_tokens=12, temperature=0.9, seed=11)
+    first = [SampleJob(prompt(400 + i, 5 + 3 * i), m, seeded, num_samples=2) for i, m in enumerate(["r8", None])]
+    second = [SampleJob(prompt(500 + i, 9 + i), m, GREEDY) for i, m in enumerate(["r4", "attn", "r4"])]
+    sampler = Sampler(engine, tokenizer, max_rows=16)
+    a = sampler.start(first)
+    assert not a.advance(0.0)  # one admission and one decode step
+    b = sampler.start(second)
+    assert b.advance(None)  # to its end; a's rows decode beside it
+    assert b.stats.joined_live_batch == 3 and a.stats.decode_steps > 1
+    assert a.advance(None)
+    for jobs, run in ((first, a), (second, b)):
+        for job, out in zip(jobs, run.outputs, strict=True):
+            alone = Sampler(engine, tokenizer).generate([job])[0]
+            for x, y in zip(out.sequences, alone.sequences, strict=True):
+                assert_same(x, y)
+    assert_blocks_back(sampler)
+    batch = sampler._batch
+    assert batch is not None and not batch.runs and len(batch.free_groups) == sampler.max_groups
