@@ -59,7 +59,7 @@ def test_graph_replay_equals_eager_and_mixed_equals_alone(tiny_dir: Path, dtype:
     engine, tokenizer = build(tiny_dir, dtype)
     graphs, eager = Sampler(engine, tokenizer, max_rows=16), Sampler(engine, tokenizer, max_rows=16, cuda_graphs=False)
     with_graph = graphs.generate(jobs())
-    assert graphs.stats.graph_captures == 1
+    assert graphs.stats.graph_captures >= 1  # one per row bucket the run stepped (rows end at different lengths)
     without = eager.generate(jobs())
     assert eager.stats.graph_captures == 0
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -79,7 +79,7 @@ def test_graph_greedy_equals_peft_generate_and_a_kept_graph_takes_new_adapters(t
     ps = prompts(4)
     for model_id in ("r16", "r4"):  # the second call replays the first call's graph with other adapter weights
         ours = sampler.generate([SampleJob(p, model_id, GREEDY) for p in ps])
-        assert sampler.stats.graph_captures == (1 if model_id == "r16" else 0)
+        assert sampler.stats.graph_captures == (1 if model_id == "r16" else 0)  # 4 rows: one bucket
         base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
         state = state_from_engine(engine, model_id, base_model="tiny", with_optimizer=False)
         oracle: Any = PeftModel.from_pretrained(

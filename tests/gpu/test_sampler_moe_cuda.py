@@ -53,7 +53,7 @@ def test_moe_graph_replay_equals_eager_and_logprobs_equal_the_training_forward(t
     graphs = Sampler(engine, tokenizer, max_rows=16)
     eager = Sampler(engine, tokenizer, max_rows=16, cuda_graphs=False)
     with_graph = graphs.generate(jobs())
-    assert graphs.stats.graph_captures == 1  # the MoE step captured: static shapes, no host sync
+    assert graphs.stats.graph_captures >= 1  # the MoE step captured (per row bucket): static shapes, no host sync
     without = eager.generate(jobs())
     worst = 0.0
     for job, a, b in zip(jobs(), with_graph, without, strict=True):

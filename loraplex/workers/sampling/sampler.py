@@ -58,7 +58,7 @@ from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decoda
 STOP = "stop"
 LENGTH = "length"
 MIN_WIDTH = 64  # a dense decode cache's positions: a power of two >= the longest prompt + max_tokens
-PAGED_MIN_WIDTH = 4096  # a paged one's (its rows' block tables have width / 16 columns)
+PAGED_MIN_WIDTH = 4096  # a paged one's with a block budget (its rows' block tables have width / 16 columns)
 
 # One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -225,9 +225,11 @@ class Sampler:
         return batch
 
     def _width(self, need: int) -> int:
-        """A decoder's positions for rows of `need`: a power of two, generous when paged (a wider paged decoder
-        costs only its block tables' columns), clipped to the model's positions."""
-        width = max(PAGED_MIN_WIDTH if self.paged_kv else MIN_WIDTH, 1 << (need - 1).bit_length())
+        """A decoder's positions for rows of `need`: a power of two, clipped to the model's positions; generous when
+        the paged cache has a block budget (a wider paged decoder then costs only its block tables' columns; without
+        a budget its blocks cover every row at full width)."""
+        generous = self.paged_kv and self.kv_blocks is not None
+        width = max(PAGED_MIN_WIDTH if generous else MIN_WIDTH, 1 << (need - 1).bit_length())
         if self.max_positions:
             width = max(need, min(width, self.max_positions))
         return width

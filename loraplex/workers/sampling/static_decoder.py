@@ -171,6 +171,7 @@ class StaticDecoder:
         self.blocks: BlockAllocator | None = None
         self.cache: PagedKvCache | None = None
         self.live_rows: set[int] = set()  # paged: rows holding a sample (their blocks are in `blocks`)
+        self.adapter_rows: set[int] = set()  # rows whose sample has an adapter: none, and a step skips the LoRA path
         if paged:
             # num_blocks None: the worst case, every row reaching `width` positions, one prompt holder whose samples
             # all ended waiting for rows, and each row's own copy of its shared partial prompt block (else the
@@ -221,8 +222,9 @@ class StaticDecoder:
         self.rotary = [_apply_rotary(layer.self_attn) for layer in body.layers]
         self.head_weight = cast(torch.Tensor, engine.head.weight)
         self.fused = _fused_kernels(engine) if fused else None
-        # Captured steps per row bucket (the step runs rows [0, bucket) only): torch.cuda.CUDAGraph and its logits.
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        # Captured steps per (row bucket, LoRA path on): the step runs rows [0, bucket) only, and skips the LoRA side
+        # path while no live row has an adapter. torch.cuda.CUDAGraph and its logits.
+        self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = False  # set by `enable_graphs` (CUDA): a bucket's graph is captured at its first step
         self.pool: Any = None  # the graphs' shared memory pool (they never replay at once)
 
@@ -315,6 +317,7 @@ class StaticDecoder:
             self.blocks.free(row)
             self.table_host[row, 0] = self.scratch
             self.tables_changed = True
+        self.adapter_rows.discard(row)
 
     def reset(self) -> None:
         """Paged: end every row and holder (a run that ends or is abandoned), every block back to the pool."""
@@ -324,6 +327,7 @@ class StaticDecoder:
             self.live_rows.clear()
             self.table_host[:, 0] = self.scratch
             self.tables_changed = True
+        self.adapter_rows.clear()
 
     def set_row(
         self,
@@ -355,10 +359,12 @@ class StaticDecoder:
             for layer, (k, v) in enumerate(kv):
                 self.keys[layer][row, :, :length] = k
                 self.values[layer][row, :, :length] = v
+        self.adapter_rows.discard(row)
         if self.mask is not None:
             self.mask[row].zero_()
             if group is not None:
                 self.mask[row, group * self.rank : (group + 1) * self.rank] = scale
+                self.adapter_rows.add(row)
 
     # ---- one step ----------------------------------------------------------------------------------------------------
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -373,10 +379,10 @@ class StaticDecoder:
         qr, kr = self.rotary[layer](q.unsqueeze(2), k.unsqueeze(2), cos[:, None], sin[:, None])
         return qr[:, :, 0], kr[:, :, 0]
 
-    def _forward(self, rows: int) -> torch.Tensor:
-        """The step for rows [0, rows) of the buffers."""
+    def _forward(self, rows: int, lora: bool = True) -> torch.Tensor:
+        """The step for rows [0, rows) of the buffers; lora False: the base model alone (no row has an adapter)."""
         body, heads, kv_heads, dim = self.body, self.heads, self.kv_heads, self.head_dim
-        mask = None if self.mask is None else self.mask[:rows]
+        mask = None if self.mask is None or not lora else self.mask[:rows]
         positions, tables = self.positions[:rows], self.tables[:rows]
         hidden = body.embed_tokens(self.tokens[:rows])  # [B, H]
         pos = positions.view(rows, 1)
@@ -436,7 +442,7 @@ class StaticDecoder:
             return rows
         return min(self.rows, max(8, 1 << (max(rows, 1) - 1).bit_length()))
 
-    def _capture(self, rows: int) -> tuple[Any, torch.Tensor]:
+    def _capture(self, rows: int, lora: bool) -> tuple[Any, torch.Tensor]:
         """Record the step of rows [0, rows) as one graph (after two warm-up runs on a side stream, as torch's docs
         ask). The warm-ups run the very step about to be replayed (its inputs are in place: a step writes each row's
         new K/V before attending, so running it again writes the same values)."""
@@ -445,14 +451,14 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(rows)
+                self._forward(rows, lora)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(rows)
-        self.graphs[rows] = (graph, logits)
+            logits = self._forward(rows, lora)
+        self.graphs[rows, lora] = (graph, logits)
         return graph, logits
 
     def step(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -468,10 +474,11 @@ class StaticDecoder:
             self._page(positions)
         self.tokens[:n].copy_(to_device(torch.tensor(tokens, dtype=torch.int64), device))
         self.positions[:n].copy_(to_device(torch.tensor(positions, dtype=torch.int64), device))
+        lora = bool(self.adapter_rows)
         if not self.use_graphs:
-            logits = self._forward(n)
+            logits = self._forward(n, lora)
         else:
-            graph, logits = self.graphs.get(n) or self._capture(n)
+            graph, logits = self.graphs.get((n, lora)) or self._capture(n, lora)
             graph.replay()
         return logits[:count]
 
