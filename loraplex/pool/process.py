@@ -90,7 +90,10 @@ def native_sampling(
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
         engine = sampling_engine(settings, engine, group)  # several ranks: a whole base model to decode on
         budget = sampler_budget(settings, engine)
-        kv_blocks = budget.blocks  # the paged cache's blocks: what the memory left after training's share holds
+        # The paged cache's blocks: what the memory left after training's share holds. Not on the CPU: a decoder
+        # with a block budget is 4,096 positions wide or more, and the CPU's attention gathers every column (tiny
+        # model, 8 x 8 x 64 new tokens: 450 new tok/s budgeted, 10,401 not; benchmarks/bench_rl.py).
+        kv_blocks = budget.blocks if engine.device.type == "cuda" else None
         sampler = Sampler(engine, tokenizer, max_rows=budget.rows, kv_blocks=kv_blocks)
         if group is not None:  # each rank decodes its share of a run's jobs
             sampler = rank_sampler(sampler, group)
