@@ -9,10 +9,12 @@ The rule, in order:
    free memory, and never more than the free memory less `reserve_bytes` (a measured peak of a full microbatch step,
    when the caller has one): cache = min(fraction x free, free - reserve). The rest is what a training step's
    activations (a Qwen3-4B-shaped 3,840-token microbatch held 14.4 GiB for its backward on an H100), its CUDA-graph
-   pools (6.8 GiB), the sampler's per-step temporaries (each row's sort over the vocabulary) and, while the decoder
-   keeps a dense cache per run (up to two row shapes cached), its second cache use. Measured on an H100 with 63 GiB
-   free after the bf16 weights: 0.5 (448 rows) served one RL tenant and ran out of memory with four; see
-   benchmarks/bench_rl.py. `LORAPLEX_SAMPLER_KV_BYTES` set on CUDA replaces the fraction rule.
+   pools (6.8 GiB) and the sampler's per-step temporaries (each row's draw over the vocabulary). Measured on an H100
+   with 63 GiB free after the bf16 weights, with the dense decoder of the time (a cache per run and row shape): 0.5
+   (448 rows) served one RL tenant and ran out of memory with four, 0.25 (224 rows) served both (bench_rl.py); the
+   paged decoder's one shared cache holds exactly these blocks, so a larger fraction may fit now (not measured).
+   `LORAPLEX_SAMPLER_KV_BYTES` set on CUDA replaces the fraction rule. The CPU's decoder is given no block budget
+   (pool/process.py: a budgeted decoder is 4,096 positions wide, slow to attend on the CPU); its rows still follow.
 3. Blocks = cache bytes // bytes per block (K and V of `block_tokens` positions in every layer: 2 x layers x
    block_tokens x kv_heads x head_dim x dtype bytes, `PagedKvCache.bytes_per_block`).
 4. Rows decoded at once ("auto"): as many as the blocks cover at `LORAPLEX_SAMPLER_ROW_TOKENS` (prompt + new tokens
