@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh sampler [bench_sampler args...]  the native sampler vs HF + PEFT generate
 #   bash benchmarks/gpu_run.sh cost [bench_engine args...]      cost-model coalescing vs one by one (bench_engine --mode cost)
 #   bash benchmarks/gpu_run.sh ragged [bench_engine args...]    ragged vs uniform lengths, packed and padded (--mode ragged)
+#   bash benchmarks/gpu_run.sh rl [bench_rl args...]            RL iterations through the service (needs .whl/ carried too)
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -47,6 +48,15 @@ case $mode in
     grep -r "slow plan\|slow finish\|not captured" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
     grep -r "fsync is taking too long\|Background AOF rewrite" --include=redis.log /tmp/loraplex 2>/dev/null | tail -n 20
     exit "$status" ;;
+  rl)
+    python3 benchmarks/bench_rl.py --home /tmp/loraplex --out "$OUT/bench_rl.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_rl.txt"
+    status=${PIPESTATUS[0]}
+    for log in $(find /tmp/loraplex -name pool.log -o -name api.log -o -name redis.log); do
+      cp "$log" "$OUT/$(basename "$log")"
+    done
+    # plans and finishes over slow_plan_log_seconds, CUDA graphs declined for want of memory, the sampler's sizing
+    grep -r "slow plan\|slow finish\|not captured\|native sampler" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
+    exit "$status" ;;
   flood)
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
     python3 benchmarks/bench_flood.py "$@" 2>&1 | tee "$OUT/bench_flood.txt" ;;
@@ -56,5 +66,5 @@ case $mode in
     python3 benchmarks/bench_engine.py --mode cost --out "$OUT/bench_cost.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_cost.txt" | grep -v '^ \|^{\|^}' ;;
   ragged)
     python3 benchmarks/bench_engine.py --mode ragged --out "$OUT/bench_ragged.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_ragged.txt" | grep -v '^ \|^{\|^}' ;;
-  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged)"; exit 2 ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl)"; exit 2 ;;
 esac

@@ -205,7 +205,16 @@ class Settings(BaseSettings):
     # vLLM server the pool process starts and supervises, samplers/; needs the .[vllm] extra and a base model vLLM can
     # serve, e.g. the `tiny-vllm` preset on CPU) or "none" (sampling requests fail with a message saying so).
     sampler: Literal["native", "vllm", "none"] = "native"
-    sampler_max_rows: int = Field(default=32, ge=1)  # rows decoded at once by the native sampler
+    # Rows the native sampler decodes at once, and the memory of its KV cache (workers/sampling/kv_budget.py): "auto"
+    # sizes them at pool start from the memory training leaves: the cache takes `sampler_kv_memory_fraction` of the
+    # device's free memory once the engine is built (on the CPU `sampler_kv_bytes`, 64 MiB if unset), in blocks of 16
+    # positions, and the rows are as many as those blocks cover at `sampler_row_tokens` (prompt + new tokens) each, at
+    # most 1,024 on a GPU and 32 on the CPU. An integer forces the rows. The policy starts at most this many sampled
+    # sequences a plan (dispatch/policy.py). `sampler_kv_bytes` set on a GPU replaces the fraction.
+    sampler_max_rows: int | Literal["auto"] = "auto"
+    sampler_kv_memory_fraction: float = Field(default=0.25, gt=0, lt=1)
+    sampler_kv_bytes: int | None = Field(default=None, ge=0)
+    sampler_row_tokens: int = Field(default=512, ge=1)
     # Longest slice of native sampling one plan runs (a long generation goes on over the next plans,
     # workers/sampling/step.py). A slice runs after its plan's training is answered, for at most as long as that
     # training took, and ends after the current decode step once requests other than samples arrive; so this bounds
@@ -316,6 +325,17 @@ class Settings(BaseSettings):
     def _split_modules(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("sampler_max_rows", mode="before")
+    @classmethod
+    def _rows_auto_or_positive(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value.strip())
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"LORAPLEX_SAMPLER_MAX_ROWS must be 'auto' or an integer >= 1, got {value!r}")
         return value
 
     @field_validator("dtype", mode="before")

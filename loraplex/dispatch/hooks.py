@@ -42,6 +42,9 @@ class DispatchConfig:
     claim_every_s: float = 5.0  # how often entries of dead consumers are looked for
     # read ahead and finish plans in background threads (dispatch/stages.py; the pool's mode); call `close` after
     pipelined: bool = False
+    # sampled sequences one plan starts: the rows the pool's sampler decodes at once (the pool passes its native
+    # sampler's, sized from memory; else an integer settings.sampler_max_rows, else 64)
+    sample_rows: int = 64
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **knobs: object) -> DispatchConfig:
@@ -55,6 +58,8 @@ class DispatchConfig:
             "coalesce_s": s.coalesce_ms / 1000,
             "early_microbatch_tokens": s.microbatch_tokens if s.coalesce_early_full_microbatches else 0,
         }
+        if isinstance(s.sampler_max_rows, int):
+            base["sample_rows"] = s.sampler_max_rows
         return cls(**{**base, **knobs})  # type: ignore[arg-type]
 
 

@@ -105,6 +105,7 @@ class Dispatcher:
         self.limits = PolicyLimits(
             plan_tokens=config.plan_tokens, max_requests=config.max_requests_per_plan,
             max_adapters_per_step=config.slots, max_sample_batches=config.sample_runs_in_flight,
+            max_sample_rows=config.sample_rows,
         )  # fmt: skip
         self._buffer: list[_Held] = []  # arrival order
         self._held_ids: set[EntryRef] = set()  # stream entries in the buffer
@@ -375,6 +376,10 @@ class Dispatcher:
             log.exception("the finish step's on_loop failed")
             from_loop = None
         outcomes = _one_per_request(outcomes, requests)
+        if self._sampling:  # a run that ended is in flight no more (a stale entry would count against new runs)
+            for r, outcome in zip(requests, outcomes, strict=True):
+                if not outcome.unfinished:
+                    self._sampling.pop(r.request_id, None)
         self._observe("executed", plan, outcomes, busy)  # before any result is visible: a client reads it counted
         if any(r.part is not None for r in requests) or any(o.unfinished for o in outcomes):
             plan, outcomes = self._settle_parts(plan, outcomes)

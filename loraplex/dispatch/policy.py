@@ -12,9 +12,15 @@ The plan's steps, in order:
   1. one CREATE step with every pending create_adapter; then one SAMPLE step: every sampling request in flight
      (`sampling`: started by an earlier plan, it runs one more slice in this one, workers/sampling/step.py), then
      new ones by fair share (least virtual time, then arrival; each charged num_samples x (prompt + max_tokens)), up
-     to `max_sample_rows` new sequences, while fewer than `max_sample_batches` plans' samples are in flight and as
-     long as the tenant's sequences in flight stay within `max_sample_rows`. Samples sit in no chain (any order), so
-     a sample waits for at most one plan of training, and a tenant's flood of samples neither starves another's
+     while the sequences in flight (all runs, this plan's new ones included) stay within `max_sample_rows` (the
+     rows the pool's sampler decodes at once, sized from its memory) and fewer than `max_sample_batches` plans'
+     samples are in flight. Per tenant: its sequences in flight stay within its fair part of the rows,
+     `max_sample_rows` // the tenants with samples in flight or waiting (all of them when it is alone). The plan's
+     first new request always starts when its tenant has nothing in flight, even past the rows (by at most one
+     request a plan), so no tenant waits for another's rollouts to end. So one tenant's 1,024 rollouts fill the
+     sampler while nobody else samples, another's request starts in the next plan, and the first tenant starts
+     nothing more until its rows in flight are back within its part. Samples sit in no chain (any order), so a
+     sample waits for at most one plan of training, and a tenant's flood of samples neither starves another's
      samples nor holds its training for more than a slice per plan;
   2. rounds: each round takes at most one ready request (its next seq_id) per adapter; the round's forward_backward /
      forward requests form ONE FORWARD_BACKWARD step (up to the plan token cap; a request over the cap runs in parts
@@ -74,7 +80,8 @@ class PolicyLimits:
     # distinct adapters in one FORWARD_BACKWARD or OPTIM_STEP step: the pool's resident slots (each step's adapters are
     # swapped in before it runs), so the Dispatcher sets it to settings.slots
     max_adapters_per_step: int = 1 << 30
-    # sampled sequences (requests x num_samples) a plan starts; also the most one tenant has in flight
+    # sampled sequences (requests x num_samples) in flight at once: the rows the pool's sampler decodes at once (the
+    # Dispatcher sets it from DispatchConfig.sample_rows); a tenant's stay within its fair part of it
     max_sample_rows: int = 64
     # plans whose sample runs are still in flight (each started run holds its decode cache): no new ones past it
     max_sample_batches: int = 4
@@ -278,7 +285,10 @@ def _samples(
         return step, budget
     new = [(served[reqs[i].tenant_id], i) for i in samples if reqs[i].request_id not in sampling]
     heapq.heapify(new)
-    rows = 0
+    # each tenant's fair part of the rows: split between the tenants sampling or waiting to
+    fair = max(1, limits.max_sample_rows // max(1, len({reqs[i].tenant_id for i in samples})))
+    rows = sum(tenant_rows.values())  # in flight, then with this plan's new ones
+    started = False
     while new and budget > 0:
         vt, i = heapq.heappop(new)
         r = reqs[i]
@@ -286,9 +296,12 @@ def _samples(
             heapq.heappush(new, (served[r.tenant_id], i))
             continue
         n = _rows(r)
-        # one request always fits when nothing is in flight; past that, the plan's and the tenant's row budgets
-        if step and (rows + n > limits.max_sample_rows or tenant_rows[r.tenant_id] + n > limits.max_sample_rows):
+        # within the pool's rows and the tenant's part; the plan's first new request of a tenant with nothing in
+        # flight starts anyway
+        first = not started and tenant_rows[r.tenant_id] == 0
+        if not first and (rows + n > limits.max_sample_rows or tenant_rows[r.tenant_id] + n > fair):
             continue
+        started = True
         step.append(i)
         rows += n
         tenant_rows[r.tenant_id] += n

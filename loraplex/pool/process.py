@@ -107,7 +107,12 @@ def native_sampling(
     try:
         tokenizer = load_tokenizer(settings.base_model, settings.resolved_model_cache)
         engine = sampling_engine(settings, engine, group)  # several ranks: a whole base model to decode on
-        sampler = Sampler(engine, tokenizer, max_rows=settings.sampler_max_rows)
+        budget = sampler_budget(settings, engine)
+        # The paged cache's blocks: what the memory left after training's share holds. Not on the CPU: a decoder
+        # with a block budget is 4,096 positions wide or more, and the CPU's attention gathers every column (tiny
+        # model, 8 x 8 x 64 new tokens: 450 new tok/s budgeted, 10,401 not; benchmarks/bench_rl.py).
+        kv_blocks = budget.blocks if engine.device.type == "cuda" else None
+        sampler = Sampler(engine, tokenizer, max_rows=budget.rows, kv_blocks=kv_blocks)
         if group is not None:  # each rank decodes its share of a run's jobs
             sampler = rank_sampler(sampler, group)
         return SampleStep(sampler, store, settings.sample_slice_ms / 1000, settings.sample_runs_in_flight,
@@ -120,6 +125,44 @@ def native_sampling(
             raise reason
 
         return unavailable
+
+
+def sampler_budget(settings: Settings, engine: Any) -> Any:
+    """The native sampler's rows and KV blocks (workers/sampling/kv_budget.py), sized now, after the engine is built:
+    from the device's free memory on CUDA, from `sampler_kv_bytes` (or its CPU default) on the CPU. Logged."""
+    import torch
+
+    from loraplex.workers.sampling import kv_budget
+
+    config = engine.model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    dtype_bytes = torch.empty((), dtype=engine.compute_dtype).element_size()
+    shape = kv_budget.KvShape(int(config.num_hidden_layers), int(config.num_key_value_heads), head_dim, dtype_bytes)
+    free: int | None = None
+    configured = settings.sampler_kv_bytes
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        unused = torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
+        free = int(torch.cuda.mem_get_info(engine.device)[0]) + unused
+    elif configured is None:
+        configured = kv_budget.CPU_KV_BYTES
+    forced = settings.sampler_max_rows if isinstance(settings.sampler_max_rows, int) else None
+    budget = kv_budget.plan_kv_budget(
+        shape, free_bytes=free, fraction=settings.sampler_kv_memory_fraction, configured_bytes=configured,
+        row_tokens=settings.sampler_row_tokens, forced_rows=forced,
+        ceiling=kv_budget.ROWS_CEILING if engine.device.type == "cuda" else kv_budget.CPU_ROWS_CEILING,
+    )  # fmt: skip
+    log.info("pool %s: native sampler sized: %s", settings.pool, budget.describe())
+    return budget
+
+
+def sampler_rows(sampling: Any, world: int) -> int | None:
+    """The rows the pool's native sampler decodes at once over all its ranks (each rank decodes its share of a run's
+    rows with rank 0's sizing, near enough: their memory is alike); None without a native sampler."""
+    sampler = getattr(sampling, "sampler", None)
+    per_rank = getattr(getattr(sampler, "sampler", sampler), "max_rows", None)  # a rank's sampler wraps the Sampler
+    return per_rank * world if isinstance(per_rank, int) else None
 
 
 def sampling_engine(settings: Settings, engine: Any, group: Any) -> Any:
@@ -365,7 +408,8 @@ def _lead(
         cost_model=cost,
         others_waiting=others_waiting,
     )
-    config = DispatchConfig.from_settings(settings, pipelined=True)
+    rows = sampler_rows(sampling, world)
+    config = DispatchConfig.from_settings(settings, pipelined=True, **({"sample_rows": rows} if rows else {}))
 
     def build_dispatcher() -> Dispatcher:
         return Dispatcher(client, settings.pool, leader or executor, config, hooks)

@@ -69,3 +69,35 @@ def test_a_sample_is_charged_its_work_once_in_fair_share() -> None:
     assert ledger.view({"a", "b"}) == {"a": 4 * 14 + 1, "b": 0.0}
     ledger.charge(plan, {}, {"a", "b"}, charged={sample.request_id})  # its next slice: already paid for
     assert ledger.view({"a", "b"}) == {"a": 4 * 14 + 1, "b": 0.0}
+
+
+def test_one_tenant_alone_fills_the_rows_and_another_starts_in_the_next_plan() -> None:
+    rollouts = [req("s-a", i, SAMPLE, tenant="a", datums=16) for i in range(64)]  # a GRPO iteration: 64 x 16
+    alone = run(rollouts, max_sample_rows=1024)
+    assert len(alone.plan.steps[0].requests) == 64  # one plan starts all 1,024 rows
+    capped = run(rollouts, max_sample_rows=256)
+    assert len(capped.plan.steps[0].requests) == 16  # the pool's rows: 256
+    # b arrives while a's 1,024 rows are in flight: a starts nothing more; b's first request starts at once (past
+    # the rows: its tenant has nothing in flight), its others wait for room
+    going = {r.request_id: 1 for r in rollouts}
+    more_a = [req("s-a", 100 + i, SAMPLE, tenant="a", datums=16) for i in range(40)]
+    b = [req("s-b", i, SAMPLE, tenant="b", datums=16) for i in range(40)]
+    both = plan_batch([*rollouts, *more_a, *b], {}, PolicyLimits(max_sample_rows=1024), sampling=going)
+    assert [r.request_id for r in both.plan.steps[0].requests] == [*going, b[0].request_id]
+    # once a's rollouts end, each tenant's in flight stays within half the rows
+    later = plan_batch([b[0], *more_a, *b[1:]], {}, PolicyLimits(max_sample_rows=1024), sampling={b[0].request_id: 2})
+    new = [r for r in later.plan.steps[0].requests if r.request_id != b[0].request_id]
+    rows = {t: sum(r.payload.num_samples for r in [b[0], *new] if r.tenant_id == t) for t in "ab"}
+    assert rows == {"a": 512, "b": 512}
+
+
+def test_fair_parts_split_between_every_sampling_tenant_and_each_starts_one() -> None:
+    pending = [req(f"s-{t}", i, SAMPLE, tenant=t, datums=8) for i in range(20) for t in "abcd"]
+    first = run(pending, max_sample_rows=64)
+    started = [r.tenant_id for r in first.plan.steps[0].requests]
+    assert sorted(started) == sorted("aabbccdd")  # 64 rows / 4 tenants = 16 each: two requests of 8
+    big = [req(f"s-{t}", 0, SAMPLE, tenant=t, datums=40) for t in "abc"]  # each above its fair part (21)
+    assert [r.tenant_id for r in run(big, max_sample_rows=64).plan.steps[0].requests] == ["a"]  # the plan's rows
+    sampling = {big[0].request_id: 1}
+    nxt = plan_batch(big, {}, PolicyLimits(max_sample_rows=64), sampling=sampling)
+    assert [r.tenant_id for r in nxt.plan.steps[0].requests] == ["a", "b"]  # b's first always starts
