@@ -15,12 +15,11 @@ import torch
 from peft import PeftModel
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine.build import build_engine
-from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft
+from tests.helpers.sampling import engine_with_adapters
 
 pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 GREEDY = SampleParams(max_tokens=16, temperature=0.0)
@@ -28,16 +27,7 @@ ADAPTERS = {"r4": (4, 8.0, 1), "r16": (16, 16.0, 2), "r8": (8, 16.0, 3)}
 
 
 def build(tiny_dir: Path, dtype: torch.dtype) -> tuple[Engine, Any]:
-    model, tokenizer = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype)
-    engine = build_engine(model.to("cuda"), EngineConfig(num_slots=4, max_rank=16))
-    g = torch.Generator().manual_seed(5)
-    for model_id, (rank, alpha, seed) in ADAPTERS.items():
-        engine.create_adapter(model_id, rank, alpha, seed)
-        weights = engine.adapter_weights(model_id)
-        engine.load_adapter_weights(
-            model_id, {n: (a, 0.4 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
-        )
-    return engine, tokenizer
+    return engine_with_adapters(tiny_dir, ADAPTERS, num_slots=4, max_rank=16, seed=5, dtype=dtype, device="cuda")
 
 
 def prompts(n: int) -> list[tuple[int, ...]]:

@@ -13,13 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.models import load_base_model
-from loraplex.workers.engine.build import build_engine
-from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.moe_decode import MoeDecodeMlp, moe_batched, moe_reference, rows_of
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from tests.helpers.datums import datums
+from tests.helpers.sampling import engine_with_adapters
 
 pytestmark = [pytest.mark.usefixtures("exact_fp32_matmul")]
 ADAPTERS = {"r4": (4, 8.0, 1), "r8": (8, 16.0, 2), "r2": (2, 4.0, 3)}
@@ -27,16 +25,7 @@ GREEDY = SampleParams(max_tokens=16, temperature=0.0)
 
 
 def build(moe_dir: Path, dtype: torch.dtype) -> tuple[Engine, Any]:
-    model, tokenizer = load_base_model(str(moe_dir), moe_dir.parent, dtype=dtype)
-    engine = build_engine(model.to("cuda"), EngineConfig(num_slots=4, max_rank=8))
-    g = torch.Generator().manual_seed(5)
-    for model_id, (rank, alpha, seed) in ADAPTERS.items():
-        engine.create_adapter(model_id, rank, alpha, seed)
-        weights = engine.adapter_weights(model_id)
-        engine.load_adapter_weights(
-            model_id, {n: (a, 0.4 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
-        )
-    return engine, tokenizer
+    return engine_with_adapters(moe_dir, ADAPTERS, num_slots=4, max_rank=8, seed=5, dtype=dtype, device="cuda")
 
 
 def jobs() -> list[SampleJob]:

@@ -14,13 +14,12 @@ from peft import PeftModel
 
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
-from loraplex.workers.engine.build import build_engine
-from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
+from tests.helpers.sampling import engine_with_adapters
 
 # model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {
@@ -36,16 +35,7 @@ GREEDY = SampleParams(max_tokens=12, temperature=0.0)
 @pytest.fixture(scope="module")
 def setup(tiny_dir: Path) -> tuple[Engine, Any]:
     """An engine with five adapters whose B is far from zero (so each adapter changes the model's tokens)."""
-    model, tokenizer = load_base_model(str(tiny_dir), tiny_dir.parent)
-    engine = build_engine(model, EngineConfig(num_slots=6, max_rank=16))
-    g = torch.Generator().manual_seed(7)
-    for model_id, (rank, alpha, seed, targets) in ADAPTERS.items():
-        engine.create_adapter(model_id, rank, alpha, seed, targets)
-        weights = engine.adapter_weights(model_id)
-        engine.load_adapter_weights(
-            model_id, {n: (a, 0.4 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
-        )
-    return engine, tokenizer
+    return engine_with_adapters(tiny_dir, ADAPTERS, num_slots=6, max_rank=16, seed=7)
 
 
 def prompt(seed: int, n: int) -> tuple[int, ...]:

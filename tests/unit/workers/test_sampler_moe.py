@@ -16,8 +16,6 @@ import torch
 from peft import PeftModel
 
 from loraplex.models import load_base_model
-from loraplex.workers.engine.build import build_engine
-from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.expert_bank import SlotBankExperts
 from loraplex.workers.lora.experts import ExpertBanks, experts_reference
@@ -28,6 +26,7 @@ from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
+from tests.helpers.sampling import engine_with_adapters
 from tests.unit.workers.test_sampler import hf_greedy, prompt
 
 # model_id: (rank, alpha, seed, target_modules); ranks share the rank-8 banks by zero padding.
@@ -43,16 +42,7 @@ GREEDY = SampleParams(max_tokens=12, temperature=0.0)
 @pytest.fixture(scope="module")
 def setup(tiny_moe_dir: Path) -> tuple[Engine, Any]:
     """Four adapters whose B is far from zero (each changes the model's tokens), experts included."""
-    model, tokenizer = load_base_model(str(tiny_moe_dir), tiny_moe_dir.parent)
-    engine = build_engine(model, EngineConfig(num_slots=5, max_rank=8))
-    g = torch.Generator().manual_seed(8)
-    for model_id, (rank, alpha, seed, targets) in ADAPTERS.items():
-        engine.create_adapter(model_id, rank, alpha, seed, targets)
-        weights = engine.adapter_weights(model_id)
-        engine.load_adapter_weights(
-            model_id, {n: (a, 0.4 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
-        )
-    return engine, tokenizer
+    return engine_with_adapters(tiny_moe_dir, ADAPTERS, num_slots=5, max_rank=8, seed=8)
 
 
 def assert_same(a: SampledSequence, b: SampledSequence, tol: float = 1e-5) -> None:
