@@ -1,26 +1,27 @@
 """The native sampler: batched autoregressive generation over the Engine's own multi-LoRA model.
 
-Rows of different adapters and rows of the bare base model decode in one batch. The LoRA routing is the engine's
-(workers/lora/routing.py): rows are kept contiguous per adapter, one `Routing` is built per batch composition (at most
-once per decode step) and read by every `SlotBankLinear` through `engine.context.use(routing, banks)`. Each adapter of a
-`generate` call is one routing group, in a fixed order for the whole call; a group with no live row has zero rows. The
-base model is a group of scale 0: its LoRA delta is (x @ A) * 0 @ B = 0 exactly, so a base row is the model without
-LoRA (a batch of base rows only runs with no routing at all). On the fused path (engine.fused_lora) the call's slots
-are gathered and cast ONCE per `generate` (`MicrobatchBanks`), which also freezes the weights the call samples from.
+Rows of different adapters and rows of the bare base model decode in one batch. The prefill's LoRA routing is the
+engine's (workers/lora/routing.py): a run's prompts are kept contiguous per adapter, one `Routing` per prefill chunk, read
+by every `SlotBankLinear` through `engine.context.use(routing, banks)`; each adapter of a run is one routing group and
+the base model a group of scale 0 (its delta is exactly 0; a chunk of base prompts only runs with no routing). On the
+fused path (engine.fused_lora) a run's slots are gathered and cast once when it starts (`MicrobatchBanks`).
 
-Continuous batching: at most `max_rows` rows decode at once. Samples wait in job order; whenever rows are free (at the
-start, and after a decode step in which rows finished) the next samples are admitted: their jobs are prefilled (one
-forward per chunk of jobs, right padded, at most `engine.microbatch_tokens` padded tokens; the samples of one job share
-its prefill), each new row draws its first token from the prefill's last logits, and its prompt KV is written into a
-free row of the static decode cache while the other rows keep theirs (static_decoder.py: rows never move, each row
-carries its own adapter, so a decode step needs no reordering; on CUDA the step is one captured graph, kept for the
-next call of the same shape).
+One decode batch for every run (`_Batch`): the sampler keeps one static decoder of `max_rows` rows and `max_groups`
+LoRA groups (static_decoder.py: rows never move, each row carries its own adapter's group, so a step needs no
+reordering; on CUDA a captured graph per row bucket). A run that starts joins it: its adapters get groups (their
+weights copied from the slots now: what the run samples from, whatever trains later), and its samples wait in job
+order for free rows and, paged, for KV blocks. Whenever rows are free the run's next samples are admitted: their jobs
+are prefilled (packed without padding into the paged cache, or right padded for the dense one; chunks of at most
+`engine.microbatch_tokens` tokens; the samples of one job share its prefill and, paged, its prompt blocks), each new
+row draws its first token from the prefill's last logits and joins the live rows of every run. A decode step serves
+all of them.
 
 Slices: `start` makes a resumable run (`SampleRun`) and `advance(budget_s)` runs it for about that many seconds (at
-least one admission or decode step), so the pool interleaves a long generation with other tenants' training plans
-(workers/sampling/step.py). A run owns its decode cache while it is in flight (the decoder goes back to the kept ones
-when it ends) and froze its weights when it started (the decoder's LoRA buffers and, on the fused path, the gathered
-banks), so training between slices changes nothing it reads: a sliced run gives exactly the tokens of an unsliced one.
+least one admission or decode step; the other runs' rows decode in the same steps), so the pool interleaves long
+generations with other tenants' training plans (workers/sampling/step.py). A run froze its weights when it joined (its
+LoRA groups and, on the fused path, the gathered banks), so training between slices changes nothing it reads: a sliced
+run gives exactly the tokens of an unsliced one. When it ends (or is abandoned) its rows, prompt blocks and groups go
+back.
 
 Per token the reported logprob is log_softmax of the model's raw logits (fp32), i.e. the policy's logprob of the token,
 before temperature / top-k / top-p (as vLLM's default logprobs and Tinker's sampling logprobs, which RL losses compare
