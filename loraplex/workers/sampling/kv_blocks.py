@@ -55,6 +55,13 @@ def _blocks(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
 
 
+def first_sample_blocks(prompt_len: int, max_new: int, block_tokens: int) -> int:
+    """The blocks a job's first sample may take with nothing shared yet: its prompt's holder, plus what its fork may
+    add (the copy of a shared partial block and the blocks of its new tokens). A job needing more than a cache holds can
+    never run there."""
+    return _blocks(prompt_len, block_tokens) + _blocks(prompt_len + max_new, block_tokens) - prompt_len // block_tokens
+
+
 class BlockAllocator:
     """Block tables, reference counts, the prefix index and the reservation of a paged KV cache."""
 

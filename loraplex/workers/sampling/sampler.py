@@ -53,8 +53,8 @@ from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
 from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
-from loraplex.workers.sampling.kv_blocks import KvBlocksExhausted
-from loraplex.workers.sampling.static_decoder import StaticDecoder, check_decodable
+from loraplex.workers.sampling.kv_blocks import KvBlocksExhausted, first_sample_blocks
+from loraplex.workers.sampling.static_decoder import BLOCK_TOKENS, StaticDecoder, check_decodable
 
 STOP = "stop"
 LENGTH = "length"
@@ -272,6 +272,13 @@ class Sampler:
                 raise InvalidRequestError("stop strings need a tokenizer; this sampler has none")
             if any(not isinstance(s, str) or not s for s in p.stop_strings):
                 raise InvalidRequestError("stop strings must be non-empty strings")
+        if self.paged_kv and self.kv_blocks is not None:
+            need = first_sample_blocks(len(job.prompt), p.max_tokens, BLOCK_TOKENS)
+            if need > self.kv_blocks:
+                raise InvalidRequestError(
+                    f"prompt ({len(job.prompt)} tokens) + max_tokens ({p.max_tokens}) needs {need} KV blocks of "
+                    f"{BLOCK_TOKENS} positions; this pool's sampler cache has {self.kv_blocks}: ask for fewer tokens"
+                )
         for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
             k = getattr(job, name)
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from peft import PeftModel
 
+from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
@@ -196,3 +197,29 @@ def test_runs_started_apart_decode_in_one_batch_and_each_gets_what_it_gets_alone
     assert_blocks_back(sampler)
     batch = sampler._batch
     assert batch is not None and not batch.runs and len(batch.free_groups) == sampler.max_groups
+
+
+def test_a_block_budget_smaller_than_the_rows_need_makes_samples_wait_not_fail(
+    setup: tuple[Engine, Any],  # noqa: F811
+) -> None:
+    """With KV blocks for only a few rows at a time, samples wait for blocks as they wait for rows: every sample
+    completes and equals the unconstrained run's, and all blocks are back. A sample that could never fit fails with
+    a typed error naming the blocks it needs before it starts, and the sampler serves the next call."""
+    engine, tokenizer = setup
+    seeded = SampleParams(max_tokens=20, temperature=0.8, seed=3)
+    jobs = [SampleJob(prompt(600 + i, 10 + i), m, seeded, num_samples=3) for i, m in enumerate(["r8", None, "r4"])]
+    free = Sampler(engine, tokenizer, max_rows=16).generate(jobs)
+    # 8 blocks of 16 positions: one job's holder (1 block) and its rows (2 blocks each at most) at a time
+    tight = Sampler(engine, tokenizer, max_rows=16, kv_blocks=8)
+    outs = tight.generate(jobs)
+    assert tight.stats.peak_rows < 9  # never all 9 rows at once: the blocks held them back
+    for a, b in zip(outs, free, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert_same(x, y)
+    assert_blocks_back(tight)
+    with pytest.raises(InvalidRequestError, match="needs 14 KV blocks .* has 8"):  # checked before it starts
+        tight.generate([SampleJob(prompt(700, 100), None, SampleParams(max_tokens=100, temperature=0.0))])
+    assert_blocks_back(tight)
+    again = tight.generate(jobs[:1])
+    for x, y in zip(again[0].sequences, free[0].sequences, strict=True):
+        assert_same(x, y)
