@@ -209,12 +209,15 @@ class Settings(BaseSettings):
     # sizes them at pool start from the memory training leaves: the cache takes `sampler_kv_memory_fraction` of the
     # device's free memory once the engine is built (on the CPU `sampler_kv_bytes`, 64 MiB if unset), in blocks of 16
     # positions, and the rows are as many as those blocks cover at `sampler_row_tokens` (prompt + new tokens) each, at
-    # most 1,024 on a GPU and 32 on the CPU. An integer forces the rows. The policy starts at most this many sampled
+    # most 1,024 on a GPU and 32 on the CPU. 256 and not a longer row: the samples of one prompt share its blocks and a
+    # sample waits for blocks as it waits for rows, so rows beyond what the blocks hold cost only idle table columns,
+    # while too few rows split an RL batch into waves (224 rows of 512 tokens took 16 x 16 samples of 128 + 256 tokens
+    # in two, on an H100). An integer forces the rows. The policy starts at most this many sampled
     # sequences a plan (dispatch/policy.py). `sampler_kv_bytes` set on a GPU replaces the fraction.
     sampler_max_rows: int | Literal["auto"] = "auto"
     sampler_kv_memory_fraction: float = Field(default=0.25, gt=0, lt=1)
     sampler_kv_bytes: int | None = Field(default=None, ge=0)
-    sampler_row_tokens: int = Field(default=512, ge=1)
+    sampler_row_tokens: int = Field(default=256, ge=1)
     # Longest slice of native sampling one plan runs (a long generation goes on over the next plans,
     # workers/sampling/step.py). A slice runs after its plan's training is answered, for at most as long as that
     # training took, and ends after the current decode step once requests other than samples arrive; so this bounds

@@ -18,7 +18,7 @@ The rule, in order:
 3. Blocks = cache bytes // bytes per block (K and V of `block_tokens` positions in every layer: 2 x layers x
    block_tokens x kv_heads x head_dim x dtype bytes, `PagedKvCache.bytes_per_block`).
 4. Rows decoded at once ("auto"): as many as the blocks cover at `LORAPLEX_SAMPLER_ROW_TOKENS` (prompt + new tokens
-   a row is expected to hold, default 512) each, at most `ROWS_CEILING` (1,024) on CUDA and `CPU_ROWS_CEILING` (32) on
+   a row is expected to hold, default 256: settings.py says why) each, at most `ROWS_CEILING` (1,024) on CUDA and `CPU_ROWS_CEILING` (32) on
    the CPU (a CPU decode step's time grows with its rows: past ~32 tiny-model rows one step outlasts a sampling
    slice, and a training tenant would wait a whole step), rounded down to a multiple of 8 past 8. Rows that turn
    out longer than expected are not refused: the allocator admits a row only with its worst case reserved, so rows
@@ -102,7 +102,7 @@ def plan_kv_budget(
     fraction: float = 0.25,
     configured_bytes: int | None = None,
     reserve_bytes: int = 0,
-    row_tokens: int = 512,
+    row_tokens: int = 256,
     forced_rows: int | None = None,
     ceiling: int = ROWS_CEILING,
     block_tokens: int = BLOCK_TOKENS,

@@ -36,7 +36,8 @@ def test_bytes_per_block_equals_the_paged_cache_on_random_shapes() -> None:
 def test_an_h100_sized_budget_gives_hundreds_of_rows_and_keeps_the_rest_for_training() -> None:
     # Qwen3-4B bf16: 144 KiB a position, 2.25 MiB a block; 70 GiB free -> 35 GiB of blocks, 32 blocks a 512-token row
     assert plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB).cache_bytes <= 70 * GIB / 4  # the default fraction
-    budget = plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB, fraction=0.5)
+    assert plan_kv_budget(QWEN3_4B, free_bytes=63 * GIB).rows == 448  # the H100's pool: 7,168 blocks, 16 a row
+    budget = plan_kv_budget(QWEN3_4B, free_bytes=70 * GIB, fraction=0.5, row_tokens=512)
     assert budget.bytes_per_block == 2 * 36 * 16 * 8 * 128 * 2
     assert budget.blocks == (35 * GIB) // budget.bytes_per_block == 15928
     assert budget.cache_bytes <= 35 * GIB and budget.rows == 496 and not budget.rows_forced  # 497 fit, rounded to 8
