@@ -662,8 +662,11 @@ class _Run:
         positions = torch.cat([torch.arange(n) for n in lengths]).to(device).view(1, -1)
         ends = torch.tensor(lengths).cumsum(0)
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(device, torch.int32)
-        slots = torch.cat([decoder.prompt_slots((self.key, j), p) for j, p in zip(job_ids, prompts, strict=True)])
-        self.held.update(job_ids)
+        held = []
+        for j, prompt in zip(job_ids, prompts, strict=True):
+            held.append(decoder.prompt_slots((self.key, j), prompt))
+            self.held.add(j)  # at once: a failure after this still gives the holder's blocks back (`leave`)
+        slots = torch.cat(held)
         counts = [0] * len(self.groups)
         for j, n in zip(job_ids, lengths, strict=True):
             counts[self.group_of[self.jobs[j].model_id]] += n
