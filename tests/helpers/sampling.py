@@ -1,5 +1,7 @@
-"""The sampler tests' engine: a base model from a local folder with adapters whose B is far from zero (so each
-adapter changes the model's tokens), shared by tests/unit/workers/test_sampler*.py and the GPU sampler tests."""
+"""What the sampler tests share: an engine from a local folder with adapters whose B is far from zero (so each adapter
+changes the model's tokens) and the tiny model's five adapters (`ADAPTERS`; the `tiny_sampler_engine` fixture of
+tests/unit/conftest.py builds them), prompts, the comparison of two sampled
+sequences and transformers + PEFT greedy generation (tests/unit/workers/test_sampler*.py and the GPU sampler tests)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
+from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
 
 # model_id -> (rank, alpha, seed) or (rank, alpha, seed, target modules or None for the pool's)
 AdapterSpecs = Mapping[str, tuple[Any, ...]]
@@ -42,3 +45,47 @@ def engine_with_adapters(
             model_id, {n: (a, 0.4 * torch.randn(b.shape, generator=g)) for n, (a, b) in weights.items()}
         )
     return engine, tokenizer
+
+
+# model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
+ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {
+    "r2": (2, 4.0, 11, None),
+    "r4": (4, 4.0, 12, None),
+    "r8": (8, 16.0, 13, None),
+    "r16": (16, 16.0, 14, None),
+    "attn": (4, 8.0, 15, ("q_proj", "v_proj")),  # a subset of the pool's modules
+}
+GREEDY = SampleParams(max_tokens=12, temperature=0.0)
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(2, 512, (n,), generator=g).tolist())
+
+
+def alone(sampler: Sampler, job: SampleJob) -> SampleOutput:
+    return sampler.generate([job])[0]
+
+
+def assert_same(a: SampledSequence, b: SampledSequence, tol: float = 1e-5) -> None:
+    assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
+    assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) <= tol
+
+
+def hf_greedy(
+    model: torch.nn.Module, ids: tuple[int, ...], max_new: int, tokenizer: Any
+) -> tuple[list[int], list[float]]:
+    out: Any = model.generate(  # type: ignore[operator]
+        input_ids=torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+        max_new_tokens=max_new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=False)]
+    return tokens, logprobs

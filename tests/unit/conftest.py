@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,3 +23,12 @@ def factory(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     engine = make_db_engine(url)
     yield session_factory(engine)
     engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def tiny_sampler_engine(tiny_dir: Path) -> tuple[Any, Any]:
+    """The sampler tests' engine on the tiny model: five adapters whose B is far from zero (each changes the model's
+    tokens; tests/helpers/sampling.py), and the model's tokenizer."""
+    from tests.helpers.sampling import ADAPTERS, engine_with_adapters
+
+    return engine_with_adapters(tiny_dir, ADAPTERS, num_slots=6, max_rank=16, seed=7)

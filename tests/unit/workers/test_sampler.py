@@ -15,68 +15,19 @@ from peft import PeftModel
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
+from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
-from tests.helpers.sampling import engine_with_adapters
-
-# model_id: (rank, alpha, seed, target_modules); different ranks share the rank-16 banks by zero padding.
-ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {
-    "r2": (2, 4.0, 11, None),
-    "r4": (4, 4.0, 12, None),
-    "r8": (8, 16.0, 13, None),
-    "r16": (16, 16.0, 14, None),
-    "attn": (4, 8.0, 15, ("q_proj", "v_proj")),  # a subset of the pool's modules
-}
-GREEDY = SampleParams(max_tokens=12, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def setup(tiny_dir: Path) -> tuple[Engine, Any]:
-    """An engine with five adapters whose B is far from zero (so each adapter changes the model's tokens)."""
-    return engine_with_adapters(tiny_dir, ADAPTERS, num_slots=6, max_rank=16, seed=7)
-
-
-def prompt(seed: int, n: int) -> tuple[int, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(2, 512, (n,), generator=g).tolist())
-
-
-def alone(sampler: Sampler, job: SampleJob) -> SampleOutput:
-    return sampler.generate([job])[0]
-
-
-def assert_same(a: SampledSequence, b: SampledSequence, tol: float = 1e-5) -> None:
-    assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
-    assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) <= tol
+from tests.helpers.sampling import ADAPTERS, GREEDY, alone, assert_same, hf_greedy, prompt
 
 
 # ---- 1. greedy == transformers + PEFT generate ----------------------------------------------------------------------
-def hf_greedy(
-    model: torch.nn.Module, ids: tuple[int, ...], max_new: int, tokenizer: Any
-) -> tuple[list[int], list[float]]:
-    out: Any = model.generate(  # type: ignore[operator]
-        input_ids=torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-        max_new_tokens=max_new,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=False)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("model_id", [None, "r2", "r16", "attn"], ids=["base", "r2", "r16", "attn-subset"])
 def test_greedy_equals_peft_generate(
-    setup: tuple[Engine, Any], tiny_dir: Path, tmp_path: Path, model_id: str | None
+    tiny_sampler_engine: tuple[Engine, Any], tiny_dir: Path, tmp_path: Path, model_id: str | None
 ) -> None:
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     if model_id is None:
         oracle: torch.nn.Module = base.eval()
@@ -99,8 +50,8 @@ def test_greedy_equals_peft_generate(
 
 
 # ---- 2. a mixed batch gives each row what it gets alone ------------------------------------------------------------
-def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_mixed_adapters_and_base_rows_equal_each_alone(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer, max_rows=64)
     # Deliberately interleaved (the sampler orders rows per adapter itself), ragged prompts, base rows among them.
     order = ["r8", None, "r2", "r16", None, "r4", "r2", "r8", "r16", None, "r4"]
@@ -113,10 +64,10 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
     assert len({tuple(out.sequences[0].tokens[:6]) for out in mixed[:6]}) == 6
 
 
-def test_a_kept_decoder_samples_from_the_adapters_of_each_call(setup: tuple[Engine, Any]) -> None:
+def test_a_kept_decoder_samples_from_the_adapters_of_each_call(tiny_sampler_engine: tuple[Engine, Any]) -> None:
     """Two calls share the sampler's one decode batch (its decoder, cache and, on CUDA, its graphs): the second call's
     adapters are loaded into its LoRA groups, and each row still gets what it gets alone."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer, max_rows=4)
     first = [SampleJob(prompt(200 + i, 6), m, GREEDY) for i, m in enumerate(["r2", "r4", None, "r2"])]
     second = [SampleJob(prompt(300 + i, 9), m, GREEDY) for i, m in enumerate(["r16", "attn", "attn", None])]
@@ -130,8 +81,8 @@ def test_a_kept_decoder_samples_from_the_adapters_of_each_call(setup: tuple[Engi
 
 
 # ---- 3. sampling: seeds, temperature, top-k, top-p, stops -----------------------------------------------------------
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer, max_rows=64)
     params = SampleParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.95, seed=1234)
     job = SampleJob(prompt(7, 6), "r8", params, num_samples=3)
@@ -155,8 +106,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(setup: tup
     assert all(s.tokens != greedy.sequences[0].tokens for s in first.sequences)  # temperature 1 really samples
 
 
-def test_temperature_zero_and_top_k_one_are_greedy(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_temperature_zero_and_top_k_one_are_greedy(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer)
     for model_id in ("r4", None):
         p = prompt(21, 8)
@@ -168,10 +119,10 @@ def test_temperature_zero_and_top_k_one_are_greedy(setup: tuple[Engine, Any]) ->
             assert_same(seq, greedy.sequences[0])  # 2 samples = 2 rows: logprobs to fp32 reduction order
 
 
-def test_top_k_and_top_p_restrict_the_draws(setup: tuple[Engine, Any]) -> None:
+def test_top_k_and_top_p_restrict_the_draws(tiny_sampler_engine: tuple[Engine, Any]) -> None:
     """Every sampled token is among the top k of the raw distribution (temperature 1: the same order), and within the
     top-p nucleus."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer)
     p = prompt(31, 5)
     k3 = alone(sampler, SampleJob(p, "r16", SampleParams(max_tokens=12, top_k=3, seed=1), 4, topk_sample_logprobs=3))
@@ -191,8 +142,8 @@ def test_top_k_and_top_p_restrict_the_draws(setup: tuple[Engine, Any]) -> None:
     assert len({tuple(s.tokens) for s in nucleus.sequences}) > 1
 
 
-def test_stop_tokens_strings_eos_and_length(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_stop_tokens_strings_eos_and_length(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer)
     p = prompt(41, 7)
     full = alone(sampler, SampleJob(p, "r2", SampleParams(max_tokens=12, temperature=0.0))).sequences[0]
@@ -232,8 +183,8 @@ def test_stop_tokens_strings_eos_and_length(setup: tuple[Engine, Any]) -> None:
 
 
 # ---- 4. prompt logprobs == the engine's forward; top-k lists --------------------------------------------------------
-def test_prompt_logprobs_equal_engine_forward_and_topk_lists(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_prompt_logprobs_equal_engine_forward_and_topk_lists(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer)
     jobs = [
         SampleJob(prompt(50 + i, n), m, SampleParams(max_tokens=6, seed=i), 2, True, 5, 4)
@@ -284,8 +235,8 @@ def test_prompt_logprobs_equal_engine_forward_and_topk_lists(setup: tuple[Engine
 
 
 # ---- 5. continuous batching ---------------------------------------------------------------------------------------
-def test_more_jobs_than_rows_match_one_big_batch(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_more_jobs_than_rows_match_one_big_batch(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     models = ["r2", None, "r16", "r4", "attn", "r8", None, "r2", "r16", "r8"]
     jobs = []
     for i, m in enumerate(models):
@@ -323,8 +274,8 @@ def test_more_jobs_than_rows_match_one_big_batch(setup: tuple[Engine, Any]) -> N
 
 
 # ---- validation -----------------------------------------------------------------------------------------------------
-def test_bad_jobs_are_refused_before_any_work(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_bad_jobs_are_refused_before_any_work(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     sampler = Sampler(engine, tokenizer)
     ok = SampleJob((1, 2, 3), "r2")
     bad = [
@@ -348,8 +299,8 @@ def test_bad_jobs_are_refused_before_any_work(setup: tuple[Engine, Any]) -> None
     assert sampler.generate([]) == []
 
 
-def test_generate_leaves_the_engine_as_it_was(setup: tuple[Engine, Any]) -> None:
-    engine, tokenizer = setup
+def test_generate_leaves_the_engine_as_it_was(tiny_sampler_engine: tuple[Engine, Any]) -> None:
+    engine, tokenizer = tiny_sampler_engine
     before = {m: engine.adapter_weights(m) for m in ADAPTERS}
     grads = engine.optimizer.grad.clone()
     Sampler(engine, tokenizer, max_rows=2).generate(

@@ -26,8 +26,7 @@ from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
-from tests.helpers.sampling import engine_with_adapters
-from tests.unit.workers.test_sampler import hf_greedy, prompt
+from tests.helpers.sampling import engine_with_adapters, hf_greedy, prompt
 
 # model_id: (rank, alpha, seed, target_modules); ranks share the rank-8 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {

@@ -20,7 +20,7 @@ from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
 from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft
-from tests.unit.workers.test_sampler import GREEDY, assert_same, hf_greedy, prompt, setup  # noqa: F401
+from tests.helpers.sampling import GREEDY, assert_same, hf_greedy, prompt
 
 
 def decoders(sampler: Sampler) -> list[StaticDecoder]:
@@ -36,11 +36,11 @@ def assert_blocks_back(sampler: Sampler) -> None:
 
 
 def test_paged_greedy_equals_dense_and_peft_generate(
-    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_sampler_engine: tuple[Engine, Any],
     tiny_dir: Path,
     tmp_path: Path,
 ) -> None:
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     base, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
     state = state_from_engine(engine, "r8", base_model="tiny", with_optimizer=False)
     oracle = PeftModel.from_pretrained(base, export_peft(state, tmp_path / "peft", base_model_path=str(tiny_dir)))
@@ -60,9 +60,9 @@ def test_paged_greedy_equals_dense_and_peft_generate(
 
 
 def test_paged_mixed_adapters_ragged_prompts_and_forked_samples_equal_dense(
-    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_sampler_engine: tuple[Engine, Any],
 ) -> None:
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     order = ["r8", None, "r2", "r16", None, "r4", "attn", "r8"]
     seeded = SampleParams(max_tokens=20, temperature=0.9, top_k=40, seed=5)
     jobs = [
@@ -83,10 +83,10 @@ def test_paged_mixed_adapters_ragged_prompts_and_forked_samples_equal_dense(
     assert_blocks_back(paged)
 
 
-def test_paged_forked_samples_share_the_prompt_blocks(setup: tuple[Engine, Any]) -> None:  # noqa: F811
+def test_paged_forked_samples_share_the_prompt_blocks(tiny_sampler_engine: tuple[Engine, Any]) -> None:
     """While 4 samples of a 40-token prompt decode, the prompt's 2 full blocks are held once (refcount 4), and each
     row copied the shared partial third block on its first write."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     job = SampleJob(prompt(7, 40), "r4", SampleParams(max_tokens=6, temperature=0.8, seed=3), num_samples=4)
     paged = Sampler(engine, tokenizer, paged_kv=True)
     run = paged.start([job])
@@ -107,9 +107,9 @@ def test_paged_forked_samples_share_the_prompt_blocks(setup: tuple[Engine, Any])
 
 
 def test_paged_continuous_batching_and_abandoned_run_free_every_block(
-    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_sampler_engine: tuple[Engine, Any],
 ) -> None:
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     models = ["r2", None, "r16", "r4", "attn", "r8"]
     jobs = [
         SampleJob(
@@ -136,8 +136,8 @@ def test_paged_continuous_batching_and_abandoned_run_free_every_block(
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_paged_decoder_refuses_rows_without_a_held_prompt(setup: tuple[Engine, Any], paged: bool) -> None:  # noqa: F811
-    engine, _ = setup
+def test_paged_decoder_refuses_rows_without_a_held_prompt(tiny_sampler_engine: tuple[Engine, Any], paged: bool) -> None:
+    engine, _ = tiny_sampler_engine
     decoder = StaticDecoder(engine, rows=2, width=64, groups=0, paged=paged)
     kv = [(torch.zeros(decoder.kv_heads, 3, decoder.head_dim), torch.zeros(decoder.kv_heads, 3, decoder.head_dim))]
     kv = kv * len(decoder.body.layers)
@@ -148,10 +148,10 @@ def test_paged_decoder_refuses_rows_without_a_held_prompt(setup: tuple[Engine, A
         decoder.set_row(0, None, 0.0, kv)  # the dense cache takes the KV itself
 
 
-def test_paged_packed_prefill_gives_the_dense_prefills_prompt_logprobs(setup: tuple[Engine, Any]) -> None:  # noqa: F811
+def test_paged_packed_prefill_gives_the_dense_prefills_prompt_logprobs(tiny_sampler_engine: tuple[Engine, Any]) -> None:
     """The paged prefill packs prompts of different lengths and adapters into one row without padding; each prompt's
     logprobs (and top-k) and first tokens equal the dense path's right-padded prefill."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     jobs = [
         SampleJob(prompt(300 + i, n), m, GREEDY, prompt_logprobs=True, topk_prompt_logprobs=3)
         for i, (n, m) in enumerate([(2, "r8"), (19, None), (33, "r4"), (5, "r8"), (16, "attn")])
@@ -173,12 +173,12 @@ def test_paged_packed_prefill_gives_the_dense_prefills_prompt_logprobs(setup: tu
 
 
 def test_runs_started_apart_decode_in_one_batch_and_each_gets_what_it_gets_alone(
-    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_sampler_engine: tuple[Engine, Any],
 ) -> None:
     """Two runs of different adapters, the second started while the first is mid-decode: the second's rows join the
     first's decode batch (one step serves both), each run's samples equal the same jobs run alone, and every block
     and LoRA group is back once both have ended."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     seeded = SampleParams(max_tokens=12, temperature=0.9, seed=11)
     first = [SampleJob(prompt(400 + i, 5 + 3 * i), m, seeded, num_samples=2) for i, m in enumerate(["r8", None])]
     second = [SampleJob(prompt(500 + i, 9 + i), m, GREEDY) for i, m in enumerate(["r4", "attn", "r4"])]
@@ -200,12 +200,12 @@ def test_runs_started_apart_decode_in_one_batch_and_each_gets_what_it_gets_alone
 
 
 def test_a_block_budget_smaller_than_the_rows_need_makes_samples_wait_not_fail(
-    setup: tuple[Engine, Any],  # noqa: F811
+    tiny_sampler_engine: tuple[Engine, Any],
 ) -> None:
     """With KV blocks for only a few rows at a time, samples wait for blocks as they wait for rows: every sample
     completes and equals the unconstrained run's, and all blocks are back. A sample that could never fit fails with
     a typed error naming the blocks it needs before it starts, and the sampler serves the next call."""
-    engine, tokenizer = setup
+    engine, tokenizer = tiny_sampler_engine
     seeded = SampleParams(max_tokens=20, temperature=0.8, seed=3)
     jobs = [SampleJob(prompt(600 + i, 10 + i), m, seeded, num_samples=3) for i, m in enumerate(["r8", None, "r4"])]
     free = Sampler(engine, tokenizer, max_rows=16).generate(jobs)
