@@ -35,6 +35,7 @@ cutting the text at the string is the caller's business); `max_tokens` tokens en
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import secrets
 import time
@@ -720,7 +721,9 @@ class _Batch:
         )  # fmt: skip
         if sampler.cuda_graphs:
             self.decoder.enable_graphs()
-        self.free_rows = list(range(sampler.max_rows - 1, -1, -1))  # popped from the end: low rows first
+        # A heap: a new row takes the lowest free one, so live rows stay packed at the bottom and a step runs the
+        # smallest row bucket that holds them (rows past the highest live one are not run).
+        self.free_rows = list(range(sampler.max_rows))
         self.free_groups = list(range(sampler.max_groups - 1, -1, -1))
         self.rows: dict[int, _Row] = {}  # cache row -> its live row
         self.runs: list[_Run] = []  # joined, in order
@@ -765,14 +768,14 @@ class _Batch:
             self.runs.remove(run)
 
     def take_row(self, row: _Row) -> int:
-        cache_row = self.free_rows.pop()
+        cache_row = heapq.heappop(self.free_rows)
         self.rows[cache_row] = row
         return cache_row
 
     def end_row(self, row: _Row) -> None:
         self.decoder.end_row(row.cache_row)
         del self.rows[row.cache_row]
-        self.free_rows.append(row.cache_row)
+        heapq.heappush(self.free_rows, row.cache_row)
         row.run.live -= 1
 
     def decode_step(self) -> None:

@@ -223,3 +223,16 @@ def test_a_block_budget_smaller_than_the_rows_need_makes_samples_wait_not_fail(
     again = tight.generate(jobs[:1])
     for x, y in zip(again[0].sequences, free[0].sequences, strict=True):
         assert_same(x, y)
+
+
+def test_new_rows_take_the_lowest_free_rows_so_small_runs_step_few_rows(
+    tiny_sampler_engine: tuple[Engine, Any],
+) -> None:
+    """After a run of 12 rows ends, a run of 3 takes rows 0-2 (not the last rows freed), so its steps run 3 rows."""
+    engine, tokenizer = tiny_sampler_engine
+    sampler = Sampler(engine, tokenizer, max_rows=16)
+    sampler.generate([SampleJob(prompt(800 + i, 6), None, GREEDY) for i in range(12)])
+    run = sampler.start([SampleJob(prompt(900 + i, 6), "r4", GREEDY) for i in range(3)])
+    assert not run.advance(0.0)
+    assert sampler._batch is not None and sorted(sampler._batch.rows) == [0, 1, 2]
+    assert run.advance(None)
