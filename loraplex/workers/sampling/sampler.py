@@ -223,6 +223,9 @@ class Sampler:
         """The shared decode batch, built (or rebuilt wider, once no row is live) for rows of `width` positions."""
         batch = self._batch
         if batch is None or (width > batch.decoder.width and not batch.busy):
+            if batch is not None:  # its cache and graphs go before the wider one takes the same memory
+                batch.retired = True
+                batch.decoder.free()
             self._batch = batch = _Batch(self, self._width(width))
         return batch
 
@@ -727,7 +730,7 @@ class _Batch:
         self.free_groups = list(range(sampler.max_groups - 1, -1, -1))
         self.rows: dict[int, _Row] = {}  # cache row -> its live row
         self.runs: list[_Run] = []  # joined, in order
-        self.retired = False  # replaced by a wider batch
+        self.retired = False  # replaced by a wider batch: its runs move to the sampler's new one
 
     @property
     def live(self) -> list[_Row]:
@@ -744,10 +747,13 @@ class _Batch:
 
     def place(self, run: _Run) -> None:
         """Give a joined run LoRA groups for its adapters (copied from their slots now) when enough are free and its
-        rows fit the decoder's width; until then it waits (its `decoder_group` stays None)."""
-        if run.decoder_group is not None or run.need > self.decoder.width:
-            if run.need > self.decoder.width and not self.busy:
-                self.retired = True  # the sampler builds a wider batch for it
+        rows fit the decoder's width; until then it waits (its `decoder_group` stays None). Too narrow and idle: the
+        sampler builds a wider batch now (this one retires, and its runs move at their next round)."""
+        if self.retired or run.decoder_group is not None:
+            return
+        if run.need > self.decoder.width:
+            if not self.busy:
+                self.sampler.batch(run.need)
             return
         if len(run.adapter_groups) > len(self.free_groups):
             return

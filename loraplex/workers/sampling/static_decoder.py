@@ -261,6 +261,11 @@ class StaticDecoder:
         if self.mask is not None:
             self.mask.zero_()
 
+    def free(self) -> None:
+        """Drop the cache and the captured graphs (a decoder replaced by a wider one); it decodes nothing after."""
+        self.graphs.clear()
+        self.keys, self.values, self.cache, self.pool = [], [], None, None
+
     def load_group(self, group: int, slot: int) -> None:
         """Copy the adapter in bank slot `slot` into LoRA group `group` of the buffers (the other groups unchanged:
         rows of other adapters keep decoding); a row's mask entries are set by `set_row`."""

@@ -236,3 +236,26 @@ def test_new_rows_take_the_lowest_free_rows_so_small_runs_step_few_rows(
     assert not run.advance(0.0)
     assert sampler._batch is not None and sorted(sampler._batch.rows) == [0, 1, 2]
     assert run.advance(None)
+
+
+def test_a_run_longer_than_the_batch_is_wide_waits_then_moves_to_a_wider_batch(
+    tiny_sampler_engine: tuple[Engine, Any],
+) -> None:
+    """A run that needs more positions than the decoder holds waits while another run decodes, then the sampler builds a
+    wider batch once the first is idle (the old cache freed) and the run ends there with the tokens it gets alone."""
+    engine, tokenizer = tiny_sampler_engine
+    sampler = Sampler(engine, tokenizer, max_rows=8)
+    short = sampler.start([SampleJob(prompt(1000, 5), "r4", SampleParams(max_tokens=20, temperature=0.0))])
+    assert not short.advance(0.0)
+    first = sampler._batch
+    assert first is not None and first.decoder.width == 64
+    long_job = SampleJob(prompt(1001, 30), None, SampleParams(max_tokens=60, temperature=0.0))
+    long = sampler.start([long_job])
+    assert not long.advance(0.0)  # the first batch is busy with the short run: the long one waits
+    assert sampler._batch is first
+    assert short.advance(None)
+    assert long.advance(None)
+    assert sampler._batch is not first and sampler._batch.decoder.width == 128 and first.retired
+    assert first.decoder.cache is None and not first.decoder.graphs  # freed before the wider one was built
+    assert_same(long.outputs[0].sequences[0], Sampler(engine, tokenizer).generate([long_job])[0].sequences[0])
+    assert_blocks_back(sampler)
