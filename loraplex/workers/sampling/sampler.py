@@ -115,7 +115,7 @@ class SamplerStats:
     rows_admitted: int = 0
     joined_live_batch: int = 0  # rows that joined while other rows were mid-decode (continuous batching)
     peak_rows: int = 0
-    graph_captures: int = 0  # decode graphs recorded by this call (0 on the CPU, and when a kept one fits)
+    graph_captures: int = 0  # decode graphs this run recorded (one per new row bucket; 0 on the CPU)
 
 
 @dataclass
