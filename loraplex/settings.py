@@ -212,8 +212,8 @@ class Settings(BaseSettings):
     # most 1,024 on a GPU and 32 on the CPU. 256 and not a longer row: the samples of one prompt share its blocks and a
     # sample waits for blocks as it waits for rows, so rows beyond what the blocks hold cost only idle table columns,
     # while too few rows split an RL batch into waves (224 rows of 512 tokens took 16 x 16 samples of 128 + 256 tokens
-    # in two, on an H100). An integer forces the rows. The policy starts at most this many sampled
-    # sequences a plan (dispatch/policy.py). `sampler_kv_bytes` set on a GPU replaces the fraction.
+    # in two, on an H100). An integer forces the rows. The policy keeps at most this many sampled sequences in flight
+    # (times the pool's ranks; dispatch/policy.py). `sampler_kv_bytes` set on a GPU replaces the fraction.
     sampler_max_rows: int | Literal["auto"] = "auto"
     sampler_kv_memory_fraction: float = Field(default=0.25, gt=0, lt=1)
     sampler_kv_bytes: int | None = Field(default=None, ge=0)
