@@ -31,7 +31,8 @@ from benchmarks.bench_engine import TARGETS, build_model, sync  # noqa: E402
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine  # noqa: E402
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler  # noqa: E402
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams  # noqa: E402
+from loraplex.workers.sampling.sampler import Sampler  # noqa: E402
 from loraplex.workers.state.adapter_store import AdapterStore  # noqa: E402
 
 
@@ -246,8 +247,11 @@ def breakdown(
                 zeros = torch.zeros(decoder.kv_heads, prompt_len, decoder.head_dim, dtype=engine.compute_dtype,
                                     device=engine.device)  # fmt: skip
                 kv = [(zeros, zeros)] * c.num_hidden_layers
+                assert decoder.cache is not None
                 for r in range(rows):
-                    decoder.hold_prompt(r, prompts[r], kv)
+                    slots = decoder.prompt_slots(r, prompts[r])
+                    for layer, (k, v) in enumerate(kv):
+                        decoder.cache.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))
                     decoder.set_row(r, None, 0.0, kv, prompt=r, max_new=200)
                     decoder.drop_prompt(r)
             for r in range(rows):
@@ -275,7 +279,6 @@ def breakdown(
                     sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=12
                 )
                 print(f"kernels of one eager step, {groups} adapters, paged={paged}:\n{table}", flush=True)
-            decoder.reset()
             del decoder
         logits = torch.randn(rows, engine.vocab_size, device=engine.device)
         streams = [stream_key(7, r) for r in range(rows)]

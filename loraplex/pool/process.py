@@ -130,21 +130,14 @@ def native_sampling(
 def sampler_budget(settings: Settings, engine: Any) -> Any:
     """The native sampler's rows and KV blocks (workers/sampling/kv_budget.py), sized now, after the engine is built:
     from the device's free memory on CUDA, from `sampler_kv_bytes` (or its CPU default) on the CPU. Logged."""
-    import torch
-
     from loraplex.workers.sampling import kv_budget
+    from loraplex.workers.sampling.device_memory import free_bytes
 
-    config = engine.model.config
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    dtype_bytes = torch.empty((), dtype=engine.compute_dtype).element_size()
-    shape = kv_budget.KvShape(int(config.num_hidden_layers), int(config.num_key_value_heads), head_dim, dtype_bytes)
+    shape = kv_budget.KvShape.of(engine.model.config, engine.compute_dtype.itemsize)
     free: int | None = None
     configured = settings.sampler_kv_bytes
     if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-        unused = torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
-        free = int(torch.cuda.mem_get_info(engine.device)[0]) + unused
+        free = free_bytes(engine.device)
     elif configured is None:
         configured = kv_budget.CPU_KV_BYTES
     forced = settings.sampler_max_rows if isinstance(settings.sampler_max_rows, int) else None

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from loraplex.workers.engine.engine import Engine
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
 from loraplex.workers.sampling.moe_decode import MoeDecodeMlp, moe_batched, moe_reference, rows_of
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.sampler import Sampler
 from tests.helpers.datums import datums
 from tests.helpers.sampling import engine_with_adapters
 

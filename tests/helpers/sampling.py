@@ -15,7 +15,8 @@ from loraplex.models import load_base_model
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleOutput, SampleParams, Sampler
+from loraplex.workers.sampling.jobs import SampledSequence, SampleJob, SampleOutput, SampleParams
+from loraplex.workers.sampling.sampler import Sampler
 
 # model_id -> (rank, alpha, seed) or (rank, alpha, seed, target modules or None for the pool's)
 AdapterSpecs = Mapping[str, tuple[Any, ...]]
@@ -89,3 +90,13 @@ def hf_greedy(
     tokens = out.sequences[0, len(ids) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=False)]
     return tokens, logprobs
+
+
+def assert_mixed_equals_each_alone(sampler: Sampler, jobs: Sequence[SampleJob]) -> list[SampleOutput]:
+    """One generate of these jobs (one greedy sample each) runs them as one batch with one prefill, and each row gets
+    what its job gets alone; returns the batch's outputs."""
+    mixed = sampler.generate(jobs)
+    assert sampler.stats.peak_rows == len(jobs) and sampler.stats.prefill_forwards == 1  # one batch, one prefill
+    for job, out in zip(jobs, mixed, strict=True):
+        assert_same(out.sequences[0], alone(sampler, job).sequences[0])
+    return mixed

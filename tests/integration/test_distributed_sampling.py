@@ -25,8 +25,8 @@ from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.ranks.distributed import RankGroup, is_sharded
 from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_rank_engine, spawn_ranks
 from loraplex.workers.ranks.sampling import RankSampler, assign_rows
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
 from loraplex.workers.sampling.replica import ReplicaEngine
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams
 
 pytestmark = [pytest.mark.timeout(240)]
 

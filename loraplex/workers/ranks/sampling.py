@@ -28,8 +28,9 @@ import torch.distributed as dist
 from loraplex.errors import EngineError
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.ranks.distributed import RankGroup
+from loraplex.workers.sampling.jobs import SampleJob, SampleOutput
 from loraplex.workers.sampling.replica import ReplicaEngine
-from loraplex.workers.sampling.sampler import SampleJob, SampleOutput, Sampler, SampleRun
+from loraplex.workers.sampling.sampler import Sampler, SampleRun
 
 
 @dataclass(frozen=True)

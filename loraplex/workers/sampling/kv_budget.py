@@ -29,6 +29,7 @@ A cache too small for one row of the expected length is a configuration error na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from loraplex.errors import InvalidRequestError
 
@@ -47,6 +48,13 @@ class KvShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+
+    @classmethod
+    def of(cls, config: Any, dtype_bytes: int) -> KvShape:
+        """The shape of a transformers model config's KV cache (head_dim, else hidden_size / attention heads)."""
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return cls(int(config.num_hidden_layers), int(config.num_key_value_heads), head_dim, dtype_bytes)
 
     def bytes_per_block(self, block_tokens: int = BLOCK_TOKENS) -> int:
         """K and V of `block_tokens` positions in every layer (equal to PagedKvCache.bytes_per_block)."""

@@ -38,6 +38,7 @@ from loraplex.workers.lora.expert_bank import SlotBankExperts
 from loraplex.workers.lora.siblings import install_sibling_groups
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.ranks.distributed import is_sharded
+from loraplex.workers.sampling.device_memory import free_bytes
 
 ModelLoader = Callable[[torch.device], nn.Module]
 
@@ -70,22 +71,6 @@ def base_parameters(engine: Engine) -> list[tuple[str, torch.Tensor]]:
 def replica_bytes(engine: Engine) -> int:
     """Bytes of a whole copy of the base model (global shapes, the compute dtype)."""
     return sum(p.numel() * p.element_size() for _, p in base_parameters(engine))
-
-
-def free_bytes(device: torch.device) -> int:
-    """Memory the device has free now: CUDA's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def check_fits(engine: Engine, max_fraction: float) -> None:

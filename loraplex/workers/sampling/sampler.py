@@ -54,68 +54,23 @@ from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
 from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
+from loraplex.workers.sampling.jobs import (
+    LENGTH,
+    STOP,
+    SampledSequence,
+    SampleJob,
+    SampleOutput,
+    SampleParams,
+    SamplerStats,
+)
 from loraplex.workers.sampling.kv_blocks import KvBlocksExhausted, first_sample_blocks
-from loraplex.workers.sampling.static_decoder import BLOCK_TOKENS, StaticDecoder, check_decodable
+from loraplex.workers.sampling.static_decoder import BLOCK_TOKENS, PromptWriter, StaticDecoder, check_decodable
 
-STOP = "stop"
-LENGTH = "length"
 MIN_WIDTH = 64  # a dense decode cache's positions: a power of two >= the longest prompt + max_tokens
 PAGED_MIN_WIDTH = 4096  # a paged one's with a block budget (its rows' block tables have width / 16 columns)
 
 # One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class SampleParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # -1 = off
-    top_p: float = 1.0
-    seed: int | None = None  # same seed + same job = same tokens, whatever else is in the batch
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()  # needs the Sampler's tokenizer; matched on the decoded text of the sample
-    stop_at_eos: bool = True  # False: EOS is a token like any other (Tinker's `stop=[]`)
-
-
-@dataclass(frozen=True)
-class SampleJob:
-    prompt: tuple[int, ...]
-    model_id: str | None  # an adapter resident in the engine; None = the bare base model
-    params: SampleParams = SampleParams()
-    num_samples: int = 1
-    prompt_logprobs: bool = False  # logprob of each prompt token given the ones before (first: None)
-    topk_prompt_logprobs: int = 0  # per prompt position, the top-k (token_id, logprob) (first: None)
-    topk_sample_logprobs: int = 0  # per sampled position, the top-k (token_id, logprob)
-    # The index of its first sample: samples first_sample.. of a job split across ranks draw what they draw whole.
-    first_sample: int = 0
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]  # log_softmax of the raw logits at each sampled token (before temperature/top-k/top-p)
-    stop_reason: str  # "stop" (a stop token or string, or EOS) or "length"
-    topk_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class SampleOutput:
-    sequences: list[SampledSequence]  # num_samples of them
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-
-@dataclass
-class SamplerStats:
-    """What the last `generate` did (for tests and benchmarks)."""
-
-    decode_steps: int = 0
-    prefill_forwards: int = 0
-    rows_admitted: int = 0
-    joined_live_batch: int = 0  # rows that joined while other rows were mid-decode (continuous batching)
-    peak_rows: int = 0
-    graph_captures: int = 0  # decode graphs this run recorded (one per new row bucket; 0 on the CPU)
 
 
 @dataclass
@@ -138,33 +93,6 @@ class _Row:
 class _Prefilled:
     kv: list[LayerKV] | None  # per layer [H, L, D]; None when paged (the KV sits in the decoder's blocks)
     last_logits: torch.Tensor  # fp32 [V]
-
-
-class _PagedPromptWriter:
-    """What a packed prefill passes as the body's `past_key_values`: each attention layer's `update` stores the
-    chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary embedding) at their cache slots and hands
-    them back unchanged, so the layer attends over the chunk alone (its prompts start at position 0)."""
-
-    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor) -> None:
-        self.decoder = decoder
-        self.slots = slots  # [N]
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-        assert self.decoder.cache is not None
-        self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
-        return keys, values
-
-    # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
-    # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).
-    # The chunk has no past: it starts at offset 0 and its keys are its own tokens.
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, q_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return q_length, 0
 
 
 @dataclass(frozen=True)
@@ -466,8 +394,8 @@ class _Run:
                 self.batch.join(self)
             self.batch.place(self)
             self._admit()
-            if self.batch.live:
-                self.stats.peak_rows = max(self.stats.peak_rows, len(self.batch.live))
+            if self.batch.rows:
+                self.stats.peak_rows = max(self.stats.peak_rows, len(self.batch.rows))
                 for run in self.batch.runs:
                     run.stats.decode_steps += run.live > 0
                 graphs = len(self.decoder.graphs)
@@ -510,7 +438,7 @@ class _Run:
         if self.decoder_group is None:
             return  # not placed in the batch yet
         stats, batch = self.stats, self.batch
-        decoding = bool(batch.live)  # rows joining now join a batch already mid-decode
+        decoding = bool(batch.rows)  # rows joining now join a batch already mid-decode
         while self.waiting and batch.free_rows:
             take = self._fitting(len(batch.free_rows))
             if not take:
@@ -546,9 +474,10 @@ class _Run:
             if blocks is not None:
                 job = self.jobs[j]
                 length = len(job.prompt)
-                need = blocks.blocks_needed(length, job.params.max_tokens, length)
-                if j not in self.held and j not in holding:
-                    need += blocks.blocks_needed(length, 0)
+                if j in self.held or j in holding:  # its prompt's blocks are held: only the sample's own
+                    need = blocks.blocks_needed(length, job.params.max_tokens, length)
+                else:
+                    need = first_sample_blocks(length, job.params.max_tokens, blocks.block_tokens)
                 if need > available:
                     if need > blocks.num_blocks:
                         raise KvBlocksExhausted(
@@ -656,7 +585,7 @@ class _Run:
     def _prefill_packed(self, job_ids: Sequence[int]) -> None:
         """Paged: the chunk's prompts back to back in one [1, N] row (positions restarting at 0 per prompt, the
         engine's packed attention), each prompt's K/V written by the forward itself into the blocks of its holder row
-        (`_PagedPromptWriter`), which the job's samples then fork."""
+        (`static_decoder.PromptWriter`), which the job's samples then fork."""
         engine, decoder = self.engine, self.decoder
         self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
@@ -675,7 +604,7 @@ class _Run:
         for j, n in zip(job_ids, lengths, strict=True):
             counts[self.group_of[self.jobs[j].model_id]] += n
         routing, banks = self._lora(counts)
-        writer = _PagedPromptWriter(decoder, slots)
+        writer = PromptWriter(decoder, slots)
         with engine.context.use(routing, banks), engine.elementwise():
             hidden = engine.body(
                 input_ids=tokens,
@@ -731,10 +660,6 @@ class _Batch:
         self.rows: dict[int, _Row] = {}  # cache row -> its live row
         self.runs: list[_Run] = []  # joined, in order
         self.retired = False  # replaced by a wider batch: its runs move to the sampler's new one
-
-    @property
-    def live(self) -> list[_Row]:
-        return list(self.rows.values())
 
     @property
     def busy(self) -> bool:

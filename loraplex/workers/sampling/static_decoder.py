@@ -244,10 +244,6 @@ class StaticDecoder:
             ]
         return point
 
-    @property
-    def key(self) -> tuple[int, int, int, bool]:
-        return (self.rows, self.width, self.groups, self.paged)
-
     # ---- per call ----------------------------------------------------------------------------------------------------
     def load(self, slots: Sequence[int]) -> None:
         """Copy the adapters in these bank slots (group order) into the LoRA buffers: the weights this call samples
@@ -303,13 +299,6 @@ class StaticDecoder:
         positions = torch.arange(len(prompt), device=self.engine.device)
         return slots_for(table.expand(len(prompt), -1), positions, self.blocks.block_tokens)
 
-    def hold_prompt(self, key: Any, prompt: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Paged: `prompt_slots` with the prompt's KV given (per layer [kv_heads, L, D]) and written here."""
-        assert self.cache is not None
-        slots = self.prompt_slots(key, prompt)
-        for layer, (k, v) in enumerate(kv):
-            self.cache.write(layer, slots, k.transpose(0, 1), v.transpose(0, 1))
-
     def drop_prompt(self, key: Any) -> None:
         """Paged: the holder row of `key` ends (its blocks stay with the samples that forked them)."""
         if self.blocks is not None:
@@ -323,16 +312,6 @@ class StaticDecoder:
             self.table_host[row, 0] = self.scratch
             self.tables_changed = True
         self.adapter_rows.discard(row)
-
-    def reset(self) -> None:
-        """Paged: end every row and holder (a run that ends or is abandoned), every block back to the pool."""
-        if self.blocks is not None:
-            for row in self.blocks.rows():
-                self.blocks.free(row)
-            self.live_rows.clear()
-            self.table_host[:, 0] = self.scratch
-            self.tables_changed = True
-        self.adapter_rows.clear()
 
     def set_row(
         self,
@@ -512,3 +491,31 @@ class StaticDecoder:
         if self.tables_changed:
             self.tables.copy_(torch.from_numpy(self.table_host))
             self.tables_changed = False
+
+
+class PromptWriter:
+    """What the sampler's packed prefill passes as the body's `past_key_values` (a paged decoder's prompts): each
+    attention layer's `update` stores the
+    chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary embedding) at their cache slots and hands
+    them back unchanged, so the layer attends over the chunk alone (its prompts start at position 0)."""
+
+    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor) -> None:
+        self.decoder = decoder
+        self.slots = slots  # [N]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        assert self.decoder.cache is not None
+        self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        return keys, values
+
+    # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
+    # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).
+    # The chunk has no past: it starts at offset 0 and its keys are its own tokens.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, q_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return q_length, 0

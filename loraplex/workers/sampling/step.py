@@ -28,7 +28,8 @@ from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
 from loraplex.protocol.results import SampledSequence, SampleResult
 from loraplex.workers.engine.executor import error_outcome, restore_checkpoint
-from loraplex.workers.sampling.sampler import SampleJob, SampleOutput, SampleParams, Sampler, SampleRun
+from loraplex.workers.sampling.jobs import SampleJob, SampleOutput, SampleParams
+from loraplex.workers.sampling.sampler import Sampler, SampleRun
 from loraplex.workers.state.adapter_store import AdapterStore
 
 

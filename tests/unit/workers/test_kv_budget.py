@@ -133,3 +133,9 @@ def test_the_pool_sizes_a_tiny_cpu_engine_and_the_dispatcher_takes_its_rows(tiny
     step = SampleStep(Sampler(engine, max_rows=small.rows, kv_blocks=small.blocks), None)
     assert sampler_rows(step, 1) == 8 and sampler_rows(step, 2) == 16  # every rank decodes its share
     assert sampler_rows(None, 1) is None
+
+
+def test_the_shape_read_from_a_model_config_is_the_qwen3_4b_one() -> None:
+    from loraplex.models.presets import SHAPE_PRESETS, qwen3_config
+
+    assert KvShape.of(qwen3_config(SHAPE_PRESETS["qwen3-4b-shape"]), torch.bfloat16.itemsize) == QWEN3_4B

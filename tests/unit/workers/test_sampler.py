@@ -15,11 +15,20 @@ from peft import PeftModel
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
+from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
-from tests.helpers.sampling import ADAPTERS, GREEDY, alone, assert_same, hf_greedy, prompt
+from tests.helpers.sampling import (
+    ADAPTERS,
+    GREEDY,
+    alone,
+    assert_mixed_equals_each_alone,
+    assert_same,
+    hf_greedy,
+    prompt,
+)
 
 
 # ---- 1. greedy == transformers + PEFT generate ----------------------------------------------------------------------
@@ -56,10 +65,7 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(tiny_sampler_engine: tupl
     # Deliberately interleaved (the sampler orders rows per adapter itself), ragged prompts, base rows among them.
     order = ["r8", None, "r2", "r16", None, "r4", "r2", "r8", "r16", None, "r4"]
     jobs = [SampleJob(prompt(100 + i, 3 + (7 * i) % 13), m, GREEDY) for i, m in enumerate(order)]
-    mixed = sampler.generate(jobs)
-    assert sampler.stats.peak_rows == len(jobs) and sampler.stats.prefill_forwards == 1  # one batch, one prefill
-    for job, out in zip(jobs, mixed, strict=True):
-        assert_same(out.sequences[0], alone(sampler, job).sequences[0])
+    mixed = assert_mixed_equals_each_alone(sampler, jobs)
     # Every adapter (and the base) produced something of its own.
     assert len({tuple(out.sequences[0].tokens[:6]) for out in mixed[:6]}) == 6
 

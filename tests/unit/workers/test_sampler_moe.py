@@ -20,13 +20,14 @@ from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora.expert_bank import SlotBankExperts
 from loraplex.workers.lora.experts import ExpertBanks, experts_reference
 from loraplex.workers.lora.routing import Routing
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
 from loraplex.workers.sampling.moe_decode import MoeDecodeMlp, moe_batched, moe_reference, rows_of
-from loraplex.workers.sampling.sampler import SampledSequence, SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.datums import datums
 from tests.helpers.peft import export_peft
-from tests.helpers.sampling import engine_with_adapters, hf_greedy, prompt
+from tests.helpers.sampling import assert_mixed_equals_each_alone, assert_same, engine_with_adapters, hf_greedy, prompt
 
 # model_id: (rank, alpha, seed, target_modules); ranks share the rank-8 banks by zero padding.
 ADAPTERS: dict[str, tuple[int, float, int, tuple[str, ...] | None]] = {
@@ -42,11 +43,6 @@ GREEDY = SampleParams(max_tokens=12, temperature=0.0)
 def setup(tiny_moe_dir: Path) -> tuple[Engine, Any]:
     """Four adapters whose B is far from zero (each changes the model's tokens), experts included."""
     return engine_with_adapters(tiny_moe_dir, ADAPTERS, num_slots=5, max_rank=8, seed=8)
-
-
-def assert_same(a: SampledSequence, b: SampledSequence, tol: float = 1e-5) -> None:
-    assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
-    assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) <= tol
 
 
 def forward_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> list[float]:
@@ -91,10 +87,7 @@ def test_mixed_adapters_and_base_rows_equal_each_alone(setup: tuple[Engine, Any]
     sampler = Sampler(engine, tokenizer, max_rows=16)
     order = ["r8", None, "experts", "r2", None, "down", "r2", "r8", "experts", None, "down"]
     jobs = [SampleJob(prompt(100 + i, 3 + (7 * i) % 13), m, GREEDY) for i, m in enumerate(order)]
-    mixed = sampler.generate(jobs)
-    assert sampler.stats.peak_rows == len(jobs) and sampler.stats.prefill_forwards == 1
-    for job, out in zip(jobs, mixed, strict=True):
-        assert_same(out.sequences[0], sampler.generate([job])[0].sequences[0])
+    mixed = assert_mixed_equals_each_alone(sampler, jobs)
     paged = Sampler(engine, tokenizer, max_rows=16, paged_kv=True).generate(jobs)  # the paged KV cache: the same
     for a, b in zip(paged, mixed, strict=True):
         assert_same(a.sequences[0], b.sequences[0])

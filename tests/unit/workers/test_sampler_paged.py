@@ -16,7 +16,8 @@ from peft import PeftModel
 from loraplex.errors import InvalidRequestError
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
+from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft

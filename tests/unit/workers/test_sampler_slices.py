@@ -19,7 +19,8 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.executor import PlanExecutor
 from loraplex.workers.lora import lora_delta_reference
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
+from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.step import SampleStep
 from loraplex.workers.state.adapter_store import AdapterStore
 

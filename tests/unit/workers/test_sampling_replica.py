@@ -20,8 +20,9 @@ from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
 from loraplex.workers.ranks.sampling import Piece, assign_rows, piece_job, row_work
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
 from loraplex.workers.sampling.replica import ReplicaEngine, build_replica, replica_bytes
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.sampler import Sampler
 
 
 class _Loader:

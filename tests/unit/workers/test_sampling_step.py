@@ -14,7 +14,8 @@ from loraplex.protocol.results import SampleResult
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.executor import PlanExecutor
-from loraplex.workers.sampling.sampler import SampleJob, SampleParams, Sampler
+from loraplex.workers.sampling.jobs import SampleJob, SampleParams
+from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.step import SampleStep
 from loraplex.workers.state.adapter_store import AdapterStore
 
