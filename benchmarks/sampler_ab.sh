@@ -5,7 +5,8 @@
 # BASELINE_DIR: an older tree unpacked beside this one (ignored, carried), e.g.
 #   mkdir .gl && git archive <commit> | tar -x -C .gl
 # Env: AB_PEER=1 runs ../shared/tools/skyrl_peer.sh copied to benchmarks/.skyrl_peer.sh (needs .peer/ and .whl/);
-#      AB_RL=1 runs `gpu_run.sh rl --tenants 1,4 --iterations 1 --warmup 1` after.
+#      AB_RL=1 runs `gpu_run.sh rl --tenants 1,4 --iterations 1 --warmup 1` after;
+#      AB_ROUNDS=N rounds of the pair (default 2; 0 skips the comparison, e.g. for the peer alone).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 base=$(cd "${1:?usage: sampler_ab.sh BASELINE_DIR [bench_sampler args...]}" && pwd); shift
@@ -13,7 +14,7 @@ args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--prompts 256 --skip-hf --skip-copies --kv paged --variants base_only,four_mixed,shared_prompts --breakdown --repeats 3)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/ab-gpu.txt"
-for round in 1 2; do  # twice, alternating, so drift of the machine shows as a difference between rounds
+for round in $(seq 1 "${AB_ROUNDS:-2}"); do  # twice, alternating, so drift of the machine shows as a difference between rounds
   for tree in "$base" "$PWD"; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
     # the baseline tree may predate --kv / --variants / --skip-copies: it gets only the arguments it knows
