@@ -91,3 +91,24 @@ def test_triton_rope_matches_hf_apply_rotary_pos_emb(tokens: int) -> None:
     assert [t.stride() for t in got] == [t.stride() for t in want]  # HF's layout, which the attention reads
     for f, w, x in zip((*got, *grads_got), (*want, *grads_want), (*exact, *grads_exact), strict=True):
         _close(f, w, x.detach())
+
+
+def test_triton_norm_and_silu_read_column_blocks_in_place() -> None:
+    """The decode step's inputs without a gradient: q and k as [rows, heads, D] views of one q/k/v product's columns,
+    gate and up as column blocks of one gate/up product. Read in place, the results equal the kernels' own on
+    contiguous copies, bit for bit (the same maths per row; the copies are checked against HF above)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows, heads, kv_heads, dim, inter = 37, 32, 8, 128, 9728
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=CUDA, dtype=torch.bfloat16, generator=g)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    weight = 1 + 0.1 * torch.randn(dim, device=CUDA, dtype=torch.bfloat16, generator=g)
+    for block, h in ((q, heads), (k, kv_heads)):
+        view = block.view(rows, h, dim)
+        assert not view.is_contiguous()
+        in_place = triton_elementwise.rms_norm(view, weight, 1e-6)
+        assert torch.equal(in_place, triton_elementwise.rms_norm(view.contiguous(), weight, 1e-6))
+    gate_up = torch.randn(rows, 2 * inter, device=CUDA, dtype=torch.bfloat16, generator=g)
+    gate, up = gate_up.split([inter, inter], dim=1)
+    in_place = triton_elementwise.silu_mul(gate, up)
+    assert torch.equal(in_place, triton_elementwise.silu_mul(gate.contiguous(), up.contiguous()))
+    assert in_place.is_contiguous() and in_place.shape == (rows, inter)

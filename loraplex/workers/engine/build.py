@@ -8,7 +8,9 @@ parts (parts.py). The order, and why it is that order:
  4. slot banks   dense SlotBankLinears, then an MoE's expert banks: this freezes the base (everything after sees the
                  banks as the only trainable parameters) and fixes the bank order the optimizer's flat buffer follows
  5. optimizer    SlotAdamW over the banks (the flat buffers), then each dense bank's layout in them (fused path)
- 6. siblings     q/k/v and gate/up grouped, to share their A product on the fused path
+ 6. siblings     q/k/v and gate/up grouped, to share their A product on the fused path; their frozen base weights
+                 stacked in one buffer each (stacked_weights.py: the sampler's decode runs one product per group),
+                 except where FSDP shards the base (its layout, not ours)
  7. staging      pinned host buffers for slot copies, allocated now so none is allocated while the pool trains
  8. check        only LoRA banks are trainable
  9. elementwise  the fused norm / activation kernels installed where asked and available
@@ -33,6 +35,7 @@ from loraplex.workers.engine.optimizer import SlotAdamW
 from loraplex.workers.engine.parts import EngineParts, FusedElementwise
 from loraplex.workers.engine.pinned_staging import PinnedStaging
 from loraplex.workers.engine.recompute import wrap_layers
+from loraplex.workers.engine.stacked_weights import stack_all
 from loraplex.workers.engine.trunk import Trunk
 from loraplex.workers.kernels.fused_elementwise import available as fused_elementwise_available
 from loraplex.workers.kernels.fused_elementwise import install as install_fused_elementwise
@@ -72,6 +75,9 @@ def build_engine(
     banks: dict[str, SlotBankLinear | ExpertProjectionBank] = {**dense, **experts}
     optimizer, dense_width = slot_optimizer(banks, dense, config)
     siblings = group_siblings(dense, context, config)
+    if group is None or not config.shard_base:
+        stack_all([[dense_bank.base for dense_bank in g.members if isinstance(dense_bank, SlotBankLinear)]
+                   for g in siblings])  # fmt: skip
     staging = PinnedStaging(where) if where.type == "cuda" else None
     check_only_lora_trainable(model)
     elementwise = FusedElementwise(fuse_elementwise(model, config, where))

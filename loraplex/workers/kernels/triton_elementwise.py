@@ -20,11 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):  # noqa: N803
+def _rms_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, inner, stride_outer, stride_inner, eps, BLOCK: tl.constexpr):  # noqa: N803
+    # x is [outer, inner, n_cols] with these strides (its last dim contiguous): a column block of a wider output reads
+    # in place; y is contiguous
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    x_row = (row // inner) * stride_outer + (row % inner) * stride_inner
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     h = (x * rstd).to(w.dtype)
@@ -51,13 +54,19 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        rows, cols = x2.shape
+        cols = shape[-1]
+        # Without a gradient, a [rows, cols] or [rows, heads, cols] view with a contiguous last dim is read in place
+        # (the decode step's q and k, column blocks of one q/k/v product); else a contiguous copy, kept for backward.
+        strided = not ctx.needs_input_grad[0] and x.dim() in (2, 3) and x.stride(-1) == 1
+        x3 = (x if x.dim() == 3 else x.unsqueeze(1)) if strided else x.reshape(-1, 1, cols).contiguous()
+        rows = x3.shape[0] * x3.shape[1]
         y = torch.empty(rows, cols, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         block = triton.next_power_of_2(cols)
-        _rms_fwd[(rows,)](x2, weight, y, rstd, cols, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-        ctx.save_for_backward(x2, weight, rstd)
+        _rms_fwd[(rows,)](x3, weight, y, rstd, cols, x3.shape[1], x3.stride(0), x3.stride(1), eps, BLOCK=block,
+                          num_warps=min(16, max(1, block // 256)))  # fmt: skip
+        if not strided:
+            ctx.save_for_backward(x3.view(rows, cols), weight, rstd)
         ctx.shape, ctx.block = shape, block
         return y.view(*shape[:-1], cols)
 
@@ -80,11 +89,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+def _silu_mul_fwd(g_ptr, u_ptr, y_ptr, n, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):  # noqa: N803
+    # gate and up are [n / n_cols, n_cols] with these row strides (column blocks of one gate/up product read in
+    # place); y is contiguous
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    row, col = offs // n_cols, offs % n_cols
+    g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0)
     silu = (g * tl.sigmoid(g)).to(u.dtype)  # as F.silu in the input dtype, then the product in it
     tl.store(y_ptr + offs, silu * u, mask=mask)
 
@@ -106,11 +118,16 @@ def _silu_mul_bwd(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        g, u = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(u)
-        n = u.numel()
-        _silu_mul_fwd[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024)
-        ctx.save_for_backward(g, u)
+        grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        rows_in_place = not grad and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1
+        g, u = (gate, up) if rows_in_place else (gate.contiguous(), up.contiguous())
+        cols = g.shape[-1]
+        y = torch.empty(g.shape, device=g.device, dtype=g.dtype)
+        n = y.numel()
+        stride_g, stride_u = (g.stride(0), u.stride(0)) if rows_in_place else (cols, cols)
+        _silu_mul_fwd[(triton.cdiv(n, 1024),)](g, u, y, n, cols, stride_g, stride_u, BLOCK=1024)
+        if grad:
+            ctx.save_for_backward(g, u)
         return y
 
     @staticmethod

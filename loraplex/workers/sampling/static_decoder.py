@@ -53,6 +53,7 @@ from torch import nn
 
 from loraplex.errors import EngineError
 from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.stacked_weights import stacked_weight
 from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.sampling.kv_blocks import BlockAllocator
@@ -115,24 +116,31 @@ def _apply_rotary(attn: nn.Module) -> Any:
 
 @dataclass
 class _LoraPoint:
-    """Projections that read one input: their base Linears, and (with adapters) A_cat and one B_cat per module."""
+    """Projections that read one input: their base Linears, and (with adapters) A_cat and one B_cat per module.
+    stacked: the bases' weights as one [sum of out, in] buffer (engine/stacked_weights.py), so the base runs as one
+    product whose column blocks are the outputs; None: one product per base."""
 
     bases: list[nn.Module]
     wrapped: list[SlotBankLinear | None]  # None: not a LoRA target, the base alone
     a_cat: torch.Tensor | None = None  # [in, n_wrapped * G * r]
     b_cats: list[torch.Tensor | None] | None = None  # per module [G * r, out] (None where not wrapped)
+    stacked: torch.Tensor | None = None
+    widths: tuple[int, ...] = ()  # each base's out width: the stacked product's column blocks
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
-        outs = [base(x) for base in self.bases]
+        if self.stacked is not None:
+            outs = list(F.linear(x, self.stacked).split(self.widths, dim=1))  # column blocks: strided views
+        else:
+            outs = [base(x) for base in self.bases]
         if self.a_cat is None or mask is None or self.b_cats is None:
             return outs
         width = mask.shape[1]
         h = x @ self.a_cat
         h.view(h.shape[0], -1, width).mul_(mask[:, None, :])  # fp32 scales, one rounding (as the training path)
         block = 0
-        for i, b_cat in enumerate(self.b_cats):
+        for out, b_cat in zip(outs, self.b_cats, strict=True):
             if b_cat is not None:
-                outs[i] = torch.addmm(outs[i], h[:, block * width : (block + 1) * width], b_cat)
+                out.addmm_(h[:, block * width : (block + 1) * width], b_cat)  # in place, also into a column block
                 block += 1
         return outs
 
@@ -230,7 +238,9 @@ class StaticDecoder:
 
     def _point(self, modules: Sequence[nn.Module]) -> _LoraPoint:
         wrapped = [m if isinstance(m, SlotBankLinear) else None for m in modules]
-        point = _LoraPoint([m.base if isinstance(m, SlotBankLinear) else m for m in modules], wrapped)
+        bases = [m.base if isinstance(m, SlotBankLinear) else m for m in modules]
+        widths = tuple(int(cast(nn.Linear, b).out_features) for b in bases)
+        point = _LoraPoint(bases, wrapped, stacked=stacked_weight(bases), widths=widths)
         if self.groups and any(w is not None for w in wrapped):
             engine, g, r = self.engine, self.groups, self.rank
             n = sum(w is not None for w in wrapped)
