@@ -18,7 +18,7 @@ mode=${1:-engine}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1 LORAPLEX_HOME=/tmp/loraplex
 # The files holding gpu-marked tests: collecting all of tests/ would import the CPU suite's test-only packages
 # (hypothesis, schemathesis, the tinker SDK's own dependencies), which the GPU image does not have.
-GPU_TESTS="tests/gpu"
+GPU_TESTS=${GPU_TESTS:-tests/gpu}  # `GPU_TESTS="tests/gpu/a.py ..." gpu_run.sh tests`: a subset
 if [ -d .whl ]; then
   site=/tmp/loraplex-site root=/tmp/loraplex-root
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \

@@ -92,3 +92,41 @@ def test_graph_greedy_equals_peft_generate_and_a_kept_graph_takes_new_adapters(t
             logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(hf.logits, tokens, strict=False)]
             assert out.sequences[0].tokens == tokens
             assert max_diff(out.sequences[0].logprobs, logprobs) <= 1e-4
+
+
+def test_graphs_capture_while_another_thread_copies_to_host(tiny_dir: Path) -> None:
+    """The pool's background writers copy adapter rows to host (PinnedStaging.to_host) while the main thread samples:
+    every decode-step capture meanwhile succeeds, and so does every copy (in torch's default capture mode the copy's
+    event waits invalidated the capture and failed the copy)."""
+    import threading
+
+    from loraplex.workers.engine.pinned_staging import PinnedStaging
+
+    engine, tokenizer = build(tiny_dir, torch.float32)
+    staging = PinnedStaging(engine.device, chunk_bytes=1 << 20)
+    src = torch.randn(8 << 20, device=engine.device)
+    expected = src.cpu()
+    stop, errors, copies = threading.Event(), [], [0]
+
+    def copy_loop() -> None:
+        try:
+            while not stop.is_set():
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(engine.device))
+                assert torch.equal(staging.to_host(src, ready), expected)
+                copies[0] += 1
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    thread = threading.Thread(target=copy_loop)
+    thread.start()
+    try:
+        for rows in (3, 9, 17, 33):  # new row buckets: a capture each
+            sampler = Sampler(engine, tokenizer, max_rows=rows)
+            sampler.generate([SampleJob(p, None, GREEDY) for p in prompts(rows)])
+            assert sampler.stats.graph_captures >= 1
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert copies[0] > 0

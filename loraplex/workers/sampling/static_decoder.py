@@ -450,7 +450,10 @@ class StaticDecoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local (as the training graphs): the pool's background writers copy adapter rows to host on their own
+        # stream meanwhile (PinnedStaging.to_host), and in the default global mode their event waits invalidate this
+        # capture and fail themselves (tests/gpu/test_sampler_cuda.py)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(rows, lora)
         self.graphs[rows, lora] = (graph, logits)
         return graph, logits
