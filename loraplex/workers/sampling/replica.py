@@ -33,6 +33,7 @@ from torch import nn
 from loraplex.errors import CapacityError, EngineError
 from loraplex.workers.engine.build import fuse_elementwise
 from loraplex.workers.engine.engine import Engine
+from loraplex.workers.engine.stacked_weights import stack_all
 from loraplex.workers.kernels.packed_attention import install_packed_attention
 from loraplex.workers.lora.expert_bank import SlotBankExperts
 from loraplex.workers.lora.siblings import install_sibling_groups
@@ -117,7 +118,10 @@ def build_replica(engine: Engine, load_model: ModelLoader, max_fraction: float =
                 own.lora_A, own.lora_B = bank.lora_A, bank.lora_B
             setattr(parent, leaf, experts)
     if engine.sibling_groups:
-        install_sibling_groups(wrapped)
+        groups = install_sibling_groups(wrapped)
+        # its own base weights stacked as the training engine's are (workers/engine/build.py): the decode step runs the
+        # same products, so the same tokens come out at any world size
+        stack_all([[m.base for m in g.members if isinstance(m, SlotBankLinear)] for g in groups])
     if engine.fused_modules:  # the fused norm / activation kernels, on where the training model has them
         fuse_elementwise(model, engine.config, engine.device)
     return cast(Engine, ReplicaEngine(engine, model))

@@ -266,6 +266,8 @@ class AdapterStore:
         while len(self._copies[model_id]) > self.copies_per_adapter:
             self.delete(self._copies[model_id][0])
         source = self.engine.adapter(model_id)
+        if not self.engine.free_slots:
+            self._swap_out_a_resident_copy(keep={model_id, copy_id})
         if self.engine.free_slots:
             record = self.engine.claim_slot(copy_id, source.rank, source.alpha, source.seed, source.target_modules)
             self.engine.copy_weights(source.slot, record.slot)
@@ -358,6 +360,16 @@ class AdapterStore:
             self._swap_out(victim)
             self._enforce_budget(prefer_keep=keep)
 
+    def _swap_out_a_resident_copy(self, keep: set[str]) -> None:
+        """Free a slot for a new sampler copy by moving the least recently used resident copy not in `keep` to host
+        memory, if there is one (a new copy is sampled next; an older one seldom is)."""
+        victim = next(
+            (m for m in self._lru if is_sampler_copy_id(m) and m not in keep and self.engine.is_resident(m)), None
+        )
+        if victim is not None:
+            self._swap_out(victim)
+            self._enforce_budget(prefer_keep=keep)
+
     def _swap_out(self, model_id: str) -> None:
         started = time.perf_counter()
         image = take_image(self.engine, model_id, out=self._buffer())
@@ -394,12 +406,18 @@ class AdapterStore:
         self._note(TierChange(model_id, GPU, record.slot))
 
     def _enforce_budget(self, prefer_keep: Iterable[str]) -> None:
-        """Spill LRU host images to disk until the cpu tier fits the budget (those in `prefer_keep` last)."""
+        """Spill LRU host images to disk until the cpu tier fits the budget (those in `prefer_keep` last). A sampler
+        copy is dropped instead: its checkpoint folder holds the same weights (a sample naming it reloads it there),
+        while spilling its whole slot image (~1 GB for a Qwen3-4B adapter at rank 32) cost seconds of disk writes in
+        every RL iteration of a few tenants (benchmarks/RESULTS.md)."""
         keep = set(prefer_keep)
         while self._host and self.host_bytes > self.host_budget_bytes:
             order = [m for m in self._lru if m in self._host]
             victim = next((m for m in order if m not in keep), order[0])
-            self._spill(victim)
+            if is_sampler_copy_id(victim) and victim not in keep:  # a copy needed now is spilled like any other
+                self.delete(victim)
+            else:
+                self._spill(victim)
 
     def _spill(self, model_id: str) -> None:
         started = time.perf_counter()

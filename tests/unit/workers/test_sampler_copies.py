@@ -104,3 +104,27 @@ def test_an_adapter_keeps_its_newest_copies_and_older_ones_reload_from_their_fol
     assert _same(store.engine.adapter_weights(paths[0]), saved_weights[0])
     store.delete("a")
     assert all(p not in store for p in paths[2:])
+
+
+def test_an_older_copy_makes_room_for_a_new_one_and_is_dropped_not_spilled(tiny_dir: Path, tmp_path: Path) -> None:
+    """No free slot for a new sampler copy: the older resident copy leaves its slot (the new one is a device copy,
+    sampled next), and past the host budget it is dropped rather than written to disk (its checkpoint folder holds
+    it: a sample naming it reloads it from there, the weights of its save)."""
+    model, _ = load_base_model(str(tiny_dir), tiny_dir.parent)
+    engine = build_engine(model, EngineConfig(num_slots=2, max_rank=4))
+    store = AdapterStore(engine, 0, tmp_path / "spill")  # no host budget
+    executor = PlanExecutor(engine, store)
+    store.create("a", 4, 8.0, seed=1)
+    saved = []
+    for k in range(2):
+        _train(executor, 10 * k + 1)
+        save = _req(f"s{k}", RequestKind.SAVE_SAMPLER, 10 * k + 3, name=f"it{k}",
+                    path=f"tinker://a/sampler_weights/it{k}", directory=str(tmp_path / f"it{k}"))  # fmt: skip
+        assert all(o.ok for o in executor.execute(BatchPlan((Step(StepKind.CHECKPOINT, (save,)),))))
+        saved.append(store.engine.adapter_weights("a"))
+    first, second = "tinker://a/sampler_weights/it0", "tinker://a/sampler_weights/it1"
+    assert first not in store and store.tier_of(second) == "gpu" and store.engine.is_resident("a")
+    assert store.stats.spills == 0 and not any((tmp_path / "spill").iterdir())
+    assert _same(store.engine.adapter_weights(second), saved[1])
+    SampleStep(Sampler(store.engine), store)._have(first, str(tmp_path / "it0"))
+    assert _same(store.engine.adapter_weights(first), saved[0])
