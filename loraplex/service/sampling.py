@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
+from loraplex.service.adapters import served_model
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
-from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.context import Services, TenantRef, fleet, write_session
 from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 from loraplex.service.submit import submit
 from loraplex.settings import Settings
@@ -21,18 +22,10 @@ from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import SamplerRepository, SessionRepository
 
 
-def sampleable(services: Services) -> bool:
-    """Whether this gateway's pool samples: the native sampler on any number of ranks (with several, each rank decodes
-    its share on a whole copy of the base model, workers/sampling/replica.py), vLLM on a pool of one rank (its pool
-    process runs none beside several ranks), "none" never. The pool's world size is the one its heartbeat reports
-    (settings.world_size before its first beat)."""
-    settings = services.settings
-    if settings.sampler == "native":
-        return True
-    if settings.sampler != "vllm":
-        return False
-    world = services.pool_view.get(settings, services.sessions).world_size
-    return (world if world is not None else settings.world_size) <= 1
+def sampleable(services: Services, base_model: str) -> bool:
+    """Whether a pool of this served base model samples (queue/pool_registry.can_sample: by the sampler and world size
+    each pool registered; the gateway's own pool before it registers: by this gateway's settings)."""
+    return fleet(services).model(base_model).sampleable
 
 
 def check_stops(settings: Settings, stops: Sequence[str | int]) -> None:
@@ -87,10 +80,7 @@ def create_sampler(
     checkpoint: sample from save_weights_for_sampler's) or the base model. In a client session (Tinker) the same
     (session, sampling_session_seq_id) again answers the first sampler (the SDK retries). `saved_by`: the queued
     save that writes the checkpoint (the unnamed save_weights_for_sampler): it need not exist yet."""
-    settings = services.settings
-    base_model = request.base_model or settings.base_model
-    if base_model != settings.base_model:
-        raise InvalidRequestError(f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}")
+    base_model = served_model(services, request.base_model or None).name  # 400 naming the served models
     with write_session(services) as db:
         samplers = SamplerRepository(db, tenant.id)
         if session_id is not None:
