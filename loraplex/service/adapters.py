@@ -6,16 +6,19 @@ import secrets
 import uuid
 from collections.abc import Sequence
 
+from sqlalchemy.orm import Session
+
 from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.service.context import Services, TenantRef, fleet, write_session
 from loraplex.service.fleet import ServedModel
 from loraplex.service.free_text import check_storable
+from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.service.submit import existing_request_id, submit
 from loraplex.storage.models import Adapter, AdapterStatus
-from loraplex.storage.repositories import AdapterRepository
+from loraplex.storage.repositories import AdapterRepository, PoolRepository
 
 ALPHA_PER_RANK = 2.0  # LoRA alpha when none is given: 2 x rank
 SEED_LIMIT = 2**31  # a seed when none is given: uniform in [0, SEED_LIMIT)
@@ -94,6 +97,7 @@ def create_adapter(
             raise QuotaExceededError(  # no retry_after: waiting frees nothing, a delete does
                 f"tenant {tenant.name} has {quota} adapters, its quota (LORAPLEX_MAX_ADAPTERS_PER_TENANT): delete one first"
             )
+        pool = place(db, served)
         adapters.create(
             model_id=model_id,
             base_model=base_model,
@@ -103,6 +107,7 @@ def create_adapter(
             seed=seed,
             session_id=session_id,
             user_metadata=request.user_metadata,
+            pool=pool,
         )
         # seq_id 0 stands for the creation: the adapter's first step is seq_id 1, whatever order steps arrive in.
         adapters.record_applied(model_id, 0)
@@ -114,7 +119,7 @@ def create_adapter(
         target_modules=modules,
         from_checkpoint=from_checkpoint,
     )
-    return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
+    return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload, pool=pool)
 
 
 def served_models(services: Services) -> list[ServedModel]:
@@ -131,6 +136,14 @@ def served_model(services: Services, base_model: str | None) -> ServedModel:
         default = services.settings.base_model
         base_model = default if default in served.models or not served.names else served.names[0]
     return served.model(base_model)
+
+
+def place(db: Session, served: ServedModel) -> str:
+    """The pool of `served` a new adapter goes to, by the placement rule (service/placement.py) over each pool's
+    live adapters counted now, in the creating transaction (which holds the pools' rows on PostgreSQL), and its
+    queued tokens as it last registered."""
+    placed = PoolRepository(db).placed_adapters(served.pool_names)
+    return choose_pool([PoolLoad(p.name, p.slots, placed[p.name], p.queued_tokens) for p in served.pools])
 
 
 def _modules(pool: tuple[str, ...], asked: Sequence[str] | None) -> tuple[str, ...]:
@@ -170,5 +183,5 @@ def get_adapter(services: Services, tenant: TenantRef, model_id: str) -> Adapter
 
 def delete_adapter(services: Services, tenant: TenantRef, model_id: str) -> FutureRef:
     with write_session(services) as db:
-        AdapterRepository(db, tenant.id).mark_deleted(model_id)
-    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, DeleteAdapterPayload())
+        pool = AdapterRepository(db, tenant.id).mark_deleted(model_id).pool
+    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, DeleteAdapterPayload(), pool=pool)

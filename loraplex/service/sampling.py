@@ -15,11 +15,12 @@ from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
 from loraplex.service.adapters import served_model
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.service.context import Services, TenantRef, fleet, write_session
+from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 from loraplex.service.submit import submit
 from loraplex.settings import Settings
 from loraplex.storage.models import SamplingSession
-from loraplex.storage.repositories import SamplerRepository, SessionRepository
+from loraplex.storage.repositories import AdapterRepository, SamplerRepository, SessionRepository
 
 
 def sampleable(services: Services, base_model: str) -> bool:
@@ -135,6 +136,10 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         if sampler.model_path is not None:
             checkpoint = resolve_checkpoint(db, tenant.id, sampler.model_path, with_optimizer=False)
             directory = str(checkpoint_dir(services, checkpoint))
+            # The adapter's pool holds its sampler copies (a save is answered before its files are written).
+            pool = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True).pool
+        else:
+            pool = base_model_pool(services, sampler.base_model)
     payload = SamplePayload(
         prompt=tuple(request.prompt),
         sampler_copy=sampler.model_path,
@@ -152,4 +157,11 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         topk_prompt_logprobs=request.topk_prompt_logprobs,
         topk_sample_logprobs=request.topk_sample_logprobs,
     )
-    return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id)
+    return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id, pool=pool)
+
+
+def base_model_pool(services: Services, base_model: str) -> str:
+    """The pool that samples the bare base model for one request: the placement rule over its served pools, no
+    adapter counted (a base-model sample holds no adapter): most slots, then fewest queued tokens, then the name."""
+    pools = fleet(services).model(base_model).pools
+    return choose_pool([PoolLoad(p.name, p.slots, 0, p.queued_tokens) for p in pools])

@@ -10,11 +10,26 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from sqlalchemy import select
 
+from loraplex import service
 from loraplex.pool.registration import RegistrationKeeper
+from loraplex.protocol import OptimStepPayload
 from loraplex.queue import pool_registry
 from loraplex.queue.pool_registry import PoolRegistration
+from loraplex.service import TenantRef, write_session
+from loraplex.service.schemas import (
+    CreateAdapterRequest,
+    CreateSamplerRequest,
+    ForwardBackwardRequest,
+    SampleRequest,
+    SaveCheckpointRequest,
+)
 from loraplex.settings import DEFAULT_TARGET_MODULES, Settings
+from loraplex.storage.enums import CheckpointKind
+from loraplex.storage.models import Adapter
+from tests.helpers.checkpoint_rows import saved_checkpoint
+from tests.helpers.queued import queued
 from tests.helpers.services.redis import redis_server
 from tests.integration.conftest import Gateway, gateway_app
 
@@ -130,3 +145,59 @@ def test_the_gateway_serves_every_registered_base_model_and_names_them_for_any_o
     gw.services.fleet_view.forget()
     gone = _create_model(gw, "tiny-moe", seq=1)
     assert gone.status_code == 400 and "served: 'tiny'" in gone.json()["detail"]
+
+
+def test_adapters_spread_over_the_pools_of_their_model_and_every_request_follows_its_adapter(
+    gw: Gateway, client: redis.Redis
+) -> None:
+    for name, base in (("p-a", "tiny"), ("p-b", "tiny"), ("p-moe", "tiny-moe")):
+        pool_registry.publish(client, registration(name, base), ttl_s=30)
+    gw.services.fleet_view.forget()
+    services = gw.services
+    alice, bob = (TenantRef(gw.tenant_ids[n], n) for n in ("alice", "bob"))
+
+    def create(who: TenantRef, base_model: str) -> str:
+        return service.create_adapter(services, who, CreateAdapterRequest(base_model=base_model, rank=4)).model_id
+
+    tiny = [create(who, "tiny") for who in (alice, bob, alice, bob, alice, bob)]
+    moe = create(alice, "tiny-moe")
+    with services.sessions() as db:
+        placed = {a.model_id: a.pool for a in db.scalars(select(Adapter))}
+    assert [placed[m] for m in tiny] == ["p-a", "p-b"] * 3  # tenants' adapters spread over the pools of their model
+    assert placed[moe] == "p-moe"
+
+    def where(request_id: str) -> list[str]:
+        return [p for p in ("home", "p-a", "p-b", "p-moe") if request_id in queued(services, p)]
+
+    on_b = tiny[1]
+    data = ForwardBackwardRequest(seq_id=1, data=[{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4]}}])
+    refs = [
+        service.forward_backward(services, bob, on_b, 1, data.payload()),
+        service.optim_step(services, bob, on_b, 2, OptimStepPayload(adam_params={"learning_rate": 1e-3})),
+        service.save_weights_for_sampler(services, bob, on_b, SaveCheckpointRequest(seq_id=3, name="s")),
+    ]
+    assert [where(r.request_id) for r in refs] == [["p-b"]] * 3
+    path = saved_checkpoint(services, bob.id, on_b, CheckpointKind.SAMPLER, "t")
+    sampler = service.create_sampler(services, bob, CreateSamplerRequest(model_path=path))
+    sample = service.sample(services, bob, sampler.sampler_id, SampleRequest(seq_id=0, prompt=[1, 2], max_tokens=2))
+    assert where(sample.request_id) == ["p-b"]  # the adapter's pool: it holds the adapter's sampler copies
+    base = service.create_sampler(services, alice, CreateSamplerRequest(base_model="tiny-moe"))
+    sample = service.sample(services, alice, base.sampler_id, SampleRequest(seq_id=0, prompt=[1, 2], max_tokens=2))
+    assert where(sample.request_id) == ["p-moe"]
+    assert where(service.delete_adapter(services, bob, on_b).request_id) == ["p-b"]
+
+    # Isolation holds across pools: another tenant's adapter is a 404 wherever it is placed.
+    for model_id in (tiny[0], moe):
+        assert gw.client.get(f"/v1/adapters/{model_id}", headers=_h(gw, "bob")).status_code == 404
+        body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
+        fb = gw.client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=_h(gw, "bob"))
+        assert fb.status_code == 404
+
+
+def test_an_adapter_from_before_the_fleet_goes_to_the_gateways_own_pool(gw: Gateway, client: redis.Redis) -> None:
+    alice = TenantRef(gw.tenant_ids["alice"], "alice")
+    model_id = service.create_adapter(gw.services, alice, CreateAdapterRequest(rank=4)).model_id
+    with write_session(gw.services) as db:
+        db.get(Adapter, model_id).pool = None  # as migration 0010 leaves an older row
+    ref = service.optim_step(gw.services, alice, model_id, 1, OptimStepPayload(adam_params={}))
+    assert ref.request_id in queued(gw.services, "home")
