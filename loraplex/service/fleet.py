@@ -34,8 +34,14 @@ class ServedModel:
         return tuple(m for m in first.target_modules if all(m in p.target_modules for p in rest))
 
     @property
-    def sampleable(self) -> bool:
-        return any(p.sampleable for p in self.pools)
+    def stand_in(self) -> bool:
+        """Served only by the gateway's own pool, unregistered (fleet_of)."""
+        return any(p.published_at == 0 for p in self.pools)
+
+    @property
+    def sampleable_live(self) -> bool:
+        """A live pool of the model samples (the stand-in's own figure is the gateway's guess: service/sampling.py)."""
+        return any(p.sampleable for p in self.pools if p.published_at)
 
     @property
     def pool_names(self) -> tuple[str, ...]:

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
+from loraplex.queue.pool_registry import can_sample
 from loraplex.service.adapters import served_model
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.service.context import Services, TenantRef, fleet, write_session
+from loraplex.service.fleet import ServedModel
 from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 from loraplex.service.submit import submit
@@ -23,10 +25,17 @@ from loraplex.storage.models import SamplingSession
 from loraplex.storage.repositories import AdapterRepository, SamplerRepository, SessionRepository
 
 
-def sampleable(services: Services, base_model: str) -> bool:
-    """Whether a pool of this served base model samples (queue/pool_registry.can_sample: by the sampler and world size
-    each pool registered; the gateway's own pool before it registers: by this gateway's settings)."""
-    return fleet(services).model(base_model).sampleable
+def sampleable(services: Services, model: ServedModel) -> bool:
+    """Whether a pool of this served base model samples (queue/pool_registry.can_sample): as each live pool registered
+    it; the gateway's own pool standing in unregistered: by this gateway's sampler setting and the world size the
+    pool's heartbeat last reported (settings.world_size before its first beat)."""
+    if model.sampleable_live:
+        return True
+    if not model.stand_in:
+        return False
+    settings = services.settings
+    world = services.pool_view.get(settings, services.sessions).world_size
+    return can_sample(settings.sampler, world if world is not None else settings.world_size)
 
 
 def check_stops(settings: Settings, stops: Sequence[str | int]) -> None:

@@ -72,7 +72,7 @@ def get_server_capabilities(tenant: TenantDep, services: ServicesDep) -> dict[st
                 "model_name": model.name,
                 "max_context_length": services.settings.max_tokens_per_datum,
                 "trainable": True,
-                "sampleable": model.sampleable,  # the native sampler decodes dense and MoE bases
+                "sampleable": service.sampleable(services, model),  # the native sampler decodes dense and MoE
             }
             for model in served
         ]

@@ -51,9 +51,12 @@ def test_a_models_rank_and_modules_are_what_every_one_of_its_pools_takes() -> No
     assert model.target_modules == ("q_proj", "v_proj")  # in the first pool's order
 
 
-def test_a_model_is_sampleable_when_any_of_its_pools_samples() -> None:
+def test_a_model_samples_when_any_of_its_live_pools_does_and_the_stand_in_is_marked() -> None:
     fleet = fleet_of([pool("a", "tiny", sampleable=False), pool("b", "tiny"), pool("c", "x", sampleable=False)], HOME)
-    assert fleet.model("tiny").sampleable and not fleet.model("x").sampleable
+    assert fleet.model("tiny").sampleable_live and not fleet.model("x").sampleable_live
+    assert not fleet.model("tiny").stand_in
+    alone = fleet_of([], HOME).model("tiny")
+    assert alone.stand_in and not alone.sampleable_live  # the gateway decides from its settings (service/sampling.py)
 
 
 def test_a_registration_round_trips_and_an_unreadable_one_is_none() -> None:
