@@ -19,8 +19,9 @@ from loraplex.settings import Settings, get_settings
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {}
-    if getattr(args, "base_model", None):
-        overrides["base_model"] = args.base_model
+    base_model = getattr(args, "base_model", None)
+    if base_model:  # serve's repeated flag gives a list: its first model is the gateway's own
+        overrides["base_model"] = base_model[0] if isinstance(base_model, list) else base_model
     if getattr(args, "port", None):
         overrides["api_port"] = args.port
     return get_settings().model_copy(update=overrides)
@@ -229,6 +230,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.launch.embedded import Stack
 
     settings = _settings(args)
+    if not args.embedded and len(args.base_model or []) > 1:
+        print("loraplex serve: several --base-model need --embedded (a gateway alone serves what the running pools "
+              "registered; --base-model names its own pool's model)", file=sys.stderr)  # fmt: skip
+        return 2
     if not args.embedded:
         import uvicorn
 
@@ -240,8 +245,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     stop = threading.Event()
     stop_on_signals(stop)
-    with Stack(settings) as stack:
-        print(f"loraplex serving {settings.base_model} on {stack.base_url} (redis {stack.settings.redis_url})")
+    with Stack(settings, pool_models=args.base_model or ()) as stack:
+        served = ", ".join(f"{env['LORAPLEX_BASE_MODEL']} (pool {env['LORAPLEX_POOL']})" for env in stack.pools.values())
+        print(f"loraplex serving {served} on {stack.base_url} (redis {stack.settings.redis_url})")
         print("create a tenant with: loraplex tenant create NAME   (Ctrl-C stops everything)")
         while not stop.wait(1.0):
             stack.check_children()
@@ -331,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the gateway; --embedded also starts redis, the database and a worker pool")
     p.add_argument("--embedded", action="store_true")
-    p.add_argument("--base-model")
+    p.add_argument("--base-model", action="append",
+                   help="the base model to serve; repeated with --embedded: one pool process per flag, in order "
+                        "(e.g. --base-model tiny --base-model tiny --base-model tiny-moe: two pools of tiny, one of "
+                        "tiny-moe)")  # fmt: skip
     p.add_argument("--port", type=int)
     p.set_defaults(func=cmd_serve)
 

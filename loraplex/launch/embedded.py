@@ -1,6 +1,6 @@
 """The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set; with an append-only
-file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0), and the gateway under
-uvicorn. Once up, a supervisor thread (supervisor.py; setting `supervise`) restarts the pool or the gateway when it
+file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0) per base model asked for
+(`pool_models`; default one, of settings.base_model), and the gateway under uvicorn. Once up, a supervisor thread (supervisor.py; setting `supervise`) restarts the pool or the gateway when it
 dies, while the rest keeps running: a restarted pool adopts its adapters from their durable snapshots and request logs
 (pool/durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group)."""
 
@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -23,8 +24,20 @@ from loraplex.storage.db import migrate
 
 
 class Stack:
-    def __init__(self, settings: Settings, *, api_port: int | None = None, api_in_child: bool = True) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        api_port: int | None = None,
+        api_in_child: bool = True,
+        pool_models: Sequence[str] = (),
+    ) -> None:
+        """pool_models: the base model of each pool, one pool process each (a model may repeat: two pools of it). The
+        first pool is settings.pool (child "pool") and its model the gateway's settings.base_model; the others are
+        named `<pool>-2`, `<pool>-3`, ... (children "pool-<name>"). Empty: one pool of settings.base_model."""
+        models = list(pool_models) or [settings.base_model]
+        self.settings = settings.model_copy(update={"base_model": models[0]})
+        self.pools = pool_layout(self.settings, models)
         self.api_port = api_port or settings.api_port
         self.api_in_child = api_in_child
         self.redis: RedisChild | None = None
@@ -38,7 +51,7 @@ class Stack:
         return [c.proc for c in self._children if c.proc is not None]
 
     def child(self, name: str) -> Child:
-        """"pool" or "api": the supervised child (its `proc`, `pid`, `restarts`)."""
+        """"pool", "pool-<name>" (a further pool) or "api": the supervised child (its `proc`, `pid`, `restarts`)."""
         return next(c for c in self._children if c.name == name)
     @property
     def base_url(self) -> str:
@@ -80,7 +93,8 @@ class Stack:
                                         appendfsync=self.settings.redis_appendfsync).start()  # fmt: skip
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             migrate(self.settings.resolved_database_url)
-            pool = self._spawn("pool", ["-m", "loraplex.pool.process"])
+            for child, pool_env in self.pools.items():
+                self._spawn(child, ["-m", "loraplex.pool.process"], pool_env)
             if self.api_in_child:
                 workers = self.settings.resolved_api_workers
                 self._spawn(
@@ -90,7 +104,8 @@ class Stack:
                     gateway_metrics_env(self.settings, self.api_port, workers),
                 )  # fmt: skip
                 self._wait_http(timeout_s)
-            self._wait_pool_ready(pool, timeout_s)
+            for child, pool_env in self.pools.items():
+                self._wait_pool_ready(child, pool_env["LORAPLEX_POOL"], timeout_s)
             if self.settings.supervise:
                 self.supervisor = Supervisor(self._children, backoff_s=self.settings.restart_backoff_seconds).start()
         except BaseException:
@@ -98,9 +113,9 @@ class Stack:
             raise
         return self
 
-    def wait_pool_ready(self, timeout_s: float = 180.0) -> None:
-        """Wait until the current pool process (a restarted one too) has written its ready file."""
-        self._wait_pool_ready(self.child("pool").proc, timeout_s)
+    def wait_pool_ready(self, timeout_s: float = 180.0, child: str = "pool") -> None:
+        """Wait until the pool's current process (a restarted one too) has written its ready file."""
+        self._wait_pool_ready(child, self.pools[child]["LORAPLEX_POOL"], timeout_s)
 
     def _wait_http(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -114,20 +129,19 @@ class Stack:
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not answer on {self.base_url}; see {self.log_dir / 'api.log'}")
 
-    def _wait_pool_ready(self, pool: subprocess.Popen | None, timeout_s: float) -> None:
-        ready = ready_file(self.settings)
+    def _wait_pool_ready(self, child: str, pool_name: str, timeout_s: float) -> None:
+        ready = ready_file(self.settings.model_copy(update={"pool": pool_name}))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_children()
-            if self.supervisor is not None:  # the child restarts: follow its current process
-                pool = self.child("pool").proc
+            pool = self.child(child).proc  # a restarted child's current process
             try:
                 if pool is not None and ready.read_text().strip() == str(pool.pid):
                     return
             except FileNotFoundError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"worker pool not ready after {timeout_s} s; see {self.log_dir / 'pool.log'}")
+        raise TimeoutError(f"worker pool {pool_name} not ready after {timeout_s} s; see {self.log_dir / child}.log")
 
     def check_children(self) -> None:
         """Raise when a child has exited (while starting, or when nothing restarts it)."""
@@ -158,6 +172,19 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def pool_layout(settings: Settings, models: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Child name -> the environment that makes it that pool: its name and base model (and its own metrics port, the
+    next ones after settings' when that is set), the first pool being settings.pool as child "pool"."""
+    layout: dict[str, dict[str, str]] = {}
+    for i, model in enumerate(models):
+        name = settings.pool if i == 0 else f"{settings.pool}-{i + 1}"
+        env = {"LORAPLEX_POOL": name, "LORAPLEX_BASE_MODEL": model}
+        if settings.pool_metrics_port:
+            env["LORAPLEX_POOL_METRICS_PORT"] = str(settings.pool_metrics_port + i)
+        layout["pool" if i == 0 else f"pool-{name}"] = env
+    return layout
 
 
 def gateway_metrics_env(settings: Settings, port: int, workers: int) -> dict[str, str]:

@@ -222,6 +222,17 @@ def vllm_sampling(settings: Settings, written: Callable[[str], None] | None = No
     return VllmSampleStep(VllmSampler(server), export, settings.home / "vllm-adapters" / settings.pool)
 
 
+def device_free_memory(device: torch.device) -> Callable[[], int | None]:
+    """The registration's free-memory figure: a GPU's measured now, once (later queries from a side thread could meet
+    a CUDA-graph capture); the host's available memory, read each time."""
+    from loraplex.workers.sampling.device_memory import free_bytes
+
+    if device.type == "cuda":
+        measured = free_bytes(device)
+        return lambda: measured
+    return lambda: free_bytes(device)
+
+
 def model_loader(settings: Settings) -> BaseModelLoader:
     return BaseModelLoader(settings.base_model, str(settings.resolved_model_cache), settings.resolved_dtype)
 
@@ -338,6 +349,7 @@ def _lead(
     from loraplex.pool.finish import PlanFinish
     from loraplex.pool.ready import ready_file, remove_ready_file, write_ready_file
     from loraplex.pool.records import applied_seq_lookup, sql_weights
+    from loraplex.pool.registration import RegistrationKeeper, pool_describer
     from loraplex.queue.results import ResultStore
     from loraplex.runtime.background_writes import BackgroundWrites
     from loraplex.runtime.logutil import RateLimitedLog
@@ -368,7 +380,15 @@ def _lead(
 
     beating = threading.Thread(target=heartbeat, name="pool-heartbeat", daemon=True)
     beating.start()
+    # The pool's registration in the fleet (pool/registration.py), from the start: a loading pool's base model is
+    # served (requests wait for it). Free memory once the engine is built: measured then on a GPU (a side thread's
+    # device query must not meet a CUDA-graph capture), each round on the CPU.
+    memory: dict[str, Callable[[], int | None]] = {"free": lambda: None}
+    registry = redis.Redis.from_url(settings.redis_url)
+    describe = pool_describer(settings, registry, world, lambda: str(state["now"]), lambda: memory["free"]())
+    registration = RegistrationKeeper(registry, describe, settings.leader_lease_seconds).start()
     engine = build_rank_engine(spec, group)  # with several ranks, a collective: every rank builds its engine now
+    memory["free"] = device_free_memory(engine.device)
     store = stores.build(engine, group.rank if group is not None else 0)
     writes = BackgroundWrites(hold_writes(settings))  # sampler saves' files, written beside the next plans
     # The step cost model (dispatch/cost_model.py), calibrated from rank 0's measured forward_backward steps.
@@ -409,6 +429,7 @@ def _lead(
 
     dispatcher = _dispatcher_when_redis_answers(build_dispatcher, stop)
     if dispatcher is None:  # stopped while Redis was away
+        registration.close()
         if snapshotter is not None:
             snapshotter.close()
         return
@@ -449,6 +470,7 @@ def _lead(
     if ranks is not None:
         threading.Thread(target=watch_ranks, args=(ranks,), name="pool-ranks", daemon=True).start()
     if stop.is_set():  # stopped (or deposed) while loading the model
+        registration.close(withdraw=not (lease is not None and lease.lost))
         if leader is not None:
             leader.close()
         return
@@ -471,6 +493,7 @@ def _lead(
         remove_ready_file(ready)
         state["now"] = PoolState.STOPPED
         stop.set()
+        registration.close(withdraw=not (lease is not None and lease.lost))  # a deposed leader's is not its own now
         beating.join(timeout=5)
         _beat_now(sessions, settings, PoolState.STOPPED)
         if leader is not None:

@@ -21,6 +21,9 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:metrics:pools               set: the pools that publish metrics there
     loraplex:pool:{pool}:leader          string "<token> <holder>" with a TTL: the pool's leader lease (queue/lease.py)
     loraplex:pool:{pool}:leader_token    integer: the pool's fencing-token counter (INCR per acquisition, never expires)
+    loraplex:pool:{pool}:registration    string: what the pool serves and its load (JSON, queue/pool_registry.py), with
+                                         the lease's TTL: a pool whose leader is gone drops out of the fleet with it
+    loraplex:fleet:pools                 set: the pools that ever registered (their registrations may have expired)
     loraplex:openai:sampler:{tenant}:{model_path}   hash: the OpenAI endpoint's sampler over that checkpoint (or "" for
                                          the base model): `sampler_id`, and `seq` its seq_id counter (api/openai/models.py)
     loraplex:openai:idem:{tenant}:{digest}          string: "<sampler_id> <first seq_id>" an Idempotency-Key took
@@ -93,6 +96,14 @@ def pool_leader(pool: str) -> str:
 
 def pool_leader_token(pool: str) -> str:
     return f"{PREFIX}pool:{pool}:leader_token"
+
+
+def pool_registration(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:registration"
+
+
+def fleet_pools() -> str:
+    return f"{PREFIX}fleet:pools"
 
 
 def result_key(request_id: str) -> str:

@@ -81,12 +81,14 @@ class Producer:
         self.max_queued_tokens = max_queued_tokens
         self._script = redis.register_script(_SUBMIT)
 
-    def submit(self, env: Envelope) -> str:
-        """Queue `env`; returns its request_id, or the request_id of the first request with the same idempotency key."""
-        return self.submit_checked(env)[0]
+    def submit(self, env: Envelope, pool: str | None = None) -> str:
+        """Queue `env` on `pool` (default: the producer's); returns its request_id, or the request_id of the first
+        request with the same idempotency key (whichever pool that went to)."""
+        return self.submit_checked(env, pool)[0]
 
-    def submit_checked(self, env: Envelope) -> tuple[str, bool]:
+    def submit_checked(self, env: Envelope, pool: str | None = None) -> tuple[str, bool]:
         """Like `submit`, plus whether this call enqueued anything (False: a retry of an earlier request)."""
+        pool = pool or self.pool
         idem = keys.request_idempotency_key(env.kind, env.model_id, env.seq_id)
         payload = encode_payload(env.payload)  # written once: the fingerprint hashes the bytes the entry carries
         claim = Claim(env.request_id, fingerprint(env, payload), str(env.kind))
@@ -101,17 +103,17 @@ class Producer:
         argv += [TOKENS_FIELD, tokens]
         script_keys = [
             idem,
-            keys.request_stream(self.pool, env.tenant_id),
+            keys.request_stream(pool, env.tenant_id),
             keys.state_key(env.request_id),
-            keys.pool_tenants(self.pool),
-            keys.pool_doorbell(self.pool),
-            keys.queued_tokens(self.pool),
+            keys.pool_tenants(pool),
+            keys.pool_doorbell(pool),
+            keys.queued_tokens(pool),
         ]
         created, raw = self._script(keys=script_keys, args=argv)
         if created == 1:
             return env.request_id, True
         if created < 0:
-            raise self._over_quota(env, tokens, int(text(raw)), requests=created == -1)
+            raise self._over_quota(env, pool, tokens, int(text(raw)), requests=created == -1)
         first = Claim.decode(text(raw))
         if first.fingerprint is not None and first.fingerprint != claim.fingerprint:
             where = f"seq_id {env.seq_id}" if env.kind not in CONTROL_KINDS else str(env.kind)
@@ -121,13 +123,13 @@ class Producer:
             )
         return first.request_id, False
 
-    def _over_quota(self, env: Envelope, tokens: int, queued: int, *, requests: bool) -> QuotaExceededError:
+    def _over_quota(self, env: Envelope, pool: str, tokens: int, queued: int, *, requests: bool) -> QuotaExceededError:
         if requests:
             what = f"{queued} requests queued; the quota is {self.max_queued_requests}"
         else:
             what = f"{queued} tokens queued, and this request adds {tokens}; the quota is {self.max_queued_tokens}"
         return QuotaExceededError(
-            f"tenant {env.tenant_id} has {what} on pool {self.pool}: send it again once some are answered",
+            f"tenant {env.tenant_id} has {what} on pool {pool}: send it again once some are answered",
             retry_after_s=QUOTA_RETRY_AFTER_S,
         )
 

@@ -5,7 +5,8 @@ the HTTP routes (api/: native, Tinker, OpenAI-compatible), the operators' consol
 (tests/unit/test_layers.py follows every import, lazy ones included). Writes go through storage/'s repositories;
 requests go to the pools through queue/.
 
-    adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete
+    adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete; the served models
+    fleet        which base models the live pools serve (pure, from the registry); fleet_view reads it per process
     training     forward_backward / forward / optim_step on their payloads, checked once (limits, datums, loss, Adam)
     checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete;
                  across adapters by tinker path: list_all (paged), get, bulk delete, ttl, weights_info
@@ -22,7 +23,14 @@ requests go to the pools through queue/.
     pool_metrics_reader, rejections (a refused step keeps its seq_id chain), checkpoint_quota, model_files
 """
 
-from loraplex.service.adapters import create_adapter, delete_adapter, get_adapter, list_adapters
+from loraplex.service.adapters import (
+    create_adapter,
+    delete_adapter,
+    get_adapter,
+    list_adapters,
+    served_model,
+    served_models,
+)
 from loraplex.service.checkpoints import (
     delete_checkpoint,
     delete_checkpoints,
@@ -85,6 +93,8 @@ __all__ = [
     "create_sampler",
     "get_sampler",
     "sample",
+    "served_model",
+    "served_models",
     "sampleable",
     # sessions
     "check_active",

@@ -6,15 +6,19 @@ import secrets
 import uuid
 from collections.abc import Sequence
 
+from sqlalchemy.orm import Session
+
 from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
-from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.context import Services, TenantRef, fleet, write_session
+from loraplex.service.fleet import ServedModel
 from loraplex.service.free_text import check_storable
+from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.service.submit import existing_request_id, submit
 from loraplex.storage.models import Adapter, AdapterStatus
-from loraplex.storage.repositories import AdapterRepository
+from loraplex.storage.repositories import AdapterRepository, PoolRepository
 
 ALPHA_PER_RANK = 2.0  # LoRA alpha when none is given: 2 x rank
 SEED_LIMIT = 2**31  # a seed when none is given: uniform in [0, SEED_LIMIT)
@@ -60,11 +64,8 @@ def create_adapter(
         retry = _resubmit_create(services, tenant, model_id)
         if retry is not None:
             return retry
-    base_model = request.base_model or settings.base_model
-    if base_model != settings.base_model:
-        raise InvalidRequestError(
-            f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}"
-        )
+    served = served_model(services, request.base_model or None)  # 400 naming the served models
+    base_model = served.name
     rank, alpha, seed = request.rank, request.alpha, request.seed
     from_checkpoint: FromCheckpoint | None = None
     if request.from_checkpoint is not None:
@@ -74,7 +75,7 @@ def create_adapter(
         with services.sessions() as db:  # 404 for a missing checkpoint or another tenant's
             checkpoint = resolve_checkpoint(db, tenant.id, request.from_checkpoint, request.with_optimizer)
             source = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True)
-        if not set(source.target_modules) <= set(settings.target_modules) or source.base_model != base_model:
+        if not set(source.target_modules) <= set(served.target_modules) or source.base_model != base_model:
             raise InvalidRequestError(f"{request.from_checkpoint} was trained for another base model or target modules")
         rank, alpha, seed = source.rank, source.alpha, source.seed
         target_modules = tuple(source.target_modules)
@@ -83,11 +84,11 @@ def create_adapter(
             directory=str(checkpoint_dir(services, checkpoint)),
             with_optimizer=request.with_optimizer,
         )
-    if rank > settings.max_rank:
-        raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {settings.max_rank}")
+    if rank > served.max_rank:
+        raise InvalidRequestError(f"rank {rank} exceeds this pool's maximum rank {served.max_rank}")
     alpha = alpha if alpha is not None else ALPHA_PER_RANK * rank
     seed = seed if seed is not None else secrets.randbelow(SEED_LIMIT)
-    modules = _modules(settings.target_modules, target_modules or request.target_modules)
+    modules = _modules(served.target_modules, target_modules or request.target_modules)
     model_id = model_id or uuid.uuid4().hex
     with write_session(services) as db:  # committed before the worker can report on it (the quota counted in it)
         adapters = AdapterRepository(db, tenant.id)
@@ -96,6 +97,7 @@ def create_adapter(
             raise QuotaExceededError(  # no retry_after: waiting frees nothing, a delete does
                 f"tenant {tenant.name} has {quota} adapters, its quota (LORAPLEX_MAX_ADAPTERS_PER_TENANT): delete one first"
             )
+        pool = place(db, served)
         adapters.create(
             model_id=model_id,
             base_model=base_model,
@@ -105,6 +107,7 @@ def create_adapter(
             seed=seed,
             session_id=session_id,
             user_metadata=request.user_metadata,
+            pool=pool,
         )
         # seq_id 0 stands for the creation: the adapter's first step is seq_id 1, whatever order steps arrive in.
         adapters.record_applied(model_id, 0)
@@ -116,7 +119,31 @@ def create_adapter(
         target_modules=modules,
         from_checkpoint=from_checkpoint,
     )
-    return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload)
+    return submit(services, tenant, model_id, RequestKind.CREATE_ADAPTER, payload, pool=pool)
+
+
+def served_models(services: Services) -> list[ServedModel]:
+    """Every base model a live pool serves (with the gateway's own pool's while none does), by name."""
+    served = fleet(services)
+    return [served.models[name] for name in served.names]
+
+
+def served_model(services: Services, base_model: str | None) -> ServedModel:
+    """The served base model a request names (none named: the gateway's own base model while it is served, else the
+    first served one); InvalidRequestError (400) naming the served models otherwise."""
+    served = fleet(services)
+    if base_model is None:
+        default = services.settings.base_model
+        base_model = default if default in served.models or not served.names else served.names[0]
+    return served.model(base_model)
+
+
+def place(db: Session, served: ServedModel) -> str:
+    """The pool of `served` a new adapter goes to, by the placement rule (service/placement.py) over each pool's
+    live adapters counted now, in the creating transaction (which holds the pools' rows on PostgreSQL), and its
+    queued tokens as it last registered."""
+    placed = PoolRepository(db).placed_adapters(served.pool_names)
+    return choose_pool([PoolLoad(p.name, p.slots, placed[p.name], p.queued_tokens) for p in served.pools])
 
 
 def _modules(pool: tuple[str, ...], asked: Sequence[str] | None) -> tuple[str, ...]:
@@ -156,5 +183,5 @@ def get_adapter(services: Services, tenant: TenantRef, model_id: str) -> Adapter
 
 def delete_adapter(services: Services, tenant: TenantRef, model_id: str) -> FutureRef:
     with write_session(services) as db:
-        AdapterRepository(db, tenant.id).mark_deleted(model_id)
-    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, DeleteAdapterPayload())
+        pool = AdapterRepository(db, tenant.id).mark_deleted(model_id).pool
+    return submit(services, tenant, model_id, RequestKind.DELETE_ADAPTER, DeleteAdapterPayload(), pool=pool)

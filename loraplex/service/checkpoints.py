@@ -163,7 +163,7 @@ def _save(
             overwrite=request.overwrite,
         )
         try:
-            ref = submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id)
+            ref = submit(services, tenant, model_id, request_kind, payload, seq_id=request.seq_id, pool=adapter.pool)
         except BaseException:
             if reservation is not None:
                 reservation.cancel()
@@ -189,12 +189,12 @@ def load_state(services: Services, tenant: TenantRef, model_id: str, request: Lo
     """Load a checkpoint of this tenant into this (existing) adapter; a rank or target mismatch fails the future."""
     with filling_rejections(services, tenant, model_id, request.seq_id, RequestKind.LOAD_STATE):
         with services.sessions() as db:
-            AdapterRepository(db, tenant.id).get(model_id)
+            pool = AdapterRepository(db, tenant.id).get(model_id).pool
             checkpoint = resolve_checkpoint(db, tenant.id, request.path, request.with_optimizer)
         payload = LoadStatePayload(
             path=request.path, directory=str(checkpoint_dir(services, checkpoint)), with_optimizer=request.with_optimizer
         )
-        return submit(services, tenant, model_id, RequestKind.LOAD_STATE, payload, seq_id=request.seq_id)
+        return submit(services, tenant, model_id, RequestKind.LOAD_STATE, payload, seq_id=request.seq_id, pool=pool)
 
 
 def list_checkpoints(services: Services, tenant: TenantRef, model_id: str) -> list[CheckpointOut]:

@@ -12,6 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.queue.producer import Producer
 from loraplex.queue.results import ResultStore
 from loraplex.service.auth_cache import AuthCache
+from loraplex.service.fleet import Fleet
+from loraplex.service.fleet_view import FleetView
 from loraplex.service.long_polls import LongPollSlots
 from loraplex.service.pool_health import PoolView
 from loraplex.service.rate_limit import TenantRateLimit
@@ -38,6 +40,8 @@ class Services:
     auth: AuthCache[TenantRef] = field(default_factory=lambda: AuthCache(0.0))
     # This gateway's pool's health, re-read at most once a second (service/pool_health.py).
     pool_view: PoolView = field(default_factory=PoolView)
+    # The live pools and the base models they serve, re-read at most once a second (service/fleet_view.py).
+    fleet_view: FleetView = field(default_factory=FleetView)
     # Each tenant's request rate on this process (service/rate_limit.py); off unless built with a rate.
     rate_limit: TenantRateLimit = field(default_factory=lambda: TenantRateLimit(0.0, 1))
     # Each tenant's long-polls waiting on this process (service/long_polls.py); unbounded unless built with limits.
@@ -48,6 +52,11 @@ def write_session(services: Services) -> AbstractContextManager[Session]:
     """One transaction: committed when the block ends, rolled back (nothing half-written) on any error. On SQLite it
     takes the write lock up front, so a concurrent writer makes it wait rather than fail."""
     return unit_of_work(services.sessions)
+
+
+def fleet(services: Services) -> Fleet:
+    """The served base models and their pools now (at most a second old)."""
+    return services.fleet_view.get(services.settings, services.redis)
 
 
 def blob_store(services: Services) -> BlobStore:

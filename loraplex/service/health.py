@@ -9,7 +9,7 @@ import redis as redis_lib
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex import __version__
-from loraplex.service.context import Services
+from loraplex.service.context import Services, fleet
 from loraplex.service.pool_health import PoolHealth, all_pools, short_error
 from loraplex.storage.db import ping as db_ping
 
@@ -41,6 +41,8 @@ def health_report(services: Services) -> tuple[bool, dict[str, Any]]:
         "down": down,
         "base_model": services.settings.base_model,
         "pool": services.settings.pool,
+        # Every served base model and its pools (service/fleet.py): the live pools' registrations.
+        "served_models": {m.name: list(m.pool_names) for m in fleet(services).models.values()},
         "gateway": {"ok": True, "version": __version__},
         "redis": redis_check,
         "database": db_check,

@@ -103,17 +103,14 @@ class PeftExport:
 def export_peft(services: Services, tenant: TenantRef, model_id: str, ref: str | None, out_dir: Path) -> PeftExport:
     """Write the PEFT folder of `ref` (a tinker path of this adapter or `<kind>/<name>`; default: the latest sampler
     or state checkpoint) into `out_dir`. 404 for another tenant's or a missing adapter or checkpoint, or nothing
-    saved yet; 400 for an adapter of another base model or a tampered checkpoint."""
+    saved yet; 400 for a base model without a folder here or a tampered checkpoint."""
     settings = services.settings
     with services.sessions() as db:
         adapter, found = find_export_checkpoint(db, tenant.id, model_id, ref)
     found = files_written(services, tenant.id, found)
-    if adapter.base_model != settings.base_model:
-        raise InvalidRequestError(
-            f"adapter {model_id!r} was trained on {adapter.base_model!r}; this service has {settings.base_model!r}"
-        )
+    # The adapter's own base model, whichever pool of the fleet trained it (400 when this host has no folder of it).
     folder = write_peft_folder(
-        settings, found, out_dir, base_model=settings.base_model, base_model_path=adapter.base_model
+        settings, found, out_dir, base_model=adapter.base_model, base_model_path=adapter.base_model
     )
     return PeftExport(folder, tinker_path(found.model_id, CheckpointKind(found.kind), found.name), found.name)
 

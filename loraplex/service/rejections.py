@@ -40,12 +40,12 @@ def fill_rejected(
         return False
     with services.sessions() as db:
         try:
-            AdapterRepository(db, tenant.id).check_live(model_id)
+            pool = AdapterRepository(db, tenant.id).live_pool(model_id)
         except NotFoundError:
             return False
     payload = RejectedPayload(rejected_kind=str(kind), error_type=error_name(error_type), message=message)
     try:
-        submit(services, tenant, model_id, RequestKind.REJECTED, payload, seq_id=seq_id)
+        submit(services, tenant, model_id, RequestKind.REJECTED, payload, seq_id=seq_id, pool=pool)
     except ConflictError:
         return False  # the seq_id is claimed already
     return True

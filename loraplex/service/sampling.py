@@ -12,27 +12,30 @@ from collections.abc import Sequence
 from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import RequestKind, SamplePayload
 from loraplex.protocol.checkpoint_paths import CheckpointKind, parse_tinker_path
+from loraplex.queue.pool_registry import can_sample
+from loraplex.service.adapters import served_model
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
-from loraplex.service.context import Services, TenantRef, write_session
+from loraplex.service.context import Services, TenantRef, fleet, write_session
+from loraplex.service.fleet import ServedModel
+from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 from loraplex.service.submit import submit
 from loraplex.settings import Settings
 from loraplex.storage.models import SamplingSession
-from loraplex.storage.repositories import SamplerRepository, SessionRepository
+from loraplex.storage.repositories import AdapterRepository, SamplerRepository, SessionRepository
 
 
-def sampleable(services: Services) -> bool:
-    """Whether this gateway's pool samples: the native sampler on any number of ranks (with several, each rank decodes
-    its share on a whole copy of the base model, workers/sampling/replica.py), vLLM on a pool of one rank (its pool
-    process runs none beside several ranks), "none" never. The pool's world size is the one its heartbeat reports
-    (settings.world_size before its first beat)."""
-    settings = services.settings
-    if settings.sampler == "native":
+def sampleable(services: Services, model: ServedModel) -> bool:
+    """Whether a pool of this served base model samples (queue/pool_registry.can_sample): as each live pool registered
+    it; the gateway's own pool standing in unregistered: by this gateway's sampler setting and the world size the
+    pool's heartbeat last reported (settings.world_size before its first beat)."""
+    if model.sampleable_live:
         return True
-    if settings.sampler != "vllm":
+    if not model.stand_in:
         return False
+    settings = services.settings
     world = services.pool_view.get(settings, services.sessions).world_size
-    return (world if world is not None else settings.world_size) <= 1
+    return can_sample(settings.sampler, world if world is not None else settings.world_size)
 
 
 def check_stops(settings: Settings, stops: Sequence[str | int]) -> None:
@@ -87,10 +90,7 @@ def create_sampler(
     checkpoint: sample from save_weights_for_sampler's) or the base model. In a client session (Tinker) the same
     (session, sampling_session_seq_id) again answers the first sampler (the SDK retries). `saved_by`: the queued
     save that writes the checkpoint (the unnamed save_weights_for_sampler): it need not exist yet."""
-    settings = services.settings
-    base_model = request.base_model or settings.base_model
-    if base_model != settings.base_model:
-        raise InvalidRequestError(f"base_model {base_model!r} is not served here; this pool serves {settings.base_model!r}")
+    base_model = served_model(services, request.base_model or None).name  # 400 naming the served models
     with write_session(services) as db:
         samplers = SamplerRepository(db, tenant.id)
         if session_id is not None:
@@ -145,6 +145,10 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         if sampler.model_path is not None:
             checkpoint = resolve_checkpoint(db, tenant.id, sampler.model_path, with_optimizer=False)
             directory = str(checkpoint_dir(services, checkpoint))
+            # The adapter's pool holds its sampler copies (a save is answered before its files are written).
+            pool = AdapterRepository(db, tenant.id).get(checkpoint.model_id, include_deleted=True).pool
+        else:
+            pool = base_model_pool(services, sampler.base_model)
     payload = SamplePayload(
         prompt=tuple(request.prompt),
         sampler_copy=sampler.model_path,
@@ -162,4 +166,11 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         topk_prompt_logprobs=request.topk_prompt_logprobs,
         topk_sample_logprobs=request.topk_sample_logprobs,
     )
-    return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id)
+    return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id, pool=pool)
+
+
+def base_model_pool(services: Services, base_model: str) -> str:
+    """The pool that samples the bare base model for one request: the placement rule over its served pools, no
+    adapter counted (a base-model sample holds no adapter): most slots, then fewest queued tokens, then the name."""
+    pools = fleet(services).model(base_model).pools
+    return choose_pool([PoolLoad(p.name, p.slots, 0, p.queued_tokens) for p in pools])

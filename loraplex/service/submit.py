@@ -20,11 +20,13 @@ def enqueue(
     kind: RequestKind,
     payload: Payload,
     seq_id: int | None = None,
+    pool: str | None,
 ) -> str:
-    """Queue one request and return its request id (the first one's, if (model_id, seq_id) was already queued).
-    Create and delete take no seq_id: they sit outside the adapter's step order."""
+    """Queue one request on `pool` (the adapter's, or the sampler's: route_of; None: the gateway's own pool) and
+    return its request id (the first one's, if (model_id, seq_id) was already queued). Create and delete take no
+    seq_id: they sit outside the adapter's step order."""
     envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
-    request_id = services.producer.submit(envelope)
+    request_id = services.producer.submit(envelope, pool)
     services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
     return request_id
 
@@ -36,10 +38,14 @@ def submit(
     kind: RequestKind,
     payload: Payload,
     seq_id: int | None = None,
+    *,
+    pool: str | None,
 ) -> FutureRef:
-    """`enqueue` of the kind's typed payload (loraplex/protocol), answered as the reference the client polls. The
-    payload travels as it is: the envelope refuses one of another kind, and the queue's codec encodes it once."""
-    request_id = enqueue(services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id)
+    """`enqueue` of the kind's typed payload (loraplex/protocol) on `pool`, answered as the reference the client polls.
+    The payload travels as it is: the envelope refuses one of another kind, and the queue's codec encodes it once."""
+    request_id = enqueue(
+        services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id, pool=pool
+    )
     return FutureRef(request_id=request_id, model_id=model_id)
 
 

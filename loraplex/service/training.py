@@ -20,11 +20,12 @@ from loraplex.settings import Settings
 from loraplex.storage.repositories import AdapterRepository
 
 
-def check_live(services: Services, tenant: TenantRef, model_id: str) -> None:
+def check_live(services: Services, tenant: TenantRef, model_id: str) -> str | None:
     """404 for an unknown, deleted, or another tenant's adapter (a session of its own: the hot training calls take no
-    request-wide session, one worker-thread hop fewer)."""
+    request-wide session, one worker-thread hop fewer); else the pool it is placed on, where its requests go (None:
+    the gateway's own)."""
     with services.sessions() as db:
-        AdapterRepository(db, tenant.id).check_live(model_id)
+        return AdapterRepository(db, tenant.id).live_pool(model_id)
 
 
 def check_sizes(settings: Settings, tokens: Sequence[int], loss_inputs: Sequence[int]) -> None:
@@ -116,17 +117,17 @@ def _pass(
     payload: ForwardBackwardPayload,
     kind: RequestKind,
 ) -> FutureRef:
-    check_live(services, tenant, model_id)
+    pool = check_live(services, tenant, model_id)
     with filling_rejections(services, tenant, model_id, seq_id, kind):
         check_forward_backward(services.settings, kind, payload)
-        return submit(services, tenant, model_id, kind, payload, seq_id=seq_id)
+        return submit(services, tenant, model_id, kind, payload, seq_id=seq_id, pool=pool)
 
 
 def optim_step(
     services: Services, tenant: TenantRef, model_id: str, seq_id: int, payload: OptimStepPayload
 ) -> FutureRef:
     """Apply the accumulated gradients with AdamW and clear them."""
-    check_live(services, tenant, model_id)
+    pool = check_live(services, tenant, model_id)
     with filling_rejections(services, tenant, model_id, seq_id, RequestKind.OPTIM_STEP):
         check_optim_step(payload)
-    return submit(services, tenant, model_id, RequestKind.OPTIM_STEP, payload, seq_id=seq_id)
+    return submit(services, tenant, model_id, RequestKind.OPTIM_STEP, payload, seq_id=seq_id, pool=pool)

@@ -107,6 +107,9 @@ class Adapter(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # The pool it is placed on (service/placement.py; migration 0010): its requests go to that pool's queue. NULL
+    # (rows from before the fleet): the gateway's own pool, settings.pool.
+    pool: Mapped[str | None] = mapped_column(String(64), index=True)
 
 
 class Checkpoint(Base):

@@ -18,9 +18,10 @@ def queue_length(redis, pool: str) -> int:
     return sum(redis.xlen(s) for s in tenant_streams(redis, pool))
 
 
-def queued(services) -> dict[str, Envelope]:
-    """request_id -> envelope of everything queued on the gateway's pool (per tenant in arrival order)."""
-    pool = services.settings.pool
+def queued(services, pool: str | None = None) -> dict[str, Envelope]:
+    """request_id -> envelope of everything queued on `pool` (default: the gateway's own), per tenant in arrival
+    order."""
+    pool = pool or services.settings.pool
     entries = [e for stream in tenant_streams(services.redis, pool) for e in services.redis.xrange(stream)]
     return {env.request_id: env for env in (decode(fields) for _, fields in entries)}
 

@@ -391,6 +391,23 @@ def test_pool_state_is_recorded(factory: sessionmaker[Session]) -> None:
         assert PoolRepository(s).get("p").state == PoolState.STOPPED and PoolRepository(s).find("nobody") is None
 
 
+def test_placed_adapters_count_every_tenants_live_adapters_per_pool(factory: sessionmaker[Session]) -> None:
+    a, _ = _tenant(factory, "a")
+    b, _ = _tenant(factory, "b")
+    with unit_of_work(factory) as s:
+        PoolRepository(s).heartbeat("p1", "tiny", 1, 8)  # a row to lock; p2 has none (never beat): counted all the same
+        for tenant, model_id, pool in ((a, "a1", "p1"), (b, "b1", "p1"), (b, "b2", "p2"), (a, "gone", "p2"), (a, "old", None)):
+            AdapterRepository(s, tenant).create(model_id, "tiny", 4, 8.0, ["q_proj"], seed=0, pool=pool)
+        AdapterRepository(s, a).mark_deleted("gone")
+    with unit_of_work(factory) as s:
+        assert PoolRepository(s).placed_adapters(["p2", "p1", "p3"]) == {"p1": 2, "p2": 1, "p3": 0}
+        assert AdapterRepository(s, b).live_pool("b2") == "p2" and AdapterRepository(s, a).live_pool("old") is None
+        with pytest.raises(errors.NotFoundError):
+            AdapterRepository(s, a).live_pool("gone")
+        with pytest.raises(errors.NotFoundError):
+            AdapterRepository(s, a).live_pool("b1")  # another tenant's
+
+
 def test_datetimes_come_back_timezone_aware_utc(factory: sessionmaker[Session]) -> None:
     a, _ = _tenant(factory, "a")
     with factory() as s:

@@ -34,6 +34,7 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_missing_or_malformed_keys_are_rejected,
     test_only_the_key_hash_is_stored,
     test_pages_latest_of_and_bulk_delete_across_adapters,
+    test_placed_adapters_count_every_tenants_live_adapters_per_pool,
     test_pool_heartbeat_upserts,
     test_pool_leadership_goes_to_larger_tokens_and_fences_the_old_one,
     test_pool_state_is_recorded,

@@ -30,6 +30,20 @@ def test_children_see_every_setting_of_the_stack(monkeypatch: pytest.MonkeyPatch
     assert seen.resolved_blob_root == given.resolved_blob_root and seen.spill_dir == tmp_path / "spill"
 
 
+def test_a_stack_of_several_base_models_runs_one_named_pool_each_and_one_pool_by_default(tmp_path: Path) -> None:
+    one = Stack(Settings(home=tmp_path, base_model="tiny"))
+    assert one.pools == {"pool": {"LORAPLEX_POOL": "default", "LORAPLEX_BASE_MODEL": "tiny"}}
+    fleet = Stack(Settings(home=tmp_path, pool_metrics_port=9300), pool_models=["tiny-moe", "tiny", "tiny-moe"])
+    assert fleet.settings.base_model == "tiny-moe"  # the first pool's: the gateway's own
+    assert fleet.pools == {
+        "pool": {"LORAPLEX_POOL": "default", "LORAPLEX_BASE_MODEL": "tiny-moe", "LORAPLEX_POOL_METRICS_PORT": "9300"},
+        "pool-default-2": {"LORAPLEX_POOL": "default-2", "LORAPLEX_BASE_MODEL": "tiny",
+                           "LORAPLEX_POOL_METRICS_PORT": "9301"},
+        "pool-default-3": {"LORAPLEX_POOL": "default-3", "LORAPLEX_BASE_MODEL": "tiny-moe",
+                           "LORAPLEX_POOL_METRICS_PORT": "9302"},
+    }  # fmt: skip
+
+
 def test_the_cuda_speed_switches_reach_the_pools_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex.pool.process import engine_spec
 

@@ -1,13 +1,13 @@
 """What an OpenAI request's `model` names, the sampler it is sampled through, and the seq_ids its samples take.
 
 `model` is one of (else 404 "model_not_found", the same answer for another tenant's as for a made-up one):
-- the pool's base model name: the bare base model;
+- a served base model's name (any pool of the fleet's: service/fleet.py): that bare base model;
 - `tinker://<model_id>/sampler_weights/<name>`: that frozen sampler checkpoint of the tenant's;
 - one of the tenant's adapter ids: its newest sampler checkpoint at the time of the request (a 400 saying to save
   sampler weights first while it has none). The adapter's live, still-training weights are never sampled: only what
   a save_weights_for_sampler froze.
 
-Each (tenant, model path) gets one sampler (service.create_sampler), kept in a Redis hash with its seq_id counter
+Each (tenant, model path or base model name) gets one sampler (service.create_sampler), kept in a Redis hash with its seq_id counter
 (`keys.openai_sampler`, 24 h from its last use), so every gateway replica shares it: a request takes consecutive
 seq_ids with one HINCRBY (two concurrent requests never collide), and (sampler, seq_id) is the queue's idempotency
 key. An `Idempotency-Key` header makes a retry (the same key, model and body, within 24 h) take the seq_ids the first
@@ -24,7 +24,7 @@ from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.protocol.checkpoint_paths import parse_tinker_path
 from loraplex.queue import keys
 from loraplex.queue.redis_text import text
-from loraplex.service.context import Services, TenantRef
+from loraplex.service.context import Services, TenantRef, fleet
 from loraplex.service.schemas import CreateSamplerRequest
 
 SAMPLER_TTL_S = 24 * 3600
@@ -61,16 +61,16 @@ def not_found(model: str) -> NotFoundError:
     return NotFoundError(f"The model {model!r} does not exist or you do not have access to it.")
 
 
-def resolve_model(services: Services, tenant: TenantRef, model: str) -> str | None:
-    """The sampler checkpoint `model` names (a tinker path), or None for the base model."""
-    if model == services.settings.base_model:
-        return None
+def resolve_model(services: Services, tenant: TenantRef, model: str) -> tuple[str, str | None]:
+    """(the base model, the sampler checkpoint `model` names: a tinker path, or None for the bare base model)."""
+    if model in fleet(services).models:
+        return model, None
     if model.startswith("tinker://"):
         try:
-            parse_tinker_path(model)
-        except InvalidRequestError:
+            model_id = parse_tinker_path(model).model_id
+            return service.get_run(services, tenant, model_id).base_model, model
+        except (InvalidRequestError, NotFoundError):
             raise not_found(model) from None
-        return model
     try:
         run = service.get_run(services, tenant, model)
     except NotFoundError:
@@ -80,16 +80,16 @@ def resolve_model(services: Services, tenant: TenantRef, model: str) -> str | No
             f"adapter {model!r} has no sampler weights yet: save them first (save_weights_for_sampler), then name the "
             "adapter (its newest sampler weights are sampled) or their tinker:// path as the model"
         )
-    return run.last_sampler_checkpoint.tinker_path
+    return run.base_model, run.last_sampler_checkpoint.tinker_path
 
 
 def take_seq_ids(
-    services: Services, tenant: TenantRef, model: str, model_path: str | None, count: int,
+    services: Services, tenant: TenantRef, model: str, base_model: str, model_path: str | None, count: int,
     idempotency_key: str | None = None,
 ) -> tuple[str, int]:  # fmt: skip
-    """(sampler_id, the first of `count` consecutive seq_ids) for sampling `model_path` (None: the base model)."""
+    """(sampler_id, the first of `count` consecutive seq_ids) for sampling `model_path` (None: the bare base model)."""
     script = services.redis.register_script(_TAKE)
-    script_keys = [keys.openai_sampler(tenant.id, model_path or "")]
+    script_keys = [keys.openai_sampler(tenant.id, model_path or base_model)]
     if idempotency_key is not None:
         digest = hashlib.sha256(f"{model}\0{idempotency_key}".encode()).hexdigest()
         script_keys.append(keys.openai_idempotency(tenant.id, digest))
@@ -97,7 +97,7 @@ def take_seq_ids(
     for _ in range(3):
         answer = script(keys=script_keys, args=[SAMPLER_TTL_S, count, new_id, SEQ_LIMIT])
         if answer is None:
-            new_id = _create_sampler(services, tenant, model, model_path)
+            new_id = _create_sampler(services, tenant, model, base_model, model_path)
             continue
         first, second = text(answer[0]), text(answer[1])
         if first == "idem":
@@ -109,25 +109,31 @@ def take_seq_ids(
     raise InvalidRequestError(f"could not take {count} seq_ids for {model!r}")  # only for count >= SEQ_LIMIT
 
 
-def _create_sampler(services: Services, tenant: TenantRef, model: str, model_path: str | None) -> str:
+def _create_sampler(services: Services, tenant: TenantRef, model: str, base_model: str, model_path: str | None) -> str:
+    request = CreateSamplerRequest(model_path=model_path, base_model=base_model)
     try:
-        return service.create_sampler(services, tenant, CreateSamplerRequest(model_path=model_path, base_model=None)).sampler_id
+        return service.create_sampler(services, tenant, request).sampler_id
     except NotFoundError:
         raise not_found(model) from None
 
 
 def list_models(services: Services, tenant: TenantRef) -> list[dict[str, Any]]:
-    """OpenAI's model objects: the base model, then the tenant's sampler checkpoints (newest first) by tinker path."""
-    base = services.settings.base_model
-    models: list[dict[str, Any]] = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex"}]
+    """OpenAI's model objects: the served base models, then the tenant's sampler checkpoints (newest first) by tinker
+    path, each with its base model as `root`."""
+    models: list[dict[str, Any]] = [
+        {"id": base, "object": "model", "created": 0, "owned_by": "loraplex"} for base in fleet(services).names
+    ]
+    roots: dict[str, str] = {}
     offset = 0
     while True:
         page = service.list_all_checkpoints(services, tenant, 1000, offset)
         for c in page.checkpoints:
             if c.checkpoint_type == "sampler":
                 created = int(c.time.timestamp()) if isinstance(c.time, datetime) else 0
+                if c.model_id not in roots:
+                    roots[c.model_id] = service.get_run(services, tenant, c.model_id).base_model
                 models.append({"id": c.tinker_path, "object": "model", "created": created, "owned_by": tenant.name,
-                               "root": base, "parent": c.model_id})  # fmt: skip
+                               "root": roots[c.model_id], "parent": c.model_id})  # fmt: skip
         offset += len(page.checkpoints)
         if not page.checkpoints or offset >= page.cursor.total_count:
             return models

@@ -59,13 +59,14 @@ def _stops(settings: Settings, body: SamplingFields) -> list[str]:
 
 
 def _sample_all(
-    services: Services, tenant: TenantRef, body: SamplingFields, prompts: list[list[int]],
-    request_for: Callable[[list[int]], dict[str, Any]], idempotency_key: str | None,
+    services: Services, tenant: TenantRef, body: SamplingFields, model: tuple[str, str | None],
+    prompts: list[list[int]], request_for: Callable[[list[int]], dict[str, Any]], idempotency_key: str | None,
 ) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
-    """Queue one sample request per prompt, wait for all; (the first request id, the results in prompt order)."""
+    """Queue one sample request per prompt of `model` (resolve_model's (base model, model path)), wait for all; (the
+    first request id, the results in prompt order)."""
     settings = services.settings
     check_prompt_count(settings, len(prompts), body.n)
-    model_path = resolve_model(services, tenant, body.model)
+    base_model, model_path = model
     requests = []
     for prompt in prompts:
         try:
@@ -78,7 +79,8 @@ def _sample_all(
     # The wait holds one of the tenant's long-poll slots (service/long_polls.py), taken before anything is queued, so a
     # 429 leaves nothing behind.
     with services.long_polls.hold(tenant.id, tenant.name):
-        sampler_id, first = take_seq_ids(services, tenant, body.model, model_path, len(prompts), idempotency_key)
+        sampler_id, first = take_seq_ids(services, tenant, body.model, base_model, model_path, len(prompts),
+                                         idempotency_key)  # fmt: skip
         refs = [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}))
                 for i, r in enumerate(requests)]  # fmt: skip
         deadline = time.monotonic() + settings.openai_wait_seconds
@@ -128,11 +130,12 @@ def completions(body: CompletionRequest, tenant: TenantDep, services: ServicesDe
     given = body.prompts()
     check_prompt_count(settings, len(given), body.n)
     check_prompt_bytes(settings, [p for p in given if isinstance(p, str)])
-    tok = gateway_tokenizer(settings)
+    model = resolve_model(services, tenant, body.model)
+    tok = gateway_tokenizer(settings, model[0])
     prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in given]
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     topk = body.logprobs or 0
-    rid, results = _sample_all(services, tenant, body, prompts,
+    rid, results = _sample_all(services, tenant, body, model, prompts,
                                lambda p: _sampling(body, p, max_tokens, stops, topk), idempotency_key)  # fmt: skip
     with_lp = body.logprobs is not None
     choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
@@ -156,7 +159,8 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
     stops = _stops(settings, body)
     check_prompt_count(settings, 1, body.n)
     check_chat(settings, body.messages)
-    tok = gateway_tokenizer(settings)
+    model = resolve_model(services, tenant, body.model)
+    tok = gateway_tokenizer(settings, model[0])
     messages = []
     for i, m in enumerate(body.messages):
         try:
@@ -169,7 +173,7 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
     prompt = tok.encode(text, add_special_tokens=not templated)
     with_lp = body.logprobs
     topk = (body.top_logprobs or 0) if with_lp else 0
-    rid, results = _sample_all(services, tenant, body, [prompt],
+    rid, results = _sample_all(services, tenant, body, model, [prompt],
                                lambda p: _sampling(body, p, body.new_tokens(), stops, topk), idempotency_key)  # fmt: skip
     choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
     created, cid = int(time.time()), f"chatcmpl-{rid}"
@@ -182,5 +186,6 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
 
 @router.get("/v1/models")
 def models(tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    """The base model, then the tenant's sampler checkpoints by tinker path (an adapter id works as `model` too)."""
+    """The served base models, then the tenant's sampler checkpoints by tinker path (an adapter id works as `model`
+    too)."""
     return {"object": "list", "data": list_models(services, tenant)}

@@ -100,10 +100,10 @@ _CACHE: dict[tuple[str, float, float], GatewayTokenizer] = {}
 _LOCK = threading.Lock()
 
 
-def gateway_tokenizer(settings: Settings) -> GatewayTokenizer:
-    """The pool's tokenizer, loaded once per folder (and version of its files) in this process. A 400 while the
+def gateway_tokenizer(settings: Settings, base_model: str) -> GatewayTokenizer:
+    """The base model's tokenizer, loaded once per folder (and version of its files) in this process. A 400 while the
     gateway cannot see one (the pool writes the preset's folder when it first loads the model)."""
-    folder = tokenizer_folder(settings, settings.base_model)
+    folder = tokenizer_folder(settings, base_model)
     if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         raise NotSupportedError(
             "this gateway has no tokenizer.json for the base model (looked in the model's folder and the model "

@@ -64,14 +64,19 @@ def telemetry(tenant: TenantDep) -> dict[str, str]:
 
 @router.get("/get_server_capabilities")
 def get_server_capabilities(tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    settings = services.settings
-    model = {
-        "model_name": settings.base_model,
-        "max_context_length": settings.max_tokens_per_datum,
-        "trainable": True,
-        "sampleable": service.sampleable(services),  # the native sampler decodes dense and MoE bases
+    """Every base model a pool of the fleet serves (service/fleet.py), by name."""
+    served = service.served_models(services)
+    return {
+        "supported_models": [
+            {
+                "model_name": model.name,
+                "max_context_length": services.settings.max_tokens_per_datum,
+                "trainable": True,
+                "sampleable": service.sampleable(services, model),  # the native sampler decodes dense and MoE
+            }
+            for model in served
+        ]
     }
-    return {"supported_models": [model]}
 
 
 @router.get("/healthz")

@@ -42,7 +42,6 @@ from loraplex.service.schemas import (
     SaveCheckpointRequest,
 )
 from loraplex.service.training import check_live
-from loraplex.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -56,19 +55,20 @@ def tinker_model_id(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
-def target_modules_for(settings: Settings, lora: LoraConfigBody) -> tuple[str, ...]:
-    """The pool's target modules that `lora_config` asks for. train_unembed is not trained here (no LoRA on the LM
-    head): it is accepted and ignored, as create_session's info_message and the README say."""
+def target_modules_for(pool_modules: tuple[str, ...], lora: LoraConfigBody) -> tuple[str, ...]:
+    """The pool's target modules (`pool_modules`: those of the base model's pools) that `lora_config` asks for.
+    train_unembed is not trained here (no LoRA on the LM head): it is accepted and ignored, as create_session's
+    info_message and the README say."""
     wanted = (ATTENTION_MODULES if lora.train_attn else frozenset()) | (MLP_MODULES if lora.train_mlp else frozenset())
-    modules = tuple(m for m in settings.target_modules if m in wanted)
+    modules = tuple(m for m in pool_modules if m in wanted)
     if not modules:
         raise InvalidRequestError(
             "lora_config trains nothing this pool can: it trains LoRA on "
-            f"{', '.join(settings.target_modules)}; set train_attn and/or train_mlp"
+            f"{', '.join(pool_modules)}; set train_attn and/or train_mlp"
         )
     for group, flag, names in (("attention", lora.train_attn, ATTENTION_MODULES), ("MLP", lora.train_mlp, MLP_MODULES)):
-        if flag and not names & set(settings.target_modules):
-            raise InvalidRequestError(f"this pool has no {group} LoRA modules ({', '.join(settings.target_modules)})")
+        if flag and not names & set(pool_modules):
+            raise InvalidRequestError(f"this pool has no {group} LoRA modules ({', '.join(pool_modules)})")
     return modules
 
 
@@ -82,11 +82,12 @@ def check_optimizer(config: OptimizerConfigBody | None) -> None:
 
 @router.post("/create_model")
 def create_model(body: CreateModelBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    lora = body.lora_config or LoraConfigBody(rank=services.settings.max_rank, seed=None)
+    served = service.served_model(services, body.base_model or None)  # 400 naming the served models
+    lora = body.lora_config or LoraConfigBody(rank=served.max_rank, seed=None)
     fields: dict[str, Any] = {"rank": lora.rank, "user_metadata": body.user_metadata or {}}
     if lora.seed is not None:
         fields["seed"] = lora.seed
-    modules = target_modules_for(services.settings, lora)
+    modules = target_modules_for(served.target_modules, lora)
     ref = _create_in_session(services, tenant, body.session_id, body.model_seq_id, body, fields, modules)
     return future_out(Tag.CREATE, ref)
 

@@ -36,6 +36,7 @@ class AdapterRepository:
         seed: int,
         session_id: str | None = None,
         user_metadata: dict[str, Any] | None = None,
+        pool: str | None = None,
     ) -> Adapter:
         _validate(model_id, rank, alpha, target_modules)
         # Ids are global (the primary key); a clash with a deleted or foreign adapter is still a clash.
@@ -52,6 +53,7 @@ class AdapterRepository:
             status=AdapterStatus.CREATING,
             session_id=session_id,
             user_metadata=dict(user_metadata or {}),
+            pool=pool,
         )
         add_or_conflict(self.session, adapter, f"adapter {model_id!r} already exists")
         return adapter
@@ -72,11 +74,18 @@ class AdapterRepository:
 
     def check_live(self, model_id: str) -> None:
         """NotFoundError unless a live adapter of this tenant has this id (one column read: the training calls' check)."""
-        stmt = select(Adapter.model_id).where(
+        self.live_pool(model_id)
+
+    def live_pool(self, model_id: str) -> str | None:
+        """The pool a live adapter of this tenant is placed on (None: placed before the fleet, the gateway's own);
+        NotFoundError unless there is one (one row read: the training calls' check and their route)."""
+        stmt = select(Adapter.pool).where(
             Adapter.model_id == model_id, Adapter.tenant_id == self.tenant_id, Adapter.status != AdapterStatus.DELETED
         )
-        if self.session.execute(stmt).first() is None:
+        row = self.session.execute(stmt).first()
+        if row is None:
             raise _not_found(model_id)
+        return row[0]
 
     def count_live(self) -> int:
         """Adapters of this tenant not deleted (the adapter quota's count)."""

@@ -3,12 +3,14 @@ the pool over (`take_leadership`); every plan's record transaction checks it fir
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
+from loraplex.storage.enums import AdapterStatus
 from loraplex.storage.models import Adapter, Pool, PoolState
 from loraplex.storage.types import utcnow
 
@@ -84,6 +86,21 @@ class PoolRepository:
         if pool is not None:
             pool.state = state
             self.session.flush()
+
+    def placed_adapters(self, names: Sequence[str]) -> dict[str, int]:
+        """Live adapters placed on each of these pools (every tenant's: placement weighs the whole load), 0 for none.
+        On PostgreSQL the pools' rows are locked first (FOR UPDATE, in name order) until the transaction ends, so
+        concurrent placements on the same pools count each other's adapters instead of choosing alike; SQLite's
+        write transaction serialises them anyway."""
+        ordered = sorted(set(names))
+        self.session.execute(select(Pool.name).where(Pool.name.in_(ordered)).order_by(Pool.name).with_for_update())
+        stmt = (
+            select(Adapter.pool, func.count())
+            .where(Adapter.pool.in_(ordered), Adapter.status != AdapterStatus.DELETED)
+            .group_by(Adapter.pool)
+        )
+        counts = {pool: int(n) for pool, n in self.session.execute(stmt) if pool is not None}
+        return {name: counts.get(name, 0) for name in ordered}
 
     def find(self, name: str) -> Pool | None:
         return self.session.get(Pool, name)
