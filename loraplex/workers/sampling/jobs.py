@@ -55,6 +55,7 @@ class SamplerStats:
 
     decode_steps: int = 0
     prefill_forwards: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled: each prompt once per run, however many jobs and samples share it
     rows_admitted: int = 0
     joined_live_batch: int = 0  # rows that joined while other rows were mid-decode (continuous batching)
     peak_rows: int = 0

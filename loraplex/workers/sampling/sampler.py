@@ -340,7 +340,17 @@ class _Run:
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
-        self.unadmitted = [job.num_samples for job in jobs]
+        # Jobs of the same adapter, prompt and prompt-logprob asks (another request for the same prompt) share the
+        # first such job's prefill and prompt blocks: `source[j]` is that job (j itself for the first). Its holder
+        # row ends once every sample of every job sharing it has forked.
+        first: dict[tuple[Any, ...], int] = {}
+        self.source = [
+            first.setdefault((job.model_id, job.prompt, job.prompt_logprobs, job.topk_prompt_logprobs), j)
+            for j, job in enumerate(jobs)
+        ]
+        self.unadmitted = [0] * len(jobs)  # per source job: samples of the jobs sharing it not admitted yet
+        for j, job in enumerate(jobs):
+            self.unadmitted[self.source[j]] += job.num_samples
         # A job without a seed draws one now, from the OS (not torch's global generator, which model init seeds).
         self.seeds = [job.params.seed if job.params.seed is not None else secrets.randbits(64) for job in jobs]
         self.batch = sampler.batch(self.need)
@@ -443,24 +453,27 @@ class _Run:
             take = self._fitting(len(batch.free_rows))
             if not take:
                 return  # wait for rows of the batch to end and give their blocks back
-            self._prefill(sorted({j for j, _ in take if j not in self.prefilled}))
+            source = self.source
+            self._prefill(sorted({source[j] for j, _ in take if source[j] not in self.prefilled}))
             rows = [self._new_row(j, s) for j, s in take]
             first = [row for row in rows if row.stop_reason is None]  # max_tokens 0 ends at once
             if first:  # every new row's first token, from its job's prefill logits: one choice for all
-                _choose(self.sampler, first, torch.stack([self.prefilled[row.job].last_logits for row in first]))
+                logits = [self.prefilled[source[row.job]].last_logits for row in first]
+                _choose(self.sampler, first, torch.stack(logits))
             for row in rows:
                 stats.rows_admitted += 1
+                shared = source[row.job]
                 if row.stop_reason is None:
-                    self._join(row, self.prefilled[row.job].kv)
+                    self._join(row, self.prefilled[shared].kv)
                     stats.joined_live_batch += decoding
                 else:
                     self._finish(row)
-                self.unadmitted[row.job] -= 1
-                if self.unadmitted[row.job] == 0:
-                    del self.prefilled[row.job]  # every sample has its copy of the prompt KV in the cache
-                    if row.job in self.held:
-                        self.decoder.drop_prompt((self.key, row.job))
-                        self.held.discard(row.job)
+                self.unadmitted[shared] -= 1
+                if self.unadmitted[shared] == 0:
+                    del self.prefilled[shared]  # every sample sharing it has its copy of the prompt KV in the cache
+                    if shared in self.held:
+                        self.decoder.drop_prompt((self.key, shared))
+                        self.held.discard(shared)
 
     def _fitting(self, free_rows: int) -> list[tuple[int, int]]:
         """The next waiting samples (at most `free_rows`) whose KV blocks the paged cache can hold now (each job's
@@ -472,9 +485,9 @@ class _Run:
         while self.waiting and len(take) < free_rows:
             j, _ = self.waiting[0]
             if blocks is not None:
-                job = self.jobs[j]
+                job, shared = self.jobs[j], self.source[j]
                 length = len(job.prompt)
-                if j in self.held or j in holding:  # its prompt's blocks are held: only the sample's own
+                if shared in self.held or shared in holding:  # its prompt's blocks are held: only the sample's own
                     need = blocks.blocks_needed(length, job.params.max_tokens, length)
                 else:
                     need = first_sample_blocks(length, job.params.max_tokens, blocks.block_tokens)
@@ -486,7 +499,7 @@ class _Run:
                         )
                     break
                 available -= need
-                holding.add(j)
+                holding.add(shared)
             take.append(self.waiting.popleft())
         return take
 
@@ -497,7 +510,8 @@ class _Run:
         lora_group = self.decoder_group[row.group] if group.scale != 0.0 else None
         max_new = self.jobs[row.job].params.max_tokens
         row.cache_row = self.batch.take_row(row)
-        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=(self.key, row.job), max_new=max_new)
+        prompt = (self.key, self.source[row.job])
+        self.decoder.set_row(row.cache_row, lora_group, group.scale, kv, prompt=prompt, max_new=max_new)
         self.live += 1
 
     def _new_row(self, j: int, s: int) -> _Row:
@@ -555,6 +569,7 @@ class _Run:
         engine = self.engine
         self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
         width = max(len(p) for p in prompts)
         # Right padding: causal attention keeps each real token blind to the pads after it (as the engine's forward).
         tokens = torch.full((len(prompts), width), engine.pad_id, dtype=torch.int64)
@@ -589,6 +604,7 @@ class _Run:
         engine, decoder = self.engine, self.decoder
         self.stats.prefill_forwards += 1
         prompts = [self.jobs[j].prompt for j in job_ids]
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
         lengths = [len(p) for p in prompts]
         device = engine.device
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(device).view(1, -1)
@@ -633,11 +649,12 @@ class _Run:
                 values += lp.gather(1, targets[start : start + LOSS_CHUNK_TOKENS, None]).view(-1).cpu().tolist()
             if job.topk_prompt_logprobs:
                 tops += top_logprobs(lp, [job.topk_prompt_logprobs] * lp.shape[0])
-        out = self.outputs[j]
-        if job.prompt_logprobs:
-            out.prompt_logprobs = [None, *values]
-        if job.topk_prompt_logprobs:
-            out.topk_prompt_logprobs = [None, *tops]
+        for k in (k for k, shared in enumerate(self.source) if shared == j):  # j and the jobs sharing its prompt
+            out = self.outputs[k]
+            if job.prompt_logprobs:
+                out.prompt_logprobs = [None, *values]
+            if job.topk_prompt_logprobs:
+                out.topk_prompt_logprobs = [None, *tops]
 
 
 class _Batch:

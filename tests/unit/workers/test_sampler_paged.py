@@ -21,7 +21,7 @@ from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.sampling.static_decoder import StaticDecoder
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft
-from tests.helpers.sampling import GREEDY, assert_same, hf_greedy, prompt
+from tests.helpers.sampling import GREEDY, alone, assert_same, hf_greedy, prompt
 
 
 def decoders(sampler: Sampler) -> list[StaticDecoder]:
@@ -260,3 +260,34 @@ def test_a_run_longer_than_the_batch_is_wide_waits_then_moves_to_a_wider_batch(
     assert first.decoder.cache is None and not first.decoder.graphs  # freed before the wider one was built
     assert_same(long.outputs[0].sequences[0], Sampler(engine, tokenizer).generate([long_job])[0].sequences[0])
     assert_blocks_back(sampler)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_requests_for_the_same_prompt_share_one_prefill_and_its_blocks(
+    tiny_sampler_engine: tuple[Engine, Any], paged: bool
+) -> None:
+    """Jobs of one run with the same adapter and prompt (several requests for one prompt) prefill it once and fork
+    its blocks; every sample still gets what its job gets alone (its own seed), prompt logprobs included, and every
+    block comes back. A different adapter or prompt is its own prefill."""
+    engine, tokenizer = tiny_sampler_engine
+    shared, other = prompt(11, 37), prompt(12, 9)
+    params = [SampleParams(max_tokens=5, temperature=0.9, seed=s) for s in (1, 2, 3, 4)]
+    jobs = [
+        SampleJob(shared, "r4", params[0], num_samples=2, prompt_logprobs=True),
+        SampleJob(other, "r4", params[1]),
+        SampleJob(shared, "r4", params[2], num_samples=3, prompt_logprobs=True),
+        SampleJob(shared, None, params[3]),  # the base model: other prompt KV
+    ]
+    sampler = Sampler(engine, tokenizer, paged_kv=paged)
+    outputs = sampler.generate(jobs)
+    assert sampler.stats.prefill_tokens == 2 * len(shared) + len(other)  # the r4 copy of `shared` once
+    for job, out in zip(jobs, outputs, strict=True):
+        own = alone(sampler, job)
+        assert len(out.sequences) == job.num_samples
+        for x, y in zip(out.sequences, own.sequences, strict=True):
+            assert_same(x, y)
+        if job.prompt_logprobs:
+            assert out.prompt_logprobs is not None and own.prompt_logprobs is not None
+            assert max(abs(a - b) for a, b in zip(out.prompt_logprobs[1:], own.prompt_logprobs[1:], strict=True)) < 1e-5
+    if paged:
+        assert_blocks_back(sampler)
