@@ -6,7 +6,8 @@
   loop is driven step by step (`run_once` in tests).
 
 Both ride out a Redis outage: the reader retries with backoff, then reads this consumer's pending entries again (a
-read's answer may have been lost with the connection), and recreates a consumer group that a Redis restart lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
+read's answer may have been lost with the connection), and recreates a consumer group that a Redis restart lost; a
+finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
 The plan's SQL transaction (pool/finish.py) rides out a database outage the same way (storage/outage.retry_database),
 so a result is still stored only after its SQL record.
 """

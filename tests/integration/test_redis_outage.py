@@ -192,7 +192,8 @@ def test_entries_read_when_a_redis_call_failed_run_at_once_not_after_the_stale_c
         config = DispatchConfig.from_settings(Settings(), pipelined=pipelined, coalesce_s=0.0, block_ms=50)
         assert config.claim_idle_ms >= 30_000
         failing = ResultsFailingOnce(client)
-        dispatcher = Dispatcher(client, pool, executor, config, PlanHooks(applied_seq_lookup=lambda m: 0, results=failing))
+        hooks = PlanHooks(applied_seq_lookup=lambda m: 0, results=failing)
+        dispatcher = Dispatcher(client, pool, executor, config, hooks)
         stop = threading.Event()
         runner = threading.Thread(target=dispatcher.run_forever, args=(stop,), daemon=True)
         runner.start()
