@@ -39,8 +39,13 @@ class Stack:
         """The running processes, pool first (a restarted child's new process takes its place)."""
         return [c.proc for c in self._children if c.proc is not None]
 
-    def child(self, name: str) -> Child:
-        """ "pool" or "api": the supervised child (its `proc`, `pid`, `restarts`); the redis-server is `redis`."""
+    def child(self, name: str) -> Supervised:
+        """"pool", "api" or "redis" (the stack's own redis-server): the supervised child (its `proc`, `pid`,
+        `restarts`; a restarted child's new process takes its place)."""
+        if name == "redis":
+            if self.redis is None:
+                raise LookupError("this stack runs no redis-server of its own (LORAPLEX_REDIS_URL is set)")
+            return self.redis
         return next(c for c in self._children if c.name == name)
 
     @property
