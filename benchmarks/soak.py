@@ -1,5 +1,5 @@
-"""Soak: many tenants train through the embedded stack for a fixed time while random faults hit it
-(SIGKILL of the pool, SIGKILL of the gateway, redis-server SIGKILLed and restarted from its append-only file); then
+"""Soak: many tenants train through the embedded stack for a fixed time while random faults hit it (the pool, the
+gateway or redis-server SIGKILLed, and restarted by the stack: redis-server from its append-only file); then
 every tenant's futures must have resolved (none lost), each adapter's applied seq_id must equal the steps its client
 saw answered (none applied twice), and the memory of every process stays bounded.
 
@@ -27,7 +27,6 @@ from benchmarks.bench_flood import tenant_keys
 from loraplex.client import AdamParams, Datum, ServiceClient
 from loraplex.launch.embedded import Stack
 from loraplex.runtime.netutil import free_port
-from loraplex.runtime.redis_child import RedisChild
 from loraplex.settings import Settings
 
 
@@ -106,19 +105,12 @@ def soak(stack: Stack, tenants: int, steps: int, duration_s: float, fault_every_
                 draw = rng.sample(["pool", "gateway", "redis"], 3)
             kind = draw.pop()
             at = time.monotonic() - started
-            if kind in ("pool", "gateway"):
-                name = "pool" if kind == "pool" else "api"
-                pid = stack.child(name).pid
-                if pid is None:
-                    continue
-                os.kill(pid, signal.SIGKILL)
-                _wait_new_pid(stack, name, pid)
-            else:
-                old = stack.redis
-                assert old is not None
-                old.kill()
-                time.sleep(0.5)
-                stack.redis = RedisChild(port=old.port, workdir=old.workdir).start()
+            name = {"pool": "pool", "gateway": "api", "redis": "redis"}[kind]
+            pid = stack.child(name).pid
+            if pid is None:
+                continue
+            os.kill(pid, signal.SIGKILL)  # the stack restarts each (redis-server from its append-only file)
+            _wait_new_pid(stack, name, pid)
             faults.append((round(at, 1), kind))
 
     def sample() -> None:

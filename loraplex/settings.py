@@ -131,13 +131,15 @@ class Settings(BaseSettings):
     snapshot_every_steps: int = Field(default=20, ge=0)
     snapshot_every_seconds: float = Field(default=60.0, ge=0)
     snapshot_keep: int = Field(default=2, ge=2)
-    # The embedded redis-server's append-only file fsync policy (redis_child.py): "everysec" (the default: a killed
-    # redis-server loses nothing it answered, since every write reaches the file before the reply; a machine crash
-    # may lose the last second), or "always" (fsync before each reply: nothing lost even then, slower writes).
-    redis_appendfsync: Literal["everysec", "always"] = "everysec"
-    # The embedded stack and `loraplex worker` restart a pool process (and the stack its gateway) that dies, after
-    # `restart_backoff_seconds` (doubling while it keeps dying within a minute, up to 30 s). False: a dead child ends
-    # the stack, and `loraplex worker` runs the pool in its own process.
+    # The embedded redis-server's append-only file fsync policy (redis_child.py says why): "always" (the default: each
+    # change written and fsynced before the answer, so neither a killed redis-server nor a machine crash loses
+    # anything answered), "no" (written before the answer, flushed by the kernel: a killed redis-server loses nothing,
+    # a machine crash up to ~30 s) or "everysec" (even a killed redis-server may lose answered writes while a slow
+    # fsync runs).
+    redis_appendfsync: Literal["always", "no", "everysec"] = "always"
+    # The embedded stack and `loraplex worker` restart a pool process (and the stack its gateway and redis-server)
+    # that dies, after `restart_backoff_seconds` (doubling while it keeps dying within a minute, up to 30 s). False: a
+    # dead child ends the stack, and `loraplex worker` runs the pool in its own process.
     supervise: bool = True
     restart_backoff_seconds: float = Field(default=0.5, ge=0)
 

@@ -207,8 +207,10 @@ class Dispatcher:
 
     def run_forever(self, stop_event: threading.Event) -> None:
         """Run until `stop_event`. Redis going away is ridden out: retried with backoff (at most one log line per
-        5 s), and a consumer group lost with Redis's data is recreated; entries read but not answered stay pending in
-        the stream and come back (claim_stale)."""
+        5 s), and a consumer group lost with Redis's data is recreated. Entries read but not admitted when a Redis call
+        failed (e.g. the stored-result check in `_admit`) stay pending to this consumer: the next read scans them
+        again (`Consumer.rescan_pending`; `_admit` passes over those it holds), rather than waiting for the
+        stale-entry claim."""
         backoff, warn = Backoff(), RateLimitedLog(log, every_s=5.0)
         try:
             while not stop_event.is_set():
@@ -217,6 +219,7 @@ class Dispatcher:
                     backoff.reset()
                 except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
                     warn.warning("redis unavailable (%s); retrying", exc)
+                    self.consumer.rescan_pending()
                     stop_event.wait(backoff.next())
                 except redis_lib.ResponseError as exc:
                     if not lost_group(exc):

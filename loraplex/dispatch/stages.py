@@ -5,8 +5,9 @@
   then stores the results and acks), plan after plan in order, while the next plan runs. Inline (no thread) when the
   loop is driven step by step (`run_once` in tests).
 
-Both ride out a Redis outage: the reader retries with backoff and recreates a consumer group that a Redis restart
-lost; a finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
+Both ride out a Redis outage: the reader retries with backoff, then reads this consumer's pending entries again (a
+read's answer may have been lost with the connection), and recreates a consumer group that a Redis restart lost; a
+finisher write (`retry_redis`) waits for Redis up to REDIS_OUTAGE_S; logging about it is rate-limited.
 The plan's SQL transaction (pool/finish.py) rides out a database outage the same way (storage/outage.retry_database),
 so a result is still stored only after its SQL record.
 """
@@ -74,6 +75,7 @@ class Prefetcher:
                 backoff.reset()
             except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
                 warn.warning("redis unavailable (%s); reading resumes when it is back", exc)
+                self._consumer.rescan_pending()  # what a read delivered and lost with the connection comes back
                 self._stop.wait(backoff.next())
                 continue
             except redis_lib.ResponseError as exc:

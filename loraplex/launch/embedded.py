@@ -1,8 +1,11 @@
 """The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set; with an append-only
 file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0) per base model asked for
-(`pool_models`; default one, of settings.base_model), and the gateway under uvicorn. Once up, a supervisor thread (supervisor.py; setting `supervise`) restarts the pool or the gateway when it
-dies, while the rest keeps running: a restarted pool adopts its adapters from their durable snapshots and request logs
-(pool/durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group)."""
+(`pool_models`; default one, of settings.base_model), and the gateway under uvicorn. Once up, a supervisor thread
+(supervisor.py; setting `supervise`) restarts the redis-server, a pool or the gateway when it dies, while the rest
+keeps running: a restarted redis-server loads its append-only file on the same port (the pools and the gateway retry
+until it answers), a restarted pool adopts its adapters from their durable snapshots and request logs
+(pool/durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group),
+redis-server last."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import httpx
 
 from loraplex.pool.ready import ready_file
 from loraplex.runtime.redis_child import RedisChild
-from loraplex.runtime.supervisor import Child, Supervisor
+from loraplex.runtime.supervisor import Child, Supervised, Supervisor
 from loraplex.settings import Settings
 from loraplex.storage.db import migrate
 
@@ -50,9 +53,15 @@ class Stack:
         """The running processes, pool first (a restarted child's new process takes its place)."""
         return [c.proc for c in self._children if c.proc is not None]
 
-    def child(self, name: str) -> Child:
-        """"pool", "pool-<name>" (a further pool) or "api": the supervised child (its `proc`, `pid`, `restarts`)."""
+    def child(self, name: str) -> Supervised:
+        """"pool", "pool-<name>" (a further pool), "api" or "redis" (the stack's own redis-server): the supervised
+        child (its `proc`, `pid`, `restarts`; a restarted child's new process takes its place)."""
+        if name == "redis":
+            if self.redis is None:
+                raise LookupError("this stack runs no redis-server of its own (LORAPLEX_REDIS_URL is set)")
+            return self.redis
         return next(c for c in self._children if c.name == name)
+
     @property
     def base_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.api_port}"
@@ -107,7 +116,8 @@ class Stack:
             for child, pool_env in self.pools.items():
                 self._wait_pool_ready(child, pool_env["LORAPLEX_POOL"], timeout_s)
             if self.settings.supervise:
-                self.supervisor = Supervisor(self._children, backoff_s=self.settings.restart_backoff_seconds).start()
+                watched: list[Supervised] = [*([self.redis] if self.redis is not None else []), *self._children]
+                self.supervisor = Supervisor(watched, backoff_s=self.settings.restart_backoff_seconds).start()
         except BaseException:
             self.stop()
             raise
@@ -147,6 +157,10 @@ class Stack:
         """Raise when a child has exited (while starting, or when nothing restarts it)."""
         if self.supervisor is not None:
             return
+        if self.redis is not None and self.redis.proc is not None and not self.redis.alive():
+            raise RuntimeError(
+                f"redis-server exited with {self.redis.proc.returncode}; see {self.redis.workdir}/redis.log"
+            )
         for proc in self.children:
             if proc.poll() is not None:
                 args = proc.args  # the list _spawn passed: [python, "-m", module, ...]
@@ -154,9 +168,13 @@ class Stack:
                 raise RuntimeError(f"child {which!r} exited with {proc.returncode}; logs in {self.log_dir}")
 
     def stop(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-            self.supervisor = None
+        supervisor, self.supervisor = self.supervisor, None
+        if supervisor is not None:
+            supervisor.stop(self._stop_children)  # its thread outlives them (supervisor.py's doc)
+        else:
+            self._stop_children()
+
+    def _stop_children(self) -> None:
         for child in reversed(self._children):  # SIGTERM to all first: the gateway and the pool stop side by side
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -202,5 +220,3 @@ def local_tokenizer_folder(settings: Settings) -> str:
         return ""
     given = Path(settings.base_model).expanduser()
     return str(given.resolve() if given.is_dir() else settings.resolved_model_cache / settings.base_model)
-
-

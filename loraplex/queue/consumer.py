@@ -2,7 +2,9 @@
 until acked).
 
 - `read` first returns this consumer's own pending entries (delivered before a crash, never acked), once per stream,
-  then new entries (">") of every tenant's stream side by side: at most `count` of each per call, and none of a
+  and again after `rescan_pending` (a Redis error: a read whose answer was lost, or entries dropped by a caller whose
+  next call failed, are pending to this consumer and no ">" read returns them), then new entries (">") of every
+  tenant's stream side by side: at most `count` of each per call, and none of a
   tenant that has `window` entries read and not yet acked (the dispatcher holds enough of its requests). So one
   tenant's deep backlog never stands between another tenant and the dispatcher. A blocked read also watches the pool's
   doorbell stream, so a tenant's first stream wakes it.
@@ -114,6 +116,7 @@ class Consumer:
         self._replay_set = keys.replay_adapters(pool)
         # tenant -> where the scan of this consumer's pending backlog on its stream stands (None once drained)
         self._backlog: dict[str, str | None] = {}
+        self._rescan = False  # set from any thread (rescan_pending), acted on by the reading one
         self._ack_script = redis.register_script(_ACK)
         self._ensure_group(self._doorbell)
         self.refresh()
@@ -144,9 +147,20 @@ class Consumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def rescan_pending(self) -> None:
+        """Scan this consumer's pending entries again on the next `read`: after a Redis error, entries delivered to it
+        may never have reached its caller (an answer lost with the connection, or a caller's next call failed before
+        it kept them); without this they would wait for the stale-entry claim (`claim_stale`, ~30 s). Entries it still
+        holds come back too: the caller drops the ids it holds (the dispatcher does)."""
+        self._rescan = True
+
     def read(self, block_ms: int | None = None, count: int = 100) -> list[Entry]:
-        """Up to `count` entries of each tenant: this consumer's un-acked backlog first (once per stream), then new ones,
-        waiting up to `block_ms` for some (None: don't wait; never 0, which Redis reads as "forever")."""
+        """Up to `count` entries of each tenant: this consumer's un-acked backlog first (once per stream, and again
+        after `rescan_pending`), then new ones, waiting up to `block_ms` for some (None: don't wait; never 0, which
+        Redis reads as "forever")."""
+        if self._rescan:
+            self._rescan = False
+            self._backlog = dict.fromkeys(self._backlog, "0")
         self.refresh()
         for tenant, cursor in self._backlog.items():
             if cursor is None:

@@ -1,5 +1,5 @@
-"""Child processes that are restarted when they die: the embedded stack's pool and gateway (embedded.py), and the pool
-under `loraplex worker` (cli.py).
+"""Child processes that are restarted when they die: the embedded stack's redis-server (redis_child.py), pool and
+gateway (embedded.py), and the pool under `loraplex worker` (cli.py).
 
 Each child runs in its own process group, so whatever it started (a multi-rank pool's ranks, uvicorn's workers, a vLLM
 server) is killed with it: when a child is found dead its group is SIGKILLed before the new one starts (nothing
@@ -7,6 +7,10 @@ orphaned keeps a port or a GPU), a child gets SIGTERM when its parent dies (`die
 SIGKILLed leaves nothing running), and `stop` sends SIGTERM to the child, then SIGKILL to its group. A child
 that dies again within `STABLE_S` of its start waits twice as long before the next start (from `backoff_s`, at most
 MAX_BACKOFF_S), so a child that cannot start does not spin.
+
+PR_SET_PDEATHSIG follows the *thread* that forked a child: a child restarted by the watching thread gets SIGTERM when
+that thread ends. So `Supervisor.stop` keeps the thread alive until the caller has stopped the children in its own
+order (the stack stops its pool and gateway before the redis-server they write to).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 log = logging.getLogger("loraplex.runtime.supervisor")
 
@@ -42,13 +46,36 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         pass
 
 
+class Supervised(Protocol):
+    """What the supervisor needs of a child: a `Child` below, or a `RedisChild`."""
+
+    name: str
+    restarts: int
+    started_at: float
+
+    @property
+    def proc(self) -> subprocess.Popen | None: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+    def kill_group(self) -> None: ...
+
+    def respawn(self) -> None:
+        """Start the process again, the same way, without waiting for it to be ready (a process that cannot start
+        dies, and is restarted with the backoff)."""
+        ...
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None = None) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # a plain attribute: the protocol's read-only property is satisfied
         self.restarts = 0
         self.started_at = 0.0
         self._log_file: BinaryIO | None = None
@@ -66,6 +93,9 @@ class Child:
                                      start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
         self.started_at = time.monotonic()
         return self.proc
+
+    def respawn(self) -> None:
+        self.start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -96,13 +126,15 @@ class Child:
 class Supervisor:
     """Watches children in a thread and restarts each that dies (until `stop`)."""
 
-    def __init__(self, children: list[Child], backoff_s: float = 0.5, poll_s: float = 0.2,
-                 on_restart: Callable[[Child], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, children: list[Supervised], backoff_s: float = 0.5, poll_s: float = 0.2,
+                 on_restart: Callable[[Supervised], None] | None = None) -> None:  # fmt: skip
         self.children = children
         self.backoff_s = backoff_s
         self.poll_s = poll_s
         self.on_restart = on_restart
         self._stop = threading.Event()
+        self._watching_done = threading.Event()
+        self._release = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._next_wait = {c.name: backoff_s for c in children}
 
@@ -111,16 +143,20 @@ class Supervisor:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            for child in self.children:
-                if self._stop.is_set():
-                    return
-                if child.proc is not None and not child.alive():
-                    self.restart(child)
+        try:
+            while not self._stop.wait(self.poll_s):
+                for child in self.children:
+                    if self._stop.is_set():
+                        break
+                    if child.proc is not None and not child.alive():
+                        self.restart(child)
+        finally:
+            self._watching_done.set()
+        self._release.wait()  # the children this thread started live until the caller stopped them (module doc)
 
-    def restart(self, child: Child) -> None:
+    def restart(self, child: Supervised) -> None:
         code = child.proc.returncode if child.proc is not None else None
-        child.kill_group()
+        child.kill_group()  # and reaps it: no zombie is left while it waits
         quick = time.monotonic() - child.started_at < STABLE_S
         wait = self._next_wait[child.name] if quick else self.backoff_s
         self._next_wait[child.name] = min(MAX_BACKOFF_S, max(wait, 0.1) * 2) if quick else self.backoff_s
@@ -128,11 +164,26 @@ class Supervisor:
         if self._stop.wait(wait):
             return
         child.restarts += 1
-        child.start()
+        try:
+            child.respawn()
+        except Exception:  # e.g. the executable is gone: logged, and tried again after the next backoff
+            log.exception("%s process could not be started", child.name)
+            child.started_at = time.monotonic()
+            return
         if self.on_restart is not None:
             self.on_restart(child)
 
-    def stop(self) -> None:
+    def stop(self, stop_children: Callable[[], None] | None = None) -> None:
+        """No more restarts (a restart in progress finishes first); then `stop_children` runs while the watching
+        thread still lives, so the children it restarted are stopped in the caller's order, not by their parent-death
+        signal; then the thread ends."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=60)
+            self._watching_done.wait(timeout=60)
+        try:
+            if stop_children is not None:
+                stop_children()
+        finally:
+            self._release.set()
+            if self._thread.is_alive():
+                self._thread.join(timeout=60)

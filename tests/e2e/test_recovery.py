@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import redis
 
@@ -194,9 +195,42 @@ def test_the_gateway_sigkilled_under_load_is_restarted_and_clients_ride_through(
     _check(stack, plans, out)
 
 
+def _kill_redis_and_wait_restarted(stack: Stack) -> None:
+    """SIGKILL the stack's redis-server, as a crash would; wait until the stack has started it again (same port, same
+    folder: its append-only file) and the old process is reaped."""
+    server = stack.redis
+    assert server is not None and server.pid is not None
+    old = server.pid
+    stack.seen_pids.add(old)  # type: ignore[attr-defined]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (server.pid == old or not server.ping()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.pid != old and server.ping(), "the stack did not restart redis-server"
+    assert not running(old)  # reaped by the stack: no zombie
+
+
+def _resumes(progress: Callable[[], int], before: int, timeout_s: float = 15.0) -> None:
+    """Training answers a request again within `timeout_s` of a restart: well under the 30 s stale-entry claim, so
+    nothing the pool had read when Redis died waited for that claim (queue/consumer.py: rescan_pending)."""
+    deadline = time.monotonic() + timeout_s
+    while progress() <= before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert progress() > before, f"no request answered within {timeout_s} s of the restart"
+
+
+def _wait_healthy(stack: Stack, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(f"{stack.base_url}/v1/healthz", timeout=5).status_code == 200:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"healthz: {httpx.get(f'{stack.base_url}/v1/healthz', timeout=5).text}")
+
+
 def test_redis_sigkilled_and_restarted_from_its_append_only_file_loses_nothing_queued(stack: Stack) -> None:
-    """The pool is paused (SIGSTOP) so requests pile up in Redis; redis-server is SIGKILLed and started again on its
-    folder: every queued request, stored result and idempotency key is back, and all of it completes."""
+    """The pool is paused (SIGSTOP) so requests pile up in Redis; redis-server is SIGKILLed and the stack starts it
+    again on its folder: every queued request, stored result and idempotency key is back, and all of it completes."""
     plans = [Plan(t, rank=8, seed=31 + t, steps=8) for t in range(2)]
 
     def kill_redis(out: list[Trained]) -> None:
@@ -207,18 +241,75 @@ def test_redis_sigkilled_and_restarted_from_its_append_only_file_loses_nothing_q
         os.kill(pool, signal.SIGSTOP)
         try:
             time.sleep(1.0)  # the clients' next requests are accepted and queued meanwhile
-            old = stack.redis
-            before = _everything(old.url)
+            before = _everything(stack.redis.url)
             assert any(k.endswith(b":requests") and n for k, n in before.items())  # requests wait in the streams
-            old.kill()
-            time.sleep(0.5)  # requests now get 503s; the clients retry their results
-            stack.redis = RedisChild(port=old.port, workdir=old.workdir).start()
+            _kill_redis_and_wait_restarted(stack)  # requests get 503s meanwhile; the clients retry them
             assert _everything(stack.redis.url) == before  # streams, results, idempotency keys, request logs: all back
         finally:
             os.kill(pool, signal.SIGCONT)
 
     out = _run_with_faults(stack, ["aof-a", "aof-b"], plans, kill_redis)
     _check(stack, plans, out)
+
+
+def test_redis_sigkilled_three_times_under_training_is_restarted_by_the_stack_and_nothing_is_lost(stack: Stack) -> None:
+    """redis-server SIGKILLed at random moments while two tenants train (a plan running, results being stored,
+    requests being queued), each time restarted by the stack from its append-only file: the pool and the gateway ride
+    through without a restart of their own, training resumes at once, every future resolves, healthz is 200 again,
+    and the adapters end bit for bit where an uninterrupted run does."""
+    plans = [Plan(t, rank=(4, 8)[t], seed=71 + t, steps=10) for t in range(2)]
+    rng = random.Random(5)
+    assert stack.redis is not None
+    restarts, pool_restarts, api_restarts = (stack.redis.restarts, stack.child("pool").restarts,
+                                             stack.child("api").restarts)  # fmt: skip
+
+    def kill_redis(out: list[Trained]) -> None:
+        for mark in (5, 17, 29):
+            while _progress(out) < mark:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.1))
+            before = _progress(out)
+            _kill_redis_and_wait_restarted(stack)
+            _resumes(lambda: _progress(out), before)
+
+    out = _run_with_faults(stack, ["redis-a", "redis-b"], plans, kill_redis)
+    assert stack.redis.restarts == restarts + 3
+    assert (stack.child("pool").restarts, stack.child("api").restarts) == (pool_restarts, api_restarts)
+    _wait_healthy(stack)
+    _check(stack, plans, out)
+
+
+def test_redis_sigkilled_under_a_tinker_sdk_trainer_every_future_resolves_and_the_adapter_ends_bit_identical(
+    stack: Stack,
+) -> None:
+    """The official Tinker SDK, unchanged, training with a forward_backward and an optim_step in flight at a time;
+    redis-server SIGKILLed twice and restarted by the stack: the SDK's retries and future polls ride through, training
+    resumes at once, every future resolves, and the adapter ends bit for bit where an uninterrupted run does."""
+    import tinker
+
+    from tests.helpers.sdk import train_plan
+    from tests.helpers.stack import create_tenants
+
+    plan = Plan(0, rank=8, seed=81, steps=10)
+    client = tinker.ServiceClient(base_url=stack.base_url, api_key=create_tenants(stack, "sdk-redis")["sdk-redis"])
+    out = Trained()
+    trainer = threading.Thread(target=train_plan, args=(client, plan, out, "sdk-final"), daemon=True)
+    trainer.start()
+    try:
+        for mark in (4, 13):
+            while out.done < mark and trainer.is_alive():
+                time.sleep(0.01)
+            before = out.done
+            _kill_redis_and_wait_restarted(stack)
+            _resumes(lambda: out.done, before)
+        trainer.join(timeout=600)
+        assert not trainer.is_alive()
+    finally:
+        client.close("success").result()
+    assert out.errors == [], out.errors
+    want_states, want_losses = reference(stack, [plan])
+    assert out.losses == want_losses[0]
+    assert_same_state(saved_state(stack, "*", "sdk-final"), want_states[0])  # the one checkpoint of that name
 
 
 def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before_it(stack: Stack) -> None:

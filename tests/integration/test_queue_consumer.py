@@ -233,3 +233,23 @@ def test_acks_give_the_tenants_queued_tokens_back_exactly_once(redis_client: red
     assert int(redis_client.hget(keys.queued_tokens(pool), "t")) == 5
     consumer.ack([entries[1][0]])
     assert redis_client.hget(keys.queued_tokens(pool), "t") is None
+
+
+def test_entries_whose_read_answer_was_lost_come_back_after_rescan_pending(redis_client: redis.Redis) -> None:
+    """Redis delivered entries (they are pending to this consumer) but the answer never reached the caller (the
+    connection broke with a Redis restart; here the read's result is dropped): no ">" read returns them again, and
+    after `rescan_pending` the next read does, once, before new entries."""
+    pool = _pool()
+    ids = _submit(redis_client, pool, 3)
+    consumer = Consumer(redis_client, pool, "leader")
+    consumer.read(count=10)  # delivered, and lost on the way
+    extra = _submit(redis_client, pool, 1)
+    assert [env.request_id for _, env in consumer.read(count=10)] == extra
+    assert consumer.read(block_ms=50) == []  # the lost ones stay pending: only the stale-entry claim would find them
+
+    consumer.rescan_pending()
+    again = consumer.read(count=10)
+    assert [env.request_id for _, env in again] == ids + extra  # every entry pending to it, in stream order
+    assert consumer.read(block_ms=50) == []  # once
+    consumer.ack([sid for sid, _ in again])
+    assert consumer.pending_count() == 0

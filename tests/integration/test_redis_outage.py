@@ -160,3 +160,51 @@ def test_dispatcher_rides_out_redis_restarts_and_loses_nothing(
         stop.set()
         runner.join(timeout=20)
         client.close()
+
+
+class ResultsFailingOnce(ResultStore):
+    """The stored-result check fails once with a ConnectionError, as when Redis dies between the dispatcher's read
+    and its check: a moment no real kill can be timed to hit, so this fault is injected (the only stand-in here)."""
+
+    def __init__(self, redis_client: redis.Redis) -> None:
+        super().__init__(redis_client)
+        self.failed = False
+
+    def has_many(self, request_ids: list[str]) -> list[bool]:
+        if request_ids and not self.failed:
+            self.failed = True
+            raise redis.ConnectionError("Connection closed by server.")
+        return super().has_many(request_ids)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_entries_read_when_a_redis_call_failed_run_at_once_not_after_the_stale_claim(
+    tmp_path: Path, pipelined: bool
+) -> None:
+    """The dispatcher read two requests, then its next Redis call failed: the entries stay pending to it, and it
+    reads them again after the error (`Consumer.rescan_pending`), so both run within a second or two instead of
+    waiting for the 30 s stale-entry claim; each once, in order."""
+    with KillableRedis(tmp_path / "redis", persistent=False) as server:
+        pool, model = f"p-{uuid.uuid4().hex[:6]}", f"m-{uuid.uuid4().hex[:6]}"
+        client = redis.Redis.from_url(server.url)
+        executor = BlockingExecutor()
+        executor.go.set()
+        config = DispatchConfig.from_settings(Settings(), pipelined=pipelined, coalesce_s=0.0, block_ms=50)
+        assert config.claim_idle_ms >= 30_000
+        failing = ResultsFailingOnce(client)
+        hooks = PlanHooks(applied_seq_lookup=lambda m: 0, results=failing)
+        dispatcher = Dispatcher(client, pool, executor, config, hooks)
+        stop = threading.Event()
+        runner = threading.Thread(target=dispatcher.run_forever, args=(stop,), daemon=True)
+        runner.start()
+        try:
+            producer, results = Producer(client, pool), ResultStore(client)
+            ids = [producer.submit(_fb(model, 1)), producer.submit(_fb(model, 2))]
+            for request_id in ids:
+                assert _wait_result(results, request_id, limit_s=5.0).ok
+            assert failing.failed  # the fault did happen
+            assert executor.applied == [(model, 1), (model, 2)]
+        finally:
+            stop.set()
+            runner.join(timeout=20)
+            client.close()

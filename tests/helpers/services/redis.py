@@ -19,7 +19,7 @@ from loraplex.runtime.redis_child import RedisChild
 @contextmanager
 def redis_server() -> Iterator[str]:
     """Start redis-server on a free port, yield its URL (`redis://127.0.0.1:PORT/0`), shut it down on exit."""
-    with RedisChild() as child:
+    with RedisChild(persist=False) as child:
         yield child.url
 
 
