@@ -450,11 +450,14 @@ class _Run:
         stats, batch = self.stats, self.batch
         decoding = bool(batch.rows)  # rows joining now join a batch already mid-decode
         while self.waiting and batch.free_rows:
-            take = self._fitting(len(batch.free_rows))
+            # While rows decode, at most one prefill chunk between two of their steps: a large admission (hundreds of
+            # prompts) delays them by a chunk's forward, not by every prompt's.
+            take = self._fitting(len(batch.free_rows), self.engine.microbatch_tokens if decoding else None)
             if not take:
                 return  # wait for rows of the batch to end and give their blocks back
             source = self.source
-            self._prefill(sorted({source[j] for j, _ in take if source[j] not in self.prefilled}))
+            prefill = sorted({source[j] for j, _ in take if source[j] not in self.prefilled})
+            self._prefill(prefill)
             rows = [self._new_row(j, s) for j, s in take]
             first = [row for row in rows if row.stop_reason is None]  # max_tokens 0 ends at once
             if first:  # every new row's first token, from its job's prefill logits: one choice for all
@@ -474,16 +477,28 @@ class _Run:
                     if shared in self.held:
                         self.decoder.drop_prompt((self.key, shared))
                         self.held.discard(shared)
+            if decoding and prefill:
+                return  # the batch's next step first
 
-    def _fitting(self, free_rows: int) -> list[tuple[int, int]]:
+    def _fitting(self, free_rows: int, prefill_tokens: int | None = None) -> list[tuple[int, int]]:
         """The next waiting samples (at most `free_rows`) whose KV blocks the paged cache can hold now (each job's
-        prompt once, for its holder, then each sample's own blocks), taken off the queue."""
+        prompt once, for its holder, then each sample's own blocks), taken off the queue. prefill_tokens: the prompts
+        still to prefill among them fit one chunk of that many tokens (at least one prompt; None: no limit)."""
         blocks = self.decoder.blocks
         take: list[tuple[int, int]] = []
         available = blocks.available if blocks is not None else 0
         holding: set[int] = set()
+        to_prefill: set[int] = set()
+        prompt_tokens = 0
         while self.waiting and len(take) < free_rows:
             j, _ = self.waiting[0]
+            shared = self.source[j]
+            if prefill_tokens is not None and shared not in self.prefilled and shared not in to_prefill:
+                length = len(self.jobs[shared].prompt)
+                if to_prefill and prompt_tokens + length > prefill_tokens:
+                    break
+                to_prefill.add(shared)
+                prompt_tokens += length
             if blocks is not None:
                 job, shared = self.jobs[j], self.source[j]
                 length = len(job.prompt)

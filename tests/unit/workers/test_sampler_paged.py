@@ -291,3 +291,42 @@ def test_requests_for_the_same_prompt_share_one_prefill_and_its_blocks(
             assert max(abs(a - b) for a, b in zip(out.prompt_logprobs[1:], own.prompt_logprobs[1:], strict=True)) < 1e-5
     if paged:
         assert_blocks_back(sampler)
+
+
+def test_a_large_admission_prefills_one_chunk_between_two_decode_steps(
+    tiny_sampler_engine: tuple[Engine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows decoding while another run admits prompts worth several prefill chunks: the batch steps between every two
+    of that run's prefill forwards (the rows already decoding wait one chunk, not all of them), and every sample is
+    still what its job gets alone. The order is read by wrapping the two methods (they run as they are)."""
+    from loraplex.workers.sampling import sampler as sampler_module
+
+    engine, tokenizer = tiny_sampler_engine
+    monkeypatch.setattr(engine, "microbatch_tokens", 64)
+    events: list[str] = []
+    step, chunk = sampler_module._Batch.decode_step, sampler_module._Run._prefill_chunk
+    monkeypatch.setattr(sampler_module._Batch, "decode_step", lambda self: (events.append("step"), step(self))[1])
+    monkeypatch.setattr(
+        sampler_module._Run, "_prefill_chunk", lambda self, jobs: (events.append("prefill"), chunk(self, jobs))[1]
+    )
+    seeded = SampleParams(max_tokens=20, temperature=0.9, seed=5)
+    decoding = [SampleJob(prompt(600, 7), "r8", seeded)]
+    arriving = [
+        SampleJob(prompt(610 + i, 40), m, seeded, num_samples=2) for i, m in enumerate(["r4", None, "r4", "attn"])
+    ]
+    sampler = Sampler(engine, tokenizer, max_rows=16)
+    a = sampler.start(decoding)
+    assert not a.advance(0.0)
+    events.clear()
+    b = sampler.start(arriving)
+    assert b.advance(None)
+    prefills = [i for i, e in enumerate(events) if e == "prefill"]
+    assert len(prefills) == 4  # 4 prompts of 40 tokens, at most 64 a chunk: one each
+    assert all(events[i + 1] == "step" for i in prefills)  # a step follows every chunk
+    assert a.advance(None)
+    for jobs, run in ((decoding, a), (arriving, b)):
+        for job, out in zip(jobs, run.outputs, strict=True):
+            own = Sampler(engine, tokenizer).generate([job])[0]
+            for x, y in zip(out.sequences, own.sequences, strict=True):
+                assert_same(x, y)
+    assert_blocks_back(sampler)
