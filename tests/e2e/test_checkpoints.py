@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -146,6 +147,10 @@ def test_retention_deletes_expired_checkpoints(stack, clients):
     temp = trainer.save_weights_for_sampler("temp", ttl_seconds=60).result()["path"]
     listed = {c["tinker_path"]: c for c in trainer.list_checkpoints()}
     assert listed[temp]["expires_at"] is not None and listed[keep]["expires_at"] is None
+    deadline = time.monotonic() + 30  # a sampler save is answered before its files: wait for them to be written
+    while listed[temp]["size_bytes"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        listed = {c["tinker_path"]: c for c in trainer.list_checkpoints()}
     sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
     blobs = BlobStore(stack.settings.resolved_blob_root)
     folder = next(p for p in blobs.root.rglob("temp") if trainer.model_id in str(p))

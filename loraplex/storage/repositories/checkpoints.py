@@ -28,8 +28,12 @@ def files_pending(checkpoint: Checkpoint) -> bool:
 
 
 def expired_checkpoints(session: Session, now: datetime) -> list[Checkpoint]:
-    """Every tenant's checkpoints whose expiry has passed (for the retention job, which is operator-side)."""
-    stmt = select(Checkpoint).where(Checkpoint.expires_at.is_not(None), Checkpoint.expires_at <= now)
+    """Every tenant's checkpoints whose expiry has passed (for the retention job, which is operator-side), except those
+    whose files the pool is still writing (a sampler save is answered first): deleted now, the writer would leave
+    files behind a deleted row; they go at the next sweep after their files land."""
+    stmt = select(Checkpoint).where(
+        Checkpoint.expires_at.is_not(None), Checkpoint.expires_at <= now, Checkpoint.sha256 != FILES_PENDING
+    )
     return list(session.scalars(stmt.order_by(Checkpoint.expires_at)))
 
 

@@ -9,6 +9,7 @@ from loraplex.storage.blobs import BlobStore
 from loraplex.storage.db import make_db_engine, migrate, session_factory
 from loraplex.storage.enums import CheckpointKind
 from loraplex.storage.repositories import AdapterRepository, CheckpointRepository, TenantRepository, unit_of_work
+from loraplex.storage.repositories.checkpoints import FILES_PENDING
 from loraplex.storage.retention import delete_expired
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -30,6 +31,7 @@ def test_delete_expired_removes_rows_and_files(tmp_path) -> None:
             (tenants[0], "later", NOW + timedelta(hours=1)),
             (tenants[0], "forever", None),
             (tenants[1], "old", NOW - timedelta(days=3)),
+            (tenants[1], "writing", NOW - timedelta(days=1)),  # files still being written (a sampler save)
         ]
         for tenant, name, expires in plan:
             key = checkpoint_blob_key(tenant, f"m-{tenant}", CheckpointKind.STATE, name)
@@ -38,17 +40,23 @@ def test_delete_expired_removes_rows_and_files(tmp_path) -> None:
             (folder / "adapter.safetensors").write_bytes(b"x" * 10)
             (folder / "metadata.json").write_text("{}")
             folders[(tenant, name)] = folder
+            sha = FILES_PENDING if name == "writing" else "0" * 64
             CheckpointRepository(s, tenant).add(
-                f"m-{tenant}", CheckpointKind.STATE, name, folder.as_uri(), 10, "0" * 64, expires_at=expires
+                f"m-{tenant}", CheckpointKind.STATE, name, folder.as_uri(), 10, sha, expires_at=expires
             )
 
     assert delete_expired(sessions, blobs, now=NOW) == 3
     with sessions() as s:
         left = {(c.tenant_id, c.name) for t in tenants for c in CheckpointRepository(s, t).list(f"m-{t}")}
-    assert left == {(tenants[0], "later"), (tenants[0], "forever")}
+    assert left == {(tenants[0], "later"), (tenants[0], "forever"), (tenants[1], "writing")}
     for key, folder in folders.items():
         assert folder.is_dir() == (key in left), key
     # Nothing more is due now; an hour later "later" goes too; files already gone are no error.
     assert delete_expired(sessions, blobs, now=NOW) == 0
     assert delete_expired(sessions, blobs, now=NOW + timedelta(hours=2)) == 1
     assert not folders[(tenants[0], "later")].exists() and folders[(tenants[0], "forever")].is_dir()
+    with unit_of_work(sessions) as s:  # its files land: the next sweep takes it
+        written = CheckpointRepository(s, tenants[1]).get(f"m-{tenants[1]}", CheckpointKind.STATE, "writing")
+        written.sha256 = "1" * 64
+    assert delete_expired(sessions, blobs, now=NOW) == 1
+    assert not folders[(tenants[1], "writing")].exists()
