@@ -127,3 +127,18 @@ def test_packed_engine_step_equals_padded_in_bf16(monkeypatch: pytest.MonkeyPatc
         for e in (oracle, padded, packed):
             assert all("metrics" in r for r in e.optim_step([(m, {"learning_rate": 1e-3}) for m in "abcd"]))
     assert varlen_calls > 0  # the packed engine's attention ran through varlen_attn
+
+
+@pytest.mark.parametrize(("lq", "lk"), [(512, 2048), (1000, 1000), (3, 4099)])
+def test_continuation_attention_on_cuda_equals_the_whole_sequences_last_rows(lq: int, lk: int) -> None:
+    """The sampler's long-prompt pieces on CUDA in bf16 (Qwen3-4B heads: 32 query, 8 key/value, 128 wide): within bf16
+    rounding of the whole sequence's causal attention (fp32) at the piece's positions."""
+    g = torch.Generator(device="cuda").manual_seed(lq + lk)
+    q, k, v = (torch.randn(lk, h, 128, device=CUDA, generator=g) for h in (32, 8, 8))
+    scale = 128**-0.5
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
+        enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    got = pa.continuation_attention(*(t.bfloat16() for t in (q[lk - lq :], k, v)), scale)
+    assert (got.float() - whole[lk - lq :]).abs().max().item() < 3e-2

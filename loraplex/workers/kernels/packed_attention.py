@@ -109,6 +109,32 @@ def packed_attention(
     return packed_attention_reference(q, k, v, [int(x) for x in cu_seqlens.tolist()], scale)
 
 
+def continuation_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, block: int | None = None
+) -> torch.Tensor:
+    """One sequence's next piece: q [Lq, H, D] the piece's last Lq positions, k / v [Lk, H_kv, D] every position up to
+    the piece's end (Lk >= Lq; the earlier ones from a cache) -> [Lq, H, D], query t seeing keys 0 .. Lk - Lq + t (causal
+    aligned to the bottom right: what the whole sequence's causal attention gives its last Lq rows). Plain
+    F.scaled_dot_product_attention with an explicit mask, `block` queries at a time (default: as many as keep a
+    block's scores, heads x queries x keys, at 2^27 values, should SDPA fall back to its math kernel) so the mask and
+    the scores stay small; only a prompt longer than the sampler's prefill chunk takes this path."""
+    lq, lk = q.shape[0], k.shape[0]
+    block = block or max(16, (1 << 27) // max(1, q.shape[1] * lk))
+    if lk < lq:
+        raise ValueError(f"a continuation has at least as many keys as queries (got {lk} keys, {lq} queries)")
+    gqa = q.shape[1] != k.shape[1]
+    ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))  # [1, H_kv, Lk, D]
+    columns = torch.arange(lk, device=q.device)
+    outs = []
+    for start in range(0, lq, block):
+        rows = torch.arange(start, min(start + block, lq), device=q.device) + (lk - lq)
+        mask = columns[None, :] <= rows[:, None]
+        qs = q[start : start + block].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
 # ---- transformers' attention interface -----------------------------------------------------------------------------
 def packed_attention_forward(
     module: nn.Module,
@@ -128,11 +154,18 @@ def packed_attention_forward(
         return ALL_ATTENTION_FUNCTIONS[FALLBACK_ATTENTION](module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and cu_k is not cu and (cu_k.data_ptr() != cu.data_ptr() or cu_k.shape != cu.shape):
-        raise ValueError("packed attention is self-attention: cu_seq_lens_k must be cu_seq_lens_q")
     if kwargs.get("sliding_window") is not None or float(kwargs.get("dropout") or 0.0) != 0.0:
         raise ValueError("packed attention supports neither a sliding window nor attention dropout")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu and (cu_k.data_ptr() != cu.data_ptr() or cu_k.shape != cu.shape):
+        # One sequence's next piece over its earlier positions (the sampler's prefill of a long prompt, its cache
+        # handing back every key so far): cu_seq_lens_q = [0, Lq], cu_seq_lens_k = [0, Lk].
+        if cu.numel() != 2 or cu_k.numel() != 2:
+            raise ValueError("packed attention over keys other than the queries' takes one sequence")
+        out = continuation_attention(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), kwargs.get("scaling")
+        )
+        return out.unsqueeze(0), None
     max_length = kwargs.get("max_length_q")
     max_length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
     # attention_mask: None from the engine's packed forward; a mask transformers built (a model that takes no prepared

@@ -337,6 +337,10 @@ class _Run:
         self.live = 0  # its rows in the batch
         self.prefilled: dict[int, _Prefilled] = {}
         self.held: set[int] = set()  # paged: jobs whose prompt KV the decoder holds for their samples to fork
+        # Paged: a prompt longer than a prefill chunk is prefilled a piece (a chunk) at a time, the batch stepping
+        # between pieces; here the position each such job's prefill has reached, its holder's cache slots, and the
+        # prompt logprobs of its pieces so far.
+        self.pieces: dict[int, tuple[int, torch.Tensor, list[float], list[list[tuple[int, float]] | None]]] = {}
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
@@ -429,6 +433,7 @@ class _Run:
         for j in list(self.held):
             self.decoder.drop_prompt((self.key, j))
         self.held.clear()
+        self.pieces.clear()
         self.waiting.clear()
         self.live = 0
 
@@ -450,6 +455,10 @@ class _Run:
         stats, batch = self.stats, self.batch
         decoding = bool(batch.rows)  # rows joining now join a batch already mid-decode
         while self.waiting and batch.free_rows:
+            if self._next_piece():  # a long prompt's prefill went one piece further
+                if decoding:
+                    return  # the batch's next step first
+                continue
             # While rows decode, at most one prefill chunk between two of their steps: a large admission (hundreds of
             # prompts) delays them by a chunk's forward, not by every prompt's.
             take = self._fitting(len(batch.free_rows), self.engine.microbatch_tokens if decoding else None)
@@ -566,6 +575,11 @@ class _Run:
         when asked."""
         pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
         budget = max(1, self.engine.microbatch_tokens)
+        if self.decoder.paged:  # a prompt longer than a chunk: its pieces, one after another
+            for j in [j for j in pending if len(self.jobs[j].prompt) > budget]:
+                while j not in self.prefilled:
+                    self._prefill_piece(j)
+            pending = [j for j in pending if j not in self.prefilled]
         chunk: list[int] = []
         for j in pending:
             lengths = [len(self.jobs[i].prompt) for i in (*chunk, j)]
@@ -652,10 +666,77 @@ class _Run:
             if job.prompt_logprobs or job.topk_prompt_logprobs:
                 self._prompt_logprobs(j, hidden[starts[b] : starts[b] + lengths[b] - 1])
 
+    def _next_piece(self) -> bool:
+        """Paged: prefill the next piece of the next waiting sample's prompt when it is longer than a chunk (its
+        holder's blocks counted as admission counts them: the prompt and a first sample); False when there is no
+        such prompt or its blocks are not free yet (admission then waits for them, or refuses a prompt that can
+        never fit)."""
+        if not self.decoder.paged or not self.waiting:
+            return False
+        j = self.source[self.waiting[0][0]]
+        job = self.jobs[j]
+        if j in self.prefilled or (j not in self.pieces and len(job.prompt) <= max(1, self.engine.microbatch_tokens)):
+            return False
+        blocks = self.decoder.blocks
+        assert blocks is not None
+        need = first_sample_blocks(len(job.prompt), job.params.max_tokens, blocks.block_tokens)
+        if j not in self.pieces and need > blocks.available:
+            return False
+        self._prefill_piece(j)
+        return True
+
+    def _prefill_piece(self, j: int) -> None:
+        """The next piece (at most engine.microbatch_tokens tokens) of job j's prompt through the body: its K/V into
+        the holder's blocks, its attention over every earlier position of the prompt read back from them
+        (`PromptWriter` with history, the packed attention's continuation path). The last piece leaves the prompt
+        prefilled as `_prefill_packed` does."""
+        engine, decoder = self.engine, self.decoder
+        job = self.jobs[j]
+        prompt = job.prompt
+        if j not in self.pieces:
+            slots = decoder.prompt_slots((self.key, j), prompt)
+            self.held.add(j)  # at once: a failure after this still gives the holder's blocks back (`leave`)
+            self.pieces[j] = (0, slots, [], [])
+        start, slots, values, tops = self.pieces[j]
+        end = min(len(prompt), start + max(1, engine.microbatch_tokens))
+        n, device = end - start, engine.device
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += n
+        tokens = torch.tensor(prompt[start:end], dtype=torch.int64).to(device).view(1, -1)
+        positions = torch.arange(start, end).to(device).view(1, -1)
+        kwargs = packed_forward_kwargs(self.config, torch.tensor([0, n], dtype=torch.int32).to(device), n)
+        if start:
+            kwargs.update(cu_seq_lens_k=torch.tensor([0, end], dtype=torch.int32).to(device), max_length_k=end)
+        counts = [0] * len(self.groups)
+        counts[self.group_of[job.model_id]] = n
+        routing, banks = self._lora(counts)
+        writer = PromptWriter(decoder, slots[start:end], history=slots[:end] if start else None)
+        with engine.context.use(routing, banks), engine.elementwise():
+            hidden = engine.body(
+                input_ids=tokens, position_ids=positions, past_key_values=writer, use_cache=True, **kwargs
+            ).last_hidden_state[0]
+        if job.prompt_logprobs or job.topk_prompt_logprobs:  # rows predicting prompt tokens start+1 .. end
+            got_values, got_tops = self._prompt_logprob_values(j, hidden[: min(n, len(prompt) - 1 - start)], start + 1)
+            values += got_values
+            tops += got_tops
+        if end < len(prompt):
+            self.pieces[j] = (end, slots, values, tops)
+            return
+        del self.pieces[j]
+        self.prefilled[j] = _Prefilled(kv=None, last_logits=self._logits(hidden[n - 1 :])[0])
+        self._set_prompt_logprobs(j, values, tops)
+
     def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
         """Prompt token t's logprob given tokens < t (from hidden states of positions 0..n-2), chunked over tokens."""
+        self._set_prompt_logprobs(j, *self._prompt_logprob_values(j, hidden, 1))
+
+    def _prompt_logprob_values(
+        self, j: int, hidden: torch.Tensor, first: int
+    ) -> tuple[list[float], list[list[tuple[int, float]] | None]]:
+        """The logprobs (and top-k) of prompt tokens first, first + 1, ... from the hidden states of the positions
+        before each (one row per token), chunked over tokens."""
         job = self.jobs[j]
-        targets = torch.tensor(job.prompt[1:], dtype=torch.int64, device=hidden.device)
+        targets = torch.tensor(job.prompt[first : first + hidden.shape[0]], dtype=torch.int64, device=hidden.device)
         values: list[float] = []
         tops: list[list[tuple[int, float]] | None] = []
         for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
@@ -664,6 +745,12 @@ class _Run:
                 values += lp.gather(1, targets[start : start + LOSS_CHUNK_TOKENS, None]).view(-1).cpu().tolist()
             if job.topk_prompt_logprobs:
                 tops += top_logprobs(lp, [job.topk_prompt_logprobs] * lp.shape[0])
+        return values, tops
+
+    def _set_prompt_logprobs(
+        self, j: int, values: list[float], tops: list[list[tuple[int, float]] | None]
+    ) -> None:
+        job = self.jobs[j]
         for k in (k for k, shared in enumerate(self.source) if shared == j):  # j and the jobs sharing its prompt
             out = self.outputs[k]
             if job.prompt_logprobs:

@@ -508,18 +508,27 @@ class StaticDecoder:
 
 class PromptWriter:
     """What the sampler's packed prefill passes as the body's `past_key_values` (a paged decoder's prompts): each
-    attention layer's `update` stores the
-    chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary embedding) at their cache slots and hands
-    them back unchanged, so the layer attends over the chunk alone (its prompts start at position 0)."""
+    attention layer's `update` stores the chunk's keys and values ([1, kv_heads, N, D], after the norm and rotary
+    embedding) at their cache slots and hands them back unchanged, so the layer attends over the chunk alone (its
+    prompts start at position 0). history: a long prompt's next piece, the cache slots of every position of the prompt
+    up to the piece's end; the layer then gets all those keys and values back (the earlier pieces' from the cache),
+    and the packed attention's continuation path attends over them."""
 
-    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor) -> None:
+    def __init__(self, decoder: StaticDecoder, slots: torch.Tensor, history: torch.Tensor | None = None) -> None:
         self.decoder = decoder
         self.slots = slots  # [N]
+        self.history = history  # [Lk] or None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-        assert self.decoder.cache is not None
-        self.decoder.cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
-        return keys, values
+        cache = self.decoder.cache
+        assert cache is not None
+        cache.write(layer_idx, self.slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        if self.history is None:
+            return keys, values
+        k, v = cache.k[layer_idx], cache.v[layer_idx]
+        k_all = k.view(-1, *k.shape[2:]).index_select(0, self.history)  # [Lk, kv_heads, D]
+        v_all = v.view(-1, *v.shape[2:]).index_select(0, self.history)
+        return k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0)
 
     # What transformers' mask builders read from a cache: models without a per-layer-type mask mapping (Qwen3-MoE)
     # build a causal mask even for a packed row, which the packed attention ignores (it attends within cu_seqlens).

@@ -124,8 +124,14 @@ def test_interface_function_reads_the_flash_varlen_kwargs() -> None:
     assert (out[0].double() - dense_reference(q, k, v, lengths, 0.2)).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="sliding window"):
         pa.packed_attention_forward(_Module(), query, key, value, None, sliding_window=4, cu_seq_lens_q=cu)
-    with pytest.raises(ValueError, match="self-attention"):
+    with pytest.raises(ValueError, match="takes one sequence"):  # other keys than the queries: one sequence only
         pa.packed_attention_forward(_Module(), query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone() + 0)
+    n = query.shape[2]  # one sequence's last 3 positions over all its n keys: the continuation path
+    out, _ = pa.packed_attention_forward(
+        _Module(), query[:, :, n - 3 :], key, value, None, scaling=0.2,
+        cu_seq_lens_q=torch.tensor([0, 3], dtype=torch.int32), cu_seq_lens_k=torch.tensor([0, n], dtype=torch.int32),
+    )  # fmt: skip
+    assert (out[0].double() - dense_reference(q, k, v, [n], 0.2)[n - 3 :]).abs().max().item() < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +193,16 @@ def test_only_an_sdpa_model_is_switched(tiny_dir: Path) -> None:
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="eager"):
         pa.install_packed_attention(model)
+
+
+@pytest.mark.parametrize(("lq", "lk", "block"), [(5, 5, None), (7, 19, 3), (1, 40, None), (16, 16, 4)])
+def test_continuation_attention_equals_the_whole_sequences_last_rows(lq: int, lk: int, block: int | None) -> None:
+    """A piece's queries over every key up to its end (earlier positions from a cache) give the rows the whole
+    sequence's causal attention gives those positions (fp64 dense reference, grouped-query heads), in query blocks."""
+    q_all, k, v = (t.detach() for t in random_qkv([lk], 4, 2, 8, seed=lk + lq))
+    scale = 1 / math.sqrt(8)
+    whole = dense_reference(q_all, k, v, [lk], scale)
+    got = pa.continuation_attention(q_all[lk - lq :], k, v, scale, block=block)
+    assert torch.allclose(got.double(), whole[lk - lq :], atol=1e-5)
+    with pytest.raises(ValueError, match="at least as many keys"):
+        pa.continuation_attention(q_all, k[:2], v[:2], scale)

@@ -330,3 +330,69 @@ def test_a_large_admission_prefills_one_chunk_between_two_decode_steps(
             for x, y in zip(out.sequences, own.sequences, strict=True):
                 assert_same(x, y)
     assert_blocks_back(sampler)
+
+
+def test_a_prompt_longer_than_a_chunk_is_prefilled_in_pieces_between_decode_steps(
+    tiny_sampler_engine: tuple[Engine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of 53 tokens with 16-token prefill chunks: four pieces, each attending over the prompt's earlier
+    positions in the cache, a decode step of the rows already decoding after each; its samples, prompt logprobs and
+    top-k prompt logprobs equal the dense path's (the whole prompt in one forward), as do the decoding run's rows, and
+    every block comes back."""
+    from loraplex.workers.sampling import sampler as sampler_module
+
+    engine, tokenizer = tiny_sampler_engine
+    monkeypatch.setattr(engine, "microbatch_tokens", 16)
+    events: list[str] = []
+    step, piece = sampler_module._Batch.decode_step, sampler_module._Run._prefill_piece
+    monkeypatch.setattr(sampler_module._Batch, "decode_step", lambda self: (events.append("step"), step(self))[1])
+    monkeypatch.setattr(sampler_module._Run, "_prefill_piece", lambda self, j: (events.append("piece"), piece(self, j))[1])
+    seeded = SampleParams(max_tokens=12, temperature=0.9, seed=8)
+    # long enough that the batch it opens is as wide as the long prompt's run needs (6 + 60 >= 53 + 12)
+    decoding = [SampleJob(prompt(700, 6), "r4", SampleParams(max_tokens=60, temperature=0.9, seed=9), num_samples=2)]
+    long_jobs = [
+        SampleJob(prompt(701, 53), "r8", seeded, num_samples=3, prompt_logprobs=True, topk_prompt_logprobs=2),
+        SampleJob(prompt(702, 5), None, GREEDY),
+    ]
+    sampler = Sampler(engine, tokenizer, max_rows=16)
+    a = sampler.start(decoding)
+    assert not a.advance(0.0)
+    events.clear()
+    b = sampler.start(long_jobs)
+    assert b.advance(None)
+    pieces = [i for i, e in enumerate(events) if e == "piece"]
+    assert len(pieces) == 4 and all(events[i + 1] == "step" for i in pieces)
+    assert a.advance(None)
+    dense = Sampler(engine, tokenizer, paged_kv=False)
+    for jobs, run in ((decoding, a), (long_jobs, b)):
+        for job, out in zip(jobs, run.outputs, strict=True):
+            own = dense.generate([job])[0]
+            for x, y in zip(out.sequences, own.sequences, strict=True):
+                assert_same(x, y)
+            if job.prompt_logprobs:
+                assert out.prompt_logprobs is not None and own.prompt_logprobs is not None
+                assert len(out.prompt_logprobs) == len(job.prompt)
+                diffs = [abs(x - y) for x, y in zip(out.prompt_logprobs[1:], own.prompt_logprobs[1:], strict=True)]
+                assert max(diffs) < 1e-5
+                assert out.topk_prompt_logprobs is not None and own.topk_prompt_logprobs is not None
+                for x, y in zip(out.topk_prompt_logprobs[1:], own.topk_prompt_logprobs[1:], strict=True):
+                    assert x is not None and y is not None
+                    assert [t for t, _ in x] == [t for t, _ in y]
+    assert_blocks_back(sampler)
+
+
+def test_a_long_prompt_alone_is_prefilled_in_pieces_and_equals_the_whole_forward(
+    tiny_sampler_engine: tuple[Engine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing else decoding: the pieces run one after another in the admission; greedy tokens and logprobs equal the
+    dense path's, which prefills the whole prompt in one forward (fp32 CPU)."""
+    engine, tokenizer = tiny_sampler_engine
+    monkeypatch.setattr(engine, "microbatch_tokens", 8)
+    job = SampleJob(prompt(710, 30), "attn", GREEDY, num_samples=2)
+    paged = Sampler(engine, tokenizer)
+    got = paged.generate([job])[0]
+    assert paged.stats.prefill_forwards == 4 and paged.stats.prefill_tokens == 30
+    want = Sampler(engine, tokenizer, paged_kv=False).generate([job])[0]
+    for x, y in zip(got.sequences, want.sequences, strict=True):
+        assert_same(x, y)
+    assert_blocks_back(paged)
