@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.storage.enums import AdapterStatus
-from loraplex.storage.models import Adapter, Pool, PoolState
+from loraplex.storage.models import Adapter, AdapterSnapshotRow, Pool, PoolState
 from loraplex.storage.types import utcnow
 
 
@@ -23,6 +23,28 @@ class PoolRepository:
         """The last seq_id applied to an adapter, for a (re)starting dispatcher. The pool knows model ids only from
         requests the gateway already authorised, so this read needs no tenant."""
         return self.session.scalar(select(Adapter.applied_seq_id).where(Adapter.model_id == model_id))
+
+    def adapter(self, model_id: str) -> Adapter | None:
+        """An adapter by id, any tenant's and status: moving adapters between pools is the operator's and the pools'
+        business (the pools know model ids only from requests the gateway already authorised)."""
+        return self.session.get(Adapter, model_id)
+
+    def route_adapter(self, model_id: str, source: str, target: str) -> bool:
+        """The adapter, handed from `source` to `target` (queue/handoff.py), is placed on `target` from now: its
+        requests go there, and so do its snapshot rows (a restart of `target` adopts it from them). Only while it is
+        placed on `source` (or on no pool named: placed before the fleet), so a late call never undoes a later move;
+        False when it was not."""
+        placed = self.session.execute(
+            update(Adapter)
+            .where(Adapter.model_id == model_id, or_(Adapter.pool == source, Adapter.pool.is_(None)))
+            .values(pool=target)
+        )
+        if not placed.rowcount:  # type: ignore[attr-defined]
+            return False
+        self.session.execute(
+            update(AdapterSnapshotRow).where(AdapterSnapshotRow.model_id == model_id).values(pool=target)
+        )
+        return True
 
     def heartbeat(
         self,
