@@ -113,18 +113,57 @@ def _handed_over(stack: Stack, model_id: str, target: str) -> list[int]:
     return [int(n) for n in re.findall(rf"adapter {model_id} handed over to pool {target} with (\d+) queued", logs)]
 
 
+def _check(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
+    """Every request applied exactly once: no future failed, losses and final state bit-identical to the reference,
+    the SQL applied seq_id exact."""
+    for o in out:
+        assert o.errors == [], o.errors
+    want_states, want_losses = reference(stack, plans)
+    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
+    for p, o in zip(plans, out, strict=True):
+        assert o.losses == want_losses[p.tenant]  # each forward_backward saw exactly the reference's state
+        assert_same_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
+        with sessions() as session:  # create, then 2 per step, then the save: each applied once
+            assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+
+
+def _start(stack: Stack, names: list[str], plans: list[Plan]) -> tuple[list[threading.Thread], list[Trained], dict]:
+    """One pipelined trainer thread per tenant, started one after the other (each adapter placed before the next)."""
+    clients = tenant_clients(stack, *names)
+    out = [Trained() for _ in plans]
+    threads = []
+    for i, (name, plan) in enumerate(zip(names, plans, strict=True)):
+        created = threading.Event()
+        threads.append(threading.Thread(target=train_pipelined, args=(clients[name], plan, out[i], created),
+                                        daemon=True))  # fmt: skip
+        threads[-1].start()
+        assert created.wait(120)
+    return threads, out, clients
+
+
+def _join(threads: list[threading.Thread], clients: dict) -> None:
+    for t in threads:
+        t.join(timeout=600)
+    for c in clients.values():
+        c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+def _cli_asking(stack: Stack, pool: str, *args: str) -> subprocess.Popen[str]:
+    """`loraplex ARGS` started, returned once it asked `pool` for a move (its orders are in Redis)."""
+    cli = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", *args], env={**os.environ, **stack.child_env()},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    r = redis.Redis.from_url(stack.settings.redis_url)
+    while not handoff.move_orders(r, pool):
+        assert cli.poll() is None, cli.communicate()
+        time.sleep(0.05)
+    return cli
+
+
 def test_adapters_moved_under_training_load_end_bit_identical_with_every_request_applied_once(stack: Stack) -> None:
     services = build_services(stack.settings)
     plans = [Plan(t, rank=(4, 8)[t], seed=41 + t, steps=20) for t in range(2)]
-    clients = tenant_clients(stack, "mv-a", "mv-b")
-    out = [Trained() for _ in plans]
-    created = [threading.Event() for _ in plans]
-    threads = []
-    for i, (name, plan) in enumerate(zip(("mv-a", "mv-b"), plans, strict=True)):
-        threads.append(threading.Thread(target=train_pipelined, args=(clients[name], plan, out[i], created[i]),
-                                        daemon=True))  # fmt: skip
-        threads[-1].start()
-        assert created[i].wait(120)  # one after the other: placement puts the first on `default`
+    threads, out, clients = _start(stack, ["mv-a", "mv-b"], plans)
     a, b = out[0].model_id, out[1].model_id
     assert [placed_pool(services, a), placed_pool(services, b)] == ["default", "default-2"]
 
@@ -135,33 +174,15 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
 
     _wait_done(out, 20)  # a moves back through the CLI, b to default at the same time
     with _paused(stack, "pool", "pool-default-2"):
-        cli = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", "pool", "move", a, "--to", "default"],
-                               env={**os.environ, **stack.child_env()}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-        r = redis.Redis.from_url(stack.settings.redis_url)
-        while not handoff.move_orders(r, "default-2"):  # the CLI asked
-            assert cli.poll() is None, cli.communicate()
-            time.sleep(0.05)
+        cli = _cli_asking(stack, "default-2", "pool", "move", a, "--to", "default")
         assert move_adapter(services, b, "default") == "default-2"
     stdout, stderr = cli.communicate(timeout=120)
     assert cli.returncode == 0, stderr
     assert stdout.strip() == f"adapter {a} is on pool default"
     assert wait_placed(services, b, "default", 120)
-    for t in threads:
-        t.join(timeout=600)
-    for c in clients.values():
-        c.close()
-    assert not any(t.is_alive() for t in threads)
+    _join(threads, clients)
 
-    for o in out:
-        assert o.errors == [], o.errors
-    want_states, want_losses = reference(stack, plans)
-    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
-    for p, o in zip(plans, out, strict=True):
-        assert o.losses == want_losses[p.tenant]  # each forward_backward saw exactly the reference's state
-        assert_same_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
-        with sessions() as session:  # create, then 2 per step, then the save: each applied once
-            assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+    _check(stack, plans, out)
     assert placed_pool(services, a) == placed_pool(services, b) == "default"
     # Each hand-over took queued requests along (the tenants had requests in flight on the paused source).
     for model_id, target in ((a, "default-2"), (a, "default"), (b, "default")):
@@ -180,3 +201,39 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
     bad = _cli(stack, "pool", "move", a, "--to", "nowhere")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("loraplex: pool 'nowhere'")
     assert placed_pool(services, a) == "default"
+
+
+def test_a_drained_pool_hands_every_adapter_to_its_sibling_under_load_and_takes_no_new_one(stack: Stack) -> None:
+    services = build_services(stack.settings)
+    plans = [Plan(t, rank=(8, 4)[t], seed=51 + t, steps=16) for t in range(2)]
+    threads, out, clients = _start(stack, ["dr-c", "dr-d"], plans)
+    c, d = out[0].model_id, out[1].model_id
+    # default holds the earlier test's two adapters: both new ones went to default-2
+    assert placed_pool(services, c) == placed_pool(services, d) == "default-2"
+
+    _wait_done(out, 6)
+    with _paused(stack, "pool", "pool-default-2"):
+        cli = _cli_asking(stack, "default-2", "pool", "drain", "default-2")
+    stdout, stderr = cli.communicate(timeout=300)
+    assert cli.returncode == 0, stderr
+    assert stdout.strip().startswith("pool default-2 drained: 2 adapter(s) moved")
+    assert placed_pool(services, c) == placed_pool(services, d) == "default"
+    _join(threads, clients)
+    _check(stack, plans, out)
+    for model_id in (c, d):
+        (taken,) = _handed_over(stack, model_id, "default")
+        assert taken > 0, model_id  # each went with requests queued
+
+    # Drained: a new adapter goes to default, though default-2 has every slot free; undrained, it takes them again.
+    tenant = tenant_clients(stack, "dr-e")["dr-e"]
+    assert placed_pool(services, tenant.create_lora_training_client(rank=4).model_id) == "default"
+    with pytest.raises(InvalidRequestError, match="drained"):
+        move_adapter(services, c, "default-2")
+    undrained = _cli(stack, "pool", "undrain", "default-2")
+    assert undrained.returncode == 0, undrained.stderr
+    assert placed_pool(services, tenant.create_lora_training_client(rank=4).model_id) == "default-2"
+    tenant.close()
+
+    # An operator's mistake: one line.
+    missing = _cli(stack, "pool", "drain", "nowhere")
+    assert missing.returncode == 2 and missing.stderr.strip() == "loraplex: pool 'nowhere' not found"

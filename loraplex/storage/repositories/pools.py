@@ -124,6 +124,28 @@ class PoolRepository:
         counts = {pool: int(n) for pool, n in self.session.execute(stmt) if pool is not None}
         return {name: counts.get(name, 0) for name in ordered}
 
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Drain (True) or undrain the pool; NotFoundError for a pool that never ran."""
+        pool = self.session.get(Pool, name, with_for_update=True)
+        if pool is None:
+            raise NotFoundError(f"pool {name!r} not found")
+        pool.draining = draining
+        self.session.flush()
+
+    def draining(self, names: Sequence[str]) -> set[str]:
+        """Those of these pools an operator drained."""
+        return set(self.session.scalars(select(Pool.name).where(Pool.name.in_(list(names)), Pool.draining)))
+
+    def live_adapters_on(self, name: str, include_unplaced: bool = False) -> list[str]:
+        """The live adapters placed on the pool (with `include_unplaced`: also those placed on no pool named, the
+        gateway's own pool's from before the fleet), sorted."""
+        on = Adapter.pool == name
+        stmt = select(Adapter.model_id).where(
+            or_(on, Adapter.pool.is_(None)) if include_unplaced else on,
+            Adapter.status.not_in([AdapterStatus.DELETED, AdapterStatus.FAILED]),
+        )
+        return sorted(self.session.scalars(stmt))
+
     def find(self, name: str) -> Pool | None:
         return self.session.get(Pool, name)
 
