@@ -117,6 +117,32 @@ AfterPlan = Callable[[BatchPlan, LoopProgress], None]
 
 
 @dataclass(frozen=True)
+class Meeting:
+    """What the pool says of an adapter the loop meets for the first time (Handoff.meet)."""
+
+    forward_to: str | None = None  # it was handed to that pool: its entries here go there
+    adopted: bool = False  # it was handed to this pool and is adopted now: its state holds exactly up to `applied`
+    applied: int | None = None
+
+
+class Handoff(Protocol):
+    """Moving adapters between pools, the pool's side (pool/handoff.py); the loop calls it between plans."""
+
+    def orders(self) -> Mapping[str, str]:
+        """Adapters an operator asked this pool to hand over: model_id -> the target pool."""
+        ...
+
+    def hand_over(self, model_id: str, target: str) -> bool:
+        """Hand the adapter over now (every plan before is finished; none of its requests runs): its request log and
+        its entries go to the target, which adopts it. False: not done (tried again later, or the order dropped)."""
+        ...
+
+    def meet(self, model_id: str) -> Meeting | None:
+        """An adapter the loop meets for the first time: moved away, handed here (adopted now), or None: neither."""
+        ...
+
+
+@dataclass(frozen=True)
 class PlanHooks:
     """What the pool plugs into its dispatcher (pool/process.py); a test leaves out what it does not need."""
 
@@ -136,6 +162,8 @@ class PlanHooks:
     # splits forward_backward steps by predicted cost (dispatch/step_split.py; the pool's learns from its executor's
     # step times); None: one mixed step per round
     cost_model: StepCost | None = None
+    # moves of adapters between pools (pool/handoff.py); None: this pool neither hands over nor adopts
+    handoff: Handoff | None = None
     # set by the prefetch thread while requests other than samples wait unplanned (the pool's native sampler reads
     # it to end a slice early)
     others_waiting: threading.Event | None = None

@@ -72,6 +72,7 @@ from loraplex.runtime.logutil import Backoff, RateLimitedLog
 log = logging.getLogger(__name__)
 
 IDLE_TICK_S = 1.0  # how often an idle loop calls after_plan (with an empty plan)
+HANDOFF_CHECK_S = 0.25  # how often the loop looks for move orders (queue/handoff.py)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Dispatcher:
         self._prefetcher: Prefetcher | None = None  # started by the first read
         self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
         self._last_after_plan = float("-inf")
+        self._next_handoff_check = 0.0
 
     # -- public ---------------------------------------------------------------------------------------------------
     @property
@@ -161,6 +163,7 @@ class Dispatcher:
         entries = self._claim_if_due(now)
         entries += self._read(None if self._more_ready else self.config.block_ms / 1000)
         self._admit(entries, now)
+        self._hand_over_if_asked(now)
         t_read = time.monotonic()
         if not self._buffer:
             self._more_ready = False
@@ -306,6 +309,61 @@ class Dispatcher:
         rest = tuple(h.request for h in self._buffer if h.request.request_id not in taken)
         return replace(cut, pending=rest)
 
+    # -- moves between pools ----------------------------------------------------------------------------------------
+    def _hand_over_if_asked(self, now: float) -> None:
+        """Hand over the adapters an operator asked this pool to move (at most every HANDOFF_CHECK_S), here between
+        two plans: every plan before is finished first (its answers in the request log), so the adapter's state is
+        exactly its snapshot plus that log; an adapter with a request running in parts, or any sample run in flight,
+        waits for a later round. Its requests held here leave with their entries."""
+        handoff = self.hooks.handoff
+        if handoff is None or now < self._next_handoff_check:
+            return
+        self._next_handoff_check = now + HANDOFF_CHECK_S
+        orders = handoff.orders()
+        busy = self.in_parts()
+        for model_id, target in orders.items():
+            if model_id in busy or self._sampling:
+                continue
+            self._finisher.drain()
+            try:
+                done = handoff.hand_over(model_id, target)
+            except Exception:  # noqa: BLE001 - the order stays; tried again next round (a lost lease stops the loop)
+                log.exception("handing adapter %s over to pool %s failed; trying again", model_id, target)
+                continue
+            if not done:
+                continue
+            held = [h for h in self._buffer if h.request.model_id == model_id]
+            self._forget(held)
+            self.consumer.forget(h.stream_id for h in held)
+            self._applied.pop(model_id, None)
+            self._recovered.discard(model_id)
+            self.coalescer.forget(model_id)
+
+    def _first_meeting(self, sid: EntryRef, req: PlannedRequest, moved: dict[str, str]) -> bool:
+        """The loop meets an adapter for the first time: note where its seq_ids stand (adopting it first when it was
+        handed to this pool); False when it was handed to another pool and this entry was forwarded there."""
+        handoff = self.hooks.handoff
+        target = moved.get(req.model_id)
+        for _ in range(2):  # twice: an adapter handed back here between the two reads is adopted, not looked up
+            if target is None and handoff is not None:
+                found = handoff.meet(req.model_id)
+                if found is not None and found.adopted:
+                    self._applied[req.model_id] = found.applied
+                    self._recovered.add(req.model_id)
+                    return True
+                target = found.forward_to if found is not None else None
+            if target is None:
+                break
+            if self.consumer.forward(sid, req.model_id) is not None:
+                moved[req.model_id] = target
+                log.info("adapter %s: %s seq_id %d forwarded to pool %s", req.model_id, req.kind, req.seq_id, target)
+                return False
+            moved.pop(req.model_id, None)
+            target = None
+        lookup = self.hooks.applied_seq_lookup
+        self._applied[req.model_id] = lookup(req.model_id) if lookup else None
+        return True
+
     # -- steps ----------------------------------------------------------------------------------------------------
     def _claim_if_due(self, now: float) -> list[Entry]:
         if now < self._next_claim:
@@ -326,11 +384,12 @@ class Dispatcher:
             self._finisher.drain()  # a twin of a request being finished: its result is stored first, and answers it
         done = self.results.has_many([env.request_id for _, env in fresh])
         stale: list[EntryRef] = []
+        moved: dict[str, str] = {}  # adapters of this batch that were handed to another pool
         for (sid, env), answered in zip(fresh, done, strict=True):
             req = to_planned(env)
-            if req.model_id not in self._applied and req.kind not in UNORDERED_KINDS:  # a sampler is no adapter
-                lookup = self.hooks.applied_seq_lookup
-                self._applied[req.model_id] = lookup(req.model_id) if lookup else None
+            first = req.model_id not in self._applied and req.kind not in UNORDERED_KINDS  # a sampler is no adapter
+            if first and not self._first_meeting(sid, req, moved):
+                continue  # forwarded to the pool it was handed to
             silent = False
             if answered:  # stored before a crash, never acked: never apply twice...
                 last = self._applied.get(req.model_id)

@@ -1,4 +1,5 @@
-"""The `loraplex` command: serve the stack, manage tenants, export adapters, run the demo."""
+"""The `loraplex` command: serve the stack, manage tenants, move adapters between pools, export adapters, run the
+demo."""
 
 from __future__ import annotations
 
@@ -392,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     from loraplex.launch.cli_pipelines import add_parsers as add_pipeline_parsers
 
     add_pipeline_parsers(sub)
+
+    from loraplex.launch.cli_pools import add_parsers as add_pool_parsers
+
+    add_pool_parsers(sub)
 
     p = sub.add_parser("worker", help="run one worker pool process (dispatcher + rank 0)")
     p.set_defaults(func=cmd_worker)

@@ -407,6 +407,14 @@ def _lead(
     client = redis.Redis.from_url(settings.redis_url)
     # The snapshot cadence (durable/snapshotter.py) and the request log, when durable snapshots are on.
     snapshotter = build_snapshotter(settings, store, sessions, client, lease, writes) if settings.durable_snapshots else None
+    # Moves between pools (pool/handoff.py) ride on the snapshots and the request log.
+    handoff = None
+    if snapshotter is not None:
+        from loraplex.pool.handoff import PoolHandoff
+
+        handoff = PoolHandoff(pool=settings.pool, redis=client, sessions=sessions, store=store,
+                              executor=leader or executor, snapshotter=snapshotter, lease=lease, writes=writes,
+                              adopt=getattr(leader or executor, "adopt", store.adopt))  # fmt: skip
     hooks = PlanHooks(
         results=ResultStore(client, lease=lease),
         # With the request log on, a sampler save is answered once its weights are frozen, before its files exist;
@@ -420,6 +428,7 @@ def _lead(
         tenant_weights=TenantWeights(sql_weights(sessions), settings.tenant_weight_cache_seconds),
         cost_model=cost,
         others_waiting=others_waiting,
+        handoff=handoff,
     )
     rows = sampler_rows(sampling, world)
     config = DispatchConfig.from_settings(settings, pipelined=True, **({"sample_rows": rows} if rows else {}))

@@ -1,1 +1,2 @@
-"""Redis streams: key names (keys.py), the envelope codec, producer, consumer group, results + notify."""
+"""Redis streams: key names (keys.py), the envelope codec, producer, consumer group, results + notify, and an
+adapter's hand-over between pools (handoff.py)."""

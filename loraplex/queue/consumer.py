@@ -31,6 +31,7 @@ from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.protocol import Outcome
 from loraplex.queue import keys
 from loraplex.queue.envelope import TOKENS_FIELD, Envelope, decode, request_id_of
+from loraplex.queue.handoff import Handoffs
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import ResultStore
 
@@ -118,6 +119,7 @@ class Consumer:
         self._backlog: dict[str, str | None] = {}
         self._rescan = False  # set from any thread (rescan_pending), acted on by the reading one
         self._ack_script = redis.register_script(_ACK)
+        self._handoffs = Handoffs(redis)
         self._ensure_group(self._doorbell)
         self.refresh()
 
@@ -202,6 +204,20 @@ class Consumer:
         with self._lock:
             for stream, args in by_stream.items():
                 self._unacked[self._tenant_of(stream)].difference_update(args[::4])
+
+    def forward(self, ref: EntryRef, model_id: str) -> str | None:
+        """An entry of an adapter that was handed to another pool (queue/handoff.py) goes to that pool's stream;
+        returns that pool's name, or None when the adapter has not left this pool (the entry stays)."""
+        target = self._handoffs.forward(self.pool, self._tenant_of(ref.stream), model_id, ref.id)
+        if target is not None:
+            self.forget([ref])
+        return target
+
+    def forget(self, refs: Iterable[EntryRef]) -> None:
+        """Entries that left this pool's streams another way (a hand-over): no longer read and unacked here."""
+        with self._lock:
+            for ref in refs:
+                self._unacked[self._tenant_of(ref.stream)].discard(ref.id)
 
     def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over entries other consumers left pending longer than `min_idle_ms` (up to `count` per stream)."""

@@ -24,6 +24,9 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:pool:{pool}:registration    string: what the pool serves and its load (JSON, queue/pool_registry.py), with
                                          the lease's TTL: a pool whose leader is gone drops out of the fleet with it
     loraplex:fleet:pools                 set: the pools that ever registered (their registrations may have expired)
+    loraplex:pool:{pool}:move_orders     hash: adapter -> the pool an operator asked to move it to (queue/handoff.py)
+    loraplex:pool:{pool}:moved           hash: adapter -> the pool it was handed to (its late entries go there)
+    loraplex:pool:{pool}:adopt           set: adapters handed to this pool, to adopt from snapshot + request log
     loraplex:openai:sampler:{tenant}:{model_path}   hash: the OpenAI endpoint's sampler over that checkpoint (or "" for
                                          the base model): `sampler_id`, and `seq` its seq_id counter (api/openai/models.py)
     loraplex:openai:idem:{tenant}:{digest}          string: "<sampler_id> <first seq_id>" an Idempotency-Key took
@@ -104,6 +107,18 @@ def pool_registration(pool: str) -> str:
 
 def fleet_pools() -> str:
     return f"{PREFIX}fleet:pools"
+
+
+def move_orders(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:move_orders"
+
+
+def moved_adapters(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:moved"
+
+
+def adopt_orders(pool: str) -> str:
+    return f"{PREFIX}pool:{pool}:adopt"
 
 
 def result_key(request_id: str) -> str:

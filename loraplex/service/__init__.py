@@ -7,6 +7,7 @@ requests go to the pools through queue/.
 
     adapters     create (defaults, base-model and rank checks, from_checkpoint), list, get, delete; the served models
     fleet        which base models the live pools serve (pure, from the registry); fleet_view reads it per process
+    moves        an operator's move of an adapter to another pool of its base model (checked, then asked of its pool)
     training     forward_backward / forward / optim_step on their payloads, checked once (limits, datums, loss, Adam)
     checkpoints  save_state / save_weights_for_sampler / load_state payloads (name, 409, folders), list, delete;
                  across adapters by tinker path: list_all (paged), get, bulk delete, ttl, weights_info

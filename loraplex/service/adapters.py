@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError
+from loraplex.errors import ConflictError, InvalidRequestError, QuotaExceededError, ServiceUnavailableError
 from loraplex.protocol import CreateAdapterPayload, DeleteAdapterPayload, FromCheckpoint, RequestKind
 from loraplex.service.checkpoints import checkpoint_dir, resolve_checkpoint
 from loraplex.service.context import Services, TenantRef, fleet, write_session
@@ -141,9 +141,26 @@ def served_model(services: Services, base_model: str | None) -> ServedModel:
 def place(db: Session, served: ServedModel) -> str:
     """The pool of `served` a new adapter goes to, by the placement rule (service/placement.py) over each pool's
     live adapters counted now, in the creating transaction (which holds the pools' rows on PostgreSQL), and its
-    queued tokens as it last registered."""
-    placed = PoolRepository(db).placed_adapters(served.pool_names)
-    return choose_pool([PoolLoad(p.name, p.slots, placed[p.name], p.queued_tokens) for p in served.pools])
+    queued tokens as it last registered; drained pools take none (ServiceUnavailableError when every one is)."""
+    return choose_pool_or_503(pool_loads(db, served), served.name)
+
+
+def pool_loads(db: Session, served: ServedModel) -> list[PoolLoad]:
+    """The placement rule's view of each pool of `served`: slots, live adapters placed on it, queued tokens, drained."""
+    pools = PoolRepository(db)
+    placed = pools.placed_adapters(served.pool_names)
+    draining = pools.draining(served.pool_names)
+    return [PoolLoad(p.name, p.slots, placed[p.name], p.queued_tokens, p.name in draining) for p in served.pools]
+
+
+def choose_pool_or_503(loads: list[PoolLoad], base_model: str) -> str:
+    try:
+        return choose_pool(loads)
+    except ValueError:
+        raise ServiceUnavailableError(
+            f"every pool of {base_model!r} is drained ({', '.join(p.name for p in loads)}): undrain one "
+            "(`loraplex pool undrain NAME`) or start another"
+        ) from None
 
 
 def _modules(pool: tuple[str, ...], asked: Sequence[str] | None) -> tuple[str, ...]:

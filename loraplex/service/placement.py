@@ -6,12 +6,13 @@ The rule, in order:
    adapters take turns in the slots: the pool with fewer turns to share wins);
 2. fewest queued tokens (the registry's figure: work accepted and not yet answered);
 3. the pool's name, so equal pools are chosen the same way by every gateway.
-Placements counted as they are made, so tenants' adapters spread over the pools of a model one by one."""
+Placements counted as they are made, so tenants' adapters spread over the pools of a model one by one. A pool an
+operator drained (`loraplex pool drain`) takes none."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class PoolLoad:
     slots: int
     placed: int = 0
     queued_tokens: int = 0
+    draining: bool = False
 
     @property
     def free_slots(self) -> int:
@@ -35,7 +37,19 @@ def placement_key(pool: PoolLoad) -> tuple[int, int, str]:
 
 def choose_pool(candidates: Sequence[PoolLoad]) -> str:
     """The name of the pool a new adapter goes to; ValueError for no candidates (the caller has refused the base model
-    already: service/fleet.py)."""
-    if not candidates:
-        raise ValueError("no pool to place the adapter on")
-    return min(candidates, key=placement_key).name
+    already: service/fleet.py) or when every one is draining."""
+    open_pools = [c for c in candidates if not c.draining]
+    if not open_pools:
+        raise ValueError("no pool to place the adapter on" + (" (every one is draining)" if candidates else ""))
+    return min(open_pools, key=placement_key).name
+
+
+def place_many(candidates: Sequence[PoolLoad], count: int) -> list[str]:
+    """Where `count` adapters go, one by one, each counted on its pool before the next is placed (a drain's moves)."""
+    loads = {c.name: c for c in candidates}
+    out = []
+    for _ in range(count):
+        name = choose_pool(list(loads.values()))
+        loads[name] = replace(loads[name], placed=loads[name].placed + 1)
+        out.append(name)
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -186,6 +188,8 @@ class Pool(Base):
     state: Mapped[PoolState] = mapped_column(
         str_enum(PoolState), default=PoolState.READY, server_default=PoolState.READY.value
     )
+    # Drained by an operator (migration 0011): placement gives it no new adapter until it is undrained.
+    draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class TrainingSession(Base):

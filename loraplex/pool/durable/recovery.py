@@ -1,7 +1,8 @@
 """A (re)starting pool adopts its adapters (DESIGN, Durability), before its dispatcher reads anything:
 
-1. the adapters to adopt: those with a snapshot row of this pool or a request log on it, neither deleted nor failed
-   (a deleted adapter's log is dropped);
+1. the adapters to adopt: those with a snapshot row of this pool or a request log on it, or handed to it
+   (pool/handoff.py), neither deleted nor failed (a deleted adapter's log is dropped); not those it handed to another
+   pool (their placement in SQL is finished now if a crash came between the hand-over and it);
 2. for each, its newest snapshot whose file passes the hash check (a failing one is logged as an error and skipped for
    the one before it; never loaded) goes into the adapter store's host tier, bit for bit;
 3. the logged requests after that snapshot's seq_id (queue/replay_log.py; the whole log, creation first, when there is
@@ -29,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 from loraplex.errors import CorruptSnapshotError
 from loraplex.pool.durable import pending_files
 from loraplex.protocol import KINDS, UNCHAINED_KINDS, BatchPlan, Executor, RequestKind, SaveCheckpointPayload, Step
-from loraplex.queue import replay_log
+from loraplex.queue import handoff, replay_log
 from loraplex.queue.envelope import to_planned
-from loraplex.storage.repositories import SnapshotRepository
+from loraplex.runtime.logutil import RateLimitedLog
+from loraplex.storage.outage import retry_database
+from loraplex.storage.repositories import PoolRepository, SnapshotRepository, unit_of_work
 from loraplex.storage.repositories.snapshots import SnapshotInfo, live_status
 from loraplex.workers.state.durable_snapshot import read_durable_snapshot
 
@@ -83,25 +86,61 @@ def recover_pool(
     LeaderExecutor.adopt gives it to every rank); writes: the executor's background file writes (a sampler save run
     again is waited for)."""
     out = Recovery()
-    adopt = adopt or store.adopt
     with sessions() as session:
         candidates = set(SnapshotRepository(session).live_adapters(pool))
     candidates |= set(replay_log.logged_adapters(redis, pool))
+    candidates |= set(handoff.adopt_orders(redis, pool))  # handed here, not adopted yet
+    for model_id, target in handoff.moved_away(redis, pool).items():
+        if model_id in candidates:  # handed over before a crash: its new pool adopts it; finish placing it there
+            candidates.discard(model_id)
+            route_handed_over(sessions, model_id, pool, target)
     for model_id in sorted(candidates):
-        with sessions() as session:
-            live = live_status(session, model_id)
-            snapshots = [s for s in SnapshotRepository(session).newest_first(model_id)]
-        if not live:
-            replay_log.drop(redis, pool, model_id)
-            continue
-        files = _Files(sessions, writes)
-        adopted = _adopt_one(pool, model_id, snapshots, store.signature.width, adopt, executor, redis, out, files)
-        if adopted is not None:
-            out.adopted.append(adopted)
+        adopt_adapter(pool=pool, model_id=model_id, store=store, executor=executor, sessions=sessions, redis=redis,
+                      adopt=adopt, writes=writes, out=out)  # fmt: skip
+    handoff.adopted(redis, pool, [a.model_id for a in out.adopted] + out.lost)
     if out.adopted or out.lost:
         log.info("pool %s: adopted %d adapters (%d requests replayed)%s", pool, len(out.adopted),
                  sum(a.replayed for a in out.adopted), f"; could not rebuild {out.lost}" if out.lost else "")  # fmt: skip
     return out
+
+
+def adopt_adapter(
+    *,
+    pool: str,
+    model_id: str,
+    store: AdapterStore,
+    executor: Executor,
+    sessions: sessionmaker[Session],
+    redis: redis_lib.Redis,
+    adopt: Callable[[SlotImage], None] | None = None,
+    writes: BackgroundWrites | None = None,
+    out: Recovery,
+) -> Adopted | None:
+    """One adapter of this pool (a restart's, or one handed to it: pool/handoff.py) adopted from its newest valid
+    snapshot and the request log after it, appended to `out` (or to `out.lost`); None when it is not live (its log is
+    dropped) or cannot be rebuilt."""
+    with sessions() as session:
+        live = live_status(session, model_id)
+        snapshots = [s for s in SnapshotRepository(session).newest_first(model_id)]
+    if not live:
+        replay_log.drop(redis, pool, model_id)
+        return None
+    files = _Files(sessions, writes)
+    adopted = _adopt_one(pool, model_id, snapshots, store.signature.width, adopt or store.adopt, executor, redis, out,
+                         files)  # fmt: skip
+    if adopted is not None:
+        out.adopted.append(adopted)
+    return adopted
+
+
+def route_handed_over(sessions: sessionmaker[Session], model_id: str, source: str, target: str) -> None:
+    """Place a handed-over adapter on its new pool in SQL (PoolRepository.route_adapter), retried while the database
+    is away: its requests go straight there from now."""
+    def write() -> None:
+        with unit_of_work(sessions) as session:
+            PoolRepository(session).route_adapter(model_id, source, target)
+
+    retry_database(write, f"placing adapter {model_id} on pool {target}", RateLimitedLog(log, every_s=10.0))
 
 
 def _newest_valid(

@@ -137,6 +137,17 @@ class Snapshotter:
         snapshot (or it had none), so a new one is due by the usual rules."""
         self._cadence[model_id] = _Cadence(tenant_id, self.clock(), replayed_steps, changed)
 
+    def hand_over(self, model_id: str, timeout_s: float = 60.0) -> None:
+        """The adapter leaves this pool (pool/handoff.py): its snapshot being written, if any, is recorded first (every
+        plan before is finished, so it is not held back), and its cadence is forgotten."""
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            with self._lock:
+                if model_id not in self._in_flight:
+                    break
+            time.sleep(0.01)
+        self._cadence.pop(model_id, None)
+
     def after_plan(self, plan: BatchPlan, progress: LoopProgress) -> None:
         now = self.clock()
         deleted: list[_Job] = []

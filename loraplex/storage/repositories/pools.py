@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.storage.enums import AdapterStatus
-from loraplex.storage.models import Adapter, Pool, PoolState
+from loraplex.storage.models import Adapter, AdapterSnapshotRow, Pool, PoolState
 from loraplex.storage.types import utcnow
 
 
@@ -23,6 +23,28 @@ class PoolRepository:
         """The last seq_id applied to an adapter, for a (re)starting dispatcher. The pool knows model ids only from
         requests the gateway already authorised, so this read needs no tenant."""
         return self.session.scalar(select(Adapter.applied_seq_id).where(Adapter.model_id == model_id))
+
+    def adapter(self, model_id: str) -> Adapter | None:
+        """An adapter by id, any tenant's and status: moving adapters between pools is the operator's and the pools'
+        business (the pools know model ids only from requests the gateway already authorised)."""
+        return self.session.get(Adapter, model_id)
+
+    def route_adapter(self, model_id: str, source: str, target: str) -> bool:
+        """The adapter, handed from `source` to `target` (queue/handoff.py), is placed on `target` from now: its
+        requests go there, and so do its snapshot rows (a restart of `target` adopts it from them). Only while it is
+        placed on `source` (or on no pool named: placed before the fleet), so a late call never undoes a later move;
+        False when it was not."""
+        placed = self.session.execute(
+            update(Adapter)
+            .where(Adapter.model_id == model_id, or_(Adapter.pool == source, Adapter.pool.is_(None)))
+            .values(pool=target)
+        )
+        if not placed.rowcount:  # type: ignore[attr-defined]
+            return False
+        self.session.execute(
+            update(AdapterSnapshotRow).where(AdapterSnapshotRow.model_id == model_id).values(pool=target)
+        )
+        return True
 
     def heartbeat(
         self,
@@ -101,6 +123,28 @@ class PoolRepository:
         )
         counts = {pool: int(n) for pool, n in self.session.execute(stmt) if pool is not None}
         return {name: counts.get(name, 0) for name in ordered}
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Drain (True) or undrain the pool; NotFoundError for a pool that never ran."""
+        pool = self.session.get(Pool, name, with_for_update=True)
+        if pool is None:
+            raise NotFoundError(f"pool {name!r} not found")
+        pool.draining = draining
+        self.session.flush()
+
+    def draining(self, names: Sequence[str]) -> set[str]:
+        """Those of these pools an operator drained."""
+        return set(self.session.scalars(select(Pool.name).where(Pool.name.in_(list(names)), Pool.draining)))
+
+    def live_adapters_on(self, name: str, include_unplaced: bool = False) -> list[str]:
+        """The live adapters placed on the pool (with `include_unplaced`: also those placed on no pool named, the
+        gateway's own pool's from before the fleet), sorted."""
+        on = Adapter.pool == name
+        stmt = select(Adapter.model_id).where(
+            or_(on, Adapter.pool.is_(None)) if include_unplaced else on,
+            Adapter.status.not_in([AdapterStatus.DELETED, AdapterStatus.FAILED]),
+        )
+        return sorted(self.session.scalars(stmt))
 
     def find(self, name: str) -> Pool | None:
         return self.session.get(Pool, name)

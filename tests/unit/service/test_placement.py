@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraplex.service.placement import PoolLoad, choose_pool, placement_key
+from loraplex.service.placement import PoolLoad, choose_pool, place_many, placement_key
 
 
 def test_the_pool_with_most_free_slots_wins_whatever_its_queue() -> None:
@@ -76,3 +76,16 @@ def test_equal_pools_take_adapters_in_turn() -> None:
         chosen.append(name)
         pools = [PoolLoad(p.name, p.slots, p.placed + (p.name == name)) for p in pools]
     assert chosen == ["tiny-a", "tiny-b"] * 8
+
+
+def test_a_drained_pool_takes_no_adapter_however_free() -> None:
+    drained = PoolLoad("a", slots=8, placed=0, draining=True)
+    assert choose_pool([drained, PoolLoad("b", slots=1, placed=5)]) == "b"
+    with pytest.raises(ValueError, match="every one is draining"):
+        choose_pool([drained])
+
+
+def test_place_many_counts_each_adapter_before_the_next() -> None:
+    pools = [PoolLoad("a", slots=2, placed=1), PoolLoad("b", slots=2, placed=0), PoolLoad("c", 9, 0, draining=True)]
+    assert place_many(pools, 5) == ["b", "a", "b", "a", "b"]  # b has 2 free; then equal ones go by name
+    assert place_many(pools, 0) == []

@@ -1,0 +1,239 @@
+"""Adapters moved between two pools of one base model while they train: an embedded stack with two `tiny` pools
+(`default`, `default-2`: real pool processes, redis-server, SQLite), two tenants each training one adapter with several
+requests in flight at once (so requests sit queued and running on the source pool when it hands the adapter over),
+and operators' moves through `loraplex pool move` and the service call.
+
+Every accepted request is applied exactly once across the moves: every future resolved (none failed), each
+forward_backward's loss equals the uninterrupted reference's, the final weights and Adam moments are bit-identical to
+a run without moves on a local engine (`slots=1`: a plan holds one adapter's step, as the reference runs it; see
+test_recovery.py), the SQL applied seq_id is exact, and each adapter ends placed where it was last moved."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+
+from loraplex.client import Datum, ServiceClient
+from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.launch.embedded import Stack
+from loraplex.queue import handoff
+from loraplex.runtime.netutil import free_port
+from loraplex.service.build import build_services
+from loraplex.service.moves import move_adapter, placed_pool, wait_placed
+from loraplex.settings import Settings
+from loraplex.storage.db import make_db_engine, session_factory
+from loraplex.storage.repositories.pools import PoolRepository
+from tests.helpers.recovery import ADAM, Plan, Trained, assert_same_state, reference, saved_state
+from tests.helpers.stack import tenant_clients
+
+pytestmark = [pytest.mark.timeout(900)]
+
+WINDOW = 3  # optimizer steps each tenant has in flight at once (6 requests)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # The lease's default 10 s: a pool paused for a second or two keeps its lease and its registration.
+    settings = Settings(home=tmp_path_factory.mktemp("moves"), slots=1, max_rank=16, pool_heartbeat_seconds=0.5,
+                        snapshot_every_steps=3, snapshot_every_seconds=0, restart_backoff_seconds=0.2)  # fmt: skip
+    with Stack(settings, api_port=free_port(), pool_models=["tiny", "tiny"]) as running:
+        yield running
+
+
+def train_pipelined(client: ServiceClient, plan: Plan, out: Trained, ready: threading.Event) -> None:
+    """The plan with WINDOW optimizer steps in flight (each answer read in order); then save_state "final"."""
+    try:
+        tc = client.create_lora_training_client(rank=plan.rank, alpha=plan.alpha, seed=plan.seed)
+        out.model_id = tc.model_id
+        ready.set()
+        pending: list[tuple[object, bool]] = []
+
+        def collect(keep: int) -> None:
+            while len(pending) > keep:
+                future, is_fb = pending.pop(0)
+                result = future.result()  # type: ignore[attr-defined]
+                if is_fb:
+                    out.losses.append(result["metrics"]["loss:sum"])
+                out.done += 1
+
+        for k in range(plan.steps):
+            data = [Datum(model_input=d["model_input"], loss_fn_inputs=d["loss_fn_inputs"]) for d in plan.batch(k)]
+            pending.append((tc.forward_backward(data), True))
+            pending.append((tc.optim_step(ADAM), False))
+            collect(2 * WINDOW)
+        collect(0)
+        tc.save_state("final").result()
+    except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+        out.errors.append(exc)
+        ready.set()
+
+
+def _cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **stack.child_env()}
+    return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def _wait_done(out: list[Trained], mark: int) -> None:
+    """Until every tenant had `mark` requests answered."""
+    deadline = time.monotonic() + 300
+    while min(o.done for o in out) < mark:
+        assert time.monotonic() < deadline and not any(o.errors for o in out), [o.errors for o in out]
+        time.sleep(0.01)
+
+
+@contextmanager
+def _paused(stack: Stack, *children: str) -> Iterator[None]:
+    """The pool processes stopped (SIGSTOP) meanwhile: the tenants' requests in flight queue up on them, so a move
+    asked now is handed over with requests queued, and with requests answered but not yet acked or just read."""
+    pids = [stack.child(name).pid for name in children]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+def _handed_over(stack: Stack, model_id: str, target: str) -> list[int]:
+    """The queued requests each hand-over of the adapter to `target` took along (from the pools' logs)."""
+    logs = "".join(p.read_text() for p in stack.log_dir.glob("pool*.log"))
+    return [int(n) for n in re.findall(rf"adapter {model_id} handed over to pool {target} with (\d+) queued", logs)]
+
+
+def _check(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
+    """Every request applied exactly once: no future failed, losses and final state bit-identical to the reference,
+    the SQL applied seq_id exact."""
+    for o in out:
+        assert o.errors == [], o.errors
+    want_states, want_losses = reference(stack, plans)
+    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
+    for p, o in zip(plans, out, strict=True):
+        assert o.losses == want_losses[p.tenant]  # each forward_backward saw exactly the reference's state
+        assert_same_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
+        with sessions() as session:  # create, then 2 per step, then the save: each applied once
+            assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+
+
+def _start(stack: Stack, names: list[str], plans: list[Plan]) -> tuple[list[threading.Thread], list[Trained], dict]:
+    """One pipelined trainer thread per tenant, started one after the other (each adapter placed before the next)."""
+    clients = tenant_clients(stack, *names)
+    out = [Trained() for _ in plans]
+    threads = []
+    for i, (name, plan) in enumerate(zip(names, plans, strict=True)):
+        created = threading.Event()
+        threads.append(threading.Thread(target=train_pipelined, args=(clients[name], plan, out[i], created),
+                                        daemon=True))  # fmt: skip
+        threads[-1].start()
+        assert created.wait(120)
+    return threads, out, clients
+
+
+def _join(threads: list[threading.Thread], clients: dict) -> None:
+    for t in threads:
+        t.join(timeout=600)
+    for c in clients.values():
+        c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+def _cli_asking(stack: Stack, pool: str, *args: str) -> subprocess.Popen[str]:
+    """`loraplex ARGS` started, returned once it asked `pool` for a move (its orders are in Redis)."""
+    cli = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", *args], env={**os.environ, **stack.child_env()},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    r = redis.Redis.from_url(stack.settings.redis_url)
+    while not handoff.move_orders(r, pool):
+        assert cli.poll() is None, cli.communicate()
+        time.sleep(0.05)
+    return cli
+
+
+def test_adapters_moved_under_training_load_end_bit_identical_with_every_request_applied_once(stack: Stack) -> None:
+    services = build_services(stack.settings)
+    plans = [Plan(t, rank=(4, 8)[t], seed=41 + t, steps=20) for t in range(2)]
+    threads, out, clients = _start(stack, ["mv-a", "mv-b"], plans)
+    a, b = out[0].model_id, out[1].model_id
+    assert [placed_pool(services, a), placed_pool(services, b)] == ["default", "default-2"]
+
+    _wait_done(out, 6)  # a moves to default-2 through the service call
+    with _paused(stack, "pool", "pool-default-2"):
+        assert move_adapter(services, a, "default-2") == "default"
+    assert wait_placed(services, a, "default-2", 120)
+
+    _wait_done(out, 20)  # a moves back through the CLI, b to default at the same time
+    with _paused(stack, "pool", "pool-default-2"):
+        cli = _cli_asking(stack, "default-2", "pool", "move", a, "--to", "default")
+        assert move_adapter(services, b, "default") == "default-2"
+    stdout, stderr = cli.communicate(timeout=120)
+    assert cli.returncode == 0, stderr
+    assert stdout.strip() == f"adapter {a} is on pool default"
+    assert wait_placed(services, b, "default", 120)
+    _join(threads, clients)
+
+    _check(stack, plans, out)
+    assert placed_pool(services, a) == placed_pool(services, b) == "default"
+    # Each hand-over took queued requests along (the tenants had requests in flight on the paused source).
+    for model_id, target in ((a, "default-2"), (a, "default"), (b, "default")):
+        (taken,) = _handed_over(stack, model_id, target)
+        assert taken > 0, (model_id, target)
+    logs = "".join(p.read_text() for p in stack.log_dir.glob("pool*.log"))
+    assert f"pool default-2: adopted adapter {a}" in logs and f"pool default: adopted adapter {b}" in logs
+
+    # An operator's mistakes: one line each, nothing moved.
+    with pytest.raises(ConflictError, match="already"):
+        move_adapter(services, a, "default")
+    with pytest.raises(InvalidRequestError, match="not a live pool of 'tiny'.*default-2"):
+        move_adapter(services, a, "nowhere")
+    with pytest.raises(NotFoundError):
+        move_adapter(services, "no-such-adapter", "default-2")
+    bad = _cli(stack, "pool", "move", a, "--to", "nowhere")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("loraplex: pool 'nowhere'")
+    assert placed_pool(services, a) == "default"
+
+
+def test_a_drained_pool_hands_every_adapter_to_its_sibling_under_load_and_takes_no_new_one(stack: Stack) -> None:
+    services = build_services(stack.settings)
+    plans = [Plan(t, rank=(8, 4)[t], seed=51 + t, steps=16) for t in range(2)]
+    threads, out, clients = _start(stack, ["dr-c", "dr-d"], plans)
+    c, d = out[0].model_id, out[1].model_id
+    # default holds the earlier test's two adapters: both new ones went to default-2
+    assert placed_pool(services, c) == placed_pool(services, d) == "default-2"
+
+    _wait_done(out, 6)
+    with _paused(stack, "pool", "pool-default-2"):
+        cli = _cli_asking(stack, "default-2", "pool", "drain", "default-2")
+    stdout, stderr = cli.communicate(timeout=300)
+    assert cli.returncode == 0, stderr
+    assert stdout.strip().startswith("pool default-2 drained: 2 adapter(s) moved")
+    assert placed_pool(services, c) == placed_pool(services, d) == "default"
+    _join(threads, clients)
+    _check(stack, plans, out)
+    for model_id in (c, d):
+        (taken,) = _handed_over(stack, model_id, "default")
+        assert taken > 0, model_id  # each went with requests queued
+
+    # Drained: a new adapter goes to default, though default-2 has every slot free; undrained, it takes them again.
+    tenant = tenant_clients(stack, "dr-e")["dr-e"]
+    assert placed_pool(services, tenant.create_lora_training_client(rank=4).model_id) == "default"
+    with pytest.raises(InvalidRequestError, match="drained"):
+        move_adapter(services, c, "default-2")
+    undrained = _cli(stack, "pool", "undrain", "default-2")
+    assert undrained.returncode == 0, undrained.stderr
+    assert placed_pool(services, tenant.create_lora_training_client(rank=4).model_id) == "default-2"
+    tenant.close()
+
+    # An operator's mistake: one line.
+    missing = _cli(stack, "pool", "drain", "nowhere")
+    assert missing.returncode == 2 and missing.stderr.strip() == "loraplex: pool 'nowhere' not found"
