@@ -151,3 +151,15 @@ def test_flower_listens_on_the_loopback_only(spec) -> None:
     for port in ports:
         text = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port.get('published')}"
         assert has_auth or text.startswith("127.0.0.1:"), f"flower published on every interface without auth: {port}"
+
+
+def test_a_second_pool_serves_another_base_model_under_its_own_name(spec) -> None:
+    """The fleet as compose shows it: pool-2 (GPU) and pool-2-cpu run `loraplex worker` under their own pool name and
+    another base model than the first pool, each in a profile of its own (a second GPU is the operator's choice)."""
+    first = spec["services"]["pool"]["environment"]
+    for name in ("pool-2", "pool-2-cpu"):
+        service = spec["services"][name]
+        env = service["environment"]
+        assert service["command"] == ["loraplex", "worker"] and service["profiles"][0].startswith("second-")
+        assert env["LORAPLEX_POOL"] != first["LORAPLEX_POOL"]
+        assert env["LORAPLEX_BASE_MODEL"] != first["LORAPLEX_BASE_MODEL"]
