@@ -135,8 +135,8 @@ def _everything(url: str) -> dict[bytes, int]:
     out = {}
     for key in client.scan_iter(match="loraplex:*"):
         kind = client.type(key).decode()
-        if key.endswith(b":leader") or key.endswith(b":stats"):
-            continue  # the lease (a TTL) and statistics move on their own
+        if key.endswith((b":leader", b":registration", b":metrics", b":stats")):
+            continue  # the lease, the pool's registration and published metrics (TTLs), statistics: they move alone
         out[key] = int(sizes[kind](key))
     client.close()
     return out
