@@ -509,7 +509,7 @@ class _Run:
                 to_prefill.add(shared)
                 prompt_tokens += length
             if blocks is not None:
-                job, shared = self.jobs[j], self.source[j]
+                job = self.jobs[j]
                 length = len(job.prompt)
                 if shared in self.held or shared in holding:  # its prompt's blocks are held: only the sample's own
                     need = blocks.blocks_needed(length, job.params.max_tokens, length)
@@ -571,8 +571,8 @@ class _Run:
     def _prefill(self, job_ids: Sequence[int]) -> None:
         """Prefill these jobs' prompts (rows contiguous per group, in chunks of at most engine.microbatch_tokens
         tokens: packed without padding when paged, right padded to the chunk's longest prompt when dense; a longer
-        prompt runs alone): keep each job's last logits (and, dense, its prompt KV), and fill in its prompt logprobs
-        when asked."""
+        prompt in pieces when paged, alone when dense): keep each job's last logits (and, dense, its prompt KV), and
+        fill in its prompt logprobs when asked."""
         pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
         budget = max(1, self.engine.microbatch_tokens)
         if self.decoder.paged:  # a prompt longer than a chunk: its pieces, one after another
