@@ -2,7 +2,7 @@
 pool leader with durable snapshots; the rule: pool/failover_rule.py; the hand-over itself: queue/handoff.py).
 
 Each round (every few seconds) a leader looks for dead siblings: pools of its base model with no live registration,
-no live lease, and no registration for `pool_failover_seconds`. For each one with live adapters placed on it in SQL:
+no live lease, and no registration for `pool_failover_seconds`, seen so by this leader for one lease TTL. For each one with live adapters placed on it in SQL:
 1. targets: the live, undrained pools of the base model by the placement rule, counted one by one
    (placement.place_many), chosen before the lease is taken so a round with nowhere to go changes nothing;
 2. the dead pool's lease, taken by this process (one Lua script: only one sibling can win it, and a process of the
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from loraplex.errors import LeaseLostError
 from loraplex.pool.durable.recovery import route_handed_over
-from loraplex.pool.failover_rule import dead_siblings
+from loraplex.pool.failover_rule import dead_siblings, seen_dead_long_enough
 from loraplex.queue import handoff, keys, pool_registry
 from loraplex.queue.envelope import decode
 from loraplex.queue.handoff import Handoffs
@@ -73,6 +73,7 @@ class FailoverSweeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-failover", daemon=True)
         self._warn = RateLimitedLog(log, every_s=30.0)
+        self._dead_since: dict[str, float] = {}  # pool -> when this sweeper first saw it dead (monotonic)
 
     def start(self) -> FailoverSweeper:
         self._thread.start()
@@ -112,8 +113,10 @@ class FailoverSweeper:
         leased = {name for name, held in zip(last_seen, pipe.execute(), strict=True) if held}
         with self.sessions() as db:
             base_models = {p.name: p.base_model for p in PoolRepository(db).list()}
-        return dead_siblings(self.pool, self.base_model, last_seen, base_models, live, leased, time.time(),
-                             self.after_s)  # fmt: skip
+        candidates = dead_siblings(self.pool, self.base_model, last_seen, base_models, live, leased, time.time(),
+                                   self.after_s)  # fmt: skip
+        dead, self._dead_since = seen_dead_long_enough(candidates, self._dead_since, time.monotonic(), self.lease_ttl_s)
+        return dead
 
     def targets(self, dead: str, count: int) -> list[str]:
         """Where `count` adapters of `dead` go: the live, undrained pools of the base model by the placement rule;

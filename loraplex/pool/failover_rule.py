@@ -6,7 +6,10 @@ A pool is failed over by a sibling when all of these hold:
   sibling itself;
 - no live registration and no live lease: no process of it leads it, and none took it over (a standby would have);
 - its leader last registered at least `after_s` ago (a pool that never recorded when is left alone: nothing says how
-  long it has been gone).
+  long it has been gone);
+- and the sibling has seen it so for one lease TTL itself (`seen_dead_long_enough`): after a Redis outage every
+  lease and registration has lapsed at once and every last registration is old, yet the live pools re-claim their
+  leases within a third of the TTL once Redis answers; only a pool that did not is dead.
 """
 
 from __future__ import annotations
@@ -37,3 +40,13 @@ def dead_siblings(
         and seen > 0
         and now - seen >= after_s
     )
+
+
+def seen_dead_long_enough(
+    candidates: Collection[str], dead_since: Mapping[str, float], now: float, wait_s: float
+) -> tuple[list[str], dict[str, float]]:
+    """Those of `candidates` this observer has seen dead for at least `wait_s` (dead_since: pool -> when it first saw
+    it so, on its own clock), sorted; and the new dead_since: the candidates' first sightings, the others forgotten
+    (a pool seen alive again starts over)."""
+    since = {name: dead_since.get(name, now) for name in candidates}
+    return sorted(name for name, first in since.items() if now - first >= wait_s), since

@@ -85,8 +85,18 @@ def _fleet(client: redis.Redis, sessions: sessionmaker[Session], dead_since: flo
     return tenant.id, ["fa", "fb"]
 
 
+TTL = 0.3  # the lease TTL: a sweeper acts on a pool it has seen dead for that long
+
+
 def _sweeper(client: redis.Redis, sessions: sessionmaker[Session], pool: str = "live-1") -> FailoverSweeper:
-    return FailoverSweeper(pool=pool, base_model="tiny", redis=client, sessions=sessions, after_s=5.0, lease_ttl_s=5.0)
+    return FailoverSweeper(pool=pool, base_model="tiny", redis=client, sessions=sessions, after_s=5.0, lease_ttl_s=TTL)
+
+
+def _sweep(sweeper: FailoverSweeper) -> dict[str, dict[str, str]]:
+    """Two rounds one lease TTL apart (the first sights the dead pools); what both failed over."""
+    first = sweeper.sweep()
+    time.sleep(TTL + 0.05)
+    return first | sweeper.sweep()
 
 
 def test_a_dead_pools_adapters_go_to_live_siblings_once_and_its_old_leader_is_fenced_out(
@@ -97,12 +107,15 @@ def test_a_dead_pools_adapters_go_to_live_siblings_once_and_its_old_leader_is_fe
     with unit_of_work(sessions) as db:
         PoolRepository(db).take_leadership("dead", old_lease.token or 0, "tiny", 1, 2)
     tenant, adapters = _fleet(client, sessions, dead_since=60)
-    assert _sweeper(client, sessions).sweep() == {}  # its lease is live: not dead
+    sweeper = _sweeper(client, sessions)
+    assert _sweep(sweeper) == {}  # its lease is live: not dead
     client.delete(keys.pool_leader("dead"))  # the lease lapsed: nobody renewed it
+    assert sweeper.sweep() == {}  # seen dead the first time: it has one lease TTL to come back
 
-    moved = _sweeper(client, sessions).sweep()
+    time.sleep(TTL + 0.05)
+    moved = sweeper.sweep()
     assert moved == {"dead": {"fa": "live-1", "fb": "live-2"}}  # spread by the placement rule, one by one
-    assert _sweeper(client, sessions, "live-2").sweep() == {}  # a second sibling: nothing left to do
+    assert _sweep(_sweeper(client, sessions, "live-2")) == {}  # a second sibling: nothing left to do
     assert not client.exists(keys.pool_leader("dead"))  # released: the pool's next process takes it at once
     with sessions() as db:
         pools = PoolRepository(db)
@@ -120,7 +133,7 @@ def test_a_dead_pools_adapters_go_to_live_siblings_once_and_its_old_leader_is_fe
     assert client.xlen(keys.request_stream("dead", tenant)) == 0
 
     late = Producer(client, "dead").submit(_fb(tenant, "fb", 4))  # a gateway that read the old placement
-    assert _sweeper(client, sessions).sweep() == {}
+    assert sweeper.sweep() == {}
     assert [env.request_id for _, env in Consumer(client, "live-2", "later").read(count=10)] == [late]
     assert client.xlen(keys.request_stream("dead", tenant)) == 0
 
@@ -129,12 +142,13 @@ def test_a_pool_not_dead_long_enough_or_with_no_open_sibling_keeps_its_adapters(
     client: redis.Redis, sessions: sessionmaker[Session]
 ) -> None:
     _fleet(client, sessions, dead_since=2)  # under the 5 s
-    assert _sweeper(client, sessions).sweep() == {}
+    sweeper = _sweeper(client, sessions)
+    assert _sweep(sweeper) == {}
     with unit_of_work(sessions) as db:  # dead long enough, but both siblings drained
         client.hset(keys.fleet_last_seen(), "dead", repr(time.time() - 60))
         PoolRepository(db).set_draining("live-1", True)
         PoolRepository(db).set_draining("live-2", True)
-    assert _sweeper(client, sessions).sweep() == {}
+    assert _sweep(sweeper) == {}
     with sessions() as db:
         assert PoolRepository(db).live_adapters_on("dead") == ["fa", "fb"]
     assert not client.exists(keys.pool_leader("dead")) and handoff.moved_away(client, "dead") == {}

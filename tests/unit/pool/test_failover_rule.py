@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loraplex.pool.failover import sweep_interval
-from loraplex.pool.failover_rule import dead_siblings
+from loraplex.pool.failover_rule import dead_siblings, seen_dead_long_enough
 
 NOW = 1_000.0
 MODELS = {"me": "tiny", "a": "tiny", "b": "tiny", "c": "tiny", "moe": "tiny-moe"}
@@ -35,3 +35,14 @@ def test_a_pool_that_never_recorded_when_it_was_seen_is_left_alone() -> None:
 
 def test_the_sweep_interval_follows_the_failover_time_within_bounds() -> None:
     assert sweep_interval(30) == 5.0 and sweep_interval(6) == 1.0 and sweep_interval(1) == 0.5
+
+
+def test_a_candidate_counts_once_this_observer_saw_it_dead_for_the_wait_and_starts_over_when_seen_alive() -> None:
+    dead, since = seen_dead_long_enough(["a", "b"], {}, now=100.0, wait_s=10)
+    assert dead == [] and since == {"a": 100.0, "b": 100.0}  # first sightings (after a Redis outage: every pool)
+    dead, since = seen_dead_long_enough(["a", "b"], since, now=109.0, wait_s=10)
+    assert dead == []
+    dead, since = seen_dead_long_enough(["a"], since, now=110.0, wait_s=10)  # b renewed its lease meanwhile
+    assert dead == ["a"] and since == {"a": 100.0}
+    dead, since = seen_dead_long_enough(["a", "b"], since, now=111.0, wait_s=10)
+    assert dead == ["a"] and since == {"a": 100.0, "b": 111.0}  # b starts over
