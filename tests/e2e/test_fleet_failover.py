@@ -9,11 +9,16 @@ to itself and adopts them from their durable snapshots and request logs. Every a
 once: every future resolved (none failed), each forward_backward's loss equals the fault-free reference's, the final
 weights and Adam moments are bit-identical to it (`slots=1`, as test_recovery.py), the SQL applied seq_id is exact.
 The dead pool is started again while the tenants still train: it takes its lease back, adopts none of the adapters
-that left it and applies nothing of theirs (their results and final state would differ if it did)."""
+that left it and applies nothing of theirs (their results and final state would differ if it did).
+
+A pool only stalled (SIGSTOP) past the failover time is failed over the same way; woken, its old process finds its
+lease gone and stops without writing (fenced by the token the sibling took), and the training ends bit-identical."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 
@@ -87,3 +92,29 @@ def test_a_killed_pools_adapters_continue_on_its_sibling_bit_identical_and_its_r
     assert replay_log.logged_adapters(r, "default-2") == [] and handoff.adopt_orders(r, "default-2") == []
     assert all(handoff.moved_to(r, "default-2", m) == "default" for m in orphans)
     assert all(r.xlen(k) == 0 for k in r.scan_iter(keys.request_stream("default-2", "*")))  # nothing left queued
+
+
+def test_a_stalled_pool_failed_over_is_fenced_out_when_it_wakes(stack: Stack) -> None:
+    services = build_services(stack.settings)
+    plans = [Plan(t, rank=(8, 4)[t], seed=71 + t, steps=10) for t in range(2)]
+    threads, out, clients = start_trainers(stack, ["st-e", "st-f"], plans)
+    ids = [o.model_id for o in out]
+    # default holds the first test's four adapters: both new ones went to default-2
+    assert [placed_pool(services, m) for m in ids] == ["default-2", "default-2"]
+
+    wait_done(out, 6)
+    stalled = stack.child("pool-default-2")
+    before = len(_log(stack, "pool-default-2"))
+    os.kill(stalled.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        for model_id in ids:
+            assert wait_placed(services, model_id, "default", 120), model_id
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert stalled.proc is not None and stalled.proc.wait(60) == 1  # woke deposed: it stopped
+    assert "lost its lease" in _log(stack, "pool-default-2")[before:]
+    join_trainers(threads, clients)
+    check_applied_once(stack, plans, out)
+    stalled.kill_group()
+    stalled.respawn()  # the stack stops a running pool at its end
+    stack.wait_pool_ready(child="pool-default-2")
