@@ -11,8 +11,9 @@ weights and Adam moments are bit-identical to it (`slots=1`, as test_recovery.py
 The dead pool is started again while the tenants still train: it takes its lease back, adopts none of the adapters
 that left it and applies nothing of theirs (their results and final state would differ if it did).
 
-A pool only stalled (SIGSTOP) past the failover time is failed over the same way; woken, its old process finds its
-lease gone and stops without writing (fenced by the token the sibling took), and the training ends bit-identical."""
+A pool only stalled (SIGSTOP) past the failover time is failed over the same way (once its process, if stopped inside
+a database transaction, is woken and ends it); woken, its old process finds its lease taken and stops without writing
+a result (fenced by the token the sibling took), and the training ends bit-identical."""
 
 from __future__ import annotations
 
@@ -105,12 +106,20 @@ def test_a_stalled_pool_failed_over_is_fenced_out_when_it_wakes(stack: Stack) ->
     wait_done(out, 6)
     stalled = stack.child("pool-default-2")
     before = len(_log(stack, "pool-default-2"))
+    r = redis.Redis.from_url(stack.settings.redis_url)
+    token = int(r.get(keys.pool_leader("default-2")).split()[0])  # type: ignore[union-attr]
     os.kill(stalled.pid, signal.SIGSTOP)  # type: ignore[arg-type]
     try:
-        for model_id in ids:
-            assert wait_placed(services, model_id, "default", 120), model_id
+        # Until default took the stalled pool's lease: its adapters handed over, or, when the pool was stopped inside
+        # a database transaction (SQLite's write lock, the pools row's lock), the hand-over waits for that to end.
+        deadline = time.monotonic() + 120
+        while int(r.get(keys.pool_leader_token("default-2")) or 0) == token:  # type: ignore[arg-type]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     finally:
         os.kill(stalled.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    for model_id in ids:
+        assert wait_placed(services, model_id, "default", 120), model_id
     assert stalled.proc is not None and stalled.proc.wait(60) == 1  # woke deposed: it stopped
     assert "lost its lease" in _log(stack, "pool-default-2")[before:]
     join_trainers(threads, clients)
