@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     # One leader per pool: the pool process holds a lease in Redis for this many seconds, renewed every third of it
     # (queue/lease.py). A pool process killed without releasing it is replaced this long after its last renewal.
     leader_lease_seconds: float = Field(default=10.0, gt=0)
+    # Failover (pool/failover.py): a pool whose lease has lapsed, nobody having taken it over, and whose last
+    # registration is older than this has its adapters handed to live sibling pools of its base model by one of them
+    # (once that one has also seen it dead for a lease TTL). Above the time a pool takes to restart, which keeps them.
+    pool_failover_seconds: float = Field(default=30.0, gt=0)
     # A second pool process for a pool whose lease another holds: True waits (a standby that takes over when the
     # lease lapses), False exits at once with a message naming the holder.
     leader_wait: bool = True

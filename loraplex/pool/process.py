@@ -490,11 +490,21 @@ def _lead(
     _beat_now(sessions, settings, PoolState.READY)  # gateways turn healthy now, not one heartbeat later
     log.info("pool %s ready: base model %s, %d slots, world size %d (%d startup objects frozen for the garbage "
              "collector)", settings.pool, settings.base_model, settings.slots, world, frozen)  # fmt: skip
+    # Failover (pool/failover.py): this leader hands a dead sibling pool's adapters over, as that pool's hand-over would.
+    failover = None
+    if handoff is not None:
+        from loraplex.pool.failover import FailoverSweeper
+
+        failover = FailoverSweeper(pool=settings.pool, base_model=settings.base_model, redis=client, sessions=sessions,
+                                   after_s=settings.pool_failover_seconds,
+                                   lease_ttl_s=settings.leader_lease_seconds).start()  # fmt: skip
     try:
         dispatcher.run_forever(stop)
         if snapshotter is not None and not (lease is not None and lease.lost):
             snapshotter.flush(dispatcher.progress())  # a clean stop: every changed adapter's state to disk before the lease goes
     finally:
+        if failover is not None:
+            failover.close()
         publisher.close()  # after the dispatcher's last plan: its numbers are published once more
         if metrics_http is not None:
             metrics_http.close()

@@ -24,6 +24,8 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:pool:{pool}:registration    string: what the pool serves and its load (JSON, queue/pool_registry.py), with
                                          the lease's TTL: a pool whose leader is gone drops out of the fleet with it
     loraplex:fleet:pools                 set: the pools that ever registered (their registrations may have expired)
+    loraplex:fleet:last_seen             hash: pool -> when its leader last registered (seconds since the epoch, never
+                                         expires): how long a dead pool has been dead (pool/failover.py)
     loraplex:pool:{pool}:move_orders     hash: adapter -> the pool an operator asked to move it to (queue/handoff.py)
     loraplex:pool:{pool}:moved           hash: adapter -> the pool it was handed to (its late entries go there)
     loraplex:pool:{pool}:adopt           set: adapters handed to this pool, to adopt from snapshot + request log
@@ -107,6 +109,10 @@ def pool_registration(pool: str) -> str:
 
 def fleet_pools() -> str:
     return f"{PREFIX}fleet:pools"
+
+
+def fleet_last_seen() -> str:
+    return f"{PREFIX}fleet:last_seen"
 
 
 def move_orders(pool: str) -> str:

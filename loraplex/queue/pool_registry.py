@@ -70,6 +70,7 @@ def publish(redis: redis_lib.Redis, registration: PoolRegistration, ttl_s: float
     pipe = redis.pipeline(transaction=False)
     pipe.set(keys.pool_registration(registration.name), registration.encode(), px=max(1, round(ttl_s * 1000)))
     pipe.sadd(keys.fleet_pools(), registration.name)
+    pipe.hset(keys.fleet_last_seen(), registration.name, repr(registration.published_at))
     pipe.execute()
 
 
@@ -97,3 +98,10 @@ def queue_load(redis: redis_lib.Redis, pool: str) -> tuple[int, int]:
     pipe.hvals(keys.queued_tokens(pool))
     *lengths, tokens = pipe.execute()
     return sum(int(n) for n in lengths), sum(int(text(t)) for t in cast(list, tokens))
+
+
+def registered_pools(redis: redis_lib.Redis) -> dict[str, float]:
+    """Every pool that ever registered, with when its leader last did (seconds since the epoch; 0 if not recorded)."""
+    names = sorted(text(n) for n in cast(set, redis.smembers(keys.fleet_pools())))
+    seen = {text(k): float(text(v)) for k, v in cast(dict, redis.hgetall(keys.fleet_last_seen())).items()}
+    return {name: seen.get(name, 0.0) for name in names}

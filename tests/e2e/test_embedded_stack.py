@@ -183,3 +183,34 @@ def test_cli_tenant_delete_refuses_live_adapters_then_deletes_them_through_the_q
 
     unknown = cli("delete", "nobody-here")
     assert unknown.returncode == 2 and "nobody-here" in unknown.stderr and "Traceback" not in unknown.stderr
+
+
+def test_cli_pool_drain_refuses_with_no_open_sibling_and_changes_nothing(stack, keys):
+    """`loraplex pool drain NAME` of the only pool of its base model, with adapters on it: exit 2, one line naming
+    why, and nothing changed: the pool is not drained, its adapters stay and train, no move is asked, a new adapter
+    is still placed on it."""
+    import re
+
+    import redis
+
+    from loraplex.queue import handoff
+    from loraplex.service.build import build_services
+    from loraplex.service.moves import placed_pool
+    from loraplex.storage.repositories import PoolRepository
+
+    pool = stack.settings.pool
+    client = ServiceClient(stack.base_url, keys["t-one"])
+    tc = client.create_lora_training_client(rank=4)
+    refused = subprocess.run([sys.executable, "-m", "loraplex.launch.cli", "pool", "drain", pool],
+                             env=stack.child_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    line = refused.stderr.strip()
+    assert refused.returncode == 2 and "\n" not in line and "Traceback" not in line, refused.stderr
+    assert re.fullmatch(rf"loraplex: pool '{pool}' has \d+ adapters and no open sibling pool of 'tiny' to take them "
+                        r"\(siblings: none live\); nothing changed", line), line  # fmt: skip
+    services = build_services(stack.settings)
+    with services.sessions() as db:
+        assert PoolRepository(db).draining([pool]) == set()
+    assert placed_pool(services, tc.model_id) == pool
+    assert handoff.move_orders(redis.Redis.from_url(stack.settings.redis_url), pool) == {}
+    tc.forward_backward([Datum.for_next_token([1, 2, 3, 4])]).result(timeout=60)
+    assert placed_pool(services, client.create_lora_training_client(rank=4).model_id) == pool

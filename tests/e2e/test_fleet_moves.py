@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,6 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from loraplex.client import Datum, ServiceClient
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.launch.embedded import Stack
 from loraplex.queue import handoff
@@ -31,14 +29,11 @@ from loraplex.runtime.netutil import free_port
 from loraplex.service.build import build_services
 from loraplex.service.moves import move_adapter, placed_pool, wait_placed
 from loraplex.settings import Settings
-from loraplex.storage.db import make_db_engine, session_factory
-from loraplex.storage.repositories.pools import PoolRepository
-from tests.helpers.recovery import ADAM, Plan, Trained, assert_same_state, reference, saved_state
+from tests.helpers.pipelined import check_applied_once, join_trainers, start_trainers, wait_done
+from tests.helpers.recovery import Plan
 from tests.helpers.stack import tenant_clients
 
 pytestmark = [pytest.mark.timeout(900)]
-
-WINDOW = 3  # optimizer steps each tenant has in flight at once (6 requests)
 
 
 @pytest.fixture(scope="module")
@@ -50,46 +45,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def train_pipelined(client: ServiceClient, plan: Plan, out: Trained, ready: threading.Event) -> None:
-    """The plan with WINDOW optimizer steps in flight (each answer read in order); then save_state "final"."""
-    try:
-        tc = client.create_lora_training_client(rank=plan.rank, alpha=plan.alpha, seed=plan.seed)
-        out.model_id = tc.model_id
-        ready.set()
-        pending: list[tuple[object, bool]] = []
-
-        def collect(keep: int) -> None:
-            while len(pending) > keep:
-                future, is_fb = pending.pop(0)
-                result = future.result()  # type: ignore[attr-defined]
-                if is_fb:
-                    out.losses.append(result["metrics"]["loss:sum"])
-                out.done += 1
-
-        for k in range(plan.steps):
-            data = [Datum(model_input=d["model_input"], loss_fn_inputs=d["loss_fn_inputs"]) for d in plan.batch(k)]
-            pending.append((tc.forward_backward(data), True))
-            pending.append((tc.optim_step(ADAM), False))
-            collect(2 * WINDOW)
-        collect(0)
-        tc.save_state("final").result()
-    except BaseException as exc:  # noqa: BLE001 - the test thread reports it
-        out.errors.append(exc)
-        ready.set()
-
-
 def _cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **stack.child_env()}
     return subprocess.run([sys.executable, "-m", "loraplex.launch.cli", *args], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
-
-
-def _wait_done(out: list[Trained], mark: int) -> None:
-    """Until every tenant had `mark` requests answered."""
-    deadline = time.monotonic() + 300
-    while min(o.done for o in out) < mark:
-        assert time.monotonic() < deadline and not any(o.errors for o in out), [o.errors for o in out]
-        time.sleep(0.01)
 
 
 @contextmanager
@@ -113,42 +72,6 @@ def _handed_over(stack: Stack, model_id: str, target: str) -> list[int]:
     return [int(n) for n in re.findall(rf"adapter {model_id} handed over to pool {target} with (\d+) queued", logs)]
 
 
-def _check(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
-    """Every request applied exactly once: no future failed, losses and final state bit-identical to the reference,
-    the SQL applied seq_id exact."""
-    for o in out:
-        assert o.errors == [], o.errors
-    want_states, want_losses = reference(stack, plans)
-    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
-    for p, o in zip(plans, out, strict=True):
-        assert o.losses == want_losses[p.tenant]  # each forward_backward saw exactly the reference's state
-        assert_same_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
-        with sessions() as session:  # create, then 2 per step, then the save: each applied once
-            assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
-
-
-def _start(stack: Stack, names: list[str], plans: list[Plan]) -> tuple[list[threading.Thread], list[Trained], dict]:
-    """One pipelined trainer thread per tenant, started one after the other (each adapter placed before the next)."""
-    clients = tenant_clients(stack, *names)
-    out = [Trained() for _ in plans]
-    threads = []
-    for i, (name, plan) in enumerate(zip(names, plans, strict=True)):
-        created = threading.Event()
-        threads.append(threading.Thread(target=train_pipelined, args=(clients[name], plan, out[i], created),
-                                        daemon=True))  # fmt: skip
-        threads[-1].start()
-        assert created.wait(120)
-    return threads, out, clients
-
-
-def _join(threads: list[threading.Thread], clients: dict) -> None:
-    for t in threads:
-        t.join(timeout=600)
-    for c in clients.values():
-        c.close()
-    assert not any(t.is_alive() for t in threads)
-
-
 def _cli_asking(stack: Stack, pool: str, *args: str) -> subprocess.Popen[str]:
     """`loraplex ARGS` started, returned once it asked `pool` for a move (its orders are in Redis)."""
     cli = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", *args], env={**os.environ, **stack.child_env()},
@@ -163,16 +86,16 @@ def _cli_asking(stack: Stack, pool: str, *args: str) -> subprocess.Popen[str]:
 def test_adapters_moved_under_training_load_end_bit_identical_with_every_request_applied_once(stack: Stack) -> None:
     services = build_services(stack.settings)
     plans = [Plan(t, rank=(4, 8)[t], seed=41 + t, steps=20) for t in range(2)]
-    threads, out, clients = _start(stack, ["mv-a", "mv-b"], plans)
+    threads, out, clients = start_trainers(stack, ["mv-a", "mv-b"], plans)
     a, b = out[0].model_id, out[1].model_id
     assert [placed_pool(services, a), placed_pool(services, b)] == ["default", "default-2"]
 
-    _wait_done(out, 6)  # a moves to default-2 through the service call
+    wait_done(out, 6)  # a moves to default-2 through the service call
     with _paused(stack, "pool", "pool-default-2"):
         assert move_adapter(services, a, "default-2") == "default"
     assert wait_placed(services, a, "default-2", 120)
 
-    _wait_done(out, 20)  # a moves back through the CLI, b to default at the same time
+    wait_done(out, 20)  # a moves back through the CLI, b to default at the same time
     with _paused(stack, "pool", "pool-default-2"):
         cli = _cli_asking(stack, "default-2", "pool", "move", a, "--to", "default")
         assert move_adapter(services, b, "default") == "default-2"
@@ -180,9 +103,9 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
     assert cli.returncode == 0, stderr
     assert stdout.strip() == f"adapter {a} is on pool default"
     assert wait_placed(services, b, "default", 120)
-    _join(threads, clients)
+    join_trainers(threads, clients)
 
-    _check(stack, plans, out)
+    check_applied_once(stack, plans, out)
     assert placed_pool(services, a) == placed_pool(services, b) == "default"
     # Each hand-over took queued requests along (the tenants had requests in flight on the paused source).
     for model_id, target in ((a, "default-2"), (a, "default"), (b, "default")):
@@ -206,20 +129,20 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
 def test_a_drained_pool_hands_every_adapter_to_its_sibling_under_load_and_takes_no_new_one(stack: Stack) -> None:
     services = build_services(stack.settings)
     plans = [Plan(t, rank=(8, 4)[t], seed=51 + t, steps=16) for t in range(2)]
-    threads, out, clients = _start(stack, ["dr-c", "dr-d"], plans)
+    threads, out, clients = start_trainers(stack, ["dr-c", "dr-d"], plans)
     c, d = out[0].model_id, out[1].model_id
     # default holds the earlier test's two adapters: both new ones went to default-2
     assert placed_pool(services, c) == placed_pool(services, d) == "default-2"
 
-    _wait_done(out, 6)
+    wait_done(out, 6)
     with _paused(stack, "pool", "pool-default-2"):
         cli = _cli_asking(stack, "default-2", "pool", "drain", "default-2")
     stdout, stderr = cli.communicate(timeout=300)
     assert cli.returncode == 0, stderr
     assert stdout.strip().startswith("pool default-2 drained: 2 adapter(s) moved")
     assert placed_pool(services, c) == placed_pool(services, d) == "default"
-    _join(threads, clients)
-    _check(stack, plans, out)
+    join_trainers(threads, clients)
+    check_applied_once(stack, plans, out)
     for model_id in (c, d):
         (taken,) = _handed_over(stack, model_id, "default")
         assert taken > 0, model_id  # each went with requests queued

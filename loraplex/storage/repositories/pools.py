@@ -95,6 +95,18 @@ class PoolRepository:
         self.session.flush()
         return True
 
+    def fence_out(self, name: str, token: int) -> bool:
+        """A sibling pool took this dead pool's lease under `token` to fail it over (pool/failover.py): record the
+        token, so a record transaction of the pool's old leader is refused from now (check_leader); the row's other
+        fields are the dead pool's own. False when the row is missing or holds a token at least as large (a newer
+        leader took over): then nothing changes."""
+        pool = self.session.get(Pool, name, with_for_update=True)
+        if pool is None or (pool.leader_token is not None and pool.leader_token >= token):
+            return False
+        pool.leader_token = token
+        self.session.flush()
+        return True
+
     def check_leader(self, name: str, token: int) -> None:
         """Raise LeaseLostError unless `token` leads the pool; locks the row until the transaction ends, so a takeover
         cannot commit in between. The first statement of each plan's record transaction (one round trip)."""
