@@ -16,7 +16,7 @@ from loraplex.api import tinker
 from loraplex.api.admission import BodyLimit
 from loraplex.api.door import Door
 from loraplex.api.errors import install_error_handlers
-from loraplex.api.metrics import RequestMetrics
+from loraplex.api.metrics import RequestMetrics, count_sql_statements
 from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.routes import (
     adapters,
@@ -64,6 +64,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         app.state.services.redis.close()
         app.state.services.results.wait_redis.close()
 
+    count_sql_statements()
     app = FastAPI(title="loraplex", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(

@@ -1,5 +1,6 @@
 """The gateway's Prometheus metrics, every one defined here: requests per route template (never the raw path, so
-ids do not multiply the series), method and status code, and their latencies. `RequestMetrics` is the ASGI
+ids do not multiply the series), method and status code, and their latencies; and the SQL statements the gateway
+sends (storage/statement_count.py). `RequestMetrics` is the ASGI
 middleware that counts them (outermost, so a 413 from the body limit counts too); the routes are
 api/routes/metrics.py. Names: docs/architecture/metrics.md.
 
@@ -17,6 +18,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loraplex.storage.statement_count import STATEMENTS
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
@@ -38,6 +41,23 @@ LATENCY = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+SQL_STATEMENTS = Counter(
+    "loraplex_gateway_sql_statements",
+    "SQL statements this gateway sent to the database, per verb (select, insert, update, delete, begin, commit, "
+    "rollback, other).",
+    ("verb",),
+    registry=REGISTRY,
+)
+_sql_counted = False
+
+
+def count_sql_statements() -> None:
+    """From now on, every statement this process sends counts in SQL_STATEMENTS (once per process, however many apps
+    it builds)."""
+    global _sql_counted
+    if not _sql_counted:
+        _sql_counted = True
+        STATEMENTS.subscribe(lambda verb: SQL_STATEMENTS.labels(verb).inc())
 
 
 def route_template(scope: Scope) -> str:

@@ -150,6 +150,10 @@ class PoolMetrics:
                                      (*p, "tenant"), registry=r)  # fmt: skip
         self.queued_tokens = Gauge("loraplex_pool_queued_tokens", "Tokens of the queued requests, per tenant.",
                                    (*p, "tenant"), registry=r)  # fmt: skip
+        self.sql_statements = Counter("loraplex_pool_sql_statements",
+                                      "SQL statements the pool process sent to the database, per verb (select, "
+                                      "insert, update, delete, begin, commit, rollback, other).", (*p, "verb"),
+                                      registry=r)  # fmt: skip
         self.slots.labels(pool).set(slots)
         self._captures = _RunningTotal(graph_captures, self.graph_captures.labels(pool))
         self._gc = _RunningTotal(gc_seconds, self.gc_seconds.labels(pool))
@@ -163,6 +167,10 @@ class PoolMetrics:
             self.seconds.labels(pool, phase)
         for tier in TIERS:
             self.adapters.labels(pool, tier)
+
+    def sql_statement(self, verb: str) -> None:
+        """One SQL statement the process sent (any thread; storage/statement_count.py calls it)."""
+        self.sql_statements.labels(self.pool, verb).inc()
 
     # -- reports from the dispatcher -----------------------------------------------------------------------------
     def executed(self, plan: BatchPlan, outcomes: Sequence[Outcome], busy_s: float) -> None:

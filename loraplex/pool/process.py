@@ -356,6 +356,7 @@ def _lead(
     from loraplex.storage.db import make_db_engine, session_factory
     from loraplex.storage.models import PoolState
     from loraplex.storage.repositories import PoolRepository, ResidencyRepository, unit_of_work
+    from loraplex.storage.statement_count import STATEMENTS
     from loraplex.workers.engine.executor import PlanExecutor
     from loraplex.workers.ranks.rank_loop import LeaderExecutor, build_rank_engine
 
@@ -404,6 +405,7 @@ def _lead(
             ResidencyRepository(session).clear(settings.pool)
 
     metrics = pool_metrics(settings, executor, store)
+    STATEMENTS.subscribe(metrics.sql_statement)
     client = redis.Redis.from_url(settings.redis_url)
     # The snapshot cadence (durable/snapshotter.py) and the request log, when durable snapshots are on.
     snapshotter = build_snapshotter(settings, store, sessions, client, lease, writes) if settings.durable_snapshots else None

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from loraplex.runtime.fsutil import PRIVATE_FILE_MODE, private_dirs
+from loraplex.storage.statement_count import count_statements
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".
@@ -40,11 +41,15 @@ MIGRATIONS_DIR = _REPO_ROOT / "migrations"
 
 
 def make_db_engine(url: str | URL, *, echo: bool = False, sqlite_foreign_keys: bool = True) -> Engine:
-    """Engine for `url`. `sqlite_foreign_keys=False` is for migrations only (SQLite batch table rebuilds)."""
+    """Engine for `url`. `sqlite_foreign_keys=False` is for migrations only (SQLite batch table rebuilds). Its
+    statements count in the process's statement_count.STATEMENTS."""
     url = make_url(url)
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, echo=echo, pool_pre_ping=True)
-    return _sqlite_engine(url, echo=echo, foreign_keys=sqlite_foreign_keys)
+        engine = create_engine(url, echo=echo, pool_pre_ping=True)
+    else:
+        engine = _sqlite_engine(url, echo=echo, foreign_keys=sqlite_foreign_keys)
+    count_statements(engine)
+    return engine
 
 
 def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:

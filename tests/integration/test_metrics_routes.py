@@ -1,7 +1,7 @@
 """The gateway's /metrics and /metrics/pools on real Redis (no pool): requests counted per route template (a made-up
 id and a made-up path add no series), status codes (a body-limit 413 too), the metrics token, every pool's
-published metrics merged (served only when opened, without a token), and the pool's own metrics server behind the
-same token."""
+published metrics merged (served only when opened, without a token), the pool's own metrics server behind the
+same token, and the gateway's SQL statements counted."""
 
 from __future__ import annotations
 
@@ -64,6 +64,19 @@ def test_requests_are_counted_per_route_template_and_status(tmp_path, redis_url)
     assert not any("nope" in str(labels) or "/no/such" in str(labels) for _, labels in after)
     latency = ("loraplex_gateway_request_seconds_count", (("method", "POST"), ("route", FB_ROUTE)))
     assert after[latency] - before.get(latency, 0.0) == 4
+
+
+def test_the_gateways_sql_statements_are_counted_per_verb(tmp_path, redis_url) -> None:
+    settings = Settings(home=tmp_path, redis_url=redis_url, pool=f"s-{tmp_path.name}")
+    with gateway_app(settings) as gw:
+        def selects() -> float:
+            samples = _samples(gw.client.get("/metrics").text)
+            return samples.get(("loraplex_gateway_sql_statements_total", (("verb", "select"),)), 0.0)
+
+        before = selects()
+        key = {"X-API-Key": gw.keys["alice"]}
+        assert gw.client.get("/v1/adapters/nope/checkpoints", headers=key).status_code == 404  # reads the adapter row
+        assert selects() > before
 
 
 def _pool_with_tokens(pool: str, tenant: str, tokens: int) -> PoolMetrics:
