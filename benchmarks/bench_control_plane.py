@@ -152,11 +152,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICKS
 
 
-def snapshot(stack: Stack, r: redis_lib.Redis, gateway: list[int], pools: list[int]) -> dict[str, Any]:
+def snapshot(
+    stack: Stack, r: redis_lib.Redis, gateway: list[int], pools: list[int], server: list[int]
+) -> dict[str, Any]:
     """Everything, Redis first (the other reads go through Redis or the gateway but not through INFO's counts)."""
     red = redis_snapshot(r)
     return {"redis": red, "gateway": gateway_counts(stack.base_url), "gateway_cpu": cpu_seconds(gateway),
-            "pool_cpu": cpu_seconds(pools), "t": time.perf_counter()}  # fmt: skip
+            "pool_cpu": cpu_seconds(pools), "redis_cpu": cpu_seconds(server), "t": time.perf_counter()}  # fmt: skip
 
 
 # -- MONITOR: commands per key class ---------------------------------------------------------------------------------
@@ -238,6 +240,7 @@ def per_step(before: dict[str, Any], after: dict[str, Any], overhead: dict[str, 
         "gateway_cpu_s": gateway_cpu, "gateway_cpu_ms_per_request": 1e3 * gateway_cpu / requests if requests else 0.0,
         "gateway_cpu_ms_per_step": 1e3 * gateway_cpu / steps, "gateway_cpu_share": gateway_cpu / wall,
         "pool_cpu_s": after["pool_cpu"] - before["pool_cpu"],
+        "redis_cpu_ms_per_step": 1e3 * (after["redis_cpu"] - before["redis_cpu"]) / steps,
         "pool_sql_by_verb_per_plan": _by_prefix(pools_before, pools_after, "sql ", plans),
         "gateway_sql_by_verb_per_step": _by_prefix(before["gateway"], after["gateway"], "sql ", steps),
         "gateway_requests_by_route_per_step": _by_prefix(before["gateway"], after["gateway"], "route ", steps),
@@ -256,7 +259,8 @@ def background(before: dict[str, Any], after: dict[str, Any], overhead: dict[str
     return {"wall_s": wall, "redis_commands_per_s": sum(red["commands"].values()) / wall,
             "redis_bytes_in_per_s": red["in"] / wall, "redis_bytes_out_per_s": red["out"] / wall,
             "redis_by_command_per_s": {c: n / wall for c, n in red["commands"].items()},
-            "gateway_cpu_share": (after["gateway_cpu"] - before["gateway_cpu"]) / wall}  # fmt: skip
+            "gateway_cpu_share": (after["gateway_cpu"] - before["gateway_cpu"]) / wall,
+            "redis_cpu_share": (after["redis_cpu"] - before["redis_cpu"]) / wall}  # fmt: skip
 
 
 def run_pools(n: int, args: argparse.Namespace, home: Path) -> dict[str, Any]:
@@ -281,21 +285,22 @@ def run_pools(n: int, args: argparse.Namespace, home: Path) -> dict[str, Any]:
         assert api is not None
         gateway = process_tree(api.pid)
         pools = [p.pid for name, p in ((c, stack.child(c).proc) for c in stack.pools) if p is not None]
+        server = [stack.redis.pid] if stack.redis is not None and stack.redis.pid is not None else []
         s1, s2 = redis_snapshot(r), redis_snapshot(r)
         overhead = redis_delta(s1, s2, {"commands": {}, "in": 0, "out": 0})
 
-        idle0 = snapshot(stack, r, gateway, pools)
+        idle0 = snapshot(stack, r, gateway, pools, server)
         time.sleep(args.idle_s)
-        idle1 = snapshot(stack, r, gateway, pools)
+        idle1 = snapshot(stack, r, gateway, pools, server)
         monitor = KeyClassMonitor(stack.settings.redis_url).start() if args.monitor else None
         time.sleep(2 * settings.pool_metrics_publish_seconds + 0.5)  # the warm-up's plans published
         pools_before = pool_counts(r)
         if monitor is not None:
             time.sleep(0.5)  # MONITOR connected
             monitor.measure(True)
-        before = snapshot(stack, r, gateway, pools)
+        before = snapshot(stack, r, gateway, pools, server)
         train(trainers, data, args.steps)
-        after = snapshot(stack, r, gateway, pools)
+        after = snapshot(stack, r, gateway, pools, server)
         if monitor is not None:
             monitor.measure(False)
         time.sleep(2 * settings.pool_metrics_publish_seconds + 0.5)  # the last plans published
@@ -314,13 +319,13 @@ def run_pools(n: int, args: argparse.Namespace, home: Path) -> dict[str, Any]:
 def report(results: list[dict[str, Any]]) -> None:
     print("\nper training step (forward_backward + optim_step; all processes' Redis traffic, background included)")
     print(f"{'pools':>5} {'steps/s':>8} {'req/step':>8} {'steps/plan':>10} {'redis cmd':>9} {'in B':>7} {'out B':>7} "
-          f"{'SQL/plan':>8} {'poolSQL':>7} {'gwSQL':>6} {'gw CPU ms/req':>13} {'gw CPU':>6} {'idle cmd/s':>10}")  # fmt: skip
+          f"{'SQL/plan':>8} {'poolSQL':>7} {'gwSQL':>6} {'gw CPU ms/req':>13} {'gw CPU':>6} {'redis ms':>8} {'idle cmd/s':>10}")  # fmt: skip
     for o in results:
         print(f"{o['pools']:>5} {o['steps_per_s']:>8.1f} {o['requests_per_step']:>8.2f} {o['steps_per_plan']:>10.1f} "
               f"{o['redis_commands_per_step']:>9.1f} {o['redis_in_per_step']:>7.0f} {o['redis_out_per_step']:>7.0f} "
               f"{o['pool_sql_per_plan']:>8.1f} {o['pool_sql_per_step']:>7.2f} {o['gateway_sql_per_step']:>6.2f} "
               f"{o['gateway_cpu_ms_per_request']:>13.2f} {100 * o['gateway_cpu_share']:>5.0f}% "
-              f"{o['background']['redis_commands_per_s']:>10.0f}")  # fmt: skip
+              f"{o['redis_cpu_ms_per_step']:>8.3f} {o['background']['redis_commands_per_s']:>10.0f}")  # fmt: skip
     for o in results:
         top = ", ".join(f"{c} {n:.2f}" for c, n in list(o["redis_by_command_per_step"].items())[:12])
         print(f"{o['pools']} pools, Redis commands per step: {top}")
