@@ -223,7 +223,7 @@ class Consumer:
         """Take over entries other consumers left pending longer than `min_idle_ms` (up to `count` per stream)."""
         self.refresh()
         raw: list[RawEntry] = []
-        for tenant in self._backlog:
+        for tenant in list(self._backlog):  # a copy: the prefetch thread's refresh may add a tenant meanwhile
             stream = self.stream_of(tenant)
             cursor, taken = "0-0", 0
             while taken < count:
@@ -254,7 +254,7 @@ class Consumer:
     def pending_count(self) -> int:
         """Entries delivered to any consumer of the group and not yet acked, over every tenant's stream."""
         self.refresh()
-        return sum(int(self.redis.xpending(self.stream_of(t), self.group)["pending"]) for t in self._backlog)
+        return sum(int(self.redis.xpending(self.stream_of(t), self.group)["pending"]) for t in list(self._backlog))
 
     def _tenant_of(self, stream: str) -> str:
         prefix, suffix = keys.request_stream(self.pool, ""), ":requests"

@@ -253,3 +253,33 @@ def test_entries_whose_read_answer_was_lost_come_back_after_rescan_pending(redis
     assert consumer.read(block_ms=50) == []  # once
     consumer.ack([sid for sid, _ in again])
     assert consumer.pending_count() == 0
+
+
+class _NewTenantDuringClaim:
+    """The real client, except that its first XAUTOCLAIM first lets another thread's read pick up a new tenant's
+    stream: the dispatcher's prefetch thread reads (and so refreshes the tenants) while the loop thread claims, and
+    a thread switch at exactly that point cannot be caused otherwise (a wrapper, because the race is the fault)."""
+
+    def __init__(self, real: redis.Redis, pool: str) -> None:
+        self._real, self._pool, self.consumer, self.fired = real, pool, None, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def xautoclaim(self, *args, **kwargs):
+        if not self.fired and self.consumer is not None:
+            self.fired = True
+            _xadd(self._real, self._pool, {"x": "1"}, tenant="late")
+            self.consumer.refresh()  # what the prefetch thread's read does meanwhile
+        return self._real.xautoclaim(*args, **kwargs)
+
+
+def test_a_tenant_appearing_while_stale_entries_are_claimed_is_no_error(redis_client: redis.Redis) -> None:
+    pool = _pool()
+    _submit(redis_client, pool, 1)
+    client = _NewTenantDuringClaim(redis_client, pool)
+    consumer = Consumer(client, pool, "live")  # type: ignore[arg-type]
+    consumer.refresh()
+    client.consumer = consumer
+    assert consumer.claim_stale(min_idle_ms=60_000) == []
+    assert client.fired and "late" in consumer._backlog
