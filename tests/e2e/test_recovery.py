@@ -511,3 +511,55 @@ def test_a_two_rank_pool_loses_a_rank_or_its_leader_and_ends_where_an_uninterrup
         while any(running(p) for p in killed_ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in killed_ranks if running(p)]  # the last leader's follower died with it
+
+
+def test_the_pool_a_gateway_and_redis_killed_in_turn_six_times_under_the_sdk_end_bit_identical(stack: Stack) -> None:
+    """The official Tinker SDK training while the pool, the gateway and redis-server are SIGKILLed in turn, twice
+    each, each brought back by the stack's supervisor: every future resolves, training resumes after every kill, and
+    the adapter ends bit for bit where an uninterrupted run does (losses included)."""
+    import tinker
+
+    from tests.helpers.sdk import train_plan
+    from tests.helpers.stack import create_tenants
+
+    def kill_pool() -> None:
+        pid = stack.child("pool").pid
+        assert pid is not None
+        stack.seen_pids.add(pid)  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        wait_restarted(stack, pid)
+
+    def kill_gateway() -> None:
+        api = stack.child("api")
+        assert api.pid is not None
+        stack.seen_pids.add(api.pid)  # type: ignore[attr-defined]
+        os.kill(api.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (api.pid in stack.seen_pids or not api.alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    plan = Plan(0, rank=8, seed=91, steps=18)
+    client = tinker.ServiceClient(base_url=stack.base_url, api_key=create_tenants(stack, "sdk-six")["sdk-six"])
+    out = Trained()
+    trainer = threading.Thread(target=train_plan, args=(client, plan, out, "sdk-six-final"), daemon=True)
+    trainer.start()
+    kills = [kill_pool, kill_gateway, lambda: _kill_redis_and_wait_restarted(stack)] * 2
+    restarts = (stack.child("pool").restarts, stack.child("api").restarts, stack.child("redis").restarts)
+    try:
+        for mark, kill in zip((3, 8, 13, 18, 23, 28), kills, strict=True):
+            while out.done < mark and trainer.is_alive():
+                time.sleep(0.01)
+            before = out.done
+            kill()
+            _resumes(lambda: out.done, before, timeout_s=60.0)
+        trainer.join(timeout=600)
+        assert not trainer.is_alive()
+    finally:
+        client.close("success").result()
+    assert out.errors == [], out.errors
+    assert (stack.child("pool").restarts, stack.child("api").restarts, stack.child("redis").restarts) == tuple(
+        n + 2 for n in restarts
+    )
+    want_states, want_losses = reference(stack, [plan])
+    assert out.losses == want_losses[0]
+    assert_same_state(saved_state(stack, "*", "sdk-six-final"), want_states[0])
