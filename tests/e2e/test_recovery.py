@@ -33,6 +33,7 @@ from loraplex.settings import Settings
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.repositories import SnapshotRepository
 from loraplex.storage.repositories.pools import PoolRepository
+from tests.helpers.pipelined import check_applied_once
 from tests.helpers.processes import rank_processes, running
 from tests.helpers.recovery import (
     Plan,
@@ -84,16 +85,7 @@ def _run_with_faults(stack: Stack, names: list[str], plans: list[Plan], fault) -
     return out
 
 
-def _check(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
-    for o in out:
-        assert o.errors == [], o.errors
-    want_states, want_losses = reference(stack, plans)
-    sessions = session_factory(make_db_engine(stack.settings.resolved_database_url))
-    for p, o in zip(plans, out, strict=True):
-        assert o.losses == want_losses[p.tenant]  # each forward_backward saw exactly the reference's state
-        assert_same_state(saved_state(stack, o.model_id, "final"), want_states[p.tenant])
-        with sessions() as session:  # create, then 2 per step, then the save: each applied once
-            assert PoolRepository(session).applied_seq_id(o.model_id) == 2 * p.steps + 1
+_check = check_applied_once
 
 
 def _check_close(stack: Stack, plans: list[Plan], out: list[Trained]) -> None:
