@@ -173,18 +173,23 @@ def test_the_gateway_sigkilled_under_load_is_restarted_and_clients_ride_through(
         for mark in (6, 20):
             while _progress(out) < mark:
                 time.sleep(0.01)
-            api = stack.child("api")
-            assert api.pid is not None
-            stack.seen_pids.add(api.pid)  # type: ignore[attr-defined]
-            os.kill(api.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 60
-            while (api.pid in stack.seen_pids or not api.alive()) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _kill_gateway_and_wait_restarted(stack)
 
     out = _run_with_faults(stack, ["gw-a", "gw-b"], plans, kill_gateway)
     assert stack.child("api").restarts >= 2
     assert stack.child("pool").alive()  # the pool and redis rode through
     _check(stack, plans, out)
+
+
+def _kill_gateway_and_wait_restarted(stack: Stack) -> None:
+    """SIGKILL the stack's gateway; wait until the supervisor has started a new one."""
+    api = stack.child("api")
+    assert api.pid is not None
+    stack.seen_pids.add(api.pid)  # type: ignore[attr-defined]
+    os.kill(api.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (api.pid in stack.seen_pids or not api.alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _kill_redis_and_wait_restarted(stack: Stack) -> None:
@@ -521,21 +526,12 @@ def test_the_pool_a_gateway_and_redis_killed_in_turn_six_times_under_the_sdk_end
         os.kill(pid, signal.SIGKILL)
         wait_restarted(stack, pid)
 
-    def kill_gateway() -> None:
-        api = stack.child("api")
-        assert api.pid is not None
-        stack.seen_pids.add(api.pid)  # type: ignore[attr-defined]
-        os.kill(api.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while (api.pid in stack.seen_pids or not api.alive()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     plan = Plan(0, rank=8, seed=91, steps=18)
     client = tinker.ServiceClient(base_url=stack.base_url, api_key=create_tenants(stack, "sdk-six")["sdk-six"])
     out = Trained()
     trainer = threading.Thread(target=train_plan, args=(client, plan, out, "sdk-six-final"), daemon=True)
     trainer.start()
-    kills = [kill_pool, kill_gateway, lambda: _kill_redis_and_wait_restarted(stack)] * 2
+    kills = [kill_pool, lambda: _kill_gateway_and_wait_restarted(stack), lambda: _kill_redis_and_wait_restarted(stack)] * 2
     restarts = (stack.child("pool").restarts, stack.child("api").restarts, stack.child("redis").restarts)
     try:
         for mark, kill in zip((3, 8, 13, 18, 23, 28), kills, strict=True):
