@@ -54,6 +54,7 @@ from torch import nn
 from loraplex.errors import EngineError
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.stacked_weights import stacked_weight
+from loraplex.workers.kernels.lora_expand import masked_expand, masked_expand_reference
 from loraplex.workers.lora.routing import to_device
 from loraplex.workers.lora.slot_bank import SlotBankLinear
 from loraplex.workers.sampling.kv_blocks import BlockAllocator
@@ -116,32 +117,39 @@ def _apply_rotary(attn: nn.Module) -> Any:
 
 @dataclass
 class _LoraPoint:
-    """Projections that read one input: their base Linears, and (with adapters) A_cat and one B_cat per module.
-    stacked: the bases' weights as one [sum of out, in] buffer (engine/stacked_weights.py), so the base runs as one
-    product whose column blocks are the outputs; None: one product per base."""
+    """Projections that read one input: their base Linears, and (with adapters) A_cat and B. stacked: the bases'
+    weights as one [sum of out, in] buffer (engine/stacked_weights.py), so the base runs as one product whose column
+    blocks are the outputs; None: one product per base. The LoRA expand adds into that product's columns
+    (kernels/lora_expand.py: one kernel for the mask and every projection's expand)."""
 
     bases: list[nn.Module]
     wrapped: list[SlotBankLinear | None]  # None: not a LoRA target, the base alone
-    a_cat: torch.Tensor | None = None  # [in, n_wrapped * G * r]
-    b_cats: list[torch.Tensor | None] | None = None  # per module [G * r, out] (None where not wrapped)
     stacked: torch.Tensor | None = None
     widths: tuple[int, ...] = ()  # each base's out width: the stacked product's column blocks
+    a_cat: torch.Tensor | None = None  # [in, n_wrapped * G * r]: the wrapped projections' A blocks, in order
+    b: torch.Tensor | None = None  # [G * r, sum of widths]: each wrapped projection's B in its columns (0 elsewhere)
+    b_cats: list[torch.Tensor | None] | None = None  # per module its columns of `b` (None where not wrapped)
+    segments: tuple[tuple[int, int], ...] = ()  # per wrapped projection its columns (lo, hi) of the outputs
+    bounds: torch.Tensor | None = None  # `segments` on the device, for the kernel
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        full: torch.Tensor | None = None  # every output as one [rows, sum of widths] product
         if self.stacked is not None:
-            outs = list(F.linear(x, self.stacked).split(self.widths, dim=1))  # column blocks: strided views
+            full = F.linear(x, self.stacked)
+            outs = list(full.split(self.widths, dim=1))  # column blocks: strided views
         else:
             outs = [base(x) for base in self.bases]
-        if self.a_cat is None or mask is None or self.b_cats is None:
+            full = outs[0] if len(outs) == 1 else None
+        if self.a_cat is None or mask is None or self.b is None or self.b_cats is None:
             return outs
-        width = mask.shape[1]
         h = x @ self.a_cat
-        h.view(h.shape[0], -1, width).mul_(mask[:, None, :])  # fp32 scales, one rounding (as the training path)
-        block = 0
-        for out, b_cat in zip(outs, self.b_cats, strict=True):
-            if b_cat is not None:
-                out.addmm_(h[:, block * width : (block + 1) * width], b_cat)  # in place, also into a column block
-                block += 1
+        if full is not None:
+            masked_expand(full, h, mask, self.b, self.segments, self.bounds)
+            return outs
+        width = mask.shape[1]  # separate outputs: each projection's expand on its own
+        wrapped = [(out, b) for out, b in zip(outs, self.b_cats, strict=True) if b is not None]
+        for k, (out, b_cat) in enumerate(wrapped):
+            masked_expand_reference(out, h[:, k * width : (k + 1) * width], mask, b_cat, [(0, out.shape[1])])
         return outs
 
 
@@ -246,12 +254,16 @@ class StaticDecoder:
             n = sum(w is not None for w in wrapped)
             first = next(w for w in wrapped if w is not None)
             point.a_cat = torch.zeros(first.in_features, n * g * r, dtype=engine.compute_dtype, device=engine.device)
+            point.b = torch.zeros(g * r, sum(widths), dtype=engine.compute_dtype, device=engine.device)
+            starts = [sum(widths[:i]) for i in range(len(widths))]
             point.b_cats = [
-                None
-                if w is None
-                else torch.zeros(g * r, w.out_features, dtype=engine.compute_dtype, device=engine.device)
-                for w in wrapped
+                None if w is None else point.b[:, lo : lo + width]
+                for w, lo, width in zip(wrapped, starts, widths, strict=True)
             ]
+            point.segments = tuple(
+                (lo, lo + width) for w, lo, width in zip(wrapped, starts, widths, strict=True) if w is not None
+            )
+            point.bounds = torch.tensor(point.segments, dtype=torch.int32, device=engine.device)
         return point
 
     # ---- per call ----------------------------------------------------------------------------------------------------
