@@ -17,7 +17,6 @@ from loraplex.api.admission import BodyLimit
 from loraplex.api.door import Door
 from loraplex.api.errors import install_error_handlers
 from loraplex.api.metrics import RequestMetrics, count_sql_statements
-from loraplex.api.timeline import gateway_id, publish_forever
 from loraplex.api.openai.routes import router as openai_router
 from loraplex.api.routes import (
     adapters,
@@ -32,6 +31,7 @@ from loraplex.api.routes import (
     tenant_checkpoints,
     traces,
 )
+from loraplex.api.timeline import gateway_id, publish_forever
 from loraplex.service import reap_idle_sessions
 from loraplex.service.build import build_services
 from loraplex.service.context import Services

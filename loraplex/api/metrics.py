@@ -142,7 +142,7 @@ class _PoolHealthFamilies:
 def pool_health_exposition(pools: list[PoolHealth]) -> bytes:
     """Every pool's health as gauges, read at the scrape (a dead pool publishes nothing itself: this says so)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_PoolHealthFamilies(pools))  # type: ignore[arg-type]
+    registry.register(_PoolHealthFamilies(pools))
     return generate_latest(registry)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis as redis_lib
@@ -35,7 +35,7 @@ class TimelineEntry:
 
 def add(redis: redis_lib.Redis, src: str, name: str, data: dict[str, Any], keep_s: float = KEEP_S) -> None:
     now_ms = int(time.time() * 1000)
-    fields = {"src": src, "name": name, "d": orjson.dumps(data)}
+    fields: dict[Any, Any] = {"src": src, "name": name, "d": orjson.dumps(data)}
     pipe = redis.pipeline(transaction=False)
     pipe.xadd(keys.timeline(), fields, minid=str(now_ms - int(keep_s * 1000)), approximate=True)
     if src == GATEWAY:
@@ -48,7 +48,8 @@ def read(redis: redis_lib.Redis, after_id: str | None = None, since: float | Non
     """Entries after the id `after_id` (exclusive), else from `since` (unix seconds), else all kept; oldest first."""
     low = f"({after_id}" if after_id else ("-" if since is None else str(int(since * 1000)))
     out: list[TimelineEntry] = []
-    for entry_id, fields in redis.xrange(keys.timeline(), low, "+", count=count):
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], redis.xrange(keys.timeline(), low, "+", count=count))
+    for entry_id, fields in entries:
         eid = text(entry_id)
         f = {text(k): v for k, v in fields.items()}
         try:

@@ -77,9 +77,10 @@ def in_flight(services: Services, scope: TraceScope) -> tuple[int, int]:
     wanted = set(scope.model_ids)
     requests = samples = 0
     for pool in sorted(pools):
-        entries = redis.xrange(keys.request_stream(pool, scope.tenant_id), count=IN_FLIGHT_SCAN)
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                       redis.xrange(keys.request_stream(pool, scope.tenant_id), count=IN_FLIGHT_SCAN))  # fmt: skip
         for _, fields in entries:
-            raw = fields.get(b"data") or fields.get("data")
+            raw = fields.get(b"data")
             try:
                 head = orjson.loads(raw) if raw is not None else {}
             except orjson.JSONDecodeError:

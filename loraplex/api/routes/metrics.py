@@ -9,9 +9,8 @@ it is Prometheus's text format, for scrapers, not a tenant's API."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
-
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.metrics import exposition, pool_health_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError

@@ -29,7 +29,9 @@ def adapter_trace(model_id: str, tenant: TenantDep, services: ServicesDep, since
 
 
 @router.get("/adapters/{model_id}/stats")
-def adapter_stats(model_id: str, tenant: TenantDep, services: ServicesDep, since: float | None = SINCE) -> dict[str, Any]:
+def adapter_stats(
+    model_id: str, tenant: TenantDep, services: ServicesDep, since: float | None = SINCE
+) -> dict[str, Any]:
     scope = request_traces.adapter_scope(services, tenant, model_id)
     return request_traces.stats(services, scope, since).as_dict()
 
