@@ -15,9 +15,9 @@ DASHES = ("none", "6 3", "2 2", "8 3 2 3")  # after the palette's colours, lines
 WIDTH = 520
 
 
-def _svg(height: int) -> str:
+def _svg(height: int, width: int = WIDTH) -> str:
     """The opening tag: scales to its card's width (the viewBox keeps the drawing's proportions)."""
-    return f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" width="100%" role="img">'
+    return f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="100%" role="img">'
 
 
 def _empty(height: int, text: str = "no data yet") -> str:
@@ -104,10 +104,11 @@ def seconds_label(value: float) -> str:
 
 
 def time_lines(series: Mapping[str, Sequence[tuple[float, float]]], *, start: float, end: float, y_unit: str,
-               height: int = 200, seconds: bool = False, x_label: Callable[[float], str] = clock) -> str:  # fmt: skip
+               height: int = 200, seconds: bool = False, x_label: Callable[[float], str] = clock,
+               width: int = WIDTH) -> str:  # fmt: skip
     """Series of (unix seconds, value) over [start, end], each in its own colour and dash, with a legend whose entries
-        toggle their line (the page's script: `data-series`). A series of few points also draws its points, so a job of a
-        few seconds is a visible mark, not a hairline. seconds: values are durations (labels in us/ms/s); x_label: how an x
+    toggle their line (the page's script: `data-series`). A series of few points also draws its points, so a job of a
+    few seconds is a visible mark, not a hairline. seconds: values are durations (labels in us/ms/s); x_label: how an x
     value reads (a clock time by default)."""
     drawn = {name: pts for name, pts in series.items() if pts}
     left, bottom, top_pad, right = 56, 26, 10, 10
@@ -117,24 +118,24 @@ def time_lines(series: Mapping[str, Sequence[tuple[float, float]]], *, start: fl
     legend_h = 18 * ((len(drawn) + per_row - 1) // per_row)
     plot_h = height - bottom - top_pad
     y_max = max(v for pts in drawn.values() for _, v in pts) or 1.0
-    span = WIDTH - left - right
+    span = width - left - right
     width_s = max(end - start, 1e-9)
     label = seconds_label if seconds else _fmt
 
     def xy(t: float, v: float) -> tuple[float, float]:
         return left + span * (t - start) / width_s, top_pad + plot_h * (1 - v / y_max)
 
-    parts = [_svg(height + legend_h),
-             f'<line x1="{left}" y1="{top_pad + plot_h}" x2="{WIDTH - right}" y2="{top_pad + plot_h}" stroke="#999"/>',
+    parts = [_svg(height + legend_h, width),
+             f'<line x1="{left}" y1="{top_pad + plot_h}" x2="{width - right}" y2="{top_pad + plot_h}" stroke="#999"/>',
              f'<line x1="{left}" y1="{top_pad}" x2="{left}" y2="{top_pad + plot_h}" stroke="#999"/>',
-             f'<line x1="{left}" y1="{top_pad + plot_h / 2}" x2="{WIDTH - right}" y2="{top_pad + plot_h / 2}" '
+             f'<line x1="{left}" y1="{top_pad + plot_h / 2}" x2="{width - right}" y2="{top_pad + plot_h / 2}" '
              f'stroke="#eee"/>',
              f'<text x="2" y="{top_pad + 10}" font-size="11">{escape(label(y_max))}</text>',
              f'<text x="2" y="{top_pad + plot_h / 2 + 4}" font-size="11">{escape(label(y_max / 2))}</text>',
              f'<text x="2" y="{top_pad + plot_h}" font-size="11">0</text>',
              f'<text x="{left}" y="{height - 8}" font-size="11">{x_label(start)}</text>',
              f'<text x="{left + span / 2 - 24}" y="{height - 8}" font-size="11">{x_label(start + width_s / 2)}</text>',
-             f'<text x="{WIDTH - right - 48}" y="{height - 8}" font-size="11">{x_label(end)}</text>',
+             f'<text x="{width - right - 48}" y="{height - 8}" font-size="11">{x_label(end)}</text>',
              f'<text x="{left + 6}" y="{top_pad + 10}" font-size="11" fill="#666">{escape(y_unit)}</text>']  # fmt: skip
     for i, (name, pts) in enumerate(sorted(drawn.items())):
         color, dash = PALETTE[i % len(PALETTE)], DASHES[(i // len(PALETTE)) % len(DASHES)]
@@ -168,7 +169,7 @@ def small_multiples(series: Mapping[str, Sequence[tuple[float, float]]], *, star
         if links and name in links:
             title = f'<a href="{escape(links[name], quote=True)}">{title}</a>'
         extra = f' <span class="text-muted">{escape(note[name])}</span>' if note and name in note else ""
-        chart = time_lines({name: pts}, start=start, end=end, y_unit=y_unit, height=120, x_label=x_label)
+        chart = time_lines({name: pts}, start=start, end=end, y_unit=y_unit, height=130, x_label=x_label, width=300)
         chart = chart.replace('<g class="legend-item"', '<g class="legend-item" display="none"', 1)
         cells.append(f'<div class="multiple"><div class="small fw-bold">{title}{extra}</div>{chart}</div>')
     return '<div class="multiples">' + "".join(cells) + "</div>"

@@ -1,6 +1,6 @@
 """What a gateway process adds to the fleet's timeline (queue/timeline.py): the responses it sent since its last entry,
 by status class (2xx, 4xx, 429 apart: the rejections, 5xx), and a latency histogram of its short calls (the
-long-polls, which wait on purpose, left out). RequestMetrics (api/metrics.py) counts each response here beside its
+long-polls, which wait on purpose, left out); probes and scrapes are not counted. RequestMetrics (api/metrics.py) counts each response here beside its
 Prometheus series; a task of the app's lifespan (`publish_forever`) adds one entry every `EVERY_S` when there was
 traffic, else one every `IDLE_EVERY_S`, so the dashboard sees each gateway alive."""
 
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 EVERY_S = 2.0
 IDLE_EVERY_S = 10.0
 LONG_POLL_MARKS = ("futures", "retrieve_future")  # route templates that wait for a result on purpose
+# Probes and scrapes: a readiness probe's 503 while a pool loads is its answer, not a failure of anyone's call (the
+# pools' health says it), and they would drown the callers' numbers.
+PROBE_ROUTES = frozenset({"/v1/healthz", "/healthz", "/metrics", "/metrics/pools"})
 
 
 def status_class(status: int) -> str:
@@ -41,6 +44,8 @@ class GatewayTally:
         self._last_sent = 0.0
 
     def observe(self, route: str, status: int, seconds: float) -> None:
+        if route in PROBE_ROUTES:
+            return
         with self._lock:
             key = status_class(status)
             self._status[key] = self._status.get(key, 0) + 1

@@ -35,7 +35,7 @@ class TimelineEntry:
 
 def add(redis: redis_lib.Redis, src: str, name: str, data: dict[str, Any], keep_s: float = KEEP_S) -> None:
     now_ms = int(time.time() * 1000)
-    fields: dict[Any, Any] = {"src": src, "name": name, "d": orjson.dumps(data)}
+    fields: dict[Any, Any] = {"src": src, "name": name, "d": orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)}
     pipe = redis.pipeline(transaction=False)
     pipe.xadd(keys.timeline(), fields, minid=str(now_ms - int(keep_s * 1000)), approximate=True)
     if src == GATEWAY:
