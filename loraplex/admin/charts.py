@@ -157,9 +157,10 @@ def time_lines(series: Mapping[str, Sequence[tuple[float, float]]], *, start: fl
 
 def small_multiples(series: Mapping[str, Sequence[tuple[float, float]]], *, start: float, end: float, y_unit: str,
                     note: Mapping[str, str] | None = None, links: Mapping[str, str] | None = None,
-                    x_label: Callable[[float], str] = clock) -> str:  # fmt: skip
+                    x_label: Callable[[float], str] = clock, own_x: bool = False) -> str:  # fmt: skip
     """One small chart per series (own y scale, shared time axis), so no line hides another: a grid of cards titled
-    by the series' name, with `note` beside the title and `links` on it."""
+    by the series' name, with `note` beside the title and `links` on it. own_x: each chart spans its own x values
+    (e.g. steps) instead of [start, end]."""
     drawn = {name: pts for name, pts in series.items() if pts}
     if not drawn:
         return _empty(40, "no data in this range")
@@ -169,7 +170,9 @@ def small_multiples(series: Mapping[str, Sequence[tuple[float, float]]], *, star
         if links and name in links:
             title = f'<a href="{escape(links[name], quote=True)}">{title}</a>'
         extra = f' <span class="text-muted">{escape(note[name])}</span>' if note and name in note else ""
-        chart = time_lines({name: pts}, start=start, end=end, y_unit=y_unit, height=130, x_label=x_label, width=300)
+        lo, hi = (min(p[0] for p in pts), max(p[0] for p in pts)) if own_x else (start, end)
+        chart = time_lines({name: pts}, start=lo, end=hi if hi > lo else lo + 1, y_unit=y_unit, height=130,
+                           x_label=x_label, width=300)  # fmt: skip
         chart = chart.replace('<g class="legend-item"', '<g class="legend-item" display="none"', 1)
         cells.append(f'<div class="multiple"><div class="small fw-bold">{title}{extra}</div>{chart}</div>')
     return '<div class="multiples">' + "".join(cells) + "</div>"

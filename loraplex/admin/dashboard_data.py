@@ -218,7 +218,7 @@ def _pool_health(services: Services, data: DashboardData) -> list[dict[str, Any]
 
 
 def _adapter_rows(data: DashboardData) -> None:
-    """The adapters that trained in the range (most steps first), with their loss over time and their progress."""
+    """The adapters that trained in the range (most steps first), with their loss by step and their progress."""
     shaped = data.shaped
     ranked = sorted(shaped.adapter_steps.items(), key=lambda kv: (-(kv[1][1] + kv[1][2]), kv[0]))[:ADAPTERS_SHOWN]
     data.adapters = []

@@ -147,8 +147,10 @@ def panels(data: DashboardData) -> list[dict[str, Any]]:
                  (", ".join(f"{t} {n:.0f}" for t, n in data.queue) or "empty")},
         {"key": "adapters", "title": "Adapters: loss and progress",
          "svg": charts.small_multiples(adapter_loss, start=t0, end=t1, y_unit="loss:sum", note=adapter_notes,
-                                       links=adapter_links) + _adapter_table(data),
-         "note": "the last forward_backward loss:sum of each bucket; click an adapter for its requests and trace",
+                                       links=adapter_links, own_x=True, x_label=lambda x: f"seq {x:.0f}")
+                + _adapter_table(data),
+         "note": "forward_backward loss:sum by seq_id, the steps answered in this range; click an adapter for its "
+                 "requests and trace",
          "wide": True},
         {"key": "pipelines", "title": "Pipelines: progress and training loss",
          "svg": charts.bars([(f"{p.label} [{p.state}]", float(p.step)) for p in pipes],

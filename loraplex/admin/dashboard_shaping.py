@@ -3,7 +3,7 @@
 A time range is cut into buckets (`bucket_for`: 2 s for the last 5 minutes, coarser for longer ranges, about 150 per
 range); each series is one value per bucket: rates per second (responses by status class, failed futures, training
 tokens per tenant), percentiles of the histograms merged over the bucket (queue wait, compute), the last value seen
-(an adapter's loss, a tenant's queue). `alerts` reads what is wrong and since when."""
+(a tenant's queue); an adapter's loss by its steps' seq_ids, so a finished job draws its whole curve. `alerts` reads what is wrong and since when."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Shaped:
     tokens: dict[str, Series] = field(default_factory=dict)  # tenant -> training tokens/s
     tenant_totals: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> ok, failed, tokens, p50, p99
     queued: dict[str, Series] = field(default_factory=dict)  # tenant -> requests queued (the bucket's largest)
-    loss: dict[str, Series] = field(default_factory=dict)  # model_id -> the last loss:sum seen in the bucket
+    loss: dict[str, Series] = field(default_factory=dict)  # model_id -> (seq_id, loss:sum) of its steps in the range
     adapter_steps: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # model_id -> (tenant, fb, optim)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # pool -> its latest gauges
     pool_last: dict[str, float] = field(default_factory=dict)  # pool -> its latest entry's time
@@ -69,7 +69,7 @@ def shape(entries: Sequence[TimelineEntry], now: float, range_s: float, tenant_n
     gw_lat: list[list[Mapping[int | str, int]]] = [[] for _ in range(n)]
     tokens: dict[str, list[float]] = {}
     queued: dict[str, list[float | None]] = {}
-    loss: dict[str, dict[int, float]] = {}
+    loss: dict[str, dict[float, float]] = {}
     tenant_waits: dict[str, list[Mapping[int | str, int]]] = {}
     totals: dict[str, dict[str, float]] = {}
     for e in entries:
@@ -107,9 +107,9 @@ def shape(entries: Sequence[TimelineEntry], now: float, range_s: float, tenant_n
         for tenant_id, k in (d.get("queued") or {}).items():
             depth = queued.setdefault(names.get(tenant_id, tenant_id), [None] * n)
             depth[i] = max(depth[i] or 0, k)
-        for model_id, (tenant_id, last_loss, fb, optim) in (d.get("adapters") or {}).items():
-            if last_loss is not None:
-                loss.setdefault(model_id, {})[i] = last_loss
+        for model_id, (tenant_id, _, fb, optim, *rest) in (d.get("adapters") or {}).items():
+            for seq_id, value in rest[0] if rest else ():
+                loss.setdefault(model_id, {})[float(seq_id)] = value
             have = out.adapter_steps.get(model_id, (tenant_id, 0, 0))
             out.adapter_steps[model_id] = (tenant_id, have[1] + fb, have[2] + optim)
     for k, row in counts.items():
@@ -126,7 +126,7 @@ def shape(entries: Sequence[TimelineEntry], now: float, range_s: float, tenant_n
         out.gateway_latency[label] = _percentile_series(gw_lat, q, middle)
     out.tokens = {t: [(middle(i), v) for i, v in enumerate(row)] for t, row in sorted(tokens.items())}
     out.queued = {t: [(middle(i), v) for i, v in enumerate(d) if v is not None] for t, d in sorted(queued.items())}
-    out.loss = {m: [(middle(i), v) for i, v in sorted(points.items())] for m, points in loss.items()}
+    out.loss = {m: sorted(points.items()) for m, points in loss.items()}
     for name, tenant_hists in tenant_waits.items():
         merged = latency_histogram.merge(tenant_hists)
         t = totals.setdefault(name, {"ok": 0, "failed": 0, "tokens": 0})

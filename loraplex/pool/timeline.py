@@ -18,6 +18,7 @@ from loraplex.queue.request_traces import TraceRecord
 
 IDLE_EVERY_S = 30.0
 TRAINING_KINDS = frozenset({"forward_backward", "forward"})
+LOSSES_PER_ROUND = 64  # an adapter's losses per entry, the newest (its steps' curve, drawn by seq_id)
 
 
 class PoolTimeline:
@@ -35,7 +36,8 @@ class PoolTimeline:
         self._wait: latency_histogram.Histogram = {}
         self._compute: latency_histogram.Histogram = {}
         self._wait_by_tenant: dict[str, latency_histogram.Histogram] = {}
-        self._adapters: dict[str, list[Any]] = {}  # model_id -> [tenant, last loss:sum, forward_backward, optim_step]
+        # model_id -> [tenant, last loss:sum, forward_backward, optim_step, [[seq_id, loss:sum], ...] (the newest)]
+        self._adapters: dict[str, list[Any]] = {}
 
     def answered(self, records: Sequence[TraceRecord]) -> None:
         with self._lock:
@@ -50,10 +52,12 @@ class PoolTimeline:
                 latency_histogram.observe(self._compute, r.compute_s)
                 latency_histogram.observe(self._wait_by_tenant.setdefault(r.tenant_id, {}), r.queue_wait_s)
                 if r.kind in ("forward_backward", "optim_step") and r.ok:
-                    adapter = self._adapters.setdefault(r.model_id, [r.tenant_id, None, 0, 0])
+                    adapter = self._adapters.setdefault(r.model_id, [r.tenant_id, None, 0, 0, []])
                     if r.kind == "forward_backward":
-                        adapter[1] = r.loss if r.loss is not None else adapter[1]
                         adapter[2] += 1
+                        if r.loss is not None:
+                            adapter[1] = r.loss
+                            adapter[4] = [*adapter[4][-(LOSSES_PER_ROUND - 1) :], [r.seq_id, r.loss]]
                     else:
                         adapter[3] += 1
 

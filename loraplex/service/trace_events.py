@@ -3,7 +3,7 @@ Format" both read: chrome://tracing, ui.perfetto.dev). Pure: records in, a dict 
 
 Layout: one process per adapter (named "<tenant>/<adapter>"), and in it lanes (threads) so that a lane's requests never
 overlap (requests in flight together, e.g. a forward_backward queued behind the optim_step before it, take separate
-lanes). Each request is one complete event ("ph": "X") named "<kind> #<seq_id>", spanning enqueue to result, with its
+lanes). Each request is one complete event ("ph": "X") named "<kind> #<seq_id>" (create and delete: "<kind>"), spanning enqueue to result, with its
 four stages nested inside it, in order and back to back: `queue` (enqueued -> read by the dispatcher), `plan` (read ->
 the engine starts: waiting for a plan that takes it, planning, coalescing), `engine` (the plan's engine work), `result`
 (recorded in SQL and the result stored). Times are microseconds from the first enqueue of the export."""
@@ -78,7 +78,8 @@ def to_trace_events(records: Sequence[TraceRecord], names: Mapping[str, str] | N
                 args["loss:sum"] = r.loss
             if r.error:
                 args["error"] = r.error
-            events.append({"ph": "X", "name": f"{r.kind} #{r.seq_id}", "cat": "request", "pid": pid, "tid": lane + 1,
+            name = r.kind if r.seq_id < 0 else f"{r.kind} #{r.seq_id}"  # create/delete: outside the seq_id chain
+            events.append({"ph": "X", "name": name, "cat": "request", "pid": pid, "tid": lane + 1,
                            "ts": us(bounds[0][1]), "dur": round(us(bounds[-1][2]) - us(bounds[0][1]), 1),
                            "args": args})  # fmt: skip
             for name, begin, end in bounds:

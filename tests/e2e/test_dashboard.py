@@ -114,15 +114,15 @@ def test_training_appears_without_a_reload_and_the_page_fits_1366(stack, keys, p
     assert page.locator("#panel-columns rect.bar").count() >= 8
     _shoot(page, "adapter-1366x768.png", 1366, 768)
     trace = page.request.get(f"{stack.base_url}/admin/dashboard/adapter/{model_id}/trace.json").json()
-    _check_trace(trace, requests=8)
+    _check_trace(trace, steps=8)
     api = httpx.get(f"{stack.base_url}/v1/adapters/{model_id}/trace", headers={"X-API-Key": keys["dash-beta"]})
     assert api.status_code == 200
-    _check_trace(api.json(), requests=8)
+    _check_trace(api.json(), steps=8)
     other = httpx.get(f"{stack.base_url}/v1/adapters/{model_id}/trace", headers={"X-API-Key": keys["dash-alpha"]})
     assert other.status_code == 404
 
 
-def _check_trace(trace: dict[str, Any], requests: int) -> None:
+def _check_trace(trace: dict[str, Any], steps: int) -> None:
     """The trace-event format's rules (Chrome's JSON Object Format): complete events with name, ph, ts, dur, pid, tid;
     metadata names; and here one span per request holding its four stages in order."""
     events = trace["traceEvents"]
@@ -131,8 +131,8 @@ def _check_trace(trace: dict[str, Any], requests: int) -> None:
         if e["ph"] == "X":
             assert isinstance(e["ts"], int | float) and e["dur"] >= 0
     spans = [e for e in events if e["ph"] == "X" and e["cat"] == "request"]
-    assert len(spans) == requests
-    assert sorted(s["args"]["seq_id"] for s in spans) == list(range(1, requests + 1))
+    assert sorted(s["args"]["seq_id"] for s in spans) == [-1, *range(1, steps + 1)]  # its creation, then its steps
+    assert next(s for s in spans if s["args"]["seq_id"] == -1)["name"] == "create_adapter"
     for span in spans:
         inside = [e for e in events if e["ph"] == "X" and e["cat"] == "stage" and e["tid"] == span["tid"]
                   and span["ts"] - 0.5 <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 0.5]  # fmt: skip

@@ -24,7 +24,9 @@ def test_a_tenant_reads_its_own_trace_and_stats_and_never_another_tenants(gatewa
     alice, bob = {"X-API-Key": gateway.keys["alice"]}, {"X-API-Key": gateway.keys["bob"]}
     model_id = client.post("/v1/adapters", json={"rank": 4}, headers=alice).json()["model_id"]
     now = time.time()
-    request_traces.write(services.redis, [_record(gateway.tenant_ids["alice"], model_id, s, now + s) for s in range(1, 4)])
+    request_traces.write(
+        services.redis, [_record(gateway.tenant_ids["alice"], model_id, s, now + s) for s in range(1, 4)]
+    )
     body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
     assert client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).status_code == 202
 
@@ -36,7 +38,9 @@ def test_a_tenant_reads_its_own_trace_and_stats_and_never_another_tenants(gatewa
     assert sum(e["cat"] == "stage" for e in events if e["ph"] == "X") == 12
     assert any(e["ph"] == "M" and e["args"]["name"] == f"alice/{model_id}" for e in events)
     stats = client.get(f"/v1/adapters/{model_id}/stats", headers=alice).json()
-    assert stats["requests"] == 3 and stats["in_flight_requests"] == 2  # its create and the step: no pool here and stats["in_flight_samples"] == 0
+    assert (
+        stats["requests"] == 3 and stats["in_flight_requests"] == 2
+    )  # its create and the step: no pool here and stats["in_flight_samples"] == 0
     assert 0 < stats["utilization"] < 1 and stats["tokens_per_s"] > 0
 
     for path in (f"/v1/adapters/{model_id}/trace", f"/v1/adapters/{model_id}/stats", "/v1/adapters/nope/trace",

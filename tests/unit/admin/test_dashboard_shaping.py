@@ -43,7 +43,7 @@ def _pool_entry(at: float, tenant: str, ok: int, failed: int, tokens: int, loss:
     for _ in range(ok + failed):
         lh.observe(hist, wait_s)
     data = {"requests": {tenant: [ok, failed]}, "tokens": {tenant: tokens}, "wait": hist, "compute": hist,
-            "wait_by_tenant": {tenant: hist}, "adapters": {"m" + tenant: [tenant, loss, ok, 1]},
+            "wait_by_tenant": {tenant: hist}, "adapters": {"m" + tenant: [tenant, loss, ok, 1, [[int(at), loss]]]},
             "queued": {tenant: 3}, "host_memory_bytes": 1e9}  # fmt: skip
     return TimelineEntry(f"{int(at * 1000)}-0", at, POOL, "pool-a", data)
 
@@ -62,7 +62,7 @@ def test_a_three_second_job_shows_in_its_buckets_with_names_rates_and_loss() -> 
     assert now - 6 <= s.first_seen["5xx"] <= now - 4
     assert s.tenant_totals["alice"]["ok"] == 80 and s.tenant_totals["alice"]["failed"] == 2
     assert s.tenant_totals["alice"]["wait p99"] > s.tenant_totals["bob"]["wait p99"]
-    assert [v for _, v in s.loss["mt1"]] == [2.5, 1.5]
+    assert s.loss["mt1"] == [(now - 5, 2.5), (now - 3, 1.5)]  # by seq_id (here: the entry's second)
     assert s.adapter_steps["mt1"] == ("t1", 80, 2)
     assert s.queued["alice"] and s.memory["pool-a"]["host_memory_bytes"] == 1e9
     p99 = dict(s.latency["queue wait p99"])
@@ -71,7 +71,11 @@ def test_a_three_second_job_shows_in_its_buckets_with_names_rates_and_loss() -> 
                         "heartbeat_age_s": 40.0}], {"gw": {"at": now - 100}}, True, now)  # fmt: skip
     texts = [a.text for a in found]
     assert texts[0].startswith("pool pool-b paused") and found[0].since == pytest.approx(now - 40)
-    assert any("silent" in t for t in texts) and any("5xx" in t for t in texts) and any("failed futures" in t for t in texts)
+    assert (
+        any("silent" in t for t in texts)
+        and any("5xx" in t for t in texts)
+        and any("failed futures" in t for t in texts)
+    )
     assert alerts(shape([], now, 300), [{"name": "a", "ok": True}], {}, True, now) == []
 
 
@@ -100,5 +104,5 @@ def test_the_pool_timeline_counts_answered_requests_and_stays_quiet_when_idle() 
     entry = timeline.take({"t": 2})
     assert entry is not None
     assert entry["requests"] == {"t": [2, 1], "u": [1, 0]} and entry["tokens"] == {"t": 10}
-    assert entry["adapters"]["m-t"] == ["t", 2.0, 1, 1] and entry["queued"] == {"t": 2}
+    assert entry["adapters"]["m-t"] == ["t", 2.0, 1, 1, [[1, 2.0]]] and entry["queued"] == {"t": 2}
     assert lh.count(entry["wait"]) == 4 and lh.percentile(entry["wait"], 0.5) == pytest.approx(0.3, rel=0.13)
