@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 EVERY_S = 2.0
 IDLE_EVERY_S = 10.0
+FORGET_AFTER_S = 3600.0  # a gateway silent this long leaves the dashboard's health table
+FORGET_EVERY_ROUNDS = 150
 LONG_POLL_MARKS = ("futures", "retrieve_future")  # route templates that wait for a result on purpose
 # Probes and scrapes: a readiness probe's 503 while a pool loads is its answer, not a failure of anyone's call (the
 # pools' health says it), and they would drown the callers' numbers.
@@ -73,13 +75,17 @@ async def publish_forever(redis: redis_lib.Redis, name: str, every_s: float = EV
     """The lifespan's task: one timeline entry per round with something to say; Redis away: logged, tried again."""
     about = {"pid": os.getpid(), "version": __version__}
     warned = 0.0
+    rounds = 0
     while True:
         await asyncio.sleep(every_s)
+        rounds += 1
         entry = TALLY.take()
         if entry is None:
             continue
         try:
             await run_in_threadpool(timeline.add, redis, timeline.GATEWAY, name, {**entry, "about": about})
+            if rounds % FORGET_EVERY_ROUNDS == 1:  # a restarted gateway has a new id: its old one goes after a while
+                await run_in_threadpool(timeline.forget_gateways, redis, FORGET_AFTER_S)
         except redis_lib.RedisError as exc:
             if time.monotonic() - warned > 30:
                 warned = time.monotonic()
