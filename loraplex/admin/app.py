@@ -17,6 +17,7 @@ from starlette.routing import Route
 from loraplex.admin.auth import AdminAuth
 from loraplex.admin.dashboard import Dashboard
 from loraplex.admin.origin_check import SameOriginOnly
+from loraplex.admin.request_views import RequestViews
 from loraplex.admin.secure_cookies import SecureCookiesOverHttps
 from loraplex.admin.views import MODEL_VIEWS, CheckpointTtl, GetServices, ServicesRef
 from loraplex.settings import Settings
@@ -42,6 +43,8 @@ def mount_admin(app: FastAPI, settings: Settings, services: GetServices) -> Admi
     wiring = ServicesRef(services)
     Dashboard.wiring = wiring
     admin.add_base_view(Dashboard)
+    RequestViews.wiring = wiring
+    admin.add_base_view(RequestViews)
     for view in MODEL_VIEWS:
         view.wiring = wiring
         admin.add_view(view)

@@ -1,20 +1,41 @@
-"""The live dashboard page (/admin/dashboard): the numbers of admin/dashboard_data.py drawn as server-side SVG
-(admin/charts.py); the page reloads itself every few seconds, so it stays live without any script."""
+"""The live dashboard (/admin/dashboard): what is wrong, where and since when (alerts and the health of every pool,
+gateway, Redis and the database), then errors, latency percentiles, tenants, adapters and pipelines over a chosen
+time range (admin/dashboard_data.py reads, admin/dashboard_panels.py draws). The page polls /admin/dashboard/data
+every POLL_SECONDS and swaps the panels in without a reload (the legend's toggles and the range stay); without
+script it is still a complete page of the time of its load."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from sqladmin import BaseView, expose
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
-from loraplex.admin import charts
-from loraplex.admin.dashboard_data import BUCKET_S, WINDOW_S, read_dashboard
+from loraplex.admin import dashboard_panels
+from loraplex.admin.charts import clock
+from loraplex.admin.dashboard_data import read_dashboard
+from loraplex.admin.dashboard_shaping import DEFAULT_RANGE, RANGES
 from loraplex.admin.views import ServicesRef
 
-REFRESH_SECONDS = 5
+POLL_SECONDS = 2
+
+
+def _range(request: Request) -> str:
+    chosen = request.query_params.get("range", DEFAULT_RANGE)
+    return chosen if chosen in RANGES else DEFAULT_RANGE
+
+
+def _content(view: Dashboard, chosen: str) -> dict[str, Any]:
+    data = read_dashboard(view.wiring.get(), RANGES[chosen])
+    return {
+        "now": clock(data.now) + " UTC",
+        "bucket_s": data.shaped.bucket_s,
+        "alerts": dashboard_panels.alerts_html(data),
+        "health": dashboard_panels.health_html(data),
+        "panels": dashboard_panels.panels(data),
+    }
 
 
 class Dashboard(BaseView):
@@ -24,28 +45,15 @@ class Dashboard(BaseView):
 
     @expose("/dashboard", methods=["GET"], identity="dashboard")
     async def page(self, request: Request) -> Response:
-        data = await run_in_threadpool(read_dashboard, self.wiring.get())
-        panels = [
-            {"key": "queue", "title": "Queued requests per tenant", "svg": charts.bars(data.queue)},
-            {"key": "tokens", "title": "Training tokens/s per tenant",
-             "svg": charts.lines(data.tokens_per_s, x_span=WINDOW_S, y_unit="tokens/s"),
-             "note": f"forward and forward_backward tokens of the usage records, {BUCKET_S} s buckets"},
-            {"key": "slots", "title": "GPU slots in use per pool",
-             "svg": charts.bars([(p, used) for p, used, _ in data.slots], of=[total for _, _, total in data.slots])},
-            {"key": "tiers", "title": "Adapters per tier (GPU slot, host memory, disk)", "svg": charts.bars(data.tiers),
-             "note": "swaps move adapters between these tiers"},
-            {"key": "plans", "title": "Plans of this gateway's pool (since its Redis started)",
-             "svg": charts.bars(data.plans), "note": "adapters per step > 1: tenants' steps share batches"},
-            {"key": "layouts", "title": "Plan choices: forward_backward steps by layout", "svg": charts.bars(data.layouts),
-             "note": "mixed: several adapters in one batch (the cost model's choice); since each pool started"},
-            {"key": "swaps", "title": "Swaps between tiers", "svg": charts.bars(data.swaps),
-             "note": "adapter moves since each pool started"},
-            {"key": "pipelines", "title": "Pipelines: steps done of total",
-             "svg": charts.bars([(n, s) for n, s, _ in data.pipelines], of=[t for _, _, t in data.pipelines]),
-             "note": "queued and running ones, and those that ended in the last 15 minutes"},
-        ]  # fmt: skip
+        chosen = _range(request)
+        content = await run_in_threadpool(_content, self, chosen)
         return await self.templates.TemplateResponse(
             request,
             "loraplex/dashboard.html",
-            {"panels": panels, "now": data.now.strftime("%Y-%m-%d %H:%M:%S"), "refresh_seconds": REFRESH_SECONDS},
+            {**content, "ranges": list(RANGES), "chosen": chosen, "poll_seconds": POLL_SECONDS},
         )
+
+    @expose("/dashboard/data", methods=["GET"], identity="dashboard-data")
+    async def data(self, request: Request) -> Response:
+        content = await run_in_threadpool(_content, self, _range(request))
+        return JSONResponse(content, headers={"Cache-Control": "no-store"})

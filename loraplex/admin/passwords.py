@@ -17,7 +17,9 @@ MIN_LENGTH = 12
 def hash_password(password: str) -> str:
     salt = os.urandom(16)
     digest = hashlib.scrypt(password.encode(), salt=salt, n=N, r=R, p=P, dklen=32)
-    return "$".join(["scrypt", str(N), str(R), str(P), base64.b64encode(salt).decode(), base64.b64encode(digest).decode()])
+    return "$".join(
+        ["scrypt", str(N), str(R), str(P), base64.b64encode(salt).decode(), base64.b64encode(digest).decode()]
+    )
 
 
 def verify_password(password: str, stored: str) -> bool:

@@ -126,7 +126,9 @@ class TenantAdmin(_ReadOnly, model=Tenant):
             Flash.flash(request, exc.message, FlashLevel.error)
             return _back(request, self.identity)
         page = await self.templates.TemplateResponse(
-            request, "loraplex/new_key.html", {"key": key, "tenant_id": pks[0], "back": str(_back(request, "api-key").headers["location"])}
+            request,
+            "loraplex/new_key.html",
+            {"key": key, "tenant_id": pks[0], "back": str(_back(request, "api-key").headers["location"])},
         )
         return _no_store(page)
 

@@ -29,7 +29,9 @@ from loraplex.api.routes import (
     runs,
     samplers,
     tenant_checkpoints,
+    traces,
 )
+from loraplex.api.timeline import gateway_id, publish_forever
 from loraplex.service import reap_idle_sessions
 from loraplex.service.build import build_services
 from loraplex.service.context import Services
@@ -59,8 +61,10 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         # while it waits, so the Tinker SDK polling every outstanding future could starve the other routes.
         to_thread.current_default_thread_limiter().total_tokens = settings.gateway_threads
         reaper = asyncio.create_task(_reap_sessions(app.state.services))
+        reporter = asyncio.create_task(publish_forever(app.state.services.redis, gateway_id(settings.api_port)))
         yield
         reaper.cancel()
+        reporter.cancel()
         app.state.services.redis.close()
         app.state.services.results.wait_redis.close()
 
@@ -85,6 +89,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.include_router(tenant_checkpoints.router)
     app.include_router(samplers.router)
     app.include_router(pipelines.router)
+    app.include_router(traces.router)
     app.include_router(openai_router)
     app.include_router(metrics.router)
     return app

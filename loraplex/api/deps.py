@@ -16,7 +16,18 @@ from loraplex.service.context import Services, TenantRef
 from loraplex.storage.repositories import TenantRepository
 
 # Services and TenantRef are the service layer's (service/context.py); the dependencies hand them to the routes.
-__all__ = ["DbDep", "Services", "ServicesDep", "TenantDep", "TenantRef", "get_db", "get_services", "get_tenant", "key_of_request", "tenant_for_key"]
+__all__ = [
+    "DbDep",
+    "Services",
+    "ServicesDep",
+    "TenantDep",
+    "TenantRef",
+    "get_db",
+    "get_services",
+    "get_tenant",
+    "key_of_request",
+    "tenant_for_key",
+]
 
 # ASGI scope keys api/door.py sets before the body is read: the tenant whose key it checked, or that the check could
 # not be made (the database away) and is left to `get_tenant`.

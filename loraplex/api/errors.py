@@ -162,7 +162,14 @@ async def _fill_rejected_step(
     kind = seq_step_kind(request)
     model_id = request.path_params.get("model_id") or body_model_id
     key = key_of_request(request)
-    if kind is None or type(seq_id) is not int or not 0 <= seq_id < 2**31 or not isinstance(model_id, str) or not model_id or key is None:
+    if (
+        kind is None
+        or type(seq_id) is not int
+        or not 0 <= seq_id < 2**31
+        or not isinstance(model_id, str)
+        or not model_id
+        or key is None
+    ):
         return
     try:
         services = request.app.state.services

@@ -13,12 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraplex.api.timeline import TALLY
+from loraplex.service.pool_health import PoolHealth
 from loraplex.storage.statement_count import STATEMENTS
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -98,8 +102,10 @@ class RequestMetrics:
             method = scope.get("method", "")
             method = method if method in METHODS else "other"
             route = route_template(scope)
+            seconds = time.perf_counter() - started
             REQUESTS.labels(route, method, str(status)).inc()
-            LATENCY.labels(route, method).observe(time.perf_counter() - started)
+            LATENCY.labels(route, method).observe(seconds)
+            TALLY.observe(route, status, seconds)
 
 
 def exposition() -> bytes:
@@ -109,6 +115,35 @@ def exposition() -> bytes:
         multiprocess.MultiProcessCollector(registry)
         return generate_latest(registry)
     return generate_latest(REGISTRY)
+
+
+class _PoolHealthFamilies:
+    def __init__(self, pools: list[PoolHealth]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            "loraplex_gateway_pool_up",
+            "1 when the pool beat within pool_stale_seconds and is ready, else 0 (the pools table, as this gateway "
+            "reads it).",
+            labels=("pool",),
+        )
+        age = GaugeMetricFamily(
+            "loraplex_gateway_pool_heartbeat_age_seconds", "Seconds since the pool's last heartbeat.", labels=("pool",)
+        )
+        for p in self.pools:
+            up.add_metric((p.name,), 1.0 if p.ok else 0.0)
+            if p.heartbeat_age_s is not None:
+                age.add_metric((p.name,), p.heartbeat_age_s)
+        yield up
+        yield age
+
+
+def pool_health_exposition(pools: list[PoolHealth]) -> bytes:
+    """Every pool's health as gauges, read at the scrape (a dead pool publishes nothing itself: this says so)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_PoolHealthFamilies(pools))
+    return generate_latest(registry)
 
 
 def multiprocess_env(folder: Path, workers: int) -> dict[str, str]:

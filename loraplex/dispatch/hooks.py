@@ -102,6 +102,9 @@ class PlanObserver(Protocol):
 
     def timed(self, seconds: Mapping[str, float]) -> None: ...
 
+    # Optional: `answered(records)`, each answered plan's request traces (queue/request_traces.TraceRecord), on the
+    # finisher thread once their results are stored (the pool's timeline counts them: pool/timeline.py).
+
 
 @dataclass(frozen=True)
 class LoopProgress:

@@ -60,7 +60,7 @@ from loraplex.protocol import (
     Step,
     StepKind,
 )
-from loraplex.queue import keys, stats
+from loraplex.queue import keys, request_traces, stats
 from loraplex.queue.consumer import Consumer, Entry, EntryRef
 from loraplex.queue.envelope import to_planned
 from loraplex.queue.keys import JobState
@@ -114,6 +114,7 @@ class Dispatcher:
         self._progress: dict[str, int] = {}  # request_id -> datums run so far, of a request running in parts
         self._sampling: dict[str, int] = {}  # request_id -> the plan that started it, of a sample run in flight
         self._plans = 0  # plans executed (numbers the sample runs)
+        self._engine_started: dict[str, float] = {}  # request id -> when the engine first ran it (wall clock)
         # entries answered and not yet acked (the finisher's), request_id by entry; read by both threads
         self._finishing: dict[EntryRef, str] = {}
         self._finishing_lock = threading.Lock()
@@ -424,6 +425,7 @@ class Dispatcher:
         # A silent rerun's stored result stays as it was shown (no RUNNING over it).
         running = [r.request_id for r in requests if not getattr(by_obj.get(id(r)), "silent", False)]
         self._finisher.submit(self.results.set_states, running, JobState.RUNNING)
+        started_wall = time.time()
         started = time.monotonic()
         try:
             outcomes = list(self.executor.execute(plan))
@@ -432,6 +434,8 @@ class Dispatcher:
             outcomes = [_failed(r, EngineError(f"{type(exc).__name__}: {exc}")) for r in requests]
         busy = time.monotonic() - started
         self._plans += 1
+        for r in requests:  # a sample run in slices, a request in parts: its first engine work starts its span
+            self._engine_started.setdefault(r.request_id, started_wall)
         try:
             from_loop = self.hooks.finish.on_loop(plan)
         except Exception:  # noqa: BLE001 - the plan ran: its answers go out without what it read
@@ -446,7 +450,7 @@ class Dispatcher:
         if any(r.part is not None for r in requests) or any(o.unfinished for o in outcomes):
             plan, outcomes = self._settle_parts(plan, outcomes)
             requests = plan.requests
-        self._finish(outcomes, plan, [by_obj[id(r)] for r in requests], busy, from_loop)
+        self._finish(outcomes, plan, [by_obj[id(r)] for r in requests], busy, from_loop, started_wall + busy)
         steps = [(r.model_id, str(r.kind), r.seq_id) for r in requests if r.kind not in UNCHAINED_KINDS]
         self.coalescer.answered(sorted(steps, key=lambda a: a[2]), time.monotonic())
         for r in requests:
@@ -541,19 +545,29 @@ class Dispatcher:
         return len(outcomes)
 
     def _finish(
-        self, outcomes: list[Outcome], plan: BatchPlan, held: list[_Held], busy_s: float = 0.0, from_loop: object = None
+        self,
+        outcomes: list[Outcome],
+        plan: BatchPlan,
+        held: list[_Held],
+        busy_s: float = 0.0,
+        from_loop: object = None,
+        engine_end: float | None = None,
     ) -> None:
         """Advance seq_ids and drop the requests from the buffer now; then (finisher) the finish step: record, store
-        and ack, in this order, so a crash never loses an answer."""
+        and ack, in this order, so a crash never loses an answer. engine_end: when the engine finished the plan (wall
+        clock; None: the loop answered these requests itself), for their traces."""
+        stages = self._stages(held, time.time() if engine_end is None else engine_end)
         self._advance(plan.requests)
         self._forget(held)
         actions = self._log_actions(outcomes, plan, held) if self.hooks.request_log else {}
         silent = {h.request.request_id for h in held if h.silent}
         stream_ids = [h.stream_id for h in held]
         published: list[float] = []  # when the finish step stored the results (the plan's timing)
+        answered: list[list[Outcome]] = []
 
         def publish(shown: list[Outcome]) -> None:
             published.append(time.monotonic())
+            answered.append(list(shown))  # as answered (a save whose row failed: failed), for the traces
             # a silent rerun's first result stays as it was delivered
             shown = [o for o in shown if o.request_id not in silent] if silent else shown
             # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/stages.py).
@@ -566,7 +580,18 @@ class Dispatcher:
         with self._finishing_lock:
             self._finishing.update((h.stream_id, h.request.request_id) for h in held)
         answer = AnsweredPlan(plan, outcomes, busy_s, from_loop, publish, ack)
-        self._finisher.submit(self._end_plan, answer, stream_ids, published)
+        self._finisher.submit(self._end_plan, answer, stream_ids, published, (stages, answered))
+
+    def _stages(self, held: list[_Held], engine_end: float) -> list[request_traces.Stages]:
+        """Each answered request's times so far (request_traces.py): its stream entry's id is when it was enqueued."""
+        wall_minus_mono = time.time() - time.monotonic()
+        out = []
+        for h in held:
+            start = self._engine_started.pop(h.request.request_id, engine_end)
+            read = h.first_seen + wall_minus_mono
+            out.append(request_traces.Stages(min(request_traces.entry_time(h.stream_id.id), read), read, start,
+                                             engine_end))  # fmt: skip
+        return out
 
     @staticmethod
     def _log_actions(
@@ -585,7 +610,13 @@ class Dispatcher:
                 out[h.stream_id] = ("a" if o.ok and KINDS[r.kind].changes_state else "s", r.model_id, r.seq_id)
         return out
 
-    def _end_plan(self, answer: AnsweredPlan, stream_ids: list[EntryRef], published: list[float]) -> None:
+    def _end_plan(
+        self,
+        answer: AnsweredPlan,
+        stream_ids: list[EntryRef],
+        published: list[float],
+        traced: tuple[Sequence[request_traces.Stages], list[list[Outcome]]] = ((), []),
+    ) -> None:
         """The finisher's part of a plan: its finish step (DESIGN: a result is visible only after its step's SQL
         record, so a client that sees it reads the adapter's new state and tiers; then the acks), timed."""
         started = time.monotonic()
@@ -600,9 +631,16 @@ class Dispatcher:
         self._observe("timed", {"record": timing.record_s, "publish": timing.publish_s})
         with suppress(redis_lib.RedisError):  # statistics only
             stats.add(self.redis, self.pool, timing)
+        stages, answered = traced
+        if published and answered and stages:  # the answers went out: their traces (request_traces.py), not before
+            done = published[0] + time.time() - time.monotonic()
+            records = request_traces.records_of(answer.plan.requests, answered[0], stages, self.pool, done)
+            with suppress(redis_lib.RedisError):  # traces only
+                request_traces.write(self.redis, records)
+            self._observe("answered", records)
 
     def _observe(self, method: str, *args: object) -> None:
-        if self.hooks.observer is None:
+        if self.hooks.observer is None or not hasattr(self.hooks.observer, method):
             return
         try:
             getattr(self.hooks.observer, method)(*args)

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from loraplex.pool.timeline import PoolTimeline
 from loraplex.protocol import KINDS, BatchPlan, Outcome, RequestKind, StepKind
 from loraplex.protocol.results import SampleResult
+from loraplex.queue.request_traces import TraceRecord
 
 # Phases of the time split (loraplex_pool_seconds_total{phase}). The loop's (read: waiting for requests included,
 # plan, coalesce, loop_other) and the executor's (swap, one per step kind, execute_other: the rest of executing a
@@ -34,6 +36,9 @@ TIERS = ("gpu", "cpu", "disk")
 # workers/engine/allocator_events.py).
 ALLOCATOR_EVENTS = ("device_alloc", "device_free", "alloc_retry")
 TRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.step == StepKind.FORWARD_BACKWARD)
+# What the `resources` callable may answer (pool/resources.py), each in bytes.
+RESOURCES = ("host_memory_bytes", "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "gpu_memory_total_bytes",
+             "checkpoint_disk_free_bytes", "checkpoint_disk_size_bytes")
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,7 @@ class PoolMetrics:
         graph_memory: Callable[[], int] | None = None,
         gc_seconds: Callable[[], float] | None = None,
         allocator_events: Callable[[], Mapping[str, int]] | None = None,
+        resources: Callable[[], Mapping[str, float]] | None = None,
         slow_plan_s: float = 0.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -79,7 +85,8 @@ class PoolMetrics:
         bytes they hold on the device; gc_seconds: the process's seconds in Python's garbage collector so far
         (gcutil.GcClock); allocator_events: rank 0's CUDA allocator events so far, per name in ALLOCATOR_EVENTS
         (workers/engine/allocator_events.py). All are called on the loop
-        thread, right after each plan. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
+        thread, right after each plan. resources: memory and disk now, keyed as RESOURCES (any left out: unknown),
+        read at each scrape and publishing round. slow_plan_s: a plan whose executor took at least this long is logged (INFO)
         with where its seconds went, its tokens and adapters, the captures it made, the collector's seconds and the
         allocator events in it (0: none logged)."""
         self.pool = pool
@@ -154,7 +161,29 @@ class PoolMetrics:
                                       "SQL statements the pool process sent to the database, per verb (select, "
                                       "insert, update, delete, begin, commit, rollback, other).", (*p, "verb"),
                                       registry=r)  # fmt: skip
+        self.request_queue_seconds = Histogram(
+            "loraplex_pool_request_queue_seconds",
+            "Seconds from a request's arrival to the start of the engine work that answered it, per kind.",
+            (*p, "kind"), buckets=_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.request_compute_seconds = Histogram(
+            "loraplex_pool_request_compute_seconds",
+            "Seconds of engine work of the plan(s) that answered a request (shared with its plan's other requests).",
+            (*p, "kind"), buckets=_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.host_memory = Gauge("loraplex_pool_host_memory_bytes", "Resident memory of the pool's rank-0 process.",
+                                 p, registry=r)  # fmt: skip
+        self.gpu_memory = Gauge("loraplex_pool_gpu_memory_bytes",
+                                "Rank 0's device memory: allocated (tensors), reserved (the caching allocator's), "
+                                "total (the device's).", (*p, "kind"), registry=r)  # fmt: skip
+        self.disk_free = Gauge("loraplex_pool_checkpoint_disk_free_bytes",
+                               "Free bytes on the file system of the checkpoint store (blob_root).", p, registry=r)
+        self.disk_size = Gauge("loraplex_pool_checkpoint_disk_size_bytes",
+                               "Size of the file system of the checkpoint store (blob_root).", p, registry=r)
+        self._resources = resources
+        self.timeline = PoolTimeline(gauges=self.read_resources)
         self.slots.labels(pool).set(slots)
+        self._slots = slots
         self._captures = _RunningTotal(graph_captures, self.graph_captures.labels(pool))
         self._gc = _RunningTotal(gc_seconds, self.gc_seconds.labels(pool))
         self._allocator = _RunningTotals(
@@ -224,6 +253,26 @@ class PoolMetrics:
                 self.queued_requests.labels(self.pool, tenant).set(requests)
                 self.queued_tokens.labels(self.pool, tenant).set(tokens)
             self._tenants_seen |= set(depths)
+
+    def answered(self, records: Sequence[TraceRecord]) -> None:
+        """Each answered plan's request traces (finisher thread, once the results are stored)."""
+        for r in records:
+            self.request_queue_seconds.labels(self.pool, r.kind).observe(r.queue_wait_s)
+            self.request_compute_seconds.labels(self.pool, r.kind).observe(r.compute_s)
+        self.timeline.answered(records)
+
+    def read_resources(self) -> dict[str, float]:
+        """Memory and disk now (RESOURCES' keys, those known), set into their gauges too; and the slots."""
+        now = {k: float(v) for k, v in (self._resources() if self._resources is not None else {}).items()}
+        gauges = {"host_memory_bytes": self.host_memory.labels(self.pool),
+                  "checkpoint_disk_free_bytes": self.disk_free.labels(self.pool),
+                  "checkpoint_disk_size_bytes": self.disk_size.labels(self.pool),
+                  **{f"gpu_memory_{kind}_bytes": self.gpu_memory.labels(self.pool, kind)
+                     for kind in ("allocated", "reserved", "total")}}  # fmt: skip
+        for key, value in now.items():
+            if key in gauges:
+                gauges[key].set(value)
+        return {**now, "slots": float(self._slots)}
 
     def exposition(self) -> bytes:
         """The registry in Prometheus's text format."""

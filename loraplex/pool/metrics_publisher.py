@@ -10,7 +10,7 @@ import threading
 import redis as redis_lib
 
 from loraplex.pool.metrics import PoolMetrics
-from loraplex.queue import published_metrics
+from loraplex.queue import published_metrics, timeline
 from loraplex.runtime.logutil import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -30,22 +30,31 @@ class MetricsPublisher:
         return self
 
     def render(self) -> bytes:
-        """The registry in text format with the queue depths read now (the pool's own /metrics serves this)."""
+        """The registry in text format with the queue depths, memory and disk read now (the pool's own /metrics
+        serves this)."""
         self._refresh_depths()
+        self.metrics.read_resources()
         return self.metrics.exposition()
 
     def publish_now(self) -> None:
-        exposition = self.render()
+        depths = self._refresh_depths()
+        entry = self.metrics.timeline.take({t: n for t, (n, _) in depths.items()})  # reads memory and disk too
+        exposition = self.metrics.exposition()
         try:
             published_metrics.publish(self.redis, self.metrics.pool, exposition, TTL_ROUNDS * self.every_s)
+            if entry is not None:
+                timeline.add(self.redis, timeline.POOL, self.metrics.pool, entry)
         except redis_lib.RedisError as exc:
             self._warn.warning("publishing the pool's metrics failed (%s); retrying", exc)
 
-    def _refresh_depths(self) -> None:
+    def _refresh_depths(self) -> dict[str, tuple[int, int]]:
         try:
-            self.metrics.queue_depths(published_metrics.queue_depths(self.redis, self.metrics.pool))
+            depths = published_metrics.queue_depths(self.redis, self.metrics.pool)
         except redis_lib.RedisError as exc:  # the gauges keep their last values
             self._warn.warning("reading the queue depths failed (%s); retrying", exc)
+            return {}
+        self.metrics.queue_depths(depths)
+        return depths
 
     def close(self) -> None:
         self._stop.set()

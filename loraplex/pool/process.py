@@ -528,7 +528,9 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
     captures and the memory they hold, this process's garbage-collection seconds and its CUDA allocator's events;
     plans slower than `slow_plan_log_seconds` are logged."""
     from loraplex.pool.metrics import PoolMetrics
+    from loraplex.pool.resources import resource_reader
     from loraplex.workers.engine.allocator_events import allocator_events
+    from loraplex.workers.engine.device_memory import device_memory
 
     def swaps() -> dict[str, tuple[int, float]]:
         s = store.stats
@@ -548,6 +550,8 @@ def pool_metrics(settings: Settings, executor: Any, store: Any) -> Any:
                        tiers=store.tier_counts, graph_captures=captures, graph_memory=graph_memory,
                        gc_seconds=lambda: collector.seconds,
                        allocator_events=lambda: allocator_events(executor.engine.device),
+                       resources=resource_reader(settings.resolved_blob_root,
+                                                 lambda: device_memory(executor.engine.device)),
                        slow_plan_s=settings.slow_plan_log_seconds)  # fmt: skip
 
 

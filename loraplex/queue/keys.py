@@ -15,6 +15,11 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:idem:{model_id}:{seq_id}    string: the request_id that first claimed this (model_id, seq_id)
     loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
+    loraplex:trace:{model_id}            stream: the adapter's answered requests and when each passed each stage
+                                         (queue/request_traces.py)
+    loraplex:timeline                    stream: every pool's and gateway's numbers every few seconds, kept hours
+                                         (queue/timeline.py: the admin dashboard's history)
+    loraplex:gateways                    hash: gateway id -> its last report (JSON), for the dashboard's health
     loraplex:pool:{pool}:stats           hash: running totals of the pool's plans (queue/stats.py)
     loraplex:pool:{pool}:metrics         string: the pool's Prometheus metrics (text format), with a TTL, for the
                                          gateways' /metrics/pools (queue/published_metrics.py)
@@ -151,6 +156,18 @@ def request_idempotency_key(kind: RequestKind | str, model_id: str, seq_id: int)
 
 def request_owner(request_id: str) -> str:
     return f"{PREFIX}owner:{request_id}"
+
+
+def request_trace(model_id: str) -> str:
+    return f"{PREFIX}trace:{model_id}"
+
+
+def timeline() -> str:
+    return f"{PREFIX}timeline"
+
+
+def gateways() -> str:
+    return f"{PREFIX}gateways"
 
 
 def session_reaper_lock() -> str:

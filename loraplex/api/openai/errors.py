@@ -44,4 +44,6 @@ def openai_error(
     exc: LoraplexError | None = None,
 ) -> JSONResponse:  # fmt: skip
     code = "unsupported_parameter" if isinstance(exc, NotSupportedError) else None
-    return JSONResponse(status_code=status, content=error_body(status, message, param=param, code=code), headers=headers)
+    return JSONResponse(
+        status_code=status, content=error_body(status, message, param=param, code=code), headers=headers
+    )

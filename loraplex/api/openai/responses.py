@@ -92,8 +92,12 @@ def completion_body(
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"index": i, "text": d.text, "finish_reason": d.finish_reason,
-             "logprobs": completion_logprobs(tok, d) if with_logprobs else None}  # fmt: skip
+            {
+                "index": i,
+                "text": d.text,
+                "finish_reason": d.finish_reason,
+                "logprobs": completion_logprobs(tok, d) if with_logprobs else None,
+            }  # fmt: skip
             for i, d in enumerate(choices)
         ],
         "usage": usage(prompt_tokens, sum(len(d.tokens) for d in choices)),
@@ -142,8 +146,12 @@ def chat_body(
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"index": i, "message": {"role": "assistant", "content": d.text, "refusal": None},
-             "logprobs": chat_logprobs(tok, d) if with_logprobs else None, "finish_reason": d.finish_reason}  # fmt: skip
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": d.text, "refusal": None},
+                "logprobs": chat_logprobs(tok, d) if with_logprobs else None,
+                "finish_reason": d.finish_reason,
+            }  # fmt: skip
             for i, d in enumerate(choices)
         ],
         "usage": usage(prompt_tokens, sum(len(d.tokens) for d in choices)),
@@ -154,7 +162,13 @@ def chat_chunks(
     tok: GatewayTokenizer, rid: str, created: int, model: str, choices: list[Decoded], with_logprobs: bool,
     usage_chunk: dict[str, int] | None,
 ) -> Iterator[dict[str, Any]]:  # fmt: skip
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": None}
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
     for i, d in enumerate(choices):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}  # fmt: skip

@@ -43,7 +43,9 @@ from loraplex.settings import Settings
 # Bodies bounded before they are parsed (body_bound.py).
 router = APIRouter(tags=["openai"], route_class=BoundedBodyRoute)
 
-IdempotencyKey = Annotated[str | None, Header(max_length=256, description="Same key (and body): the first call's samples")]
+IdempotencyKey = Annotated[
+    str | None, Header(max_length=256, description="Same key (and body): the first call's samples")
+]
 
 
 def _refuse(names: list[str]) -> None:

@@ -79,7 +79,9 @@ class SamplingFields(Lenient):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top-k logprobs per sampled token (0: the token's only)")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Top-k logprobs per sampled token (0: the token's only)"
+    )
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None

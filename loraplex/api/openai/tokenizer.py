@@ -83,7 +83,9 @@ class GatewayTokenizer:
         """(the prompt text, whether it came from the chat template). `messages`: role + content (a string)."""
         if self.chat_template is None:
             return plain_chat_prompt([(m["role"], m["content"]) for m in messages]), False
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -110,7 +112,11 @@ def gateway_tokenizer(settings: Settings, base_model: str) -> GatewayTokenizer:
             "cache); text in and out needs it"
         )
     config = Path(folder) / "tokenizer_config.json"
-    key = (folder, (Path(folder) / "tokenizer.json").stat().st_mtime, config.stat().st_mtime if config.is_file() else 0.0)
+    key = (
+        folder,
+        (Path(folder) / "tokenizer.json").stat().st_mtime,
+        config.stat().st_mtime if config.is_file() else 0.0,
+    )
     with _LOCK:
         found = _CACHE.get(key)
         if found is None:

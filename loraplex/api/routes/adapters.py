@@ -44,7 +44,9 @@ def delete_adapter(model_id: str, tenant: TenantDep, services: ServicesDep) -> F
 
 @router.post("/{model_id}/forward_backward", status_code=202)
 @seq_step(RequestKind.FORWARD_BACKWARD)
-def forward_backward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+def forward_backward(
+    model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep
+) -> FutureRef:
     return service.forward_backward(services, tenant, model_id, body.seq_id, body.payload())
 
 

@@ -9,11 +9,13 @@ it is Prometheus's text format, for scrapers, not a tenant's API."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.metrics import exposition
+from loraplex.api.metrics import exposition, pool_health_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError
 from loraplex.runtime.metrics_server import CONTENT_TYPE, token_ok
+from loraplex.service.pool_health import all_pools
 from loraplex.service.pool_metrics_reader import pool_exposition
 
 router = APIRouter(include_in_schema=False)
@@ -39,7 +41,16 @@ def _check_tenant_metrics(request: Request) -> None:
 @router.get("/metrics")
 async def gateway_metrics(request: Request) -> Response:
     _check_token(request)
-    return Response(await run_in_threadpool(exposition), media_type=CONTENT_TYPE)
+    services = request.app.state.services
+
+    def body() -> bytes:
+        try:  # the pools' health (pool names only) beside the gateway's own series; the database away: left out
+            health = pool_health_exposition(all_pools(services.settings, services.sessions))
+        except SQLAlchemyError:
+            health = b""
+        return exposition() + health
+
+    return Response(await run_in_threadpool(body), media_type=CONTENT_TYPE)
 
 
 @router.get("/metrics/pools")

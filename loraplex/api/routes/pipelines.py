@@ -21,6 +21,7 @@ from loraplex.service.schemas import PipelineList, PipelineOut, SubmittedPipelin
 
 router = APIRouter(tags=["pipelines"])
 
+
 def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
     """Archive members carry no owner or mode of the workers' files."""
     info.uid = info.gid = 0

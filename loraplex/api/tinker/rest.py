@@ -76,7 +76,9 @@ def set_checkpoint_ttl(
 
 
 @router.get("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/archive", response_class=FileResponse)
-def checkpoint_archive(training_run_id: str, kind: str, name: str, tenant: TenantDep, services: ServicesDep) -> FileResponse:
+def checkpoint_archive(
+    training_run_id: str, kind: str, name: str, tenant: TenantDep, services: ServicesDep
+) -> FileResponse:
     """The checkpoint's PEFT folder as a tar archive."""
     return peft_tar_response(services, tenant, training_run_id, _path(training_run_id, kind, name))
 

@@ -22,7 +22,9 @@ DEFAULT_MAX_TOKENS = 16  # the SDK's SamplingParams leaves max_tokens unset by d
 
 
 @router.post("/create_sampling_session")
-def create_sampling_session(body: CreateSamplingSessionBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+def create_sampling_session(
+    body: CreateSamplingSessionBody, tenant: TenantDep, services: ServicesDep
+) -> dict[str, Any]:
     sampler = service.create_sampler(
         services,
         tenant,

@@ -50,7 +50,9 @@ def session_heartbeat(body: SessionBody, tenant: TenantDep, services: ServicesDe
 
 
 @router.post("/sessions/{session_id}/finish")
-def finish_session(session_id: str, tenant: TenantDep, services: ServicesDep, body: FinishBody | None = None) -> dict[str, Any]:
+def finish_session(
+    session_id: str, tenant: TenantDep, services: ServicesDep, body: FinishBody | None = None
+) -> dict[str, Any]:
     reason = (body or FinishBody()).reason.type
     freed = service.finish_session(services, tenant, session_id, reason)
     return {"session_id": session_id, "status": "finished", "freed_models": freed}
@@ -86,7 +88,9 @@ def healthz(services: ServicesDep) -> JSONResponse:
 
 
 def _sampling_later(tenant: TenantDep) -> None:
-    raise NotSupportedError("join_sampling_session is not offered (client/config leaves sample_join_sampling_session off)")
+    raise NotSupportedError(
+        "join_sampling_session is not offered (client/config leaves sample_join_sampling_session off)"
+    )
 
 
 router.add_api_route("/join_sampling_session", _sampling_later, methods=["POST"], status_code=400)

@@ -175,7 +175,9 @@ def save_weights(body: SaveWeightsBody, tenant: TenantDep, services: ServicesDep
 
 @router.post("/save_weights_for_sampler")
 @seq_step(RequestKind.SAVE_SAMPLER)
-def save_weights_for_sampler(body: SaveWeightsForSamplerBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+def save_weights_for_sampler(
+    body: SaveWeightsForSamplerBody, tenant: TenantDep, services: ServicesDep
+) -> dict[str, Any]:
     """The named form: a sampler checkpoint. The unnamed one (save_weights_and_get_sampling_client): a sampler
     checkpoint of its own name (`sampling-<sampling_session_seq_id>-<seq_id>`, kept LORAPLEX_UNNAMED_SAMPLER_TTL_SECONDS)
     and a sampler over it, whose id the future answers."""
@@ -203,7 +205,9 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerBody, tenant: TenantDep,
     return future_out(Tag.SAMPLING_SESSION, ref, extra=sampler.sampler_id)
 
 
-def _save_request(services: Services, tenant: TenantRef, body: SaveWeightsBody, kind: RequestKind) -> SaveCheckpointRequest:
+def _save_request(
+    services: Services, tenant: TenantRef, body: SaveWeightsBody, kind: RequestKind
+) -> SaveCheckpointRequest:
     name = body.path if body.path is not None else f"seq-{body.seq_id:06d}"
     with filling_rejections(services, tenant, body.model_id, body.seq_id, kind):
         try:
