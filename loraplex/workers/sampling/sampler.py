@@ -46,14 +46,11 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from loraplex.errors import EngineError, InvalidRequestError
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
-from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
 from loraplex.workers.lora import MicrobatchBanks, Routing, lora_delta_grouped
-from loraplex.workers.sampling.choice import choose_tokens, stream_key, top_logprobs
+from loraplex.workers.sampling.choice import choose_tokens, stream_key
 from loraplex.workers.sampling.jobs import (
     LENGTH,
     STOP,
@@ -64,13 +61,11 @@ from loraplex.workers.sampling.jobs import (
     SamplerStats,
 )
 from loraplex.workers.sampling.kv_blocks import KvBlocksExhausted, first_sample_blocks
-from loraplex.workers.sampling.static_decoder import BLOCK_TOKENS, PromptWriter, StaticDecoder, check_decodable
+from loraplex.workers.sampling.prefill import LayerKV, RunPrefill
+from loraplex.workers.sampling.static_decoder import BLOCK_TOKENS, StaticDecoder, check_decodable
 
 MIN_WIDTH = 64  # a dense decode cache's positions: a power of two >= the longest prompt + max_tokens
 PAGED_MIN_WIDTH = 4096  # a paged one's with a block budget (its rows' block tables have width / 16 columns)
-
-# One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -87,12 +82,6 @@ class _Row:
     stop_reason: str | None = None
     text_checked: int = 0  # decoded characters already searched for stop strings
     cache_row: int = -1  # the row's index in the static decode cache
-
-
-@dataclass
-class _Prefilled:
-    kv: list[LayerKV] | None  # per layer [H, L, D]; None when paged (the KV sits in the decoder's blocks)
-    last_logits: torch.Tensor  # fp32 [V]
 
 
 @dataclass(frozen=True)
@@ -335,12 +324,7 @@ class _Run:
         self.key = next(_RUN_KEYS)  # its holder rows' keys in the decoder: (key, job)
         self.decoder_group: dict[int, int] | None = None
         self.live = 0  # its rows in the batch
-        self.prefilled: dict[int, _Prefilled] = {}
-        self.held: set[int] = set()  # paged: jobs whose prompt KV the decoder holds for their samples to fork
-        # Paged: a prompt longer than a prefill chunk is prefilled a piece (a chunk) at a time, the batch stepping
-        # between pieces; here the position each such job's prefill has reached, its holder's cache slots, and the
-        # prompt logprobs of its pieces so far.
-        self.pieces: dict[int, tuple[int, torch.Tensor, list[float], list[list[tuple[int, float]] | None]]] = {}
+        self.prefill = RunPrefill(self)  # its prompts through the model (holders, pieces, prompt logprobs)
         self.waiting: deque[tuple[int, int]] = deque(
             (j, s) for j, job in enumerate(jobs) for s in range(job.num_samples)
         )
@@ -430,10 +414,10 @@ class _Run:
     def leave(self) -> None:
         """The run ended or is abandoned: its rows and prompt holders end, its LoRA groups go back."""
         self.batch.leave(self)
-        for j in list(self.held):
+        for j in list(self.prefill.held):
             self.decoder.drop_prompt((self.key, j))
-        self.held.clear()
-        self.pieces.clear()
+        self.prefill.held.clear()
+        self.prefill.pieces.clear()
         self.waiting.clear()
         self.live = 0
 
@@ -455,7 +439,7 @@ class _Run:
         stats, batch = self.stats, self.batch
         decoding = bool(batch.rows)  # rows joining now join a batch already mid-decode
         while self.waiting and batch.free_rows:
-            if self._next_piece():  # a long prompt's prefill went one piece further
+            if self.prefill.next_piece():  # a long prompt's prefill went one piece further
                 if decoding:
                     return  # the batch's next step first
                 continue
@@ -465,27 +449,27 @@ class _Run:
             if not take:
                 return  # wait for rows of the batch to end and give their blocks back
             source = self.source
-            prefill = sorted({source[j] for j, _ in take if source[j] not in self.prefilled})
-            self._prefill(prefill)
+            prefill = sorted({source[j] for j, _ in take if source[j] not in self.prefill.prefilled})
+            self.prefill.prompts(prefill)
             rows = [self._new_row(j, s) for j, s in take]
             first = [row for row in rows if row.stop_reason is None]  # max_tokens 0 ends at once
             if first:  # every new row's first token, from its job's prefill logits: one choice for all
-                logits = [self.prefilled[source[row.job]].last_logits for row in first]
+                logits = [self.prefill.prefilled[source[row.job]].last_logits for row in first]
                 _choose(self.sampler, first, torch.stack(logits))
             for row in rows:
                 stats.rows_admitted += 1
                 shared = source[row.job]
                 if row.stop_reason is None:
-                    self._join(row, self.prefilled[shared].kv)
+                    self._join(row, self.prefill.prefilled[shared].kv)
                     stats.joined_live_batch += decoding
                 else:
                     self._finish(row)
                 self.unadmitted[shared] -= 1
                 if self.unadmitted[shared] == 0:
-                    del self.prefilled[shared]  # every sample sharing it has its copy of the prompt KV in the cache
-                    if shared in self.held:
+                    del self.prefill.prefilled[shared]  # every sample sharing it has its copy of the prompt KV in the cache
+                    if shared in self.prefill.held:
                         self.decoder.drop_prompt((self.key, shared))
-                        self.held.discard(shared)
+                        self.prefill.held.discard(shared)
             if decoding and prefill:
                 return  # the batch's next step first
 
@@ -502,7 +486,7 @@ class _Run:
         while self.waiting and len(take) < free_rows:
             j, _ = self.waiting[0]
             shared = self.source[j]
-            if prefill_tokens is not None and shared not in self.prefilled and shared not in to_prefill:
+            if prefill_tokens is not None and shared not in self.prefill.prefilled and shared not in to_prefill:
                 length = len(self.jobs[shared].prompt)
                 if to_prefill and prompt_tokens + length > prefill_tokens:
                     break
@@ -511,7 +495,7 @@ class _Run:
             if blocks is not None:
                 job = self.jobs[j]
                 length = len(job.prompt)
-                if shared in self.held or shared in holding:  # its prompt's blocks are held: only the sample's own
+                if shared in self.prefill.held or shared in holding:  # its prompt's blocks are held: only the sample's own
                     need = blocks.blocks_needed(length, job.params.max_tokens, length)
                 else:
                     need = first_sample_blocks(length, job.params.max_tokens, blocks.block_tokens)
@@ -567,197 +551,6 @@ class _Run:
         if all(seq is not None for seq in self.finished[row.job]):
             out.sequences = [seq for seq in self.finished[row.job] if seq is not None]
 
-    # ---- prefill -----------------------------------------------------------------------------------------------------
-    def _prefill(self, job_ids: Sequence[int]) -> None:
-        """Prefill these jobs' prompts (rows contiguous per group, in chunks of at most engine.microbatch_tokens
-        tokens: packed without padding when paged, right padded to the chunk's longest prompt when dense; a longer
-        prompt in pieces when paged, alone when dense): keep each job's last logits (and, dense, its prompt KV), and
-        fill in its prompt logprobs when asked."""
-        pending = sorted(job_ids, key=lambda j: (self.group_of[self.jobs[j].model_id], j))
-        budget = max(1, self.engine.microbatch_tokens)
-        if self.decoder.paged:  # a prompt longer than a chunk: its pieces, one after another
-            for j in [j for j in pending if len(self.jobs[j].prompt) > budget]:
-                while j not in self.prefilled:
-                    self._prefill_piece(j)
-            pending = [j for j in pending if j not in self.prefilled]
-        chunk: list[int] = []
-        for j in pending:
-            lengths = [len(self.jobs[i].prompt) for i in (*chunk, j)]
-            size = sum(lengths) if self.decoder.paged else max(lengths) * len(lengths)
-            if chunk and size > budget:
-                self._prefill_chunk(chunk)
-                chunk = []
-            chunk.append(j)
-        if chunk:
-            self._prefill_chunk(chunk)
-
-    def _prefill_chunk(self, job_ids: Sequence[int]) -> None:
-        if self.decoder.paged:
-            self._prefill_packed(job_ids)
-            return
-        engine = self.engine
-        self.stats.prefill_forwards += 1
-        prompts = [self.jobs[j].prompt for j in job_ids]
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        width = max(len(p) for p in prompts)
-        # Right padding: causal attention keeps each real token blind to the pads after it (as the engine's forward).
-        tokens = torch.full((len(prompts), width), engine.pad_id, dtype=torch.int64)
-        for b, prompt in enumerate(prompts):
-            tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
-        tokens = tokens.to(engine.device)
-        positions = torch.arange(width, device=engine.device).expand(len(prompts), width)
-        counts = [0] * len(self.groups)
-        for j in job_ids:
-            counts[self.group_of[self.jobs[j].model_id]] += width
-        routing, banks = self._lora(counts)
-        cache = DynamicCache(config=self.config)
-        with engine.context.use(routing, banks):
-            hidden = engine.body(
-                input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True
-            ).last_hidden_state
-        lengths = torch.tensor([len(p) for p in prompts], device=engine.device)
-        last = self._logits(hidden[torch.arange(len(prompts), device=engine.device), lengths - 1])
-        layers = [(layer.keys, layer.values) for layer in cast(Any, cache).layers]
-        for b, j in enumerate(job_ids):
-            n = len(prompts[b])
-            kv = [(k[b, :, :n].clone(), v[b, :, :n].clone()) for k, v in layers]
-            self.prefilled[j] = _Prefilled(kv=kv, last_logits=last[b])
-            job = self.jobs[j]
-            if job.prompt_logprobs or job.topk_prompt_logprobs:
-                self._prompt_logprobs(j, hidden[b, : n - 1])
-
-    def _prefill_packed(self, job_ids: Sequence[int]) -> None:
-        """Paged: the chunk's prompts back to back in one [1, N] row (positions restarting at 0 per prompt, the
-        engine's packed attention), each prompt's K/V written by the forward itself into the blocks of its holder row
-        (`static_decoder.PromptWriter`), which the job's samples then fork."""
-        engine, decoder = self.engine, self.decoder
-        self.stats.prefill_forwards += 1
-        prompts = [self.jobs[j].prompt for j in job_ids]
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        lengths = [len(p) for p in prompts]
-        device = engine.device
-        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(device).view(1, -1)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device).view(1, -1)
-        ends = torch.tensor(lengths).cumsum(0)
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(device, torch.int32)
-        held = []
-        for j, prompt in zip(job_ids, prompts, strict=True):
-            held.append(decoder.prompt_slots((self.key, j), prompt))
-            self.held.add(j)  # at once: a failure after this still gives the holder's blocks back (`leave`)
-        slots = torch.cat(held)
-        counts = [0] * len(self.groups)
-        for j, n in zip(job_ids, lengths, strict=True):
-            counts[self.group_of[self.jobs[j].model_id]] += n
-        routing, banks = self._lora(counts)
-        writer = PromptWriter(decoder, slots)
-        with engine.context.use(routing, banks), engine.elementwise():
-            hidden = engine.body(
-                input_ids=tokens,
-                position_ids=positions,
-                past_key_values=writer,
-                use_cache=True,
-                **packed_forward_kwargs(self.config, cu_seqlens, max(lengths)),
-            ).last_hidden_state[0]
-        last = self._logits(hidden.index_select(0, (ends - 1).to(device)))
-        starts = (ends - torch.tensor(lengths)).tolist()
-        for b, j in enumerate(job_ids):
-            self.prefilled[j] = _Prefilled(kv=None, last_logits=last[b])
-            job = self.jobs[j]
-            if job.prompt_logprobs or job.topk_prompt_logprobs:
-                self._prompt_logprobs(j, hidden[starts[b] : starts[b] + lengths[b] - 1])
-
-    def _next_piece(self) -> bool:
-        """Paged: prefill the next piece of the next waiting sample's prompt when it is longer than a chunk (its
-        holder's blocks counted as admission counts them: the prompt and a first sample); False when there is no
-        such prompt or its blocks are not free yet (admission then waits for them, or refuses a prompt that can
-        never fit)."""
-        if not self.decoder.paged or not self.waiting:
-            return False
-        j = self.source[self.waiting[0][0]]
-        job = self.jobs[j]
-        if j in self.prefilled or (j not in self.pieces and len(job.prompt) <= max(1, self.engine.microbatch_tokens)):
-            return False
-        blocks = self.decoder.blocks
-        assert blocks is not None
-        need = first_sample_blocks(len(job.prompt), job.params.max_tokens, blocks.block_tokens)
-        if j not in self.pieces and need > blocks.available:
-            return False
-        self._prefill_piece(j)
-        return True
-
-    def _prefill_piece(self, j: int) -> None:
-        """The next piece (at most engine.microbatch_tokens tokens) of job j's prompt through the body: its K/V into
-        the holder's blocks, its attention over every earlier position of the prompt read back from them
-        (`PromptWriter` with history, the packed attention's continuation path). The last piece leaves the prompt
-        prefilled as `_prefill_packed` does."""
-        engine, decoder = self.engine, self.decoder
-        job = self.jobs[j]
-        prompt = job.prompt
-        if j not in self.pieces:
-            slots = decoder.prompt_slots((self.key, j), prompt)
-            self.held.add(j)  # at once: a failure after this still gives the holder's blocks back (`leave`)
-            self.pieces[j] = (0, slots, [], [])
-        start, slots, values, tops = self.pieces[j]
-        end = min(len(prompt), start + max(1, engine.microbatch_tokens))
-        n, device = end - start, engine.device
-        self.stats.prefill_forwards += 1
-        self.stats.prefill_tokens += n
-        tokens = torch.tensor(prompt[start:end], dtype=torch.int64).to(device).view(1, -1)
-        positions = torch.arange(start, end).to(device).view(1, -1)
-        kwargs = packed_forward_kwargs(self.config, torch.tensor([0, n], dtype=torch.int32).to(device), n)
-        if start:
-            kwargs.update(cu_seq_lens_k=torch.tensor([0, end], dtype=torch.int32).to(device), max_length_k=end)
-        counts = [0] * len(self.groups)
-        counts[self.group_of[job.model_id]] = n
-        routing, banks = self._lora(counts)
-        writer = PromptWriter(decoder, slots[start:end], history=slots[:end] if start else None)
-        with engine.context.use(routing, banks), engine.elementwise():
-            hidden = engine.body(
-                input_ids=tokens, position_ids=positions, past_key_values=writer, use_cache=True, **kwargs
-            ).last_hidden_state[0]
-        if job.prompt_logprobs or job.topk_prompt_logprobs:  # rows predicting prompt tokens start+1 .. end
-            got_values, got_tops = self._prompt_logprob_values(j, hidden[: min(n, len(prompt) - 1 - start)], start + 1)
-            values += got_values
-            tops += got_tops
-        if end < len(prompt):
-            self.pieces[j] = (end, slots, values, tops)
-            return
-        del self.pieces[j]
-        self.prefilled[j] = _Prefilled(kv=None, last_logits=self._logits(hidden[n - 1 :])[0])
-        self._set_prompt_logprobs(j, values, tops)
-
-    def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
-        """Prompt token t's logprob given tokens < t (from hidden states of positions 0..n-2), chunked over tokens."""
-        self._set_prompt_logprobs(j, *self._prompt_logprob_values(j, hidden, 1))
-
-    def _prompt_logprob_values(
-        self, j: int, hidden: torch.Tensor, first: int
-    ) -> tuple[list[float], list[list[tuple[int, float]] | None]]:
-        """The logprobs (and top-k) of prompt tokens first, first + 1, ... from the hidden states of the positions
-        before each (one row per token), chunked over tokens."""
-        job = self.jobs[j]
-        targets = torch.tensor(job.prompt[first : first + hidden.shape[0]], dtype=torch.int64, device=hidden.device)
-        values: list[float] = []
-        tops: list[list[tuple[int, float]] | None] = []
-        for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
-            lp = torch.log_softmax(self._logits(hidden[start : start + LOSS_CHUNK_TOKENS]), dim=-1)
-            if job.prompt_logprobs:
-                values += lp.gather(1, targets[start : start + LOSS_CHUNK_TOKENS, None]).view(-1).cpu().tolist()
-            if job.topk_prompt_logprobs:
-                tops += top_logprobs(lp, [job.topk_prompt_logprobs] * lp.shape[0])
-        return values, tops
-
-    def _set_prompt_logprobs(
-        self, j: int, values: list[float], tops: list[list[tuple[int, float]] | None]
-    ) -> None:
-        job = self.jobs[j]
-        for k in (k for k, shared in enumerate(self.source) if shared == j):  # j and the jobs sharing its prompt
-            out = self.outputs[k]
-            if job.prompt_logprobs:
-                out.prompt_logprobs = [None, *values]
-            if job.topk_prompt_logprobs:
-                out.topk_prompt_logprobs = [None, *tops]
-
 
 class _Batch:
     """The decode batch every run of a sampler shares: one static decoder (its rows, KV cache and LoRA groups), the
@@ -783,7 +576,7 @@ class _Batch:
     @property
     def busy(self) -> bool:
         """Some run holds rows, prompt holders or LoRA groups here."""
-        return any(run.live or run.held or run.decoder_group is not None for run in self.runs)
+        return any(run.live or run.prefill.held or run.decoder_group is not None for run in self.runs)
 
     def join(self, run: _Run) -> None:
         self.runs.append(run)

@@ -299,15 +299,16 @@ def test_a_large_admission_prefills_one_chunk_between_two_decode_steps(
     """Rows decoding while another run admits prompts worth several prefill chunks: the batch steps between every two
     of that run's prefill forwards (the rows already decoding wait one chunk, not all of them), and every sample is
     still what its job gets alone. The order is read by wrapping the two methods (they run as they are)."""
+    from loraplex.workers.sampling import prefill as prefill_module
     from loraplex.workers.sampling import sampler as sampler_module
 
     engine, tokenizer = tiny_sampler_engine
     monkeypatch.setattr(engine, "microbatch_tokens", 64)
     events: list[str] = []
-    step, chunk = sampler_module._Batch.decode_step, sampler_module._Run._prefill_chunk
+    step, chunk = sampler_module._Batch.decode_step, prefill_module.RunPrefill._chunk
     monkeypatch.setattr(sampler_module._Batch, "decode_step", lambda self: (events.append("step"), step(self))[1])
     monkeypatch.setattr(
-        sampler_module._Run, "_prefill_chunk", lambda self, jobs: (events.append("prefill"), chunk(self, jobs))[1]
+        prefill_module.RunPrefill, "_chunk", lambda self, jobs: (events.append("prefill"), chunk(self, jobs))[1]
     )
     seeded = SampleParams(max_tokens=20, temperature=0.9, seed=5)
     decoding = [SampleJob(prompt(600, 7), "r8", seeded)]
@@ -339,14 +340,15 @@ def test_a_prompt_longer_than_a_chunk_is_prefilled_in_pieces_between_decode_step
     positions in the cache, a decode step of the rows already decoding after each; its samples, prompt logprobs and
     top-k prompt logprobs equal the dense path's (the whole prompt in one forward), as do the decoding run's rows, and
     every block comes back."""
+    from loraplex.workers.sampling import prefill as prefill_module
     from loraplex.workers.sampling import sampler as sampler_module
 
     engine, tokenizer = tiny_sampler_engine
     monkeypatch.setattr(engine, "microbatch_tokens", 16)
     events: list[str] = []
-    step, piece = sampler_module._Batch.decode_step, sampler_module._Run._prefill_piece
+    step, piece = sampler_module._Batch.decode_step, prefill_module.RunPrefill._piece
     monkeypatch.setattr(sampler_module._Batch, "decode_step", lambda self: (events.append("step"), step(self))[1])
-    monkeypatch.setattr(sampler_module._Run, "_prefill_piece", lambda self, j: (events.append("piece"), piece(self, j))[1])
+    monkeypatch.setattr(prefill_module.RunPrefill, "_piece", lambda self, j: (events.append("piece"), piece(self, j))[1])
     seeded = SampleParams(max_tokens=12, temperature=0.9, seed=8)
     # long enough that the batch it opens is as wide as the long prompt's run needs (6 + 60 >= 53 + 12)
     decoding = [SampleJob(prompt(700, 6), "r4", SampleParams(max_tokens=60, temperature=0.9, seed=9), num_samples=2)]
