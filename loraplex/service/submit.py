@@ -26,9 +26,11 @@ def enqueue(
 ) -> str:
     """Queue one request on `pool` (the adapter's, or the sampler's: route_of; None: the gateway's own pool) and
     return its request id (the first one's, if (model_id, seq_id) was already queued). Create and delete take no
-    seq_id: they sit outside the adapter's step order."""
+    seq_id: they sit outside the adapter's step order. `quotas`: the tenant's own queue quotas, where an operator set
+    them (service/tenant_controls.py)."""
     envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
-    request_id = services.producer.submit(envelope, pool)
+    limits = None if quotas is None else (quotas.max_queued_requests, quotas.max_queued_tokens)
+    request_id = services.producer.submit(envelope, pool, limits=limits)
     services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
     return request_id
 
