@@ -463,9 +463,8 @@ def test_tenant_state_quotas_key_use_and_audit_round_trip(factory: sessionmaker[
         repo.set_state(tenant_id, TenantState.SUSPENDED, "unpaid", now)
         repo.set_quotas(tenant_id, max_queued_requests=0, max_queued_tokens=2**40, max_adapters=None)
         AuditRepository(s).record("ops", "suspend", "tenant", tenant_id, "acme", "r" * 3000)
-    with pytest.raises(errors.InvalidRequestError, match="max_adapters must be a whole number"):
-        with unit_of_work(factory) as s:
-            TenantRepository(s).set_quotas(tenant_id, max_queued_requests=None, max_queued_tokens=None, max_adapters=-1)
+    with pytest.raises(errors.InvalidRequestError, match="max_adapters must be a whole number"), unit_of_work(factory) as s:
+        TenantRepository(s).set_quotas(tenant_id, max_queued_requests=None, max_queued_tokens=None, max_adapters=-1)
     with factory() as s:
         tenant, api_key = TenantRepository(s).authenticate_key(key)
         assert (tenant.state, tenant.state_reason, tenant.state_changed_at) == (TenantState.SUSPENDED, "unpaid", now)
