@@ -235,7 +235,6 @@ class AuditAdmin(ModelView, model=AdminAuditEntry):
 
     name = "Audit entry"
     name_plural = "Audit log"
-    identity = "audit"
     icon = "fa-solid fa-clipboard-list"
     can_create = can_edit = can_delete = can_export = False
     page_size = 50
@@ -256,7 +255,7 @@ class AuditAdmin(ModelView, model=AdminAuditEntry):
     wiring: ServicesRef
 
 
-def _clip(text: str | None, keep: int = 60) -> Markup:
+def _clip(text: str | None, keep: int = 40) -> Markup:
     if not text or len(text) <= keep:
         return Markup("{}").format(text or "")
     return Markup('<span title="{}">{}…</span>').format(text, text[:keep])

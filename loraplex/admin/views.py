@@ -53,7 +53,7 @@ def adapter_cell(model: Any, _attr: str, request: Request | None = None) -> Any:
 class AdapterAdmin(ReadOnlyView, model=Adapter):
     icon = "fa-solid fa-layer-group"
     column_list = [Adapter.model_id, "tenant", Adapter.status, Adapter.rank, Adapter.applied_seq_id,
-                   Adapter.base_model, Adapter.pool, Adapter.created_at, Adapter.last_used_at]  # fmt: skip
+                   Adapter.base_model, Adapter.created_at, Adapter.last_used_at]  # fmt: skip
     column_details_list = [Adapter.model_id, "tenant", Adapter.status, Adapter.base_model, Adapter.pool, Adapter.rank,
                            Adapter.alpha, Adapter.target_modules, Adapter.seed, Adapter.applied_seq_id,
                            Adapter.session_id, Adapter.user_metadata, Adapter.created_at, Adapter.last_used_at]  # fmt: skip
