@@ -240,8 +240,7 @@ class AuditAdmin(ModelView, model=AdminAuditEntry):
     page_size = 50
     column_type_formatters = column_type_formatters_detail = TYPE_FORMATTERS
     column_list = [AdminAuditEntry.created_at, AdminAuditEntry.actor, AdminAuditEntry.action,
-                   AdminAuditEntry.target_kind, AdminAuditEntry.target_name, AdminAuditEntry.target_id,
-                   AdminAuditEntry.detail]  # fmt: skip
+                   AdminAuditEntry.target_kind, AdminAuditEntry.target_name, AdminAuditEntry.detail]  # fmt: skip
     column_labels = {AdminAuditEntry.created_at: "when", AdminAuditEntry.actor: "who",
                      AdminAuditEntry.target_kind: "on", AdminAuditEntry.target_name: "target"}  # fmt: skip
     column_searchable_list = [AdminAuditEntry.actor, AdminAuditEntry.action, AdminAuditEntry.target_name,
@@ -250,12 +249,12 @@ class AuditAdmin(ModelView, model=AdminAuditEntry):
     column_default_sort = [(AdminAuditEntry.created_at, True)]
     column_filters = [AllUniqueStringValuesFilter(AdminAuditEntry.action),
                       AllUniqueStringValuesFilter(AdminAuditEntry.actor)]  # fmt: skip
-    column_formatters = {AdminAuditEntry.target_id: lambda m, a: short_id(m.target_id),
+    column_formatters = {AdminAuditEntry.target_name: lambda m, a: _clip(m.target_name, 24),
                          AdminAuditEntry.detail: lambda m, a: _clip(m.detail)}  # fmt: skip
     wiring: ServicesRef
 
 
-def _clip(text: str | None, keep: int = 40) -> Markup:
+def _clip(text: str | None, keep: int = 32) -> Markup:
     if not text or len(text) <= keep:
         return Markup("{}").format(text or "")
     return Markup('<span title="{}">{}…</span>').format(text, text[:keep])

@@ -125,7 +125,7 @@ async def for_each(
             failed.append(f"{pk}: {exc.message}")
             continue
         if audit_kind is not None:
-            await run_in_threadpool(record_admin_action, services, actor, what, audit_kind, pk, None, detail)
+            await run_in_threadpool(record_admin_action, services, actor, what, audit_kind, pk, pk, detail)
     if done:
         Flash.flash(request, f"{what}: {done} done", FlashLevel.success)
     for line in failed:
