@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from loraplex.admin.auth import AdminAuth
 from loraplex.admin.dashboard import Dashboard
+from loraplex.admin.formatting import format_count, format_seconds, format_size, format_time
 from loraplex.admin.origin_check import SameOriginOnly
 from loraplex.admin.request_views import RequestViews
 from loraplex.admin.secure_cookies import SecureCookiesOverHttps
@@ -40,6 +41,10 @@ def mount_admin(app: FastAPI, settings: Settings, services: GetServices) -> Admi
         middlewares=[Middleware(SameOriginOnly), Middleware(SecureCookiesOverHttps, settings=settings)],
     )
     auth.templates = admin.templates
+    # What the pages' own templates write values with (the lists use the views' formatters: admin/formatting.py).
+    admin.templates.env.globals.update(
+        fmt_time=format_time, fmt_size=format_size, fmt_count=format_count, fmt_seconds=format_seconds
+    )
     wiring = ServicesRef(services)
     Dashboard.wiring = wiring
     admin.add_base_view(Dashboard)

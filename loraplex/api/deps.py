@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
 from loraplex.errors import AuthenticationError
+from loraplex.service import tenant_auth
 from loraplex.service.context import Services, TenantRef
-from loraplex.storage.repositories import TenantRepository
 
 # Services and TenantRef are the service layer's (service/context.py); the dependencies hand them to the routes.
 __all__ = [
@@ -75,12 +75,13 @@ async def get_tenant(
 
 
 async def tenant_for_key(services: Services, key: str) -> TenantRef:
-    """The tenant of an API key (AuthenticationError if none), through this process's cache."""
-    cached = services.auth.get(key)
-    if cached is not None:
-        return cached
-    tenant = await run_in_threadpool(_authenticate, services, key)
-    services.auth.put(key, tenant)
+    """The tenant of an API key (AuthenticationError if none), through this process's cache; ForbiddenError (403,
+    naming the operator's reason) if the tenant is suspended (service/tenant_rules.py)."""
+    tenant = services.auth.get(key)
+    if tenant is None:
+        tenant = await run_in_threadpool(tenant_auth.authenticate, services, key)
+        services.auth.put(key, tenant)
+    tenant_auth.check_serves(tenant)
     return tenant
 
 
@@ -100,12 +101,6 @@ def key_from_scope(scope: Scope) -> str | None:
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
     return key or None
-
-
-def _authenticate(services: Services, key: str) -> TenantRef:
-    with services.sessions() as session:
-        tenant = TenantRepository(session).authenticate(key)
-        return TenantRef(tenant.id, tenant.name)
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]

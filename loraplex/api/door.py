@@ -1,6 +1,6 @@
 """Authentication at the door: an ASGI middleware that checks the API key of every request to a route that needs one
 (any route depending on `get_tenant`) before a byte of its body is read. A missing, malformed or unknown key is a 401
-answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
+(a suspended tenant's a 403) answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
 client's 30 MB or malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
 admin's pages) and unknown paths pass with no key, under the anonymous body limit (api/admission.py).
 
@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT, get_tenant, key_from_scope, tenant_for_key
 from loraplex.api.errors import typed_error_response
-from loraplex.errors import AuthenticationError
+from loraplex.errors import AuthenticationError, ForbiddenError
 
 log = logging.getLogger("loraplex.api")
 
@@ -54,7 +54,7 @@ class Door:
             if key is None:
                 raise AuthenticationError("missing API key: send it in the X-API-Key header")
             scope[AUTHENTICATED_TENANT] = await tenant_for_key(scope["app"].state.services, key)
-        except AuthenticationError as exc:
+        except (AuthenticationError, ForbiddenError) as exc:  # no key, a bad one, or a suspended tenant
             response = typed_error_response(exc, scope.get("path", ""))
             response.headers["Connection"] = "close"  # the unread body is not drained for keep-alive
             await response(scope, receive, send)

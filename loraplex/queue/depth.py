@@ -22,3 +22,13 @@ def queue_depths(redis: redis_lib.Redis, pool: str) -> dict[str, int]:
     for tenant in tenants:
         pipe.xlen(keys.request_stream(pool, tenant))
     return {tenant: int(n) for tenant, n in zip(tenants, pipe.execute(), strict=True)}
+
+
+def tenant_queue_depth(redis: redis_lib.Redis, pools: list[str], tenant_id: str) -> dict[str, int]:
+    """pool -> requests `tenant_id` has queued there (every pool named, 0 where none), in one round trip."""
+    if not pools:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for pool in pools:
+        pipe.xlen(keys.request_stream(pool, tenant_id))
+    return {pool: int(n) for pool, n in zip(pools, pipe.execute(), strict=True)}

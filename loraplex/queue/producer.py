@@ -59,6 +59,9 @@ end
 return {1, ARGV[1]}
 """
 
+# A tenant's own queue quotas (max queued requests, max queued tokens; 0: none), each None for the producer's.
+Limits = tuple[int | None, int | None]
+
 # How long a caller over its queue quota is told to wait before sending the same request again.
 QUOTA_RETRY_AFTER_S = 1.0
 
@@ -81,14 +84,18 @@ class Producer:
         self.max_queued_tokens = max_queued_tokens
         self._script = redis.register_script(_SUBMIT)
 
-    def submit(self, env: Envelope, pool: str | None = None) -> str:
+    def submit(self, env: Envelope, pool: str | None = None, limits: Limits | None = None) -> str:
         """Queue `env` on `pool` (default: the producer's); returns its request_id, or the request_id of the first
-        request with the same idempotency key (whichever pool that went to)."""
-        return self.submit_checked(env, pool)[0]
+        request with the same idempotency key (whichever pool that went to). `limits`: the tenant's own (max queued
+        requests, max queued tokens), each None for the producer's."""
+        return self.submit_checked(env, pool, limits)[0]
 
-    def submit_checked(self, env: Envelope, pool: str | None = None) -> tuple[str, bool]:
+    def submit_checked(self, env: Envelope, pool: str | None = None, limits: Limits | None = None) -> tuple[str, bool]:
         """Like `submit`, plus whether this call enqueued anything (False: a retry of an earlier request)."""
         pool = pool or self.pool
+        max_requests, max_tokens = limits or (None, None)
+        max_requests = self.max_queued_requests if max_requests is None else max_requests
+        max_tokens = self.max_queued_tokens if max_tokens is None else max_tokens
         idem = keys.request_idempotency_key(env.kind, env.model_id, env.seq_id)
         payload = encode_payload(env.payload)  # written once: the fingerprint hashes the bytes the entry carries
         claim = Claim(env.request_id, fingerprint(env, payload), str(env.kind))
@@ -96,8 +103,8 @@ class Producer:
         tokens = spec.tokens(env.payload, None)
         exempt = spec.quota_exempt
         argv: list[str | int | bytes] = [claim.encode(), env.request_id, self.idempotency_ttl_s, JobState.QUEUED.value]
-        argv += [env.tenant_id, tokens, 0 if exempt else self.max_queued_requests]
-        argv += [0 if exempt else self.max_queued_tokens]
+        argv += [env.tenant_id, tokens, 0 if exempt else max_requests]
+        argv += [0 if exempt else max_tokens]
         for name, value in encode(env, payload).items():
             argv += [name, value]
         argv += [TOKENS_FIELD, tokens]
@@ -113,7 +120,8 @@ class Producer:
         if created == 1:
             return env.request_id, True
         if created < 0:
-            raise self._over_quota(env, pool, tokens, int(text(raw)), requests=created == -1)
+            quota = max_requests if created == -1 else max_tokens
+            raise self._over_quota(env, pool, tokens, int(text(raw)), quota, requests=created == -1)
         first = Claim.decode(text(raw))
         if first.fingerprint is not None and first.fingerprint != claim.fingerprint:
             where = f"seq_id {env.seq_id}" if env.kind not in CONTROL_KINDS else str(env.kind)
@@ -123,11 +131,14 @@ class Producer:
             )
         return first.request_id, False
 
-    def _over_quota(self, env: Envelope, pool: str, tokens: int, queued: int, *, requests: bool) -> QuotaExceededError:
+    @staticmethod
+    def _over_quota(
+        env: Envelope, pool: str, tokens: int, queued: int, quota: int, *, requests: bool
+    ) -> QuotaExceededError:
         if requests:
-            what = f"{queued} requests queued; the quota is {self.max_queued_requests}"
+            what = f"{queued} requests queued; the quota is {quota}"
         else:
-            what = f"{queued} tokens queued, and this request adds {tokens}; the quota is {self.max_queued_tokens}"
+            what = f"{queued} tokens queued, and this request adds {tokens}; the quota is {quota}"
         return QuotaExceededError(
             f"tenant {env.tenant_id} has {what} on pool {pool}: send it again once some are answered",
             retry_after_s=QUOTA_RETRY_AFTER_S,

@@ -17,6 +17,7 @@ from loraplex.service.free_text import check_storable
 from loraplex.service.placement import PoolLoad, choose_pool
 from loraplex.service.schemas import AdapterOut, CreateAdapterRequest, FutureRef
 from loraplex.service.submit import existing_request_id, submit
+from loraplex.service.tenant_auth import check_queues
 from loraplex.storage.models import Adapter, AdapterStatus
 from loraplex.storage.repositories import AdapterRepository, PoolRepository
 
@@ -64,6 +65,7 @@ def create_adapter(
         retry = _resubmit_create(services, tenant, model_id)
         if retry is not None:
             return retry
+    check_queues(tenant, RequestKind.CREATE_ADAPTER)  # before the row is written: a draining tenant creates nothing
     served = served_model(services, request.base_model or None)  # 400 naming the served models
     base_model = served.name
     rank, alpha, seed = request.rank, request.alpha, request.seed
@@ -92,10 +94,12 @@ def create_adapter(
     model_id = model_id or uuid.uuid4().hex
     with write_session(services) as db:  # committed before the worker can report on it (the quota counted in it)
         adapters = AdapterRepository(db, tenant.id)
-        quota = settings.max_adapters_per_tenant
+        own = tenant.quotas.max_adapters
+        quota = settings.max_adapters_per_tenant if own is None else own
         if quota and adapters.count_live() >= quota:
+            named = "LORAPLEX_MAX_ADAPTERS_PER_TENANT" if own is None else "set by an operator"
             raise QuotaExceededError(  # no retry_after: waiting frees nothing, a delete does
-                f"tenant {tenant.name} has {quota} adapters, its quota (LORAPLEX_MAX_ADAPTERS_PER_TENANT): delete one first"
+                f"tenant {tenant.name} has {quota} adapters, its quota ({named}): delete one first"
             )
         pool = place(db, served)
         adapters.create(

@@ -44,3 +44,7 @@ class AuthCache(Generic[T]):
         self._entries[digest] = (self._clock() + self.ttl_s, value)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every entry: the next call of each key reads SQL (an operator changed a tenant on this process)."""
+        self._entries.clear()

@@ -19,13 +19,28 @@ from loraplex.service.pool_health import PoolView
 from loraplex.service.rate_limit import TenantRateLimit
 from loraplex.settings import Settings
 from loraplex.storage.blobs import BlobStore
+from loraplex.storage.enums import TenantState
 from loraplex.storage.repositories import unit_of_work
 
 
 @dataclass(frozen=True)
+class TenantQuotas:
+    """A tenant's own quotas, set by an operator: None reads the setting's, 0 means no limit (as the settings do)."""
+
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    max_adapters: int | None = None
+
+
+@dataclass(frozen=True)
 class TenantRef:
+    """The authenticated tenant, as the gateway read it (its auth cache keeps it up to `auth_cache_seconds`)."""
+
     id: str
     name: str
+    state: TenantState = TenantState.ACTIVE
+    state_reason: str | None = None
+    quotas: TenantQuotas = TenantQuotas()
 
 
 @dataclass

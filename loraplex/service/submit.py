@@ -6,8 +6,9 @@ from __future__ import annotations
 from loraplex.protocol import Payload, RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
-from loraplex.service.context import Services, TenantRef
+from loraplex.service.context import Services, TenantQuotas, TenantRef
 from loraplex.service.schemas import FutureRef
+from loraplex.service.tenant_auth import check_queues
 
 OWNER_TTL_SECONDS = 7 * 24 * 3600
 
@@ -21,12 +22,15 @@ def enqueue(
     payload: Payload,
     seq_id: int | None = None,
     pool: str | None,
+    quotas: TenantQuotas | None = None,
 ) -> str:
     """Queue one request on `pool` (the adapter's, or the sampler's: route_of; None: the gateway's own pool) and
     return its request id (the first one's, if (model_id, seq_id) was already queued). Create and delete take no
-    seq_id: they sit outside the adapter's step order."""
+    seq_id: they sit outside the adapter's step order. `quotas`: the tenant's own queue quotas, where an operator set
+    them (service/tenant_controls.py)."""
     envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
-    request_id = services.producer.submit(envelope, pool)
+    limits = None if quotas is None else (quotas.max_queued_requests, quotas.max_queued_tokens)
+    request_id = services.producer.submit(envelope, pool, limits=limits)
     services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
     return request_id
 
@@ -42,9 +46,12 @@ def submit(
     pool: str | None,
 ) -> FutureRef:
     """`enqueue` of the kind's typed payload (loraplex/protocol) on `pool`, answered as the reference the client polls.
-    The payload travels as it is: the envelope refuses one of another kind, and the queue's codec encodes it once."""
+    The payload travels as it is: the envelope refuses one of another kind, and the queue's codec encodes it once.
+    A suspended tenant, or a draining one's new work, is a 403 here (service/tenant_rules.py)."""
+    check_queues(tenant, kind)
     request_id = enqueue(
-        services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id, pool=pool
+        services, tenant_id=tenant.id, model_id=model_id, kind=kind, payload=payload, seq_id=seq_id, pool=pool,
+        quotas=tenant.quotas,
     )
     return FutureRef(request_id=request_id, model_id=model_id)
 

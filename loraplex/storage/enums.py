@@ -8,7 +8,7 @@ from loraplex.protocol.checkpoint_paths import (
     CheckpointKind,  # the one vocabulary of checkpoint kinds, stored by value here
 )
 
-__all__ = ["AdapterStatus", "CheckpointKind", "PipelineState", "PoolState", "ResidencyTier"]
+__all__ = ["AdapterStatus", "CheckpointKind", "PipelineState", "PoolState", "ResidencyTier", "TenantState"]
 
 
 class AdapterStatus(StrEnum):
@@ -48,3 +48,13 @@ class PipelineState(StrEnum):
     @property
     def finished(self) -> bool:
         return self in (PipelineState.SUCCEEDED, PipelineState.FAILED, PipelineState.CANCELLED)
+
+
+class TenantState(StrEnum):
+    """What an operator lets a tenant do (`tenants.state`, service/tenant_controls.py): ACTIVE is served; SUSPENDED
+    gets 403 on every authenticated call; DRAINING gets 403 on calls that would queue new work, while its queued
+    requests run and their futures stay readable."""
+
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    DRAINING = "draining"

@@ -21,14 +21,15 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from loraplex.storage.enums import AdapterStatus, CheckpointKind, PipelineState, PoolState, ResidencyTier
+from loraplex.storage.enums import AdapterStatus, CheckpointKind, PipelineState, PoolState, ResidencyTier, TenantState
 from loraplex.storage.types import UTCDateTime, str_enum, utcnow
 
 # The enums are public here too: callers reading a model's fields import them from here.
 __all__ = [
     "Adapter",
+    "AdminAuditEntry",
     "AdapterSnapshotRow",
     "AdapterStatus",
     "ApiKey",
@@ -43,6 +44,7 @@ __all__ = [
     "ResidencyTier",
     "SamplingSession",
     "Tenant",
+    "TenantState",
     "TrainingSession",
     "Usage",
 ]
@@ -77,6 +79,16 @@ class Tenant(Base):
     # Fair-share weight (migration 0006): a backlogged tenant of weight 2 gets twice the training tokens of one of
     # weight 1 (dispatch/fair_share.py); the pool reads it through dispatch/tenant_weights.py.
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    # What an operator lets it do (migration 0012; service/tenant_controls.py), why, and since when.
+    state: Mapped[TenantState] = mapped_column(
+        str_enum(TenantState), default=TenantState.ACTIVE, server_default=TenantState.ACTIVE.value
+    )
+    state_reason: Mapped[str | None] = mapped_column(String(255))
+    state_changed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Its own quotas (migration 0012); NULL: the setting's (LORAPLEX_MAX_QUEUED_REQUESTS_PER_TENANT, ...); 0: none.
+    max_queued_requests: Mapped[int | None] = mapped_column(Integer)
+    max_queued_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    max_adapters: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKey(Base):
@@ -89,6 +101,12 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(8))  # for display only ("tml-AbCd")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Migration 0012: a label the operator gives at issue time, and when the gateway last authenticated it (written
+    # at most once a minute per key: service/tenant_auth.py).
+    name: Mapped[str | None] = mapped_column(String(64))
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Read-only, loaded only when asked (the admin's lists name the tenant): writes go through tenant_id.
+    tenant: Mapped[Tenant] = relationship(viewonly=True, lazy="raise")
 
 
 class Adapter(Base):
@@ -112,6 +130,8 @@ class Adapter(Base):
     # The pool it is placed on (service/placement.py; migration 0010): its requests go to that pool's queue. NULL
     # (rows from before the fleet): the gateway's own pool, settings.pool.
     pool: Mapped[str | None] = mapped_column(String(64), index=True)
+    # Read-only, loaded only when asked (the admin's lists name the tenant): writes go through tenant_id.
+    tenant: Mapped[Tenant] = relationship(viewonly=True, lazy="raise")
 
 
 class Checkpoint(Base):
@@ -132,6 +152,8 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Read-only, loaded only when asked (the admin's lists name the tenant): writes go through tenant_id.
+    tenant: Mapped[Tenant] = relationship(viewonly=True, lazy="raise")
 
 
 class AdapterSnapshotRow(Base):
@@ -239,6 +261,8 @@ class Usage(Base):
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Read-only, loaded only when asked (the admin's lists name the tenant): writes go through tenant_id.
+    tenant: Mapped[Tenant] = relationship(viewonly=True, lazy="raise")
 
 
 class AdminAccount(Base):
@@ -291,3 +315,21 @@ class Pipeline(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    # Read-only, loaded only when asked (the admin's lists name the tenant): writes go through tenant_id.
+    tenant: Mapped[Tenant] = relationship(viewonly=True, lazy="raise")
+
+
+class AdminAuditEntry(Base):
+    """One action an operator took in the web admin (migration 0012): who, what, on which row, when, and its
+    parameters. Append-only; written in the action's own transaction where the action is one (service/audit.py)."""
+
+    __tablename__ = "admin_audit"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(64))  # the admin account's username
+    action: Mapped[str] = mapped_column(String(64))
+    target_kind: Mapped[str] = mapped_column(String(32))  # tenant, api key, adapter, checkpoint, pipeline
+    target_id: Mapped[str] = mapped_column(String(MODEL_ID_LENGTH))
+    target_name: Mapped[str | None] = mapped_column(String(255))  # readable: the tenant's name, a key's prefix...
+    detail: Mapped[str | None] = mapped_column(Text)

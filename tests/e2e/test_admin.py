@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,20 @@ def _confirm_on_details(page, stack, identity: str, pk: str, action: str) -> Non
         page.click(f"#modal-confirmation-{action} a.btn-blue")
 
 
+def _issue_key(page, stack, tenant_id: str, name: str) -> str:
+    """The tenant page's "Issue an API key", its name typed in the form; the key read from the page it is shown on."""
+    page.goto(f"{stack.base_url}/admin/tenant/details/{tenant_id}")
+    with page.expect_navigation():
+        page.click("a.btn:has-text('Issue an API key')")
+    page.fill("#name", name)
+    with page.expect_navigation():
+        page.click("#apply-control")
+    assert "shown only this once" in page.inner_text("#new-api-key-warning")
+    key = page.inner_text("#new-api-key").strip()
+    assert key.startswith("tml-")
+    return key
+
+
 def test_actions_change_the_database_through_the_service(stack, world, browser) -> None:
     page = _login(browser, stack)
     sessions = world["sessions"]
@@ -170,9 +185,7 @@ def test_actions_change_the_database_through_the_service(stack, world, browser) 
         drop = db.query(Checkpoint).filter_by(model_id=world["adapter"], name="drop").one()
     # Every action through its button (a POST form: a GET of an action is a 405). Issue a key from the tenant's
     # page: shown once, and it authenticates.
-    _confirm_on_details(page, stack, "tenant", tenant_id, "issue-key")
-    new_key = page.inner_text("#new-api-key").strip()
-    assert new_key.startswith("tml-")
+    new_key = _issue_key(page, stack, tenant_id, "revoked soon")
     assert httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": new_key}).status_code == 200
     # Revoke it through the list page's action menu (select the row, pick the action, confirm).
     with sessions() as db:
@@ -228,3 +241,97 @@ def test_the_dashboard_draws_live_data(stack, world, browser, tmp_path) -> None:
     shot.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+SCREENS = ((1366, 768), (1920, 1080))
+LIST_PAGES = ("tenant", "api-key", "adapter", "checkpoint", "usage", "pipeline", "admin-audit-entry")
+
+
+def _shoot(page, folder: Path, name: str) -> None:
+    for width, height in SCREENS:
+        page.set_viewport_size({"width": width, "height": height})
+        page.screenshot(path=str(folder / f"admin-{name}-{width}.png"))
+
+
+def _fits(page) -> bool:
+    """No horizontal scrolling: neither the page nor a table's scroll box is wider than what shows."""
+    return page.evaluate("""() => document.documentElement.scrollWidth <= window.innerWidth &&
+        [...document.querySelectorAll('.table-responsive')].every(b => b.scrollWidth <= b.clientWidth + 1)""")
+
+
+def test_operator_controls_in_the_browser(stack, world, browser, tmp_path) -> None:
+    """Issue a named key (read from the page and used), suspend the tenant while its training is queued (403 naming
+    the reason; the queued steps finish after the resume), edit its weight and quotas, and find each action in
+    the audit log; every list and the tenant's page fit 1366 px (screenshots at 1366x768 and 1920x1080)."""
+    from loraplex.client import ServiceClient
+
+    page = _login(browser, stack)
+    sessions = world["sessions"]
+    keys = create_tenants(stack, "adm-ctl")
+    with sessions() as db:
+        tenant_id = db.query(Tenant).filter_by(name="adm-ctl").one().id
+    key = _issue_key(page, stack, tenant_id, "notebook")
+    colours = page.evaluate("""() => { const s = getComputedStyle(document.getElementById('new-api-key'));
+                                       return [s.color, s.backgroundColor]; }""")
+    assert colours[0] != colours[1] and colours[0] in ("rgb(24, 36, 51)",), colours  # dark text on its light box
+    folder = Path(SHOTS or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    _shoot(page, folder, "new-key")
+    client = ServiceClient(stack.base_url, key)
+    training = client.create_lora_training_client(rank=4, seed=5)
+    data = [Datum.for_next_token([(7 + 5 * i + j) % 150 + 10 for j in range(12)]) for i in range(2)]
+    futures = [training.forward_backward(data) for _ in range(3)] + [training.optim_step(AdamParams(learning_rate=1e-2))]
+
+    page.goto(f"{stack.base_url}/admin/tenant/details/{tenant_id}")
+    with page.expect_navigation():
+        page.click("a.btn:has-text('Suspend')")
+    page.fill("#reason", "browser test: unpaid invoice")
+    with page.expect_navigation():
+        page.click("#apply-control")
+    refused = httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": key})
+    assert refused.status_code == 403 and "unpaid invoice" in refused.text  # the admin's own gateway: at once
+    assert httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": keys["adm-ctl"]}).status_code == 403
+    assert "suspend" in page.inner_text("#tenant-audit") and "suspended" in page.inner_text("table")
+    _confirm_on_details(page, stack, "tenant", tenant_id, "resume")
+    assert httpx.get(f"{stack.base_url}/v1/adapters", headers={"X-API-Key": key}).status_code == 200
+    assert all(f.result(timeout=60) is not None for f in futures)  # nothing queued was lost
+
+    page.goto(f"{stack.base_url}/admin/tenant/details/{tenant_id}")
+    with page.expect_navigation():
+        page.click("a.btn:has-text('Edit weight and quotas')")
+    page.fill("#weight", "3")
+    page.fill("#max_adapters", "5")
+    page.fill("#max_queued_requests", "")
+    with page.expect_navigation():
+        page.click("#apply-control")
+    row = _row(world, Tenant, id=tenant_id)
+    assert (row.weight, row.max_adapters, row.max_queued_requests, row.state) == (3.0, 5, None, "active")
+    body = page.inner_text("body")
+    assert "notebook" in page.inner_text("#tenant-keys") and training.model_id[:16] in page.inner_text("#tenant-adapters")
+    assert "forward_backward" in page.inner_text("#tenant-usage") and "default (" in body
+    _shoot(page, folder, "tenant")
+
+    page.goto(f"{stack.base_url}/admin/admin-audit-entry/list?search=adm-ctl")
+    audit = page.inner_text("table")
+    for what in ("issue key", "suspend", "resume", "set limits"):
+        assert what in audit, what
+    assert "ops" in audit and "browser test: unpaid invoice" in audit
+    wide = []
+    for identity in LIST_PAGES:
+        page.goto(f"{stack.base_url}/admin/{identity}/list")
+        _shoot(page, folder, f"list-{identity}")
+        page.set_viewport_size({"width": 1366, "height": 768})
+        if not _fits(page):
+            wide.append(identity)
+        assert tenant_id not in page.inner_text("table"), identity  # ids cut (the whole one on hover)
+    assert not wide, f"wider than 1366 px: {wide}"
+    page.goto(f"{stack.base_url}/admin/adapter/list?search=adm-ctl")
+    assert "adm-ctl" in page.inner_text("table")
+    assert not re.search(r"\d\d:\d\d:\d\d\.\d", page.inner_text("table"))  # times to the second
+    _shoot(page, folder, "adapters")
+    for identity in ("api-key", "checkpoint", "usage", "admin-audit-entry"):
+        page.goto(f"{stack.base_url}/admin/{identity}/list")
+        _shoot(page, folder, identity)
+    page.goto(f"{stack.base_url}/admin/adapter/details/{world['adapter']}")
+    assert "keep" in page.inner_text("#adapter-checkpoints") and "KiB" in page.inner_text("#adapter-checkpoints")
+    _shoot(page, folder, "adapter")

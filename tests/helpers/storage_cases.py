@@ -447,3 +447,36 @@ def test_success_commits_and_rows_stay_readable(factory: sessionmaker[Session]) 
         tenant, _ = TenantRepository(s).create_tenant("acme")
     assert tenant.name == "acme"  # not expired by the commit
     assert _count(factory, Tenant) == 1
+
+
+# --- operator controls (migration 0012) -------------------------------------------------------------------------
+
+
+def test_tenant_state_quotas_key_use_and_audit_round_trip(factory: sessionmaker[Session]) -> None:
+    from loraplex.storage.enums import TenantState
+    from loraplex.storage.repositories import AuditRepository
+
+    tenant_id, key = _tenant(factory, "acme")
+    now = datetime.now(UTC)
+    with unit_of_work(factory) as s:
+        repo = TenantRepository(s)
+        repo.set_state(tenant_id, TenantState.SUSPENDED, "unpaid", now)
+        repo.set_quotas(tenant_id, max_queued_requests=0, max_queued_tokens=2**40, max_adapters=None)
+        AuditRepository(s).record("ops", "suspend", "tenant", tenant_id, "acme", "r" * 3000)
+    with pytest.raises(errors.InvalidRequestError, match="max_adapters must be a whole number"), unit_of_work(factory) as s:
+        TenantRepository(s).set_quotas(tenant_id, max_queued_requests=None, max_queued_tokens=None, max_adapters=-1)
+    with factory() as s:
+        tenant, api_key = TenantRepository(s).authenticate_key(key)
+        assert (tenant.state, tenant.state_reason, tenant.state_changed_at) == (TenantState.SUSPENDED, "unpaid", now)
+        assert (tenant.max_queued_requests, tenant.max_queued_tokens, tenant.max_adapters) == (0, 2**40, None)
+        (entry,) = AuditRepository(s).recent(target_id=tenant_id)
+        assert (entry.actor, entry.action, entry.target_name, len(entry.detail or "")) == ("ops", "suspend", "acme", 2000)
+    # A key's use: written when none is recorded or the recorded one is older than the cutoff, by one UPDATE each.
+    with unit_of_work(factory) as s:
+        assert TenantRepository(s).touch_key(api_key.id, now, now - timedelta(minutes=1))
+    with unit_of_work(factory) as s:
+        assert not TenantRepository(s).touch_key(api_key.id, now + timedelta(seconds=30), now - timedelta(seconds=30))
+    with unit_of_work(factory) as s:
+        assert TenantRepository(s).touch_key(api_key.id, now + timedelta(minutes=2), now + timedelta(minutes=1))
+    with factory() as s:
+        assert s.get(ApiKey, api_key.id).last_used_at == now + timedelta(minutes=2)

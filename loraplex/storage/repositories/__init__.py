@@ -5,6 +5,7 @@ Write methods flush but never commit; wrap them in `unit_of_work` (loraplex.stor
 from loraplex.storage.db import unit_of_work
 from loraplex.storage.repositories.adapters import AdapterRepository
 from loraplex.storage.repositories.admins import AdminRepository
+from loraplex.storage.repositories.audit import AuditRepository
 from loraplex.storage.repositories.checkpoints import CheckpointRepository
 from loraplex.storage.repositories.pipelines import PipelineRepository, pipeline_tenant, pipelines_missing_export
 from loraplex.storage.repositories.pools import PoolRepository
@@ -19,6 +20,7 @@ __all__ = [
     "API_KEY_PREFIX",
     "AdapterRepository",
     "AdminRepository",
+    "AuditRepository",
     "CheckpointRepository",
     "KindTotals",
     "PipelineRepository",

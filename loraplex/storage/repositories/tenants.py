@@ -6,12 +6,13 @@ import hashlib
 import re
 import secrets
 from collections.abc import Collection
+from datetime import datetime
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import AuthenticationError, ConflictError, InvalidRequestError, NotFoundError
-from loraplex.storage.models import Adapter, ApiKey, Tenant
+from loraplex.storage.models import Adapter, ApiKey, Tenant, TenantState
 from loraplex.storage.repositories._common import add_or_conflict
 from loraplex.storage.types import utcnow
 
@@ -43,10 +44,14 @@ class TenantRepository:
         add_or_conflict(self.session, tenant, f"tenant {name!r} already exists")
         return tenant, self.issue_key(tenant.id)
 
-    def issue_key(self, tenant_id: str) -> str:
+    def issue_key(self, tenant_id: str, name: str | None = None) -> str:
+        """A new key for the tenant, labelled `name` (optional: at most 64 printable characters)."""
         self.get(tenant_id)
+        name = (name or "").strip() or None
+        if name is not None and (len(name) > 64 or not name.isprintable()):
+            raise InvalidRequestError("a key's name must be at most 64 printable characters")
         key = new_api_key()
-        self.session.add(ApiKey(tenant_id=tenant_id, key_hash=hash_api_key(key), prefix=key[:8]))
+        self.session.add(ApiKey(tenant_id=tenant_id, key_hash=hash_api_key(key), prefix=key[:8], name=name))
         self.session.flush()
         return key
 
@@ -79,18 +84,50 @@ class TenantRepository:
 
     def authenticate(self, key: str | None) -> Tenant:
         """The tenant owning an active key. Lookup is by hash, so no constant-time compare is needed."""
+        return self.authenticate_key(key)[0]
+
+    def authenticate_key(self, key: str | None) -> tuple[Tenant, ApiKey]:
+        """`authenticate`, with the key's row (its id and last use)."""
         if not key:
             raise AuthenticationError("missing API key")
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
             raise AuthenticationError("malformed API key")
         row = self.session.execute(
-            select(Tenant, ApiKey.revoked_at)
-            .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-            .where(ApiKey.key_hash == hash_api_key(key))
+            select(Tenant, ApiKey).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(ApiKey.key_hash == hash_api_key(key))
         ).first()
-        if row is None or row.revoked_at is not None:
+        if row is None or row.ApiKey.revoked_at is not None:
             raise AuthenticationError("invalid or revoked API key")
-        return row.Tenant
+        return row.Tenant, row.ApiKey
+
+    def touch_key(self, key_id: str, now: datetime, older_than: datetime) -> bool:
+        """Record a use of the key at `now` unless one at or after `older_than` is recorded already (one UPDATE whose
+        WHERE decides, so gateways racing on the same key write it once). True if it wrote."""
+        stmt = (
+            update(ApiKey)
+            .where(ApiKey.id == key_id, or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < older_than))
+            .values(last_used_at=now)
+        )
+        return bool(getattr(self.session.execute(stmt), "rowcount", 0))
+
+    def set_state(self, tenant_id: str, state: TenantState, reason: str | None, now: datetime) -> Tenant:
+        tenant = self.get(tenant_id)
+        tenant.state, tenant.state_reason, tenant.state_changed_at = state, reason, now
+        self.session.flush()
+        return tenant
+
+    def set_quotas(
+        self, tenant_id: str, *, max_queued_requests: int | None, max_queued_tokens: int | None, max_adapters: int | None
+    ) -> Tenant:
+        """The tenant's own quotas (None: the setting's; 0: none), each a whole number >= 0."""
+        for what, value in (("max_queued_requests", max_queued_requests), ("max_queued_tokens", max_queued_tokens),
+                            ("max_adapters", max_adapters)):  # fmt: skip
+            if value is not None and not (isinstance(value, int) and 0 <= value < 2**62):
+                raise InvalidRequestError(f"{what} must be a whole number >= 0 (0: no limit), got {value!r}")
+        tenant = self.get(tenant_id)
+        tenant.max_queued_requests, tenant.max_queued_tokens = max_queued_requests, max_queued_tokens
+        tenant.max_adapters = max_adapters
+        self.session.flush()
+        return tenant
 
     def get(self, tenant_id: str) -> Tenant:
         tenant = self.session.get(Tenant, tenant_id)
@@ -117,6 +154,7 @@ class TenantRepository:
         if not (0 < weight < float("inf")):
             raise InvalidRequestError(f"tenant weight must be a positive finite number, got {weight!r}")
         self.get(tenant_id).weight = float(weight)
+        self.session.flush()
 
     def weights(self, tenant_ids: Collection[str]) -> dict[str, float]:
         """tenant id -> fair-share weight, for the pool's dispatcher (ids it does not know are left out)."""

@@ -34,6 +34,7 @@ from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on thi
     test_revoked_key_is_rejected_and_other_keys_still_work,
     test_session_lifecycle,
     test_status_changes,
+    test_tenant_state_quotas_key_use_and_audit_round_trip,
     test_unique_clash_becomes_conflict_and_keeps_the_transaction,
     test_usage_totals_are_per_tenant,
     test_wrong_key_is_rejected,
