@@ -46,3 +46,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache demo-report.json
+
+# compose.yaml run for real with podman (as root, minutes, builds images: not part of `make test` or CI):
+# docs/architecture/processes.md, "compose-check".
+.PHONY: compose-check
+compose-check: $(STAMP)
+	PYTHON=$(PY) scripts/compose_check/run.sh

@@ -1,6 +1,6 @@
-"""compose.yaml cannot run here (no Docker engine), so it is checked by parsing: the services the deployment needs
-exist with their healthchecks, every `loraplex ...` command is one the CLI's parser accepts, the Celery services run
-the pipelines' app, every LORAPLEX_* variable set (in compose.yaml and in .env.example) is a real setting, every
+"""compose.yaml checked by parsing (`make compose-check` runs it with podman, minutes long, outside CI): the services
+the deployment needs exist with their healthchecks, every `loraplex ...` command is one the CLI's parser accepts, the
+Celery services run the pipelines' app, every LORAPLEX_* variable set (in compose.yaml and in .env.example) is a real setting, every
 ${VAR} compose.yaml reads is in .env.example, and every volume, service and build it names exists."""
 
 from __future__ import annotations
