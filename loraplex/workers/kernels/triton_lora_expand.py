@@ -1,9 +1,11 @@
 """`lora_expand.masked_expand` as one Triton kernel (CUDA only): semantics and the plain-torch reference in
 workers/kernels/lora_expand.py, checked by tests/gpu/test_lora_expand_cuda.py.
 
-One program per [BLOCK_M, BLOCK_N] tile of `out`: for each segment whose columns meet the tile, the K loop loads h's
-segment block and the mask, multiplies them in fp32, rounds to the compute dtype and accumulates its product with B's
-columns (those outside the segment load as 0); the tile's sum is added to `out` in fp32 and rounded once. The
+One program per [BLOCK_M, BLOCK_N] tile of `out`: for each segment whose columns meet the tile, the K loop loads the
+mask's block (32 columns: one LoRA group at rank 32) and, unless it is all 0 for the tile's rows (no row of the tile
+uses those groups: a run's rows sit next to each other, so a tile rarely holds more than one or two adapters), h's
+block, multiplies them in fp32, rounds to the compute dtype and accumulates its product with B's columns (those
+outside the segment load as 0); the tile's sum is added to `out` in fp32 and rounded once. The
 segments' bounds are read from device memory and every shape is fixed by the step's rows, so a CUDA graph captures it.
 
 Imported only where triton is (the GPU image): lora_expand.masked_expand decides.
@@ -34,6 +36,7 @@ def _masked_expand(  # noqa: PLR0913
     BLOCK_M: tl.constexpr,  # noqa: N803
     BLOCK_N: tl.constexpr,  # noqa: N803
     BLOCK_K: tl.constexpr,  # noqa: N803
+    IEEE: tl.constexpr,  # noqa: N803
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -52,15 +55,20 @@ def _masked_expand(  # noqa: PLR0913
                 rk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = rk < WIDTH
                 ok = row_ok[:, None] & k_ok[None, :]
-                h = tl.load(h_ptr + rm64[:, None] * h_stride + s * WIDTH + rk[None, :], mask=ok, other=0.0)
                 m = tl.load(mask_ptr + rm64[:, None] * mask_stride + rk[None, :], mask=ok, other=0.0)
-                a = (h.to(tl.float32) * m).to(h.dtype)
-                b = tl.load(
-                    b_ptr + rk[:, None].to(tl.int64) * b_stride + rn[None, :],
-                    mask=k_ok[:, None] & in_segment[None, :],
-                    other=0.0,
-                )
-                acc += tl.dot(a, b)
+                # A block of groups none of the tile's rows uses (its mask all 0) adds nothing: skip reading its B.
+                if tl.max(tl.abs(m)) > 0:
+                    h = tl.load(h_ptr + rm64[:, None] * h_stride + s * WIDTH + rk[None, :], mask=ok, other=0.0)
+                    a = (h.to(tl.float32) * m).to(h.dtype)
+                    b = tl.load(
+                        b_ptr + rk[:, None].to(tl.int64) * b_stride + rn[None, :],
+                        mask=k_ok[:, None] & in_segment[None, :],
+                        other=0.0,
+                    )
+                    if IEEE:
+                        acc += tl.dot(a, b, input_precision="ieee")
+                    else:
+                        acc += tl.dot(a, b)
     ok = row_ok[:, None] & (rn < cols)[None, :]
     at = out_ptr + rm64[:, None] * out_stride + rn[None, :]
     base = tl.load(at, mask=ok, other=0.0)
@@ -95,5 +103,6 @@ def masked_expand_kernel(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=32,
+        IEEE=out.dtype == torch.float32,  # fp32 exact, as the reference's matmul (tf32 would round)
         num_warps=4,
     )
