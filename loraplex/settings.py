@@ -325,6 +325,13 @@ class Settings(BaseSettings):
     # Celery beat: expired checkpoints deleted (storage/retention.py), finished pipelines' missing exports written.
     retention_interval_seconds: float = Field(default=300.0, gt=0)
     export_interval_seconds: float = Field(default=300.0, gt=0)
+    # `serve --embedded` starts and supervises one pipelines worker (Celery, with the beat schedule; its log is
+    # home/logs/pipelines.log); false: none (start one with `loraplex pipelines worker`).
+    embedded_pipeline_worker: bool = True
+    # Pipelines one worker trains at once (its threads): the embedded one's and `loraplex pipelines worker`'s default.
+    pipeline_worker_concurrency: int = Field(default=4, ge=1)
+    # How often a pipelines worker says it is alive (queue/pipeline_workers.py); it counts as dead three beats later.
+    pipeline_worker_heartbeat_seconds: float = Field(default=5.0, gt=0)
     # Tests only: while this file exists the pool writes no sampler save's files (they wait), so a test can kill the
     # pool between a save's answer and its files, a fault nothing outside the pool can cause. Unset in production.
     test_hold_writes_file: Path | None = None

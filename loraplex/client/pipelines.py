@@ -93,6 +93,10 @@ class PipelineCalls:
             params["sweep_id"] = sweep_id
         return self._transport.request("GET", "/v1/pipelines", params=params)
 
+    def workers(self) -> dict[str, Any]:
+        """{"alive": how many pipelines workers are alive, "heartbeat_seconds": how often each says so}."""
+        return self._transport.request("GET", "/v1/pipelines/workers")
+
     def cancel(self, pipeline_id: str) -> dict[str, Any]:
         return self._transport.request("POST", f"/v1/pipelines/{pipeline_id}/cancel")
 

@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from loraplex.runtime.stop_signals import stop_on_signals
 from loraplex.settings import Settings, get_settings
 
@@ -229,11 +231,20 @@ def export_adapter(settings: Settings, model_id: str, out: Path, tenant: str | N
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.launch.embedded import Stack
+    from loraplex.runtime.redis_home import port_is_free
 
     settings = _settings(args)
     if not args.embedded and len(args.base_model or []) > 1:
         print("loraplex serve: several --base-model need --embedded (a gateway alone serves what the running pools "
               "registered; --base-model names its own pool's model)", file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.embedded and not settings.redis_url:
+        print("loraplex serve: LORAPLEX_REDIS_URL is not set: a gateway alone needs the Redis of its pools "
+              "(`loraplex worker`); `loraplex serve --embedded` runs everything here", file=sys.stderr)  # fmt: skip
+        return 2
+    if not port_is_free(settings.api_port, settings.api_host):
+        print(f"loraplex serve: port {settings.api_port} on {settings.api_host} is in use (another loraplex serve?): "
+              "stop what listens there, or pass --port (LORAPLEX_API_PORT)", file=sys.stderr)  # fmt: skip
         return 2
     if not args.embedded:
         import uvicorn
@@ -246,13 +257,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     stop = threading.Event()
     stop_on_signals(stop)
-    with Stack(settings, pool_models=args.base_model or ()) as stack:
-        served = ", ".join(f"{env['LORAPLEX_BASE_MODEL']} (pool {env['LORAPLEX_POOL']})" for env in stack.pools.values())
-        print(f"loraplex serving {served} on {stack.base_url} (redis {stack.settings.redis_url})")
-        print("create a tenant with: loraplex tenant create NAME   (Ctrl-C stops everything)")
+    stack = Stack(settings, pool_models=args.base_model or (), pipeline_worker=settings.embedded_pipeline_worker)
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:  # a child that could not start: what it said, in one line
+        print(f"loraplex serve: {one_line(exc)}", file=sys.stderr)
+        return 1
+    try:
+        print(serve_banner(stack))
         while not stop.wait(1.0):
             stack.check_children()
+    except RuntimeError as exc:  # a child died with supervision off
+        print(f"loraplex serve: {one_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
     return 0
+
+
+def serve_banner(stack) -> str:
+    """What `serve --embedded` prints once everything answers: what it serves, where, and the next commands."""
+    served = ", ".join(f"{env['LORAPLEX_BASE_MODEL']} (pool {env['LORAPLEX_POOL']})" for env in stack.pools.values())
+    if stack.pipeline_worker:
+        pipelines = (f"a worker running up to {stack.settings.pipeline_worker_concurrency} at once "
+                     f"(log {stack.log_dir / 'pipelines.log'})")  # fmt: skip
+    else:
+        pipelines = "no worker (LORAPLEX_EMBEDDED_PIPELINE_WORKER=false): start one with `loraplex pipelines worker`"
+    return "\n".join([
+        f"loraplex serving {served} on {stack.base_url} (redis {stack.settings.redis_url})",
+        f"pipelines: {pipelines}",
+        f"web admin: {stack.base_url}/admin   (make a login first: loraplex admin create NAME)",
+        "create a tenant with: loraplex tenant create NAME   (Ctrl-C stops everything)",
+    ])  # fmt: skip
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (a child's log tail can span several), at most 500 characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def cmd_worker(_: argparse.Namespace) -> int:
@@ -320,7 +362,9 @@ def _demo(args: argparse.Namespace, home: Path, console) -> int:
             AdminRepository(session).create("demo", hash_password(password))
         console.print(f"watch it live: {stack.base_url}/admin/dashboard (user demo, password {password})")
         tokenizer = load_tokenizer(stack.settings.resolved_model_cache, stack.settings.base_model)
-        reports = run_demo(stack.base_url, keys, tokenizer, steps=args.steps, lr=args.lr, rank=args.rank, console=console)
+        reports = run_demo(
+            stack.base_url, keys, tokenizer, steps=args.steps, lr=args.lr, rank=args.rank, console=console
+        )
     print_table(reports, console)
     if args.report:
         write_report(reports, Path(args.report))
@@ -336,13 +380,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the gateway; --embedded also starts redis, the database and a worker pool")
-    p.add_argument("--embedded", action="store_true")
+    p = sub.add_parser(
+        "serve",
+        help="run the gateway; --embedded also starts redis, the database, a worker pool and a pipelines worker",
+        description="Run the gateway (HTTP API, Tinker routes, OpenAI endpoint, web admin at /admin). Alone it serves "
+        "the pools that run elsewhere (`loraplex worker`) against LORAPLEX_REDIS_URL and LORAPLEX_DATABASE_URL. "
+        "Every other setting is a LORAPLEX_* environment variable (loraplex/settings.py).",
+    )
+    p.add_argument("--embedded", action="store_true",
+                   help="run everything on this machine as supervised children (restarted when they die): a "
+                        "redis-server (unless LORAPLEX_REDIS_URL is set; its port is kept in LORAPLEX_HOME/redis), "
+                        "the SQLite database under LORAPLEX_HOME (unless LORAPLEX_DATABASE_URL), one worker pool per "
+                        "--base-model, the gateway, and a pipelines worker (LORAPLEX_EMBEDDED_PIPELINE_WORKER=false: "
+                        "none); logs in LORAPLEX_HOME/logs")  # fmt: skip
     p.add_argument("--base-model", action="append",
-                   help="the base model to serve; repeated with --embedded: one pool process per flag, in order "
+                   help="the base model to serve (default LORAPLEX_BASE_MODEL, else tiny): a preset name or a local "
+                        "Hugging Face folder; repeated with --embedded: one pool process per flag, in order "
                         "(e.g. --base-model tiny --base-model tiny --base-model tiny-moe: two pools of tiny, one of "
                         "tiny-moe)")  # fmt: skip
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=int,
+                   help="the gateway's port (default LORAPLEX_API_PORT, else 8700; the address is LORAPLEX_API_HOST, "
+                        "else 127.0.0.1)")  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("migrate", help="bring the database to the latest schema")
@@ -417,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def invalid_settings_line(exc: ValidationError) -> str:
+    """Settings that did not validate, as one line naming each environment variable, its value and what is wrong."""
+    parts = []
+    for error in exc.errors():
+        name = f"LORAPLEX_{str(error['loc'][0]).upper()}" if error.get("loc") else "a setting"
+        parts.append(f"{name}={error.get('input')!r}: {error['msg']}")
+    return "invalid setting " + "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     from loraplex.errors import LoraplexError
 
@@ -425,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except LoraplexError as exc:  # a user error (unknown tenant, bad key id...): its message, no traceback
         print(f"loraplex: {exc.message}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        if exc.title != "Settings":
+            raise
+        print(f"loraplex: {invalid_settings_line(exc)}", file=sys.stderr)
         return 2
 
 

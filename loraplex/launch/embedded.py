@@ -1,8 +1,10 @@
 """The embedded stack on one machine: a redis-server child (unless LORAPLEX_REDIS_URL is set; with an append-only
 file, redis_child.py), the database migrated, one worker pool process (dispatcher + rank 0) per base model asked for
-(`pool_models`; default one, of settings.base_model), and the gateway under uvicorn. Once up, a supervisor thread
-(supervisor.py; setting `supervise`) restarts the redis-server, a pool or the gateway when it dies, while the rest
-keeps running: a restarted redis-server loads its append-only file on the same port (the pools and the gateway retry
+(`pool_models`; default one, of settings.base_model), the gateway under uvicorn, and with `pipeline_worker` a
+Celery worker of the pipelines (launch/pipeline_worker.py, with the beat). The redis-server listens on the port
+remembered in the home folder (runtime/redis_home.py), so a worker started by hand finds it. Once up, a supervisor
+thread (supervisor.py; setting `supervise`) restarts the redis-server, a pool, the gateway or the pipelines worker
+when it dies, while the rest keeps running: a restarted redis-server loads its append-only file on the same port (the pools and the gateway retry
 until it answers), a restarted pool adopts its adapters from their durable snapshots and request logs
 (pool/durable/recovery.py), so clients only see latency. Every child is stopped on exit (its whole process group),
 redis-server last."""
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from loraplex.launch.pipeline_worker import celery_worker_argv, wait_worker_alive
 from loraplex.pool.ready import ready_file
 from loraplex.runtime.redis_child import RedisChild
+from loraplex.runtime.redis_home import embedded_redis_port
 from loraplex.runtime.supervisor import Child, Supervised, Supervisor
 from loraplex.settings import Settings
 from loraplex.storage.db import migrate
@@ -34,15 +38,19 @@ class Stack:
         api_port: int | None = None,
         api_in_child: bool = True,
         pool_models: Sequence[str] = (),
+        pipeline_worker: bool = False,
     ) -> None:
         """pool_models: the base model of each pool, one pool process each (a model may repeat: two pools of it). The
         first pool is settings.pool (child "pool") and its model the gateway's settings.base_model; the others are
-        named `<pool>-2`, `<pool>-3`, ... (children "pool-<name>"). Empty: one pool of settings.base_model."""
+        named `<pool>-2`, `<pool>-3`, ... (children "pool-<name>"). Empty: one pool of settings.base_model.
+        pipeline_worker: also run a pipelines worker (child "pipelines"; `serve --embedded` asks for it unless the
+        setting `embedded_pipeline_worker` is off; the tests run their own)."""
         models = list(pool_models) or [settings.base_model]
         self.settings = settings.model_copy(update={"base_model": models[0]})
         self.pools = pool_layout(self.settings, models)
         self.api_port = api_port or settings.api_port
         self.api_in_child = api_in_child
+        self.pipeline_worker = pipeline_worker
         self.redis: RedisChild | None = None
         self._children: list[Child] = []
         self.supervisor: Supervisor | None = None
@@ -54,7 +62,7 @@ class Stack:
         return [c.proc for c in self._children if c.proc is not None]
 
     def child(self, name: str) -> Supervised:
-        """"pool", "pool-<name>" (a further pool), "api" or "redis" (the stack's own redis-server): the supervised
+        """ "pool", "pool-<name>" (a further pool), "api" or "redis" (the stack's own redis-server): the supervised
         child (its `proc`, `pid`, `restarts`; a restarted child's new process takes its place)."""
         if name == "redis":
             if self.redis is None:
@@ -98,7 +106,7 @@ class Stack:
         self.settings.home.mkdir(parents=True, exist_ok=True)
         try:
             if not self.settings.redis_url:
-                self.redis = RedisChild(workdir=self.settings.home / "redis",
+                self.redis = RedisChild(embedded_redis_port(self.settings.home), workdir=self.settings.home / "redis",
                                         appendfsync=self.settings.redis_appendfsync).start()  # fmt: skip
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             migrate(self.settings.resolved_database_url)
@@ -113,8 +121,15 @@ class Stack:
                     gateway_metrics_env(self.settings, self.api_port, workers),
                 )  # fmt: skip
                 self._wait_http(timeout_s)
+            if self.pipeline_worker:
+                node = f"pipelines-{self.api_port}"  # one per stack on this host: Celery's node names must differ
+                argv = celery_worker_argv(node, self.settings.pipeline_worker_concurrency,
+                                          self.settings.home / "pipelines-beat-schedule")  # fmt: skip
+                worker = self._spawn("pipelines", argv[1:])
             for child, pool_env in self.pools.items():
                 self._wait_pool_ready(child, pool_env["LORAPLEX_POOL"], timeout_s)
+            if self.pipeline_worker:
+                wait_worker_alive(self.settings.redis_url, worker.pid, timeout_s, self.check_children)
             if self.settings.supervise:
                 watched: list[Supervised] = [*([self.redis] if self.redis is not None else []), *self._children]
                 self.supervisor = Supervisor(watched, backoff_s=self.settings.restart_backoff_seconds).start()
@@ -161,11 +176,11 @@ class Stack:
             raise RuntimeError(
                 f"redis-server exited with {self.redis.proc.returncode}; see {self.redis.workdir}/redis.log"
             )
-        for proc in self.children:
-            if proc.poll() is not None:
-                args = proc.args  # the list _spawn passed: [python, "-m", module, ...]
-                which = args[1:3] if isinstance(args, list) else args
-                raise RuntimeError(f"child {which!r} exited with {proc.returncode}; logs in {self.log_dir}")
+        for child in self._children:
+            if child.proc is not None and child.proc.poll() is not None:
+                log = self.log_dir / f"{child.name}.log"
+                raise RuntimeError(f"the {child.name} process exited with {child.proc.returncode}: "
+                                   f"{last_line(log) or 'no output'} (its log: {log})")  # fmt: skip
 
     def stop(self) -> None:
         supervisor, self.supervisor = self.supervisor, None
@@ -220,3 +235,14 @@ def local_tokenizer_folder(settings: Settings) -> str:
         return ""
     given = Path(settings.base_model).expanduser()
     return str(given.resolve() if given.is_dir() else settings.resolved_model_cache / settings.base_model)
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a child's log (what it said before it exited), at most 300 characters."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""

@@ -1,6 +1,9 @@
 """The Celery app of the pipelines: `celery -A loraplex.pipelines.app:celery_app worker` runs the tasks
-(pipelines/tasks.py), `... beat` their schedule (checkpoint retention, missed exports). The broker is Redis
-(LORAPLEX_CELERY_BROKER_URL, else LORAPLEX_REDIS_URL); no result backend: progress lives in the `pipelines` table.
+(pipelines/tasks.py), `... beat` their schedule (checkpoint retention, missed exports); `loraplex pipelines worker`
+and `serve --embedded` run the same. The broker is Redis (LORAPLEX_CELERY_BROKER_URL, else LORAPLEX_REDIS_URL, else
+the embedded stack's of this LORAPLEX_HOME: broker.py); with none the import exits naming the settings, never Celery's
+AMQP default. No result backend: progress lives in the `pipelines` table. Each worker beats while it lives
+(heartbeat.py), so the gateway can tell whether any is alive.
 
 acks_late + reject_on_worker_lost: a task is acked when it ends, so a worker that dies mid-pipeline leaves it unacked
 and the broker hands it to another worker (at once when a prefork child dies; after the visibility timeout when the
@@ -10,17 +13,22 @@ from __future__ import annotations
 
 from celery import Celery
 
+from loraplex.pipelines import heartbeat as heartbeat  # its signal handlers: each worker says it is alive
+from loraplex.pipelines.broker import NoBrokerError, worker_settings
 from loraplex.service.pipeline_launch import (
     EXPORT_SWEEP_TASK,
     RETENTION_TASK,
     broker_transport_options,
 )
-from loraplex.settings import get_settings
 
 
 def make_celery_app() -> Celery:
-    settings = get_settings()
-    app = Celery("loraplex", broker=settings.resolved_celery_broker_url or None, include=["loraplex.pipelines.tasks"])
+    try:
+        settings = worker_settings()
+    except NoBrokerError as exc:
+        # Celery's CLI prints an import error with its traceback; SystemExit's message is printed alone.
+        raise SystemExit(f"loraplex: {exc}") from None
+    app = Celery("loraplex", broker=settings.resolved_celery_broker_url, include=["loraplex.pipelines.tasks"])
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -38,7 +38,10 @@ def line_plot(series: dict[str, list[tuple[float, float]]], title: str, x_label:
         f'<text x="{LEFT + plot_w / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
         f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#333"/>',
     ]
-    for x in _ticks(x_lo, x_hi):
+    x_ticks = _ticks(x_lo, x_hi)
+    if all(float(x).is_integer() for x in xs):  # steps: whole-number ticks, not 13.5
+        x_ticks = sorted({float(round(x)) for x in x_ticks})
+    for x in x_ticks:
         out.append(
             f'<line x1="{sx(x):.1f}" y1="{TOP + plot_h}" x2="{sx(x):.1f}" y2="{TOP + plot_h + 5}" stroke="#333"/>'
         )

@@ -197,6 +197,12 @@ def pipeline_tenant_running(tenant_id: str) -> str:
     return f"{PREFIX}pipeline:tenant:{tenant_id}:running"
 
 
+def pipeline_workers() -> str:
+    """The live pipelines workers (a sorted set: worker name -> when its heartbeat lapses, ms; queue/
+    pipeline_workers.py)."""
+    return f"{PREFIX}pipeline:workers"
+
+
 def pending_saves(tenant_id: str) -> str:
     """The tenant's checkpoint saves accepted but not yet recorded (a hash: request id -> estimated bytes;
     service/checkpoint_quota.py), counted against its checkpoint quotas until they finish."""

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from loraplex.errors import InvalidRequestError, NotFoundError, QuotaExceededError, ServiceUnavailableError
+from loraplex.queue import pipeline_workers
 from loraplex.runtime.fsutil import private_dirs, write_bytes_atomic
 from loraplex.service.context import Services, TenantRef, blob_store, write_session
 from loraplex.service.paging import check_page
@@ -24,7 +25,7 @@ from loraplex.service.pipeline_config import (
 )
 from loraplex.service.pipeline_launch import launch_pipeline
 from loraplex.service.pipeline_tokenizer import check_tokenizer
-from loraplex.service.schemas import PipelineList, PipelineOut, SubmittedPipelines
+from loraplex.service.schemas import PipelineList, PipelineOut, PipelineWorkers, SubmittedPipelines
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository
 
@@ -169,6 +170,12 @@ def list_pipelines(
         repo = PipelineRepository(db, tenant.id)
         rows = repo.list(sweep_id, limit, offset)
         return PipelineList(pipelines=[pipeline_out(r) for r in rows], total_count=repo.count(sweep_id))
+
+
+def pipeline_workers_alive(services: Services) -> PipelineWorkers:
+    """The live pipelines workers (queue/pipeline_workers.py): a tenant's `finetune --wait` says when there is none."""
+    return PipelineWorkers(alive=pipeline_workers.alive_count(services.redis),
+                           heartbeat_seconds=services.settings.pipeline_worker_heartbeat_seconds)  # fmt: skip
 
 
 def cancel_pipeline(services: Services, tenant: TenantRef, pipeline_id: str) -> PipelineOut:

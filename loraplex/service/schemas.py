@@ -310,3 +310,10 @@ class SubmittedPipelines(BaseModel):
 class PipelineList(BaseModel):
     pipelines: list[PipelineOut]
     total_count: int
+
+
+class PipelineWorkers(BaseModel):
+    """How many pipelines workers are alive (each beats every `heartbeat_seconds`; one that missed three is not)."""
+
+    alive: int
+    heartbeat_seconds: float

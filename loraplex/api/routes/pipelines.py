@@ -1,6 +1,6 @@
 """Offline fine-tuning pipelines: submit (a config and its dataset records; a sweep makes one pipeline per grid
-point), list, read, cancel, a finished pipeline's PEFT export (a tar) and a finished sweep's report files. HTTP to
-service calls only: service/pipelines.py."""
+point), list, read, cancel, a finished pipeline's PEFT export (a tar) and a finished sweep's report files; and how
+many pipelines workers are alive. HTTP to service calls only: service/pipelines.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.routes.export import TAR_MEDIA_TYPE
 from loraplex.service import pipelines as service
 from loraplex.service.pipeline_config import SubmitPipelineRequest
-from loraplex.service.schemas import PipelineList, PipelineOut, SubmittedPipelines
+from loraplex.service.schemas import PipelineList, PipelineOut, PipelineWorkers, SubmittedPipelines
 
 router = APIRouter(tags=["pipelines"])
 
@@ -47,6 +47,12 @@ def list_pipelines(
     offset: int = Query(0, description=">= 0"),
 ) -> PipelineList:
     return service.list_pipelines(services, tenant, sweep_id, limit, offset)
+
+
+@router.get("/v1/pipelines/workers")
+def pipeline_workers(tenant: TenantDep, services: ServicesDep) -> PipelineWorkers:
+    """How many pipelines workers are alive (no pipeline has an id of this name: ids are UUIDs)."""
+    return service.pipeline_workers_alive(services)
 
 
 @router.get("/v1/pipelines/{pipeline_id}")

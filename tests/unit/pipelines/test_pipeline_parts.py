@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -94,3 +95,24 @@ def test_svg_plot_is_well_formed_with_a_line_per_series():
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}polyline")) == 2 and len(root.findall(f"{ns}circle")) == 5
     assert "rank=4 <a&b>" in [t.text for t in root.findall(f"{ns}text")]
+
+
+def test_readme_example_config_evaluates_often_enough_for_a_plot() -> None:
+    """The README's finetune.yaml on the dataset its command writes: at least 10 eval points per run, so the sweep
+    report's plot shows curves (not one point per run)."""
+    import re
+
+    import yaml
+
+    from loraplex.service.pipeline_config import PipelineConfig, expand_sweep, total_steps, train_count
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme.split("## Offline fine-tuning pipelines", 1)[1]
+    config = PipelineConfig.model_validate(yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[0]))
+    records = int(re.search(r"for _ in range\((\d+)\)", section).group(1))  # the README's dataset command
+    points = expand_sweep(config)
+    assert len(points) >= 2
+    for _, point in points:
+        steps = total_steps(point, train_count(point, records, has_eval_file=False))
+        evals = len({s for s in range(1, steps + 1) if s % point.eval_every == 0} | {steps})
+        assert evals >= 10, (steps, point.eval_every)
