@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -36,7 +36,7 @@ from loraplex.api.openai.schemas import (
     SamplingFields,
 )
 from loraplex.api.openai.stream_state import StreamState
-from loraplex.api.openai.streaming import SampleStream, sse_body
+from loraplex.api.openai.streaming import SampleStream, SseResponse
 from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
 from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError
 from loraplex.service.context import Services, TenantRef
@@ -132,8 +132,7 @@ def _streamed(
     except BaseException:
         stream.close()
         raise
-    return StreamingResponse(sse_body(first, stream, slot.pop_all().close), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return SseResponse(first, stream, slot.pop_all().close)
 
 
 def _sampling(body: SamplingFields, prompt: list[int], max_tokens: int, stops: list[str], topk: int) -> dict[str, Any]:

@@ -10,18 +10,21 @@ and the results and sends Server-Sent Events (stream_state.py makes the chunks).
   come, a `: keep-alive` comment after KEEPALIVE_S without one, the usage chunk and `data: [DONE]` at the end. A
   failure after the first byte is an `{"error": ...}` event (OpenAI's shape; the official client raises it), and
   `openai_wait_seconds` with nothing new ends the stream with a 408-shaped one.
-- A client that goes away: the server cancels the body at its next await, its `finally` gives the long-poll slot back;
-  the samples finish on the pool (their results are at GET /v1/futures/<id> until their TTL) and their partial
+- A client that goes away: the server cancels the body at its next await (a poll at most), and `SseResponse` gives the
+  long-poll slot back (also for a body never started); the samples finish on the pool (their results are at GET /v1/futures/<id> until their TTL) and their partial
   streams expire (END_TTL_S after the end entry). A stream that ends normally deletes its partial streams."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import redis
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from loraplex.api.openai.errors import error_body
 from loraplex.api.openai.responses import SSE_DONE, sse_event
@@ -116,6 +119,32 @@ class SampleStream:
         if not outcome.ok:
             raise outcome.exception("sampling failed")
         return self.state.result(rid, {} if outcome.result is None else outcome.result.to_wire())
+
+
+class SseResponse(StreamingResponse):
+    """The event stream, giving the long-poll slot back (`release`, once) however it ends: the body's end, a client
+    that left (the server cancels the body), or a body never started (a client gone before the first byte)."""
+
+    def __init__(self, first: list[Chunk], stream: SampleStream, release: Callable[[], object]) -> None:
+        self._release = _once(release)
+        super().__init__(sse_body(first, stream, self._release), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _once(action: Callable[[], object]) -> Callable[[], None]:
+    done = threading.Lock()
+
+    def run() -> None:
+        if done.acquire(blocking=False):
+            action()
+
+    return run
 
 
 async def sse_body(first: list[Chunk], stream: SampleStream, release: Callable[[], object]) -> AsyncIterator[bytes]:
