@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from loraplex.errors import NotSupportedError
 from loraplex.models import load_base_model
 from loraplex.pool.sample_partials import PublishingSampleStep
-from loraplex.protocol import PlannedRequest, RequestKind, Step, StepKind
+from loraplex.protocol import Outcome, PlannedRequest, RequestKind, Step, StepKind
 from loraplex.protocol.results import SampleResult
 from loraplex.queue import keys
 from loraplex.queue.sample_partials import END_TTL_S, PARTIAL_TTL_S, PartialReader, PartialWriter
@@ -70,3 +73,22 @@ def test_a_redis_that_cannot_be_reached_drops_partials_without_failing() -> None
     writer.end("r")
     writer.flush()  # logged, not raised
     assert writer.tracked == 0
+
+
+def test_a_sampler_without_partials_or_that_fails_still_ends_its_streaming_requests(redis_client, tmp_path) -> None:
+    """vLLM's step (no `progress`) and a pool without a sampler (the step raises): each streaming request's stream
+    gets its end entry when its outcome is final, so its reader goes to the result at once."""
+    done, failing = f"whole-{tmp_path.name}", f"fails-{tmp_path.name}"
+
+    def whole(step: Step) -> list[Outcome]:  # answers every request whole, as the vLLM step does
+        return [Outcome(r.request_id) for r in step.requests]
+
+    def unavailable(step: Step) -> list[Outcome]:
+        raise NotSupportedError("this pool has no native sampler")
+
+    PublishingSampleStep(whole, PartialWriter(redis_client))(Step(StepKind.SAMPLE, (_request(done, True),)))
+    with pytest.raises(NotSupportedError):  # the step's error stays the executor's to answer
+        PublishingSampleStep(unavailable, PartialWriter(redis_client))(Step(StepKind.SAMPLE, (_request(failing, True),)))
+    for rid in (done, failing):
+        ((_, _, entry),) = PartialReader(redis_client).read({rid: "0"}, None)
+        assert entry.end and 0 < redis_client.ttl(keys.sample_partials(rid)) <= END_TTL_S
