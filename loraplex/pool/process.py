@@ -127,6 +127,20 @@ def native_sampling(
         return unavailable
 
 
+def publishing_partials(settings: Settings, sampling: Any) -> Any:
+    """The SAMPLE step with its streaming requests' partials published to Redis (pool/sample_partials.py), on a
+    client of its own whose short timeouts bound what an unreachable Redis costs a plan."""
+    if sampling is None:
+        return None
+    import redis
+
+    from loraplex.pool.sample_partials import PublishingSampleStep
+    from loraplex.queue.sample_partials import PartialWriter
+
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return PublishingSampleStep(sampling, PartialWriter(client))
+
+
 def sampler_budget(settings: Settings, engine: Any) -> Any:
     """The native sampler's rows and KV blocks (workers/sampling/kv_budget.py), sized now, after the engine is built:
     from the device's free memory on CUDA, from `sampler_kv_bytes` (or its CPU default) on the CPU. Logged."""
@@ -397,7 +411,7 @@ def _lead(
     # Set by the dispatcher's prefetch thread while training waits unplanned; the sampler's idle slices end on it.
     others_waiting = threading.Event()
     sampling = native_sampling(settings, engine, store, group, others_waiting, writes.wait_folder)
-    executor = PlanExecutor(engine, store, sampling, writes,
+    executor = PlanExecutor(engine, store, publishing_partials(settings, sampling), writes,
                             on_step=cost.observe_step if cost is not None else None)  # fmt: skip
     leader = LeaderExecutor(executor, group) if group is not None else None
     if lease is None:  # the adapters of an earlier run of this pool are gone, and their rows (with a lease: cleared

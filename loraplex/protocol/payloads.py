@@ -160,6 +160,9 @@ class SamplePayload(Payload):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    # The answer streams (the OpenAI routes' `stream: true`): the pool publishes the tokens sampled so far after each
+    # slice (queue/sample_partials.py).
+    stream_partials: bool = False
 
     def tokens(self, part: tuple[int, int] | None = None) -> int:
         """What the sample costs the pool: its prompt and the most it can add (a sample never runs in parts)."""

@@ -12,6 +12,8 @@ and `redis-cli --scan --pattern 'loraplex:*'` shows everything we own.
     loraplex:result:{request_id}         string: the Outcome JSON (queue/results.py), with a TTL
     loraplex:notify:{request_id}         list: a token pushed when the result lands; waiters BLPOP it
     loraplex:state:{request_id}          string: JobState, so a client can tell queued from running
+    loraplex:partial:{request_id}        stream: a streaming sample's tokens so far, one entry per slice, then an end
+                                         entry; a TTL, deleted by its reader (queue/sample_partials.py)
     loraplex:idem:{model_id}:{seq_id}    string: the request_id that first claimed this (model_id, seq_id)
     loraplex:idem:{model_id}:{kind}      same, for create_adapter / delete_adapter (outside the seq_id chain)
     loraplex:owner:{request_id}          string: the tenant that submitted the request (only it may read the future)
@@ -142,6 +144,10 @@ def notify_key(request_id: str) -> str:
 
 def state_key(request_id: str) -> str:
     return f"{PREFIX}state:{request_id}"
+
+
+def sample_partials(request_id: str) -> str:
+    return f"{PREFIX}partial:{request_id}"
 
 
 def idempotency_key(model_id: str, seq_id: int | str) -> str:

@@ -117,9 +117,12 @@ def get_sampler(services: Services, tenant: TenantRef, sampler_id: str) -> Sampl
         return sampler_out(SamplerRepository(db, tenant.id).get(sampler_id))
 
 
-def sample(services: Services, tenant: TenantRef, sampler_id: str, request: SampleRequest) -> FutureRef:
+def sample(
+    services: Services, tenant: TenantRef, sampler_id: str, request: SampleRequest, stream_partials: bool = False
+) -> FutureRef:
     """Queue `num_samples` continuations of the prompt; the future's result holds the sequences (tokens, logprobs,
-    stop_reason) and, when asked, the prompt's logprobs."""
+    stop_reason) and, when asked, the prompt's logprobs. stream_partials: the pool also publishes the tokens sampled
+    so far while it samples (queue/sample_partials.py; the OpenAI routes' `stream: true`)."""
     settings = services.settings
     if len(request.prompt) > settings.max_tokens_per_datum:
         raise InvalidRequestError(f"the prompt has {len(request.prompt)} tokens; at most {settings.max_tokens_per_datum} "
@@ -165,6 +168,7 @@ def sample(services: Services, tenant: TenantRef, sampler_id: str, request: Samp
         prompt_logprobs=request.prompt_logprobs,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
         topk_sample_logprobs=request.topk_sample_logprobs,
+        stream_partials=stream_partials,
     )
     return submit(services, tenant, sampler_id, RequestKind.SAMPLE, payload, seq_id=request.seq_id, pool=pool)
 

@@ -2,18 +2,23 @@
 client and its sampler weights saved, then /v1/completions and /v1/chat/completions with plain httpx and with the
 official `openai` package (skipped where it is not installed): greedy text equals the decoded tokens our
 SamplingClient samples for the same prompt (and the logprobs agree), a stream carries the same text, the adapter id
-samples its newest sampler weights, /v1/models lists them, and another tenant's key gets a 404."""
+samples its newest sampler weights, /v1/models lists them, and another tenant's key gets a 404. A long stream sends its
+text as the pool samples it (the first piece well before the end, many pieces) and ends as the non-streaming answer for
+the same seed; a client that leaves mid-stream leaves the service answering the next call."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+import redis
 
 from loraplex.api.openai.tokenizer import GatewayTokenizer, plain_chat_prompt
 from loraplex.client import Datum, ServiceClient
+from loraplex.queue.sample_partials import END_TTL_S
 from tests.helpers.stack import create_tenants
 
 TEXT = "The cat sat on the"
@@ -144,3 +149,79 @@ def test_the_official_openai_client(stack, trained: Trained) -> None:
         bob.chat.completions.create(model=trained.path, messages=MESSAGES)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+# ---- streaming as the pool samples ------------------------------------------------------------------------------------
+LONG = 256  # new tokens: long enough that a stream's first piece comes well before its end on the CPU pool
+SEED = 11  # this seed's sample of TEXT runs past LONG / 2 tokens before an EOS
+
+
+def _timed_stream(stack, key: str, path: str, body: dict) -> tuple[list[tuple[float, dict]], float]:
+    """(each chunk with the seconds since the call when it arrived, the seconds until `[DONE]`), over httpx."""
+    start, chunks = time.monotonic(), []
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=150) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return chunks, time.monotonic() - start
+            if line.startswith("data: "):
+                chunks.append((time.monotonic() - start, json.loads(line[len("data: "):])))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_a_stream_sends_text_while_the_pool_samples_and_ends_as_the_whole_answer(stack, trained: Trained) -> None:
+    key = trained.keys["oai-alice"]
+    body = {"model": trained.path, "prompt": TEXT, "max_tokens": LONG, "temperature": 1.0, "seed": SEED, "n": 2,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks, total = _timed_stream(stack, key, "/v1/completions", body)
+    whole = _post(stack, key, "/v1/completions", body | {"stream_options": None}).json()
+    assert len(whole["usage"]) == 3 and whole["usage"]["completion_tokens"] > LONG // 2, whole["usage"]
+    for i, choice in enumerate(whole["choices"]):  # n = 2 choices, interleaved, each naming its index
+        mine = [c["choices"][0] for _, c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1][1]["usage"] == whole["usage"]
+    # The first text came well before the end, and the text came in many pieces, not one burst at the end.
+    first_text = next(t for t, c in chunks if c["choices"] and c["choices"][0]["text"])
+    text_times = [t for t, c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert first_text < 0.5 * total and len(text_times) > 6, (first_text, total, text_times)
+    assert len({round(t, 2) for t in text_times}) >= 4, text_times  # one burst per sampling slice (100 ms)
+
+    # Chat through the official client: its pieces join to the non-streaming answer for the same seed.
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    ask = {"model": trained.path, "messages": MESSAGES, "max_tokens": LONG // 2, "temperature": 1.0, "seed": SEED,
+           "logprobs": True}  # fmt: skip
+    answer = client.chat.completions.create(**ask)
+    pieces, logprobs = [], []
+    for c in client.chat.completions.create(**ask, stream=True):
+        if c.choices:
+            pieces.append(c.choices[0].delta.content or "")
+            logprobs += [e.logprob for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert "".join(pieces) == answer.choices[0].message.content
+    assert logprobs == pytest.approx([e.logprob for e in answer.choices[0].logprobs.content], abs=1e-6)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_the_service_healthy(stack, trained: Trained) -> None:
+    key = trained.keys["oai-alice"]
+    body = {"model": trained.path, "prompt": TEXT, "max_tokens": LONG, "temperature": 1.0, "seed": SEED + 1,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=150) as r:  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[len("data: "):])["choices"][0]["text"]:
+                rid = json.loads(line[len("data: "):])["id"].removeprefix("cmpl-")
+                break  # leave mid-stream: the connection closes here
+    # The sample finishes on the pool; its result is readable, and its partial stream is on its way out.
+    done = httpx.get(f"{stack.base_url}/v1/futures/{rid}", params={"timeout": 30},
+                     headers={"Authorization": f"Bearer {key}"}, timeout=60).json()  # fmt: skip
+    assert done["state"] == "complete", done
+    ttl = redis.Redis.from_url(stack.settings.redis_url).ttl(f"loraplex:partial:{rid}")
+    assert ttl == -2 or 0 < ttl <= END_TTL_S, ttl
+    # The next call, streaming or not, is answered in full.
+    chunks, _ = _timed_stream(stack, key, "/v1/completions", {**body, "max_tokens": NEW})
+    whole = _post(stack, key, "/v1/completions", {**body, "max_tokens": NEW, "stream": False})
+    assert whole.status_code == 200
+    assert "".join(c["choices"][0]["text"] for _, c in chunks if c["choices"]) == whole.json()["choices"][0]["text"]

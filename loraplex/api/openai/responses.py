@@ -6,18 +6,20 @@
 - logprobs: one entry per sampled token, the EOS or stop-string token included (completions: OpenAI's legacy
   {tokens, token_logprobs, top_logprobs, text_offset}; chat: {content: [{token, logprob, bytes, top_logprobs}]}).
   A token's text is its own decoding (a part of a multi-byte character shows as U+FFFD).
-- streaming: the pool answers a sample whole, so a stream is sent at once when all its samples are done: one chunk
-  per token (its piece of the text; pieces concatenate to the text), then one with the finish_reason, an optional
-  usage chunk, and `data: [DONE]`."""
+- streaming (`ChunkBuilder`, driven by streaming.py as the tokens come): chat opens each choice with its role; then
+  chunks of text pieces (stream_text.py: they concatenate to the text), one per token with its logprobs when asked,
+  else one per piece of new text; one chunk with the finish_reason per choice, an optional usage chunk, and
+  `data: [DONE]`. Choices interleave, each chunk naming its index."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from loraplex.api.openai.stream_text import Piece, TextCursor
 from loraplex.api.openai.tokenizer import GatewayTokenizer
 
 
@@ -46,16 +48,9 @@ def decode_sequence(tok: GatewayTokenizer, seq: dict[str, Any], stops: list[str]
 
 
 def _pieces(tok: GatewayTokenizer, tokens: list[int], text: str) -> list[str]:
-    """Each token's new text: the decoded prefix's growth, held back while it ends in a partial character, clamped
-    to `text` (so a cut at a stop string holds). Decodes each prefix: O(n^2) in the sample's length."""
-    out, end = [], 0
-    for i in range(len(tokens)):
-        prefix = tok.decode(tokens[: i + 1])
-        reach = len(text) if i == len(tokens) - 1 else min(len(prefix.rstrip("\ufffd")), len(text))
-        reach = max(reach, end)
-        out.append(text[end:reach])
-        end = reach
-    return out
+    """Each token's new text (stream_text.TextCursor.finish from nothing sent): the decoded prefix's growth, held
+    back while it ends in a partial character, clamped to `text` (so a cut at a stop string holds)."""
+    return [p.text for p in TextCursor().finish(tok, tokens, text, per_token=True)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -63,7 +58,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-# ---- completions ----------------------------------------------------------------------------------------------------
+# ---- logprobs ------------------------------------------------------------------------------------------------------
+def _legacy_logprobs(
+    tok: GatewayTokenizer, tokens: list[int], logprobs: list[float | None], topk: list[list[tuple[int, float]]] | None,
+    offsets: list[int],
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "tokens": [tok.token_text(t) for t in tokens],
+        "token_logprobs": logprobs,
+        "top_logprobs": [{tok.token_text(t): lp for t, lp in row} for row in topk] if topk is not None else None,
+        "text_offset": offsets,
+    }
+
+
 def completion_logprobs(tok: GatewayTokenizer, d: Decoded, start: int = 0, stop: int | None = None) -> dict[str, Any]:
     """OpenAI's legacy logprobs of tokens [start, stop): tokens, token_logprobs, top_logprobs, text_offset."""
     stop = len(d.tokens) if stop is None else stop
@@ -71,16 +78,33 @@ def completion_logprobs(tok: GatewayTokenizer, d: Decoded, start: int = 0, stop:
     for piece in d.pieces or [""] * len(d.tokens):
         offsets.append(at)
         at += len(piece)
-    return {
-        "tokens": [tok.token_text(t) for t in d.tokens[start:stop]],
-        "token_logprobs": d.logprobs[start:stop],
-        "top_logprobs": [{tok.token_text(t): lp for t, lp in row} for row in d.topk[start:stop]]
-        if d.topk is not None
-        else None,
-        "text_offset": offsets[start:stop],
-    }
+    topk = d.topk[start:stop] if d.topk is not None else None
+    return _legacy_logprobs(tok, d.tokens[start:stop], d.logprobs[start:stop], topk, offsets[start:stop])
 
 
+def _entry(tok: GatewayTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+    piece = tok.token_text(token)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+
+def _chat_content(
+    tok: GatewayTokenizer, tokens: list[int], logprobs: list[float | None], topk: list[list[tuple[int, float]]] | None
+) -> dict[str, Any]:
+    content = []
+    for t, token in enumerate(tokens):
+        entry = _entry(tok, token, logprobs[t] if t < len(logprobs) else None)
+        entry["top_logprobs"] = [_entry(tok, i, lp) for i, lp in topk[t]] if topk is not None else []
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def chat_logprobs(tok: GatewayTokenizer, d: Decoded, start: int = 0, stop: int | None = None) -> dict[str, Any]:
+    stop = len(d.tokens) if stop is None else stop
+    topk = d.topk[start:stop] if d.topk is not None else None
+    return _chat_content(tok, d.tokens[start:stop], d.logprobs[start:stop], topk)
+
+
+# ---- whole bodies ---------------------------------------------------------------------------------------------------
 def completion_body(
     tok: GatewayTokenizer, rid: str, created: int, model: str, choices: list[Decoded], with_logprobs: bool,
     prompt_tokens: int,
@@ -102,37 +126,6 @@ def completion_body(
         ],
         "usage": usage(prompt_tokens, sum(len(d.tokens) for d in choices)),
     }
-
-
-def completion_chunks(
-    tok: GatewayTokenizer, rid: str, created: int, model: str, choices: list[Decoded], with_logprobs: bool,
-    usage_chunk: dict[str, int] | None,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
-    head = {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None}
-    for i, d in enumerate(choices):
-        for t, piece in enumerate(d.pieces):
-            if piece or with_logprobs:
-                lp = completion_logprobs(tok, d, t, t + 1) if with_logprobs else None
-                yield {**head, "choices": [{"index": i, "text": piece, "logprobs": lp, "finish_reason": None}]}
-        yield {**head, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": d.finish_reason}]}
-    if usage_chunk is not None:
-        yield {**head, "choices": [], "usage": usage_chunk}
-
-
-# ---- chat -----------------------------------------------------------------------------------------------------------
-def _entry(tok: GatewayTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
-    piece = tok.token_text(token)
-    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
-
-
-def chat_logprobs(tok: GatewayTokenizer, d: Decoded, start: int = 0, stop: int | None = None) -> dict[str, Any]:
-    stop = len(d.tokens) if stop is None else stop
-    content = []
-    for t in range(start, stop):
-        entry = _entry(tok, d.tokens[t], d.logprobs[t] if t < len(d.logprobs) else None)
-        entry["top_logprobs"] = [_entry(tok, i, lp) for i, lp in d.topk[t]] if d.topk is not None else []
-        content.append(entry)
-    return {"content": content, "refusal": None}
 
 
 def chat_body(
@@ -158,32 +151,62 @@ def chat_body(
     }
 
 
-def chat_chunks(
-    tok: GatewayTokenizer, rid: str, created: int, model: str, choices: list[Decoded], with_logprobs: bool,
-    usage_chunk: dict[str, int] | None,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
-    head = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-    }
-    for i, d in enumerate(choices):
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]}  # fmt: skip
-        for t, piece in enumerate(d.pieces):
-            if piece or with_logprobs:
-                lp = chat_logprobs(tok, d, t, t + 1) if with_logprobs else None
-                yield {**head, "choices": [{"index": i, "delta": {"content": piece}, "logprobs": lp,
-                                            "finish_reason": None}]}  # fmt: skip
-        yield {**head, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}]}
-    if usage_chunk is not None:
-        yield {**head, "choices": [], "usage": usage_chunk}
+# ---- streamed chunks ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkBuilder:
+    """The chunks of one streamed answer (completions' `text_completion`, chat's `chat.completion.chunk`)."""
+
+    tok: GatewayTokenizer
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    with_logprobs: bool
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}  # fmt: skip
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """Chat's first chunk of a choice: its role (completions have none)."""
+        if not self.chat:
+            return None
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])  # fmt: skip
+
+    def piece(
+        self, index: int, piece: Piece, tokens: list[int], logprobs: Sequence[float | None],
+        topk: list[list[tuple[int, float]]] | None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """A piece of choice `index`'s text; with logprobs, those of its tokens ([piece.start, piece.end) of the
+        sample's `tokens`). None when it carries nothing."""
+        if not (piece.text or self.with_logprobs):
+            return None
+        lp = None
+        if self.with_logprobs:
+            a, b = piece.start, piece.end
+            top = topk[a:b] if topk is not None else None
+            values: list[float | None] = list(logprobs[a:b])
+            lp = (_chat_content(self.tok, tokens[a:b], values, top) if self.chat
+                  else _legacy_logprobs(self.tok, tokens[a:b], values, top, [piece.offset] * (b - a)))  # fmt: skip
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {"content": piece.text}, "logprobs": lp,
+                                 "finish_reason": None}])  # fmt: skip
+        return self._chunk([{"index": index, "text": piece.text, "logprobs": lp, "finish_reason": None}])
+
+    def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage(self, counts: dict[str, int]) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": counts}
 
 
-def sse(chunks: Iterator[dict[str, Any]]) -> Iterator[bytes]:
-    """Server-Sent Events: `data: <json>` per chunk, then `data: [DONE]`."""
-    for chunk in chunks:
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+def sse_event(chunk: dict[str, Any]) -> bytes:
+    """Server-Sent Events: `data: <json>` per chunk, then SSE_DONE."""
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -7,16 +7,18 @@ results (`services.results.wait`, at most `openai_wait_seconds`, 120 s), then de
 ends first is a 408 naming the request ids: they stay queued, and their results are readable at GET /v1/futures/{id}
 (the official client retries a 408 twice, each retry queueing new samples, unless the call sends an Idempotency-Key).
 A sample the pool failed is that error (a bad token id 400, a checkpoint gone 404; a failure of the pool itself 500).
-`stream: true` answers Server-Sent Events once the samples are done (the first byte comes late: see responses.py)."""
+`stream: true` answers Server-Sent Events as the pool samples (streaming.py: the samples publish their tokens after
+each sampling slice), holding the long-poll slot until the stream ends."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -33,11 +35,13 @@ from loraplex.api.openai.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from loraplex.api.openai.stream_state import StreamState
+from loraplex.api.openai.streaming import SampleStream, SseResponse
 from loraplex.api.openai.tokenizer import GatewayTokenizer, gateway_tokenizer
 from loraplex.errors import InvalidRequestError, NotSupportedError, WaitTimeoutError
 from loraplex.service.context import Services, TenantRef
 from loraplex.service.sampling import check_sample_work, check_stops, sample_work
-from loraplex.service.schemas import SampleRequest
+from loraplex.service.schemas import FutureRef, SampleRequest
 from loraplex.settings import Settings
 
 # Bodies bounded before they are parsed (body_bound.py).
@@ -60,12 +64,14 @@ def _stops(settings: Settings, body: SamplingFields) -> list[str]:
     return stops
 
 
-def _sample_all(
+def _queue_all(
     services: Services, tenant: TenantRef, body: SamplingFields, model: tuple[str, str | None],
     prompts: list[list[int]], request_for: Callable[[list[int]], dict[str, Any]], idempotency_key: str | None,
-) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
-    """Queue one sample request per prompt of `model` (resolve_model's (base model, model path)), wait for all; (the
-    first request id, the results in prompt order)."""
+    slot: ExitStack,
+) -> list[FutureRef]:  # fmt: skip
+    """Queue one sample request per prompt of `model` (resolve_model's (base model, model path)), in prompt order,
+    holding one of the tenant's long-poll slots in `slot` for the wait that follows (service/long_polls.py; taken
+    before anything is queued, so a 429 leaves nothing behind)."""
     settings = services.settings
     check_prompt_count(settings, len(prompts), body.n)
     base_model, model_path = model
@@ -78,27 +84,30 @@ def _sample_all(
     # The whole call's work (one sample request per prompt), before any of them is queued.
     work = sum(sample_work(r.num_samples, len(r.prompt), r.max_tokens) for r in requests)
     check_sample_work(settings, work, f"{len(requests)} prompts x n={body.n}")
-    # The wait holds one of the tenant's long-poll slots (service/long_polls.py), taken before anything is queued, so a
-    # 429 leaves nothing behind.
-    with services.long_polls.hold(tenant.id, tenant.name):
-        sampler_id, first = take_seq_ids(services, tenant, body.model, base_model, model_path, len(prompts),
-                                         idempotency_key)  # fmt: skip
-        refs = [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}))
-                for i, r in enumerate(requests)]  # fmt: skip
-        deadline = time.monotonic() + settings.openai_wait_seconds
-        results = []
-        for ref in refs:
-            outcome = services.results.wait(ref.request_id, max(deadline - time.monotonic(), 0.0))
-            if outcome is None:
-                pending = ", ".join(r.request_id for r in refs)
-                raise WaitTimeoutError(
-                    f"the samples were not done within {settings.openai_wait_seconds:g} s; they stay queued (requests "
-                    f"{pending}: their results are at GET /v1/futures/<id>)"
-                )
-            if not outcome.ok:
-                raise outcome.exception("sampling failed")
-            results.append({} if outcome.result is None else outcome.result.to_wire())
-    return refs[0].request_id, results
+    slot.enter_context(services.long_polls.hold(tenant.id, tenant.name))
+    sampler_id, first = take_seq_ids(services, tenant, body.model, base_model, model_path, len(prompts),
+                                     idempotency_key)  # fmt: skip
+    return [service.sample(services, tenant, sampler_id, r.model_copy(update={"seq_id": first + i}),
+                           stream_partials=body.stream) for i, r in enumerate(requests)]  # fmt: skip
+
+
+def _wait_all(services: Services, refs: list[FutureRef]) -> list[dict[str, Any]]:
+    """Every request's result, in order, within `openai_wait_seconds` (else a 408 naming them)."""
+    settings = services.settings
+    deadline = time.monotonic() + settings.openai_wait_seconds
+    results = []
+    for ref in refs:
+        outcome = services.results.wait(ref.request_id, max(deadline - time.monotonic(), 0.0))
+        if outcome is None:
+            pending = ", ".join(r.request_id for r in refs)
+            raise WaitTimeoutError(
+                f"the samples were not done within {settings.openai_wait_seconds:g} s; they stay queued (requests "
+                f"{pending}: their results are at GET /v1/futures/<id>)"
+            )
+        if not outcome.ok:
+            raise outcome.exception("sampling failed")
+        results.append({} if outcome.result is None else outcome.result.to_wire())
+    return results
 
 
 def _decoded(
@@ -108,11 +117,22 @@ def _decoded(
     return [responses.decode_sequence(tok, seq, stops, pieces) for r in results for seq in r.get("sequences", [])]
 
 
-def _answer(body: SamplingFields, whole: dict[str, Any], chunks: Iterator[dict[str, Any]]) -> Response:
-    if body.stream:
-        return StreamingResponse(responses.sse(chunks), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
-    return JSONResponse(whole)
+def _streamed(
+    services: Services, body: SamplingFields, refs: list[FutureRef], chunks: responses.ChunkBuilder,
+    stops: list[str], prompt_tokens: int, slot: ExitStack,
+) -> Response:  # fmt: skip
+    """The answer as Server-Sent Events while the pool samples (streaming.py); the long-poll slot goes with it."""
+    rids = [r.request_id for r in refs]
+    state = StreamState(chunks.tok, chunks, stops, rids, body.n)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    stream = SampleStream(services.results, rids, state, services.settings.openai_wait_seconds, prompt_tokens,
+                          include_usage)  # fmt: skip
+    try:
+        first = stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    return SseResponse(first, stream, slot.pop_all().close)
 
 
 def _sampling(body: SamplingFields, prompt: list[int], max_tokens: int, stops: list[str], topk: int) -> dict[str, Any]:
@@ -137,18 +157,18 @@ def completions(body: CompletionRequest, tenant: TenantDep, services: ServicesDe
     prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in given]
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     topk = body.logprobs or 0
-    rid, results = _sample_all(services, tenant, body, model, prompts,
-                               lambda p: _sampling(body, p, max_tokens, stops, topk), idempotency_key)  # fmt: skip
     with_lp = body.logprobs is not None
-    choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
-    created, cid = int(time.time()), f"cmpl-{rid}"
     prompt_tokens = sum(len(p) for p in prompts)
-    usage = responses.usage(prompt_tokens, sum(len(d.tokens) for d in choices))
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    whole = responses.completion_body(tok, cid, created, body.model, choices, with_lp, prompt_tokens)
-    chunks = responses.completion_chunks(tok, cid, created, body.model, choices, with_lp,
-                                         usage if include_usage else None)  # fmt: skip
-    return _answer(body, whole, chunks)
+    with ExitStack() as slot:
+        refs = _queue_all(services, tenant, body, model, prompts, lambda p: _sampling(body, p, max_tokens, stops, topk),
+                          idempotency_key, slot)  # fmt: skip
+        created, cid = int(time.time()), f"cmpl-{refs[0].request_id}"
+        if body.stream:
+            chunks = responses.ChunkBuilder(tok, cid, created, body.model, chat=False, with_logprobs=with_lp)
+            return _streamed(services, body, refs, chunks, stops, prompt_tokens, slot)
+        results = _wait_all(services, refs)
+    choices = _decoded(tok, results, stops, pieces=with_lp)
+    return JSONResponse(responses.completion_body(tok, cid, created, body.model, choices, with_lp, prompt_tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -175,15 +195,16 @@ def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, services: S
     prompt = tok.encode(text, add_special_tokens=not templated)
     with_lp = body.logprobs
     topk = (body.top_logprobs or 0) if with_lp else 0
-    rid, results = _sample_all(services, tenant, body, model, [prompt],
-                               lambda p: _sampling(body, p, body.new_tokens(), stops, topk), idempotency_key)  # fmt: skip
-    choices = _decoded(tok, results, stops, pieces=body.stream or with_lp)
-    created, cid = int(time.time()), f"chatcmpl-{rid}"
-    usage = responses.usage(len(prompt), sum(len(d.tokens) for d in choices))
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    whole = responses.chat_body(tok, cid, created, body.model, choices, with_lp, len(prompt))
-    chunks = responses.chat_chunks(tok, cid, created, body.model, choices, with_lp, usage if include_usage else None)
-    return _answer(body, whole, chunks)
+    with ExitStack() as slot:
+        refs = _queue_all(services, tenant, body, model, [prompt],
+                          lambda p: _sampling(body, p, body.new_tokens(), stops, topk), idempotency_key, slot)  # fmt: skip
+        created, cid = int(time.time()), f"chatcmpl-{refs[0].request_id}"
+        if body.stream:
+            chunks = responses.ChunkBuilder(tok, cid, created, body.model, chat=True, with_logprobs=with_lp)
+            return _streamed(services, body, refs, chunks, stops, len(prompt), slot)
+        results = _wait_all(services, refs)
+    choices = _decoded(tok, results, stops, pieces=with_lp)
+    return JSONResponse(responses.chat_body(tok, cid, created, body.model, choices, with_lp, len(prompt)))
 
 
 @router.get("/v1/models")

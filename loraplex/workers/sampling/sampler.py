@@ -265,6 +265,14 @@ class SampleRun:
             self.close()
         return finished
 
+    def progress(self) -> list[list[SampledSequence]]:
+        """Per job, per sample: what it has sampled so far (a sample not admitted yet: nothing; stop_reason "" while
+        it goes on). The lists are the rows' own, growing as the run advances: copy what is kept past the next
+        `advance`. For streaming answers (workers/sampling/step.py's `progress`)."""
+        if self._run is None:
+            return [list(out.sequences) for out in self.outputs]
+        return self._run.progress()
+
     def close(self) -> None:
         """Leave the batch: rows and blocks go back (a run abandoned before its end: its outputs stay incomplete)."""
         if self._run is not None:
@@ -410,6 +418,23 @@ class _Run:
             if yield_now is not None and yield_now():
                 break
         return self.done
+
+    def progress(self) -> list[list[SampledSequence]]:
+        """SampleRun.progress: finished samples as they ended, live rows as they stand, waiting ones empty."""
+        live = {(row.job, row.sample): row for row in self.batch.rows.values() if row.run is self}
+        out: list[list[SampledSequence]] = []
+        for j, job in enumerate(self.jobs):
+            seqs = []
+            for s in range(job.num_samples):
+                done, row = self.finished[j][s], live.get((j, s))
+                if done is not None:
+                    seqs.append(done)
+                elif row is not None:
+                    seqs.append(SampledSequence(row.tokens, row.logprobs, "", row.topk))
+                else:
+                    seqs.append(SampledSequence([], [], "", [] if job.topk_sample_logprobs else None))
+            out.append(seqs)
+        return out
 
     def leave(self) -> None:
         """The run ended or is abandoned: its rows and prompt holders end, its LoRA groups go back."""

@@ -28,6 +28,7 @@ from loraplex.errors import NotFoundError
 from loraplex.protocol import Outcome, PlannedRequest, SamplePayload, Step
 from loraplex.protocol.results import SampledSequence, SampleResult
 from loraplex.workers.engine.executor import error_outcome, restore_checkpoint
+from loraplex.workers.sampling.jobs import SampledSequence as SampledSoFar
 from loraplex.workers.sampling.jobs import SampleJob, SampleOutput, SampleParams
 from loraplex.workers.sampling.sampler import Sampler, SampleRun
 from loraplex.workers.state.adapter_store import AdapterStore
@@ -92,6 +93,20 @@ class SampleStep:
                 done = self._done.pop(request.request_id, None)
                 outcomes[request.request_id] = done or Outcome(request.request_id, unfinished=True)
         return [outcomes[r.request_id] for r in step.requests]
+
+    def progress(self, request_ids: set[str]) -> dict[str, list[SampledSoFar]]:
+        """What the runs in flight of these requests have sampled so far, per sample (SampleRun.progress: the rows'
+        own lists, read before the next step); requests not in flight are left out, and so are a multi-rank pool's
+        runs (a rank holds only its share of the rows until the run ends). Asked only for requests that stream their
+        answer (pool/sample_partials.py), so sampling that does not stream pays nothing."""
+        out: dict[str, list[SampledSoFar]] = {}
+        for flight in self._runs:
+            wanted = [i for i, r in enumerate(flight.requests) if r.request_id in request_ids]
+            progress = getattr(flight.run, "progress", None)
+            if wanted and progress is not None:
+                jobs = progress()
+                out.update((flight.requests[i].request_id, jobs[i]) for i in wanted)
+        return out
 
     def close(self) -> None:
         """Abandon the runs in flight (their decode caches go back)."""

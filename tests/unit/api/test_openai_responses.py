@@ -9,16 +9,10 @@ import json
 import pytest
 
 from loraplex.api.openai import responses
+from loraplex.api.openai.stream_state import StreamState
 from loraplex.api.openai.tokenizer import GatewayTokenizer
 from loraplex.errors import InvalidRequestError
-from loraplex.models.tokenizer import EOS_TOKEN, train_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> GatewayTokenizer:
-    folder = tmp_path_factory.mktemp("tok")
-    train_tiny_tokenizer().save_pretrained(folder)
-    return GatewayTokenizer.load(str(folder))
+from loraplex.models.tokenizer import EOS_TOKEN
 
 
 def _seq(tok: GatewayTokenizer, text: str, stop_reason: str = "stop", eos: bool = False, topk: bool = False) -> dict:
@@ -56,15 +50,23 @@ def test_logprobs_in_openais_shapes(tok: GatewayTokenizer) -> None:
 
 
 def test_chat_chunks_and_sse(tok: GatewayTokenizer) -> None:
-    choices = [responses.decode_sequence(tok, _seq(tok, t), [], pieces=True) for t in ("one two", "three")]
-    chunks = list(responses.chat_chunks(tok, "id", 1, "m", choices, False, responses.usage(3, 4)))
-    for i, d in enumerate(choices):
+    """Results alone (no partials: a sampler that answers whole): each choice opens with its role, its text, its
+    finish_reason; then usage; framed as SSE."""
+    builder = responses.ChunkBuilder(tok, "id", 1, "m", chat=True, with_logprobs=False)
+    state = StreamState(tok, builder, [], ["r0", "r1"], 1)
+    texts = ("one two", "three")
+    chunks = state.opening()
+    for i, t in enumerate(texts):
+        chunks += state.result(f"r{i}", {"sequences": [_seq(tok, t)]})
+    chunks += state.closing(3, include_usage=True)
+    for i, t in enumerate(texts):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""} and mine[-1]["finish_reason"] == "stop"
-        assert "".join(c["delta"].get("content", "") for c in mine) == d.text
-    assert chunks[-1] == {**chunks[-1], "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4,
-                                                                 "total_tokens": 7}}  # fmt: skip
-    framed = b"".join(responses.sse(iter(chunks))).decode()
+        assert "".join(c["delta"].get("content", "") for c in mine) == t
+    completion = sum(len(tok.encode(t)) for t in texts)
+    assert chunks[-1] == {**chunks[-1], "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion,
+                                                                 "total_tokens": 3 + completion}}  # fmt: skip
+    framed = b"".join([*map(responses.sse_event, chunks), responses.SSE_DONE]).decode()
     events = framed.split("\n\n")
     assert events[-2] == "data: [DONE]" and events[-1] == ""
     assert [json.loads(e[len("data: "):]) for e in events[:-2]] == chunks
