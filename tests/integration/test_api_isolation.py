@@ -171,6 +171,14 @@ CALLS: dict[tuple[str, str], list[Variant]] = {
         V("theirs_via_own", lambda o, x: Call("GET", f"/v1/adapters/{o.model_id}/export",
                                               params={"checkpoint": x.state_path}), (400,), "same_4xx"),
     ],
+    ("GET", A + "/trace"): [V("trace", lambda o, x: Call("GET", f"/v1/adapters/{x.model_id}/trace"))],
+    ("GET", A + "/stats"): [V("stats", lambda o, x: Call("GET", f"/v1/adapters/{x.model_id}/stats"))],
+    ("GET", "/v1/sessions/{session_id}/trace"): [
+        V("trace", lambda o, x: Call("GET", f"/v1/sessions/{x.session_id}/trace")),
+    ],
+    ("GET", "/v1/sessions/{session_id}/stats"): [
+        V("stats", lambda o, x: Call("GET", f"/v1/sessions/{x.session_id}/stats")),
+    ],
     ("GET", "/v1/futures/{request_id}"): [
         V("get", lambda o, x: Call("GET", f"/v1/futures/{x.request_id}", params={"timeout": 0})),
     ],

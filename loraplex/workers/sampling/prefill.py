@@ -14,24 +14,47 @@ or the held blocks (paged), and the prompt logprobs (and top-k) when the job ask
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import DynamicCache
 
+from loraplex.workers.engine.engine import Engine
 from loraplex.workers.engine.lm_head import LOSS_CHUNK_TOKENS
 from loraplex.workers.kernels.packed_attention import packed_forward_kwargs
+from loraplex.workers.lora import MicrobatchBanks, Routing
 from loraplex.workers.sampling.choice import top_logprobs
+from loraplex.workers.sampling.jobs import SampleJob, SampleOutput, SamplerStats
 from loraplex.workers.sampling.kv_blocks import first_sample_blocks
-from loraplex.workers.sampling.static_decoder import PromptWriter
-
-if TYPE_CHECKING:
-    from loraplex.workers.sampling.sampler import _Run
+from loraplex.workers.sampling.static_decoder import PromptWriter, StaticDecoder
 
 # One layer's (keys, values) for one sequence: [kv_heads, L, D] each.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+class PrefillRun(Protocol):
+    """What a prefill reads of its run (sampler.py's `_Run`)."""
+
+    engine: Engine
+    jobs: list[SampleJob]
+    outputs: list[SampleOutput]
+    stats: SamplerStats
+    config: Any
+    key: int  # its holder rows' keys in the decoder: (key, job)
+    group_of: dict[str | None, int]  # a job's model_id -> its routing group
+    groups: list[Any]  # the run's routing groups (their count sizes a chunk's per-group row counts)
+    source: list[int]  # per job, the job whose prefill it shares
+    waiting: deque[tuple[int, int]]  # (job, sample) not admitted yet, in order
+
+    @property
+    def decoder(self) -> StaticDecoder: ...
+
+    def routing_for(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -51,7 +74,7 @@ class PromptPieces:
 
 
 class RunPrefill:
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: PrefillRun) -> None:
         self.run = run
         self.prefilled: dict[int, Prefilled] = {}
         self.held: set[int] = set()  # paged: jobs whose prompt KV the decoder holds for their samples to fork
@@ -98,14 +121,14 @@ class RunPrefill:
         counts = [0] * len(self.run.groups)
         for j in job_ids:
             counts[self.run.group_of[self.run.jobs[j].model_id]] += width
-        routing, banks = self.run._lora(counts)
+        routing, banks = self.run.routing_for(counts)
         cache = DynamicCache(config=self.run.config)
         with engine.context.use(routing, banks):
             hidden = engine.body(
                 input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True
             ).last_hidden_state
         lengths = torch.tensor([len(p) for p in prompts], device=engine.device)
-        last = self.run._logits(hidden[torch.arange(len(prompts), device=engine.device), lengths - 1])
+        last = self.run.logits(hidden[torch.arange(len(prompts), device=engine.device), lengths - 1])
         layers = [(layer.keys, layer.values) for layer in cast(Any, cache).layers]
         for b, j in enumerate(job_ids):
             n = len(prompts[b])
@@ -137,7 +160,7 @@ class RunPrefill:
         counts = [0] * len(self.run.groups)
         for j, n in zip(job_ids, lengths, strict=True):
             counts[self.run.group_of[self.run.jobs[j].model_id]] += n
-        routing, banks = self.run._lora(counts)
+        routing, banks = self.run.routing_for(counts)
         writer = PromptWriter(decoder, slots)
         with engine.context.use(routing, banks), engine.elementwise():
             hidden = engine.body(
@@ -147,7 +170,7 @@ class RunPrefill:
                 use_cache=True,
                 **packed_forward_kwargs(self.run.config, cu_seqlens, max(lengths)),
             ).last_hidden_state[0]
-        last = self.run._logits(hidden.index_select(0, (ends - 1).to(device)))
+        last = self.run.logits(hidden.index_select(0, (ends - 1).to(device)))
         starts = (ends - torch.tensor(lengths)).tolist()
         for b, j in enumerate(job_ids):
             self.prefilled[j] = Prefilled(kv=None, last_logits=last[b])
@@ -200,7 +223,7 @@ class RunPrefill:
             kwargs.update(cu_seq_lens_k=torch.tensor([0, end], dtype=torch.int32).to(device), max_length_k=end)
         counts = [0] * len(self.run.groups)
         counts[self.run.group_of[job.model_id]] = n
-        routing, banks = self.run._lora(counts)
+        routing, banks = self.run.routing_for(counts)
         writer = PromptWriter(decoder, slots[start:end], history=slots[:end] if start else None)
         with engine.context.use(routing, banks), engine.elementwise():
             hidden = engine.body(
@@ -214,7 +237,7 @@ class RunPrefill:
             piece.end = end
             return
         del self.pieces[j]
-        self.prefilled[j] = Prefilled(kv=None, last_logits=self.run._logits(hidden[n - 1 :])[0])
+        self.prefilled[j] = Prefilled(kv=None, last_logits=self.run.logits(hidden[n - 1 :])[0])
         self._set_prompt_logprobs(j, piece.values, piece.tops)
 
     def _prompt_logprobs(self, j: int, hidden: torch.Tensor) -> None:
@@ -231,7 +254,7 @@ class RunPrefill:
         values: list[float] = []
         tops: list[list[tuple[int, float]] | None] = []
         for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
-            lp = torch.log_softmax(self.run._logits(hidden[start : start + LOSS_CHUNK_TOKENS]), dim=-1)
+            lp = torch.log_softmax(self.run.logits(hidden[start : start + LOSS_CHUNK_TOKENS]), dim=-1)
             if job.prompt_logprobs:
                 values += lp.gather(1, targets[start : start + LOSS_CHUNK_TOKENS, None]).view(-1).cpu().tolist()
             if job.topk_prompt_logprobs:

@@ -353,7 +353,7 @@ class _Run:
         self.batch.join(self)
 
     # ---- routing -----------------------------------------------------------------------------------------------------
-    def _lora(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
+    def routing_for(self, rows_per_group: Sequence[int]) -> tuple[Routing | None, MicrobatchBanks | None]:
         """Routing (and gathered banks) for a batch whose rows are contiguous per group, `rows_per_group` rows each."""
         present = [g for g, n in enumerate(rows_per_group) if n > 0]
         if all(self.groups[g].scale == 0.0 for g in present):
@@ -375,7 +375,7 @@ class _Run:
         )
         return routing, self.banks
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] of final-norm hidden states [N, H]."""
         return F.linear(hidden, self.head_weight).float()
 
