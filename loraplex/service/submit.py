@@ -6,10 +6,9 @@ from __future__ import annotations
 from loraplex.protocol import Payload, RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
+from loraplex.queue.producer import OWNER_TTL_S
 from loraplex.service.context import Services, TenantRef
 from loraplex.service.schemas import FutureRef
-
-OWNER_TTL_SECONDS = 7 * 24 * 3600
 
 
 def enqueue(
@@ -26,8 +25,9 @@ def enqueue(
     return its request id (the first one's, if (model_id, seq_id) was already queued). Create and delete take no
     seq_id: they sit outside the adapter's step order."""
     envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
-    request_id = services.producer.submit(envelope, pool)
-    services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
+    request_id, queued = services.producer.submit_checked(envelope, pool)  # the script writes a new request's owner
+    if not queued:  # a retry: the first request's owner (written with it; kept if there)
+        services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_S, nx=True)
     return request_id
 
 
