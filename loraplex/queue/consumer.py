@@ -194,17 +194,31 @@ class Consumer:
             by_stream[ref.stream] += [ref.id, action, model_id, str(seq_id)]
         if not by_stream:
             return
-        pipe = self.redis.pipeline(transaction=False)  # one round trip for every tenant stream of a plan
-        for stream, args in by_stream.items():
-            self._ack_script(
-                keys=[stream, self._tokens_key, self._replay_set],
-                args=[self.group, self._tenant_of(stream), self._replay_prefix, *args],
-                client=pipe,
-            )
-        pipe.execute()
+        calls = [([stream, self._tokens_key, self._replay_set], [self.group, self._tenant_of(stream), self._replay_prefix,
+                                                                 *args]) for stream, args in by_stream.items()]  # fmt: skip
+        if len(calls) == 1:
+            self._ack_script(keys=calls[0][0], args=calls[0][1])
+        else:
+            self._ack_in_one_round_trip(calls)
         with self._lock:
             for stream, args in by_stream.items():
                 self._unacked[self._tenant_of(stream)].difference_update(args[::4])
+
+    def _ack_in_one_round_trip(self, calls: list[tuple[list[str], list[Any]]]) -> None:
+        """The ack script once per stream, pipelined by its hash: a pipeline of Script calls would first ask SCRIPT
+        EXISTS, a round trip of its own, on every ack. Calls that find the script cache empty (a Redis restart) run
+        again once it is loaded; running the script twice on an entry is harmless (see _ACK)."""
+        while calls:
+            pipe = self.redis.pipeline(transaction=False)
+            for script_keys, args in calls:
+                pipe.evalsha(self._ack_script.sha, len(script_keys), *script_keys, *args)
+            answers = pipe.execute(raise_on_error=False)
+            for answer in answers:
+                if isinstance(answer, Exception) and not isinstance(answer, redis_lib.exceptions.NoScriptError):
+                    raise answer
+            calls = [c for c, a in zip(calls, answers, strict=True) if isinstance(a, redis_lib.exceptions.NoScriptError)]
+            if calls:
+                self._ack_script.sha = self.redis.script_load(self._ack_script.script)
 
     def forward(self, ref: EntryRef, model_id: str) -> str | None:
         """An entry of an adapter that was handed to another pool (queue/handoff.py) goes to that pool's stream;
