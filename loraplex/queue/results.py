@@ -15,7 +15,7 @@ the waits use that client, so however many long-polls wait, the short calls' con
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import orjson
 import redis as redis_lib
@@ -169,21 +169,31 @@ class ResultStore:
     def wait(self, request_id: str, timeout_s: float, *, known_unstored: bool = False) -> Outcome | None:
         """The outcome, waiting up to `timeout_s` for it; None on timeout. known_unstored: the caller has just read
         that no result is stored (`owner_and_outcome`): the wait starts on the notify list at once."""
+        return self.wait_with_others(request_id, timeout_s, [], "", known_unstored=known_unstored)[0]
+
+    def wait_with_others(
+        self, request_id: str, timeout_s: float, others: list[str], tenant_id: str, *, known_unstored: bool = False
+    ) -> tuple[Outcome | None, list[Outcome]]:
+        """`wait`, and the outcomes `finished_of(others, tenant_id)` read with the result in the same round trip."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         result_key, notify = keys.result_key(request_id), keys.notify_key(request_id)
         redis = self.wait_redis
-        raw = None if known_unstored else redis.get(result_key)
+        others_keys = [k for rid in others for k in (keys.request_owner(rid), keys.result_key(rid))]
+        raw: bytes | str | None = None
+        found: list[bytes | str | None] = [None] * len(others_keys)
+        if not known_unstored:
+            raw, *found = redis.mget([result_key, *others_keys])
         while raw is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return None
+                break
             # The notify list moved onto itself (a rotation): the wait wakes on the token and leaves it in place, so
             # every waiter on this id, and every later wait, wakes too, in one round trip. A timeout of 0 means
             # "forever": never pass less than 10 ms.
             slice_s = max(min(remaining, WAIT_SLICE_S), 0.01)
             redis.blmove(notify, notify, slice_s, "RIGHT", "LEFT")  # type: ignore[arg-type]  # Redis takes fractions
-            raw = redis.get(result_key)
-        return outcome_from_json(raw)
+            raw, *found = redis.mget([result_key, *others_keys])
+        return None if raw is None else outcome_from_json(raw), _owned_outcomes(found, tenant_id)
 
     def owner_and_outcome(self, request_id: str) -> tuple[str | None, Outcome | None]:
         """The tenant that submitted the request (its owner key, service/submit.py; None: no such request) and its
@@ -197,8 +207,7 @@ class ResultStore:
         if not request_ids:
             return []
         raw = self.redis.mget([k for rid in request_ids for k in (keys.request_owner(rid), keys.result_key(rid))])
-        return [outcome_from_json(result) for owner, result in zip(raw[::2], raw[1::2], strict=True)
-                if result is not None and owner is not None and text(owner) == tenant_id]  # fmt: skip
+        return _owned_outcomes(raw, tenant_id)
 
     def result_and_state(self, request_id: str) -> tuple[Outcome | None, JobState | None]:
         """The result and the job state read together (one MGET): `put` writes both in one MULTI, so a finished state
@@ -231,3 +240,10 @@ class ResultStore:
         if raw is None:
             return None
         return JobState(text(raw))
+
+
+def _owned_outcomes(owners_and_results: Sequence[bytes | str | None], tenant_id: str) -> list[Outcome]:
+    """From an MGET of (owner key, result key) pairs: the stored outcomes that `tenant_id` owns."""
+    pairs = zip(owners_and_results[::2], owners_and_results[1::2], strict=True)
+    return [outcome_from_json(result) for owner, result in pairs
+            if result is not None and owner is not None and text(owner) == tenant_id]  # fmt: skip

@@ -145,14 +145,14 @@ def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeyp
     model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
     body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
     request_id = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).json()["request_id"]
-    real_wait = services.results.wait
+    real_wait = services.results.wait_with_others
 
-    def wait_then_land(rid: str, timeout_s: float, **kw):
-        missed = real_wait(rid, 0.01, **kw)  # nothing yet
+    def wait_then_land(rid: str, timeout_s: float, *args, **kw):
+        missed = real_wait(rid, 0.01, *args, **kw)  # nothing yet
         services.results.put(Outcome(rid, result=OptimStepResult({"loss": 1.5})))  # lands right after the wait gave up
         return missed
 
-    monkeypatch.setattr(services.results, "wait", wait_then_land)
+    monkeypatch.setattr(services.results, "wait_with_others", wait_then_land)
     answer = client.get(f"/v1/futures/{request_id}?timeout=1", headers=alice).json()
     assert answer["state"] == "complete" and answer["result"] == {"metrics": {"loss": 1.5}}
 

@@ -110,6 +110,11 @@ def test_owner_and_outcome_and_the_finished_of_one_tenant(redis_client: redis.Re
     assert store.owner_and_outcome(unknown) == (None, None)
     assert store.finished_of([running, foreign, unknown, done], "t1") == [Outcome(done, result=OptimStepResult({"x": 1.0}))]
     assert store.finished_of([], "t1") == []
+    # a long-poll reads the others with the result it woke for
+    threading.Timer(0.2, lambda: store.put(Outcome(running, result=DeleteResult()))).start()
+    got = store.wait_with_others(running, 5, [done, foreign, unknown], "t1", known_unstored=True)
+    assert got == (Outcome(running, result=DeleteResult()), [Outcome(done, result=OptimStepResult({"x": 1.0}))])
+    assert store.wait_with_others(unknown, 0.05, [done], "t1") == (None, [Outcome(done, result=OptimStepResult({"x": 1.0}))])
 
 
 def test_each_result_type_and_error_class_round_trips_with_its_json_form(redis_client: redis.Redis) -> None:

@@ -46,8 +46,11 @@ def get_future(
     wait_s = min(timeout, services.settings.long_poll_seconds)
     if outcome is None and wait_s > 0:
         with services.long_polls.hold(tenant.id, tenant.name):
-            outcome = services.results.wait(request_id, wait_s, known_unstored=True)
-    finished = [FutureOut(**_answer(o)) for o in services.results.finished_of(others, tenant.id)]
+            outcome, done = services.results.wait_with_others(request_id, wait_s, others, tenant.id,
+                                                              known_unstored=True)  # fmt: skip
+    else:
+        done = services.results.finished_of(others, tenant.id)
+    finished = [FutureOut(**_answer(o)) for o in done]
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
         outcome, state = services.results.result_and_state(request_id)
         if outcome is None:
