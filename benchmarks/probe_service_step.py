@@ -54,7 +54,7 @@ def p50_ms(values: list[float]) -> str:
 
 def probe_tenant(base_url: str, key: str, model_id: str, tokens: int, seed: int, warmup: int, steps: int,
                  ready: Any, start: Any, results: Any) -> None:  # fmt: skip
-    """One tenant's closed loop; puts [(fb id, optim id, t0..t4 wall clock)] per timed step on `results`."""
+    """One tenant's closed loop; puts (seed, [(fb id, optim id, t0..t4 wall clock)] per timed step) on `results`."""
     try:
         trainer = ServiceClient(base_url, key, timeout=600).training_client(model_id)
         data, adam = tenant_datums(512, [tokens], seed), AdamParams(learning_rate=1e-4)
@@ -74,7 +74,7 @@ def probe_tenant(base_url: str, key: str, model_id: str, tokens: int, seed: int,
             t4 = time.time()
             if i >= warmup:
                 out.append((fb.request_id, opt.request_id, t0, t1, t2, t3, t4))
-        results.put(out)
+        results.put((seed, out))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         results.put(f"{type(exc).__name__}: {exc}")
         ready.abort()
@@ -118,9 +118,10 @@ def main() -> None:
                                        stdout=monitor_file.open("w"))  # fmt: skip
             time.sleep(0.3)
         start.wait(timeout=600)
-        per_tenant = [results.get(timeout=600) for _ in range(args.tenants)]
-        if any(isinstance(x, str) for x in per_tenant):
-            raise RuntimeError(f"a tenant failed: {[x for x in per_tenant if isinstance(x, str)]}")
+        answers = [results.get(timeout=600) for _ in range(args.tenants)]
+        if any(isinstance(x, str) for x in answers):
+            raise RuntimeError(f"a tenant failed: {[x for x in answers if isinstance(x, str)]}")
+        per_tenant = [steps for _, steps in sorted(answers)]  # tenant i's steps at i (keys[i] reads its futures)
         if monitor is not None:
             time.sleep(0.3)
             monitor.terminate()
