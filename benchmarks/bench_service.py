@@ -263,7 +263,7 @@ def service_config(
         # each timed step's slowest tenant, in step order: which round a p99 comes from
         "step_max_ms": [round(1e3 * max(steps[i] for steps in per_tenant), 1) for i in range(args.steps)],
     } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
-         for name in ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")}  # fmt: skip
+         for name in ("busy", "read", "plan", "coalesce", "decide", "overhead", "record", "publish")}  # fmt: skip
 
 
 def scaling(settings: Settings, configs: list[tuple[str, int, int]], args: argparse.Namespace, vocab: int,
@@ -379,7 +379,7 @@ def report(title: str, service: dict[str, Any], engine: dict[str, Any], configs:
               + ("  engine before/after: {:,.0f} / {:,.0f}".format(*e["tok_s_before_after"])
                  if e and "tok_s_before_after" in e else ""))  # fmt: skip
     print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
-    parts = ("busy", "read", "plan", "coalesce", "overhead", "record", "publish")
+    parts = ("busy", "read", "plan", "coalesce", "decide", "overhead", "record", "publish")
     print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))
     for workload, n, _ in configs:
         s = service[f"{workload}/{n}"]

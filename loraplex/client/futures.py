@@ -38,10 +38,17 @@ class APIFuture:
         self.last_state = "queued"  # what the server last said, for the timeout error
         self.queue_state: str | None = None
         self.queue_state_reason: str | None = None
+        transport.unsettled.add(self)  # another future's poll may bring this one's result (client/unsettled.py)
+
+    def settle_from(self, body: dict[str, Any]) -> None:
+        """The gateway answered this future finished (complete or failed) in another future's poll."""
+        if self._done is None and body.get("state") in ("complete", "failed"):
+            self._done = body
 
     def _settle(self, body: dict[str, Any]) -> bool:
         if body["state"] in ("complete", "failed"):
             self._done = body
+            self._transport.unsettled.discard(self.request_id)
             return True
         self.last_state = str(body["state"])
         self.queue_state = body.get("queue_state")
@@ -63,8 +70,16 @@ class APIFuture:
     def done(self) -> bool:
         return self._done is not None or self._settle(self._poll(0.0))
 
+    def _params(self, wait: float) -> dict[str, Any]:
+        """The poll's query: how long to wait, and the transport's other unsettled futures (their results may come
+        back with this one's: client/unsettled.py)."""
+        others = self._transport.unsettled.others(self.request_id)
+        return {"timeout": wait, "also": ",".join(others)} if others else {"timeout": wait}
+
     def _poll(self, wait: float) -> dict[str, Any]:
-        return self._transport.request("GET", f"/v1/futures/{self.request_id}", params={"timeout": wait})
+        body = self._transport.request("GET", f"/v1/futures/{self.request_id}", params=self._params(wait))
+        self._transport.unsettled.settle(body.get("also", ()))
+        return body
 
     def _deadline(self, timeout: float | None | _Default) -> tuple[float | None, float | None]:
         limit = self._transport.result_timeout if isinstance(timeout, _Default) else timeout
@@ -106,7 +121,9 @@ class APIFuture:
         while self._done is None:
             left = self._left(deadline)
             try:
-                if self._settle(await self._transport.request_async("GET", path, params={"timeout": left})):
+                body = await self._transport.request_async("GET", path, params=self._params(left))
+                self._transport.unsettled.settle(body.get("also", ()))
+                if self._settle(body):
                     break
             except ServiceUnavailableError as exc:
                 self._unavailable(exc)

@@ -9,6 +9,7 @@ from typing import IO, Any
 
 import httpx
 
+from loraplex.client.unsettled import UnsettledFutures
 from loraplex.errors import error_class_for_status
 
 # A gateway that went away mid-call (killed, restarting): the call is sent again after a short wait, up to the
@@ -74,6 +75,7 @@ class Transport:
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._closing: asyncio.Task[None] | None = None  # a close that `close()` scheduled (loops hold tasks weakly)
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
+        self.unsettled = UnsettledFutures()  # this transport's futures not settled yet (client/unsettled.py)
 
     def _send(self, method: str, path: str, deadline: float, **kwargs: Any) -> httpx.Response:
         while True:

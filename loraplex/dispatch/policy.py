@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from loraplex.dispatch.cost_model import StepCost
@@ -64,6 +64,7 @@ from loraplex.protocol import (
     BatchPlan,
     ForwardBackwardPayload,
     PlannedRequest,
+    RequestKind,
     SamplePayload,
     Step,
     StepKind,
@@ -259,6 +260,77 @@ def plan_batch(
     dups = set(duplicates)
     left = tuple(r for i, r in enumerate(reqs) if i not in taken and i not in dups)
     return PolicyResult(BatchPlan(tuple(steps)), left, tuple(reqs[i] for i in duplicates), blocked)
+
+
+# The kinds `takes_all` vouches for: chained training steps, planned round by round with no other limit than tokens,
+# slots, rounds and the request budget.
+_SIMPLE_KINDS = frozenset({RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP})
+
+
+def takes_all(
+    pending: Sequence[PlannedRequest],
+    last_applied: Mapping[str, int | None],
+    limits: PolicyLimits | None = None,
+    progress: Mapping[str, int] | None = None,
+) -> bool:
+    """Whether `plan_batch` with these arguments surely plans every request of `pending` (none left pending, blocked
+    or duplicate), told in one pass without planning: only forward_backward / forward / optim_step requests, none
+    running in parts, each adapter's seq_ids contiguous from its next one and at most `max_rounds` of them, and all
+    of them within one step's tokens, the slots and the request budget. False means "perhaps not": plan to know."""
+    fit = PlanFit(last_applied, limits, progress)
+    fit.add(pending)
+    return fit.takes_all
+
+
+class PlanFit:
+    """`takes_all` of a buffer that only grows, kept as requests are added (each looked at once): the dispatcher's
+    coalescing wait adds each arrival and plans again only when the answer turns False (dispatch/loop.py)."""
+
+    def __init__(
+        self,
+        last_applied: Mapping[str, int | None],
+        limits: PolicyLimits | None = None,
+        progress: Mapping[str, int] | None = None,
+    ) -> None:
+        self._last = last_applied
+        self._limits = limits or PolicyLimits()
+        self._progress = progress or {}
+        self._chains: dict[str, tuple[int, int, int]] = {}  # model_id -> (lowest seq_id, highest, how many)
+        self._seen: set[tuple[str, int]] = set()  # (model_id, seq_id) of each request added
+        self._broken: set[str] = set()  # adapters whose seq_ids so far are not a run from their next one
+        self._requests = 0
+        self._tokens = 0
+        self._simple = True  # only simple kinds so far, none in parts, no seq_id twice
+
+    def add(self, requests: Iterable[PlannedRequest]) -> bool:
+        """Add requests to the buffer; returns `takes_all` of the buffer now."""
+        simple, optim = _SIMPLE_KINDS, RequestKind.OPTIM_STEP
+        for r in requests:
+            self._requests += 1
+            slot = (r.model_id, r.seq_id)
+            if r.kind not in simple or r.request_id in self._progress or slot in self._seen:  # a repeat: a duplicate
+                self._simple = False
+                continue
+            self._seen.add(slot)
+            chain = self._chains.get(r.model_id)
+            low, high, n = (r.seq_id, r.seq_id, 1) if chain is None else (
+                min(chain[0], r.seq_id), max(chain[1], r.seq_id), chain[2] + 1)  # fmt: skip
+            self._chains[r.model_id] = (low, high, n)
+            last = self._last.get(r.model_id)
+            # n distinct seq_ids spanning n values are a run: it must start at the adapter's next one
+            if n > self._limits.max_rounds or high - low + 1 != n or (last is not None and low != last + 1):
+                self._broken.add(r.model_id)
+            else:
+                self._broken.discard(r.model_id)
+            if r.kind != optim:
+                self._tokens += r.num_tokens
+        return self.takes_all
+
+    @property
+    def takes_all(self) -> bool:
+        limits = self._limits
+        return (self._simple and not self._broken and self._requests <= limits.max_requests
+                and self._tokens <= limits.plan_tokens and len(self._chains) <= limits.max_adapters_per_step)  # fmt: skip
 
 
 def _rows(r: PlannedRequest) -> int:

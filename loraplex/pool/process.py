@@ -657,8 +657,16 @@ def preflight(settings: Settings, stop: threading.Event | None = None) -> None:
                    RateLimitedLog(log, every_s=10.0), sleep=wait)  # fmt: skip
 
 
+# How long a thread may keep the interpreter lock while another one waits for it (Python's default: 5 ms). The loop
+# thread runs a plan's Python (the engine's launches, the policy) while the finisher thread records and publishes the
+# plan before it and the prefetch thread reads the next requests: each of their Redis and SQL calls gives the lock up
+# and may wait this long to get it back, and a plan's results or the next request wait with it.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()
     stop_on_signals(stop)
     settings = get_settings()

@@ -7,7 +7,8 @@ until acked).
   tenant's stream side by side: at most `count` of each per call, and none of a
   tenant that has `window` entries read and not yet acked (the dispatcher holds enough of its requests). So one
   tenant's deep backlog never stands between another tenant and the dispatcher. A blocked read also watches the pool's
-  doorbell stream, so a tenant's first stream wakes it.
+  doorbell stream, so a tenant's first stream wakes it; the size of the pool's tenants set comes back in the same round
+  trip, and the set is read again only when the doorbell rang or the size changed.
 - `ack` = XACK + XDEL, and the tenant's queued-token count gives back the entry's tokens (one script: exact even when
   an entry is acked twice): an answered request leaves its stream entirely, and (when the dispatcher says so) moves
   to its adapter's durable request log in the same script (queue/replay_log.py).
@@ -163,11 +164,10 @@ class Consumer:
         if self._rescan:
             self._rescan = False
             self._backlog = dict.fromkeys(self._backlog, "0")
-        self.refresh()
         for tenant, cursor in self._backlog.items():
             if cursor is None:
                 continue
-            raw = self._xreadgroup({self.stream_of(tenant): cursor}, count, None)
+            _, raw = self._xreadgroup({self.stream_of(tenant): cursor}, count, None)
             if raw:
                 self._backlog[tenant] = raw[-1][0].id
                 return self._decode(raw)
@@ -175,13 +175,14 @@ class Consumer:
         with self._lock:
             paused = {t for t, ids in self._unacked.items() if len(ids) >= self.window}
         streams = {self.stream_of(t): ">" for t in self._backlog if t not in paused}
-        raw = self._xreadgroup({**streams, self._doorbell: ">"}, count, block_ms)
+        known = len(self._backlog)
+        tenants, raw = self._xreadgroup({**streams, self._doorbell: ">"}, count, block_ms, count_tenants=True)
         rang = [ref for ref, _ in raw if ref.stream == self._doorbell]
-        if rang:  # a new tenant's stream: read it at once
+        if rang:
             self.redis.xack(self._doorbell, self.group, *[ref.id for ref in rang])
             raw = [e for e in raw if e[0].stream != self._doorbell]
-            if self.refresh() and not raw:
-                return self.read(None, count)
+        if (rang or tenants != known) and self.refresh() and not raw:  # a new tenant's stream: read it at once
+            return self.read(None, count)
         return self._decode(raw)
 
     def ack(self, refs: Iterable[EntryRef], log: Mapping[EntryRef, LogAction] | None = None) -> None:
@@ -193,17 +194,31 @@ class Consumer:
             by_stream[ref.stream] += [ref.id, action, model_id, str(seq_id)]
         if not by_stream:
             return
-        pipe = self.redis.pipeline(transaction=False)  # one round trip for every tenant stream of a plan
-        for stream, args in by_stream.items():
-            self._ack_script(
-                keys=[stream, self._tokens_key, self._replay_set],
-                args=[self.group, self._tenant_of(stream), self._replay_prefix, *args],
-                client=pipe,
-            )
-        pipe.execute()
+        calls = [([stream, self._tokens_key, self._replay_set], [self.group, self._tenant_of(stream), self._replay_prefix,
+                                                                 *args]) for stream, args in by_stream.items()]  # fmt: skip
+        if len(calls) == 1:
+            self._ack_script(keys=calls[0][0], args=calls[0][1])
+        else:
+            self._ack_in_one_round_trip(calls)
         with self._lock:
             for stream, args in by_stream.items():
                 self._unacked[self._tenant_of(stream)].difference_update(args[::4])
+
+    def _ack_in_one_round_trip(self, calls: list[tuple[list[str], list[Any]]]) -> None:
+        """The ack script once per stream, pipelined by its hash: a pipeline of Script calls would first ask SCRIPT
+        EXISTS, a round trip of its own, on every ack. Calls that find the script cache empty (a Redis restart) run
+        again once it is loaded; running the script twice on an entry is harmless (see _ACK)."""
+        while calls:
+            pipe = self.redis.pipeline(transaction=False)
+            for script_keys, args in calls:
+                pipe.evalsha(self._ack_script.sha, len(script_keys), *script_keys, *args)
+            answers = pipe.execute(raise_on_error=False)
+            for answer in answers:
+                if isinstance(answer, Exception) and not isinstance(answer, redis_lib.exceptions.NoScriptError):
+                    raise answer
+            calls = [c for c, a in zip(calls, answers, strict=True) if isinstance(a, redis_lib.exceptions.NoScriptError)]
+            if calls:
+                self._ack_script.sha = self.redis.script_load(self._ack_script.script)
 
     def forward(self, ref: EntryRef, model_id: str) -> str | None:
         """An entry of an adapter that was handed to another pool (queue/handoff.py) goes to that pool's stream;
@@ -260,17 +275,36 @@ class Consumer:
         prefix, suffix = keys.request_stream(self.pool, ""), ":requests"
         return stream[len(prefix) - len(suffix) : -len(suffix)]
 
-    def _xreadgroup(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[RawEntry]:
+    def _xreadgroup(
+        self, streams: dict[str, str], count: int, block_ms: int | None, *, count_tenants: bool = False
+    ) -> tuple[int | None, list[RawEntry]]:
+        """(the size of the pool's tenants set when `count_tenants`, else None; the entries XREADGROUP of `streams`
+        returns): the size is read in the same round trip, so a tenant that appeared without a doorbell is noticed
+        without a read of its own."""
         if block_ms is not None and block_ms <= 0:
             block_ms = None
+
+        def call() -> tuple[int | None, Any]:
+            if not count_tenants:
+                return None, self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.scard(self._tenants_key)
+            pipe.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+            tenants, answer = pipe.execute()
+            return int(tenants), answer
+
         try:
-            reply = self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+            tenants, reply = call()
         except redis_lib.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             for stream in streams:  # a stream was deleted under us (FLUSHDB, an operator): recreate and read again
                 self._ensure_group(stream)
-            reply = self.redis.xreadgroup(self.group, self.name, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+            tenants, reply = call()
+        return tenants, self._entries(reply)
+
+    @staticmethod
+    def _entries(reply: Any) -> list[RawEntry]:
         pairs: list[Any]
         if isinstance(reply, dict):  # RESP3 clients answer {stream: [entries]}
             pairs = [(s, b[0] if b and isinstance(b[0], list) else b) for s, b in reply.items()]

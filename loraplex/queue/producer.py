@@ -3,10 +3,11 @@
 Idempotency: training steps are keyed by (model_id, seq_id); create_adapter / delete_adapter (seq_id -1, outside the
 seq chain) by (model_id, kind), since an adapter is created and deleted once. One Lua script claims the key with the
 new request_id, the request's fingerprint (its kind and the payload's bytes the entry carries, hashed: the payload
-is serialized once) and its kind (SET NX semantics), XADDs the entry and marks it queued, atomically: a crash can
-never leave a claimed key without its entry (which would make every retry wait on a request that was never queued). If the key is already claimed, nothing is enqueued: the same request
-again (same fingerprint: a retry) gets the first request_id, so it is never applied twice; a different request under
-the same key is a ConflictError naming both kinds (the caller reused a seq_id).
+is serialized once) and its kind (SET NX semantics), XADDs the entry, marks it queued and writes its owner (the tenant:
+who may read its future), atomically, in one round trip: a crash can never leave a claimed key without its entry
+(which would make every retry wait on a request that was never queued). If the key is already claimed, nothing is
+enqueued: the same request again (same fingerprint: a retry) gets the first request_id, so it is never applied
+twice; a different request under the same key is a ConflictError naming both kinds (the caller reused a seq_id).
 
 Each tenant has its own stream on the pool (queue/keys.py), and the same script enforces the tenant's quotas: queued
 requests (the stream's length: answered entries are deleted) and queued tokens (a per-tenant count the consumer's ack
@@ -30,9 +31,10 @@ from loraplex.queue.keys import JobState
 from loraplex.queue.redis_text import text
 from loraplex.queue.results import DEFAULT_TTL_S
 
-# KEYS: idempotency, stream, state, tenants set, doorbell, queued-tokens hash.
+# KEYS: idempotency, stream, state, tenants set, doorbell, queued-tokens hash, the request's owner.
 # ARGV: claim ("<request_id> <fingerprint> <kind>"), request_id, ttl_s, state value, tenant_id, tokens,
-# max queued requests (0: no limit), max queued tokens (0: no limit), then field/value pairs for XADD.
+# max queued requests (0: no limit), max queued tokens (0: no limit), the owner key's ttl_s, then field/value pairs
+# for XADD.
 _SUBMIT = """
 local prev = redis.call('GET', KEYS[1])
 if prev then return {0, prev} end
@@ -49,10 +51,11 @@ if max_tokens > 0 then
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
 if tokens > 0 then redis.call('HINCRBY', KEYS[6], ARGV[5], tokens) end
 redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3])
+redis.call('SET', KEYS[7], ARGV[5], 'NX', 'EX', ARGV[9])
 if redis.call('SADD', KEYS[4], ARGV[5]) == 1 then
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', '64', '*', 'tenant', ARGV[5])
 end
@@ -64,6 +67,8 @@ Limits = tuple[int | None, int | None]
 
 # How long a caller over its queue quota is told to wait before sending the same request again.
 QUOTA_RETRY_AFTER_S = 1.0
+# How long a request's owner key (keys.request_owner: who may read its future) lives.
+OWNER_TTL_S = 7 * 24 * 3600
 
 
 class Producer:
@@ -104,7 +109,7 @@ class Producer:
         exempt = spec.quota_exempt
         argv: list[str | int | bytes] = [claim.encode(), env.request_id, self.idempotency_ttl_s, JobState.QUEUED.value]
         argv += [env.tenant_id, tokens, 0 if exempt else max_requests]
-        argv += [0 if exempt else max_tokens]
+        argv += [0 if exempt else max_tokens, OWNER_TTL_S]
         for name, value in encode(env, payload).items():
             argv += [name, value]
         argv += [TOKENS_FIELD, tokens]
@@ -115,6 +120,7 @@ class Producer:
             keys.pool_tenants(pool),
             keys.pool_doorbell(pool),
             keys.queued_tokens(pool),
+            keys.request_owner(env.request_id),
         ]
         created, raw = self._script(keys=script_keys, args=argv)
         if created == 1:

@@ -5,16 +5,17 @@ Fenced (the pool leader's store, `lease=`): `put_many` and `set_states` run as o
 lease still holds this writer's fencing token (queue/lease.py), and writes nothing otherwise (LeaseLostError): a
 deposed leader that still finishes a plan cannot publish its results. Still one round trip, as the MULTI was.
 
-Waiting: `wait` BLPOPs the notify list in short slices (always below the client's socket timeout) and re-pushes the
-token it took, so any number of waiters, and repeated waits on the same id, all wake; it checks the result key first,
-so a finished request answers at once. With `wait_redis` (the gateway's: a client over a connection pool of its own)
+Waiting: `wait` blocks on the notify list in short slices (always below the client's socket timeout) with a BLMOVE of
+the list onto itself, which hands the token over and leaves it there, so any number of waiters, and repeated waits on
+the same id, all wake, and a wake-up costs one round trip; it checks the result key first, so a finished request
+answers at once. With `wait_redis` (the gateway's: a client over a connection pool of its own)
 the waits use that client, so however many long-polls wait, the short calls' connections stay free.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import orjson
 import redis as redis_lib
@@ -165,26 +166,48 @@ class ResultStore:
             pipe.exists(keys.result_key(rid))
         return [bool(n) for n in pipe.execute()]
 
-    def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
-        """The outcome, waiting up to `timeout_s` for it; None on timeout."""
+    def wait(self, request_id: str, timeout_s: float, *, known_unstored: bool = False) -> Outcome | None:
+        """The outcome, waiting up to `timeout_s` for it; None on timeout. known_unstored: the caller has just read
+        that no result is stored (`owner_and_outcome`): the wait starts on the notify list at once."""
+        return self.wait_with_others(request_id, timeout_s, [], "", known_unstored=known_unstored)[0]
+
+    def wait_with_others(
+        self, request_id: str, timeout_s: float, others: list[str], tenant_id: str, *, known_unstored: bool = False
+    ) -> tuple[Outcome | None, list[Outcome]]:
+        """`wait`, and the outcomes `finished_of(others, tenant_id)` read with the result in the same round trip."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
-        notify = keys.notify_key(request_id)
+        result_key, notify = keys.result_key(request_id), keys.notify_key(request_id)
         redis = self.wait_redis
-        while True:
-            raw = redis.get(keys.result_key(request_id))
-            if raw is not None:
-                return outcome_from_json(raw)
+        others_keys = [k for rid in others for k in (keys.request_owner(rid), keys.result_key(rid))]
+        raw: bytes | str | None = None
+        found: list[bytes | str | None] = [None] * len(others_keys)
+        if not known_unstored:
+            raw, *found = redis.mget([result_key, *others_keys])
+        while raw is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return None
-            # BLPOP timeout 0 means "forever": never pass less than 10 ms.
-            popped = redis.blpop([notify], timeout=max(min(remaining, WAIT_SLICE_S), 0.01))
-            if popped is not None:
-                # Put the token back for the next waiter (or the next wait on this id).
-                pipe = redis.pipeline(transaction=True)
-                pipe.rpush(notify, _TOKEN)
-                pipe.expire(notify, self.ttl_s)
-                pipe.execute()
+                break
+            # The notify list moved onto itself (a rotation): the wait wakes on the token and leaves it in place, so
+            # every waiter on this id, and every later wait, wakes too, in one round trip. A timeout of 0 means
+            # "forever": never pass less than 10 ms.
+            slice_s = max(min(remaining, WAIT_SLICE_S), 0.01)
+            redis.blmove(notify, notify, slice_s, "RIGHT", "LEFT")  # type: ignore[arg-type]  # Redis takes fractions
+            raw, *found = redis.mget([result_key, *others_keys])
+        return None if raw is None else outcome_from_json(raw), _owned_outcomes(found, tenant_id)
+
+    def owner_and_outcome(self, request_id: str) -> tuple[str | None, Outcome | None]:
+        """The tenant that submitted the request (its owner key, service/submit.py; None: no such request) and its
+        stored outcome (None: not finished), in one round trip."""
+        owner, raw = self.redis.mget([keys.request_owner(request_id), keys.result_key(request_id)])
+        return None if owner is None else text(owner), None if raw is None else outcome_from_json(raw)
+
+    def finished_of(self, request_ids: list[str], tenant_id: str) -> list[Outcome]:
+        """The stored outcomes of those of `request_ids` that `tenant_id` submitted and that are finished (one MGET);
+        an unknown id, another tenant's or one not finished is left out."""
+        if not request_ids:
+            return []
+        raw = self.redis.mget([k for rid in request_ids for k in (keys.request_owner(rid), keys.result_key(rid))])
+        return _owned_outcomes(raw, tenant_id)
 
     def result_and_state(self, request_id: str) -> tuple[Outcome | None, JobState | None]:
         """The result and the job state read together (one MGET): `put` writes both in one MULTI, so a finished state
@@ -217,3 +240,10 @@ class ResultStore:
         if raw is None:
             return None
         return JobState(text(raw))
+
+
+def _owned_outcomes(owners_and_results: Sequence[bytes | str | None], tenant_id: str) -> list[Outcome]:
+    """From an MGET of (owner key, result key) pairs: the stored outcomes that `tenant_id` owns."""
+    pairs = zip(owners_and_results[::2], owners_and_results[1::2], strict=True)
+    return [outcome_from_json(result) for owner, result in pairs
+            if result is not None and owner is not None and text(owner) == tenant_id]  # fmt: skip

@@ -1,7 +1,7 @@
 """Running totals of a pool's plans in one Redis hash (keys.pool_stats): how many plans, forward_backward steps,
 adapters and tokens per step, optimizer steps, and where the dispatcher's seconds went (executing, reading, planning,
-coalescing, the rest of the loop, and the finisher's SQL records and result writes). Operators and
-benchmarks/bench_service.py read them; two readings apart give the mean adapters per step over that stretch."""
+coalescing, the decision's CPU time, the rest of the loop, and the finisher's SQL records and result writes).
+Operators and benchmarks/bench_service.py read them; two readings apart give the mean adapters per step over that stretch."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ class PlanStats:
     read_s: float = 0.0  # reading the stream before a plan (waits for entries included)
     plan_s: float = 0.0  # the policy choosing the plan (dispatch/policy.py), before any coalescing wait
     coalesce_s: float = 0.0  # holding underfilled plans back for the tenants just answered (dispatch/coalescing.py)
+    # the loop thread's CPU seconds in the policy and the coalescing (admitting arrivals, planning again), waits
+    # left out: what deciding a plan costs (inside plan_s + coalesce_s, which are wall time)
+    decide_s: float = 0.0
     overhead_s: float = 0.0  # the rest of the loop around each plan: decoding, admitting (plus finishing, not pipelined)
     record_s: float = 0.0  # finishing: each plan's finish step up to storing its results (its SQL record)
     publish_s: float = 0.0  # finishing: storing the results and acking the entries
@@ -42,6 +45,7 @@ class PlanStats:
         coalesce_s: float = 0.0,
         overhead_s: float = 0.0,
         plan_s: float = 0.0,
+        decide_s: float = 0.0,
     ) -> PlanStats:
         fb = [s for s in plan.steps if s.kind == StepKind.FORWARD_BACKWARD]
         return cls(
@@ -55,6 +59,7 @@ class PlanStats:
             read_s=read_s,
             plan_s=plan_s,
             coalesce_s=coalesce_s,
+            decide_s=decide_s,
             overhead_s=overhead_s,
         )
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 from loraplex.protocol import Payload, RequestKind
 from loraplex.queue import keys
 from loraplex.queue.envelope import Envelope
+from loraplex.queue.producer import OWNER_TTL_S
 from loraplex.service.context import Services, TenantQuotas, TenantRef
 from loraplex.service.schemas import FutureRef
 from loraplex.service.tenant_auth import check_queues
-
-OWNER_TTL_SECONDS = 7 * 24 * 3600
 
 
 def enqueue(
@@ -30,8 +29,10 @@ def enqueue(
     them (service/tenant_controls.py)."""
     envelope = Envelope.new(tenant_id=tenant_id, model_id=model_id, kind=kind, seq_id=seq_id, payload=payload)
     limits = None if quotas is None else (quotas.max_queued_requests, quotas.max_queued_tokens)
-    request_id = services.producer.submit(envelope, pool, limits=limits)
-    services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_SECONDS, nx=True)
+    # the script writes a new request's owner; a retry keeps the first request's (written with it)
+    request_id, queued = services.producer.submit_checked(envelope, pool, limits=limits)
+    if not queued:
+        services.redis.set(keys.request_owner(request_id), tenant_id, ex=OWNER_TTL_S, nx=True)
     return request_id
 
 

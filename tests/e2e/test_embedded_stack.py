@@ -85,6 +85,26 @@ def test_bad_step_fails_alone_and_training_continues(stack, keys):
         trainer.info()
 
 
+def test_awaiting_a_training_step_takes_one_poll_for_both_results(stack, keys):
+    """The client's poll for one future names its other unsettled futures (client/unsettled.py), and the gateway
+    answers those already finished: the optim_step's result holds the forward_backward's, done in the same plan or
+    the one before, so the step costs one GET, and both futures hold their own results."""
+    client = ServiceClient(stack.base_url, keys["t-two"])
+    trainer = client.create_lora_training_client(rank=4, seed=9)
+    polls: list[str] = []
+    client._transport._sync.event_hooks["request"].append(
+        lambda request: polls.append(request.url.path) if request.url.path.startswith("/v1/futures/") else None
+    )
+    fb = trainer.forward_backward(_data(4))
+    opt = trainer.optim_step(AdamParams(learning_rate=1e-3))
+    optim = opt.result()
+    forward_backward = fb.result()
+    assert polls == [f"/v1/futures/{opt.request_id}"]
+    assert len(forward_backward["loss_fn_outputs"]) == 3 and "loss:sum" in forward_backward["metrics"]
+    assert "loss_fn_outputs" not in optim and optim == opt.result()
+    trainer.delete()
+
+
 def test_cli_tenant_create_prints_the_key_last(stack):
     env = dict(os.environ, LORAPLEX_HOME=str(stack.settings.home))
     out = subprocess.run(

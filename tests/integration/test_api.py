@@ -145,16 +145,46 @@ def test_a_result_landing_as_the_long_poll_ends_is_answered_whole(stack, monkeyp
     model_id = _create(client, keys["alice"], rank=4).json()["model_id"]
     body = {"seq_id": 1, "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}]}
     request_id = client.post(f"/v1/adapters/{model_id}/forward_backward", json=body, headers=alice).json()["request_id"]
-    real_wait = services.results.wait
+    real_wait = services.results.wait_with_others
 
-    def wait_then_land(rid: str, timeout_s: float):
-        missed = real_wait(rid, 0.01)  # nothing yet
+    def wait_then_land(rid: str, timeout_s: float, *args, **kw):
+        missed = real_wait(rid, 0.01, *args, **kw)  # nothing yet
         services.results.put(Outcome(rid, result=OptimStepResult({"loss": 1.5})))  # lands right after the wait gave up
         return missed
 
-    monkeypatch.setattr(services.results, "wait", wait_then_land)
+    monkeypatch.setattr(services.results, "wait_with_others", wait_then_land)
     answer = client.get(f"/v1/futures/{request_id}?timeout=1", headers=alice).json()
     assert answer["state"] == "complete" and answer["result"] == {"metrics": {"loss": 1.5}}
+
+
+def test_a_future_poll_answers_the_finished_among_its_also_ids_of_the_same_tenant(stack):
+    """`also`: the poll brings back those of the other ids that are finished and the caller's; a pending one, another
+    tenant's or an unknown id is left out, never an error; too many ids is a 400."""
+    from loraplex.errors import EngineError
+    from loraplex.protocol import Outcome
+    from loraplex.protocol.results import OptimStepResult
+
+    client, keys, services = stack
+    alice, bob = {"X-API-Key": keys["alice"]}, {"X-API-Key": keys["bob"]}
+    mine = [_create(client, keys["alice"], rank=4).json()["request_id"] for _ in range(4)]
+    theirs = _create(client, keys["bob"], rank=4).json()["request_id"]
+    asked, done, failed, pending = mine
+    services.results.put(Outcome(done, result=OptimStepResult({"loss": 1.0})))
+    services.results.put(Outcome.failed(failed, EngineError("nan")))
+    services.results.put(Outcome(theirs, result=OptimStepResult({"loss": 2.0})))
+    also = ",".join([done, failed, pending, theirs, "no-such-request", asked])
+    answer = client.get(f"/v1/futures/{asked}", params={"timeout": 0, "also": also}, headers=alice).json()
+    assert answer["state"] == "queued"
+    by_id = {f["request_id"]: f for f in answer["also"]}
+    assert set(by_id) == {done, failed}
+    assert by_id[done]["state"] == "complete" and by_id[done]["result"] == {"metrics": {"loss": 1.0}}
+    assert by_id[failed]["state"] == "failed" and by_id[failed]["error"]["type"] == "EngineError"
+    services.results.put(Outcome(asked, result=OptimStepResult({"loss": 3.0})))
+    answer = client.get(f"/v1/futures/{asked}", params={"timeout": 5, "also": done}, headers=alice).json()
+    assert answer["result"] == {"metrics": {"loss": 3.0}} and [f["request_id"] for f in answer["also"]] == [done]
+    assert client.get(f"/v1/futures/{asked}", params={"also": theirs}, headers=bob).status_code == 404
+    too_many = client.get(f"/v1/futures/{asked}", params={"timeout": 0, "also": ",".join(["x"] * 33)}, headers=alice)
+    assert too_many.status_code == 400 and "at most 32" in too_many.text
 
 
 def test_an_adapter_may_train_a_subset_of_the_pools_target_modules(stack):

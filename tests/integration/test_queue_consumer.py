@@ -235,6 +235,25 @@ def test_acks_give_the_tenants_queued_tokens_back_exactly_once(redis_client: red
     assert redis_client.hget(keys.queued_tokens(pool), "t") is None
 
 
+def test_one_ack_over_several_tenants_streams_after_the_script_cache_was_emptied(redis_client: redis.Redis) -> None:
+    """A plan's entries of several tenants are acked in one pipelined round trip of the ack script by its hash; a
+    Redis that lost its script cache (a restart) gets the script again and every entry is still acked once."""
+    pool = _pool()
+    producer = Producer(redis_client, pool)
+    data = [{"model_input": [1, 2, 3], "loss_fn_inputs": {}}]
+    for tenant in ("a", "b", "c"):
+        producer.submit(Envelope.new(tenant_id=tenant, model_id=f"m-{tenant}-{pool}", seq_id=1, kind="forward",
+                                     payload={"data": data}))  # fmt: skip
+    consumer = Consumer(redis_client, pool, "c")
+    entries = consumer.read(count=10)
+    assert len(entries) == 3
+    redis_client.script_flush()
+    consumer.ack([ref for ref, _ in entries])
+    assert consumer.pending_count() == 0
+    assert all(redis_client.xlen(keys.request_stream(pool, t)) == 0 for t in ("a", "b", "c"))
+    assert redis_client.hgetall(keys.queued_tokens(pool)) == {}
+
+
 def test_entries_whose_read_answer_was_lost_come_back_after_rescan_pending(redis_client: redis.Redis) -> None:
     """Redis delivered entries (they are pending to this consumer) but the answer never reached the caller (the
     connection broke with a Redis restart; here the read's result is dropped): no ">" read returns them again, and

@@ -11,7 +11,7 @@ from loraplex.queue import keys
 from loraplex.queue.consumer import Consumer
 from loraplex.queue.envelope import Envelope
 from loraplex.queue.keys import JobState
-from loraplex.queue.producer import Producer
+from loraplex.queue.producer import OWNER_TTL_S, Producer
 from loraplex.queue.results import ResultStore
 
 
@@ -46,6 +46,10 @@ def test_a_retried_request_is_enqueued_once_and_returns_the_first_id(redis_clien
     assert redis_client.xlen(keys.request_stream(pool, "t")) == 2
     assert ResultStore(redis_client).state(retry.request_id) is None  # the retry left no trace
     assert redis_client.ttl(keys.idempotency_key(model, 1)) > 0  # keys expire, never pile up
+    # the submit script wrote each queued request's owner (who may read its future) with it; a retry wrote none
+    assert redis_client.get(keys.request_owner(first.request_id)) == b"t"
+    assert 6 * 24 * 3600 < redis_client.ttl(keys.request_owner(first.request_id)) <= OWNER_TTL_S
+    assert redis_client.exists(keys.request_owner(retry.request_id)) == 0
 
 
 def test_create_and_delete_are_idempotent_per_adapter(redis_client: redis.Redis) -> None:

@@ -8,6 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
+import pytest
 import redis
 
 from loraplex.errors import EngineError, InvalidRequestError, LoraplexError, NotFoundError, error_class, error_name
@@ -24,6 +25,7 @@ from loraplex.protocol.results import (
     SaveResult,
 )
 from loraplex.queue import keys
+from loraplex.queue import results as results_module
 from loraplex.queue.keys import JobState
 from loraplex.queue.results import ResultStore
 
@@ -70,7 +72,8 @@ def test_wait_times_out_with_none(redis_client: redis.Redis) -> None:
     assert store.wait(_rid(), timeout_s=0) is None
 
 
-def test_several_waiters_all_wake_when_the_result_lands(redis_url: str) -> None:
+def test_several_waiters_all_wake_when_the_result_lands(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results_module, "WAIT_SLICE_S", 5.0)  # a waiter the token missed would sleep out the slice
     rid = _rid()
     clients = [redis.Redis.from_url(redis_url) for _ in range(4)]
     barrier = threading.Barrier(4)
@@ -87,9 +90,31 @@ def test_several_waiters_all_wake_when_the_result_lands(redis_url: str) -> None:
         ResultStore(clients[3]).put(Outcome(rid, result=DeleteResult()))
         answers = [f.result(timeout=15) for f in futures]
     assert all(o == Outcome(rid, result=DeleteResult()) for o, _ in answers)
-    assert all(waited < 2.0 for _, waited in answers)  # woken by the notify list, not by the 10 s timeout
+    assert all(waited < 2.0 for _, waited in answers)  # each woken by the notify token, not by its 5 s slice
+    assert clients[3].lrange(keys.notify_key(rid), 0, -1) == [b"1"]  # the token stays for later waits
     for c in clients:
         c.close()
+
+
+def test_owner_and_outcome_and_the_finished_of_one_tenant(redis_client: redis.Redis) -> None:
+    """The futures route's reads: a request's owner with its outcome in one call, and the finished outcomes among
+    several ids, only the asking tenant's."""
+    store = ResultStore(redis_client)
+    done, running, foreign, unknown = _rid(), _rid(), _rid(), _rid()
+    for rid, owner in ((done, "t1"), (running, "t1"), (foreign, "t2")):
+        redis_client.set(keys.request_owner(rid), owner)
+    for rid in (done, foreign):
+        store.put(Outcome(rid, result=OptimStepResult({"x": 1.0})))
+    assert store.owner_and_outcome(done) == ("t1", Outcome(done, result=OptimStepResult({"x": 1.0})))
+    assert store.owner_and_outcome(running) == ("t1", None)
+    assert store.owner_and_outcome(unknown) == (None, None)
+    assert store.finished_of([running, foreign, unknown, done], "t1") == [Outcome(done, result=OptimStepResult({"x": 1.0}))]
+    assert store.finished_of([], "t1") == []
+    # a long-poll reads the others with the result it woke for
+    threading.Timer(0.2, lambda: store.put(Outcome(running, result=DeleteResult()))).start()
+    got = store.wait_with_others(running, 5, [done, foreign, unknown], "t1", known_unstored=True)
+    assert got == (Outcome(running, result=DeleteResult()), [Outcome(done, result=OptimStepResult({"x": 1.0}))])
+    assert store.wait_with_others(unknown, 0.05, [done], "t1") == (None, [Outcome(done, result=OptimStepResult({"x": 1.0}))])
 
 
 def test_each_result_type_and_error_class_round_trips_with_its_json_form(redis_client: redis.Redis) -> None:

@@ -3,8 +3,9 @@ timeout), then one of: the result (protobuf ForwardBackwardOutput for forward/fo
 asample, JSON for the rest),
 `{error, category}` for a failed request (the SDK raises RequestFailedError with it), or `{type: try_again,
 queue_state}` while it is still queued or running (`paused_capacity` and a reason while the pool is down). Only the
-submitting tenant may read a future: anyone else gets the 404 an unknown id gets. The wait takes one of the tenant's
-long-poll slots (service/long_polls.py): past its limit a 429 with Retry-After, which the SDK backs off from."""
+submitting tenant may read a future: anyone else gets the 404 an unknown id gets (the owner and a stored result are
+read in one round trip). A wait takes one of the tenant's long-poll slots (service/long_polls.py): past its limit a
+429 with Retry-After, which the SDK backs off from; a future already finished answers without one."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.api.tinker.futures import PROTO_TAGS, json_result, parse_future_id, proto_result
 from loraplex.api.tinker.schemas import RetrieveFutureBody
 from loraplex.errors import NotFoundError
-from loraplex.service import owner_of
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -24,10 +24,12 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"])
 @router.post("/retrieve_future")
 def retrieve_future(body: RetrieveFutureBody, tenant: TenantDep, services: ServicesDep) -> Response:
     tag, request_id, extra = parse_future_id(body.request_id)
-    if not request_id or owner_of(services, request_id) != tenant.id:
+    owner, outcome = services.results.owner_and_outcome(request_id) if request_id else (None, None)
+    if owner != tenant.id:
         raise NotFoundError(f"no request {body.request_id!r}")
-    with services.long_polls.hold(tenant.id, tenant.name):
-        outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds)
+    if outcome is None:
+        with services.long_polls.hold(tenant.id, tenant.name):
+            outcome = services.results.wait(request_id, services.settings.tinker_long_poll_seconds, known_unstored=True)
     if outcome is None:  # not there when the wait ended: read result and state together (it may have just landed)
         outcome, _ = services.results.result_and_state(request_id)
     if outcome is None:
