@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--variants", default="all", help="comma-separated variant names (default all)")
     p.add_argument("--samples", type=int, default=16, help="samples per prompt of the shared_prompts variant")
     p.add_argument("--skip-copies", action="store_true", help="skip the sampler-copy timings")
+    p.add_argument("--expand-kernel", action="store_true", help="the LoRA expand's Triton kernel in the decode step")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -95,10 +96,14 @@ def main() -> None:
     sampler = None
     for kv in args.kv.split(","):
         paged = kv == "paged"
-        sampler = Sampler(engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), paged_kv=paged)
-        eager = Sampler(
-            engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), cuda_graphs=False, paged_kv=paged
+        kernel = args.expand_kernel
+        sampler = Sampler(
+            engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), paged_kv=paged, expand_kernel=kernel
         )
+        eager = Sampler(
+            engine, tokenizer=None, max_rows=args.prompts, eos_token_ids=(), cuda_graphs=False, paged_kv=paged,
+            expand_kernel=kernel,
+        )  # fmt: skip
 
         def run(assignments: list[str | None], by: Sampler = sampler) -> None:
             outs = by.generate([SampleJob(pr, m, params) for pr, m in zip(prompts, assignments, strict=False)])
@@ -153,7 +158,7 @@ def main() -> None:
         copy_timings(engine, args, results)
     if args.breakdown:
         for kv in args.kv.split(","):
-            results[f"{kv}:breakdown"] = breakdown(engine, ids, prompts, params, kv == "paged")
+            results[f"{kv}:breakdown"] = breakdown(engine, ids, prompts, params, kv == "paged", args.expand_kernel)
     if not args.skip_hf:
         results.update(hf_peft(args, engine, prompts, new_tokens))
         one = f"{args.kv.split(',')[-1]}:one_adapter"
@@ -225,7 +230,12 @@ def save_for_sampler(engine: Engine, store: AdapterStore) -> dict[str, float]:
 
 
 def breakdown(
-    engine: Engine, ids: list[str], prompts: list[tuple[int, ...]], params: SampleParams, paged: bool
+    engine: Engine,
+    ids: list[str],
+    prompts: list[tuple[int, ...]],
+    params: SampleParams,
+    paged: bool,
+    expand_kernel: bool = False,
 ) -> dict[str, Any]:
     """Where a decode step's time goes: a graph replay alone (base / 1 / 4 adapters), choosing the tokens from [B, V]
     logits, one prefill of every prompt; and the CUDA kernels of one eager step (top 12 by device time). Paged: every
@@ -239,7 +249,7 @@ def breakdown(
     tokens = [1] * rows
     with torch.inference_mode():
         for groups in (0, 1, 4):
-            decoder = StaticDecoder(engine, rows, width, groups, paged=paged)
+            decoder = StaticDecoder(engine, rows, width, groups, paged=paged, expand_kernel=expand_kernel)
             decoder.load([engine.adapter(m).slot for m in ids[:groups]])
             positions = [prompt_len] * rows
             if paged:

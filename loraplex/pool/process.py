@@ -678,6 +678,9 @@ def main() -> None:
         lease = acquire_leadership(settings, stop)  # waits while another pool process leads this pool
         if lease is None:
             return  # stopped while waiting
+        from loraplex.pool.ready import clear_stale_ready_file, ready_file
+
+        clear_stale_ready_file(ready_file(settings))
     run_pool(settings, stop, lease)
     status = 0
     if lease is not None:

@@ -17,6 +17,12 @@ def write_ready_file(ready: Path) -> None:
     ready.write_text(str(os.getpid()))
 
 
+def clear_stale_ready_file(ready: Path) -> None:
+    """The pool's new lease holder, before it loads anything: a ready file now is a dead holder's (a SIGKILL leaves
+    it behind), and a healthcheck reading it would call this pool ready while it loads."""
+    ready.unlink(missing_ok=True)
+
+
 def remove_ready_file(ready: Path) -> None:
     """Remove the ready file if it holds this process's pid (another pool process's file is left alone)."""
     try:

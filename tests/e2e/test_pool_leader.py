@@ -98,6 +98,10 @@ def test_a_second_pool_process_waits_then_takes_over_when_the_leader_is_killed(s
         first.wait(timeout=10)
         took = _wait_for("the takeover", lambda: "leading it" in second_log.read_text(), TTL_S + 10)
         assert took <= TTL_S + 2.0, f"took over after {took:.1f} s with a {TTL_S} s lease"
+        # The dead leader's ready file goes as the new one takes the lease, before it loads: a healthcheck reading
+        # the file never calls the loading pool ready.
+        _wait_for("the dead leader's ready file gone", lambda: not ready.exists() or
+                  ready.read_text().strip() == str(second.pid), 2)  # fmt: skip
         _wait_for("the new leader's ready file", lambda: ready.exists() and ready.read_text().strip() == str(second.pid),
                   120)  # fmt: skip
         # The client's next steps complete on the new leader (the killed pool's in-memory adapters are gone: the

@@ -12,7 +12,10 @@ The masked h is rounded once to the compute dtype before the product (what `h.mu
   * `masked_expand_reference`: plain torch, one mask multiply and one addmm per segment (the specification).
   * `masked_expand`: on CUDA where triton is, workers/kernels/triton_lora_expand.py: ONE kernel per group of
     projections instead of 1 + S (the mask multiply and each projection's addmm), on a step whose LoRA side path was
-    ~15 small kernels a layer; tests/gpu/test_lora_expand_cuda.py compares the two on random inputs.
+    ~15 small kernels a layer; tests/gpu/test_lora_expand_cuda.py compares the two on random inputs. The sampler
+    runs it only when asked (`Sampler(expand_kernel=True)`): its first version, which read every group's B in each
+    tile, lost 5% to the reference's cuBLAS products on an H100 at 8 LoRA groups (benchmarks/RESULTS.md, Session
+    19); the version here, which skips the groups a tile's rows do not use, is not measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ def masked_expand(
     b: torch.Tensor,
     segments: Sequence[tuple[int, int]],
     bounds: torch.Tensor | None = None,
+    kernel: bool = True,
 ) -> None:
     """In place into `out` (see the module docstring). bounds: `segments` as an int32 [S, 2] tensor on out's device
-    (the kernel reads it; a caller that captures the step in a CUDA graph makes it once)."""
-    if not kernel_usable(out):
+    (the kernel reads it; a caller that captures the step in a CUDA graph makes it once); kernel False: the
+    reference wherever it runs."""
+    if not (kernel and kernel_usable(out)):
         masked_expand_reference(out, h, mask, b, segments)
         return
     from loraplex.workers.kernels.triton_lora_expand import masked_expand_kernel

@@ -102,6 +102,7 @@ class Sampler:
         paged_kv: bool = True,
         kv_blocks: int | None = None,
         max_groups: int | None = None,
+        expand_kernel: bool = False,
     ) -> None:
         """tokenizer: decodes samples for stop strings (and gives the EOS id); eos_token_ids: the ids that end a sample
         with "stop" (default: the tokenizer's EOS, else the model config's; () = none); cuda_graphs: on CUDA, replay
@@ -109,7 +110,9 @@ class Sampler:
         cache (static_decoder.py's paged mode, the default: prompts prefilled packed, a job's prompt KV written once
         and its samples fork it); False: the dense per-row cache (kept for comparison); kv_blocks: the paged cache's
         blocks (None: enough for every row at full width; fewer, and samples wait for blocks as they wait for rows);
-        max_groups: the adapters decoding at once, over all runs (default the engine's slots)."""
+        max_groups: the adapters decoding at once, over all runs (default the engine's slots); expand_kernel: the
+        decode step's LoRA expand as one Triton kernel per projection group on CUDA (kernels/lora_expand.py; off: the
+        plain-torch path, until the kernel is measured the faster)."""
         if engine.dist is not None and engine.shard_base:  # a decode step would all-gather every layer
             raise EngineError("the native sampler needs the base model whole: sample a replica (sampling/replica.py)")
         layer_types = getattr(engine.model.config, "layer_types", None) or []
@@ -133,6 +136,7 @@ class Sampler:
         check_decodable(engine)
         self.kv_blocks = kv_blocks
         self.max_groups = max_groups or engine.num_slots
+        self.expand_kernel = expand_kernel
         self.stats = SamplerStats()
         self._batch: _Batch | None = None  # the decode batch every run's rows share (built at the first run)
 
@@ -586,7 +590,7 @@ class _Batch:
         self.sampler = sampler
         self.decoder = StaticDecoder(
             sampler.engine, sampler.max_rows, width, sampler.max_groups, paged=sampler.paged_kv,
-            num_blocks=sampler.kv_blocks,
+            num_blocks=sampler.kv_blocks, expand_kernel=sampler.expand_kernel,
         )  # fmt: skip
         if sampler.cuda_graphs:
             self.decoder.enable_graphs()

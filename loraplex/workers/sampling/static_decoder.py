@@ -131,6 +131,7 @@ class _LoraPoint:
     b_cats: list[torch.Tensor | None] | None = None  # per module its columns of `b` (None where not wrapped)
     segments: tuple[tuple[int, int], ...] = ()  # per wrapped projection its columns (lo, hi) of the outputs
     bounds: torch.Tensor | None = None  # `segments` on the device, for the kernel
+    kernel: bool = False  # the expand as the Triton kernel where it runs (else the plain-torch reference)
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
         full: torch.Tensor | None = None  # every output as one [rows, sum of widths] product
@@ -144,7 +145,7 @@ class _LoraPoint:
             return outs
         h = x @ self.a_cat
         if full is not None:
-            masked_expand(full, h, mask, self.b, self.segments, self.bounds)
+            masked_expand(full, h, mask, self.b, self.segments, self.bounds, kernel=self.kernel)
             return outs
         width = mask.shape[1]  # separate outputs: each projection's expand on its own
         wrapped = [(out, b) for out, b in zip(outs, self.b_cats, strict=True) if b is not None]
@@ -169,8 +170,10 @@ class StaticDecoder:
         block_tokens: int = BLOCK_TOKENS,
         fused: bool = True,
         num_blocks: int | None = None,
+        expand_kernel: bool = False,
     ) -> None:
         check_decodable(engine)
+        self.expand_kernel = expand_kernel  # the LoRA expand's Triton kernel on CUDA (else the plain-torch path)
         self.engine = engine
         self.rows, self.width, self.groups, self.paged = rows, width, groups, paged
         body: Any = engine.body
@@ -248,7 +251,7 @@ class StaticDecoder:
         wrapped = [m if isinstance(m, SlotBankLinear) else None for m in modules]
         bases = [m.base if isinstance(m, SlotBankLinear) else m for m in modules]
         widths = tuple(int(cast(nn.Linear, b).out_features) for b in bases)
-        point = _LoraPoint(bases, wrapped, stacked=stacked_weight(bases), widths=widths)
+        point = _LoraPoint(bases, wrapped, stacked=stacked_weight(bases), widths=widths, kernel=self.expand_kernel)
         if self.groups and any(w is not None for w in wrapped):
             engine, g, r = self.engine, self.groups, self.rank
             n = sum(w is not None for w in wrapped)
