@@ -22,9 +22,21 @@ STATE_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "fai
 
 
 def _client(args: argparse.Namespace):
+    import os
+
     from loraplex.client import ServiceClient
 
-    return ServiceClient(args.url, args.api_key)
+    return ServiceClient(args.url or os.environ.get("LORAPLEX_BASE_URL") or _served_url(), args.api_key)
+
+
+def _served_url() -> str:
+    """The gateway `loraplex serve` starts under the same settings (LORAPLEX_API_HOST / LORAPLEX_API_PORT): a shell
+    that set a port for `serve` reaches it without also setting LORAPLEX_BASE_URL."""
+    from loraplex.settings import get_settings
+
+    settings = get_settings()
+    host = "127.0.0.1" if settings.api_host in ("0.0.0.0", "::") else settings.api_host  # noqa: S104
+    return f"http://{host}:{settings.api_port}"
 
 
 def _last(values: list[list[float]]) -> str:
@@ -201,7 +213,8 @@ def cmd_pipelines_report(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     def connection(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", help="the gateway (default LORAPLEX_BASE_URL, else http://127.0.0.1:8700)")
+        p.add_argument("--url", help="the gateway (default LORAPLEX_BASE_URL, else LORAPLEX_API_HOST:LORAPLEX_API_PORT, "
+                       "where `loraplex serve` listens: http://127.0.0.1:8700)")  # fmt: skip
         p.add_argument("--api-key", help="the tenant's API key (default LORAPLEX_API_KEY)")
 
     def worker_wait(p: argparse.ArgumentParser) -> None:

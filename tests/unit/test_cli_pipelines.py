@@ -24,3 +24,20 @@ def test_an_unknown_start_is_not_found() -> None:
 def test_a_start_shared_by_several_asks_for_more() -> None:
     with pytest.raises(InvalidRequestError, match="starts 2 pipelines' ids"):
         matching_ids("486", IDS)
+
+
+def test_the_cli_reaches_the_gateway_serve_starts_under_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --url and no LORAPLEX_BASE_URL: the pipelines commands talk to LORAPLEX_API_HOST:LORAPLEX_API_PORT, where
+    `loraplex serve` listens in the same shell (a wildcard host as the loopback address)."""
+    from loraplex.launch.cli_pipelines import _served_url
+    from loraplex.settings import get_settings
+
+    monkeypatch.delenv("LORAPLEX_BASE_URL", raising=False)
+    monkeypatch.setenv("LORAPLEX_API_PORT", "8793")
+    monkeypatch.setenv("LORAPLEX_API_HOST", "0.0.0.0")
+    get_settings.cache_clear()
+    try:
+        assert _served_url() == "http://127.0.0.1:8793"
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
