@@ -18,7 +18,14 @@ import os
 import redis
 from sqlalchemy.exc import OperationalError
 
-from loraplex.errors import ConflictError, InvalidRequestError, LoraplexError, NotFoundError, ServiceUnavailableError
+from loraplex.errors import (
+    ConflictError,
+    ForbiddenError,
+    InvalidRequestError,
+    LoraplexError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from loraplex.pipelines.dataset import TRANSFORMERS_IMPORT, Example, batch_indices, load_tokenizer, prepare
 from loraplex.pipelines.lease import RunnerLease
 from loraplex.pipelines.schedule import learning_rate
@@ -32,6 +39,9 @@ from loraplex.service.model_files import tokenizer_folder
 from loraplex.service.pipeline_config import PipelineConfig, total_steps
 from loraplex.service.pipeline_tokenizer import tokenizer_root, tokenizer_source
 from loraplex.service.pipelines import export_dir
+from loraplex.service.tenant_auth import tenant_ref
+from loraplex.service.tenant_rules import refusal
+from loraplex.storage.enums import TenantState
 from loraplex.storage.models import Pipeline, PipelineState
 from loraplex.storage.repositories import PipelineRepository, TenantRepository, pipeline_tenant
 
@@ -46,10 +56,16 @@ class LeaseLostError(RuntimeError):
     """This run's lease lapsed and another run may own the pipeline: stop, record nothing more."""
 
 
+class TenantPausedError(RuntimeError):
+    """An operator suspended or drained the pipeline's tenant: the pipeline waits (its task is handed out again later)
+    and goes on from its last checkpoint once the tenant is active, as after a killed worker."""
+
+
 def tenant_of(services: Services, pipeline_id: str) -> TenantRef:
+    """The pipeline's tenant with its state and quotas: its requests meet the rules the gateway applies to the tenant's
+    own calls."""
     with services.sessions() as db:
-        tenant = TenantRepository(db).get(pipeline_tenant(db, pipeline_id))
-        return TenantRef(tenant.id, tenant.name)
+        return tenant_ref(TenantRepository(db).get(pipeline_tenant(db, pipeline_id)))
 
 
 def fail_pipeline(services: Services, pipeline_id: str, message: str) -> PipelineState:
@@ -62,8 +78,10 @@ def fail_pipeline(services: Services, pipeline_id: str, message: str) -> Pipelin
 def run_pipeline(services: Services, pipeline_id: str, lease: RunnerLease) -> PipelineState | None:
     """Run (or resume) the pipeline to its end; returns the state it ended in, None when it had ended before.
     Transient errors and LeaseLostError propagate (the task retries); any other error fails the pipeline with its
-    type and message (its traceback goes to the worker's log only)."""
+    type and message (its traceback goes to the worker's log only). TenantPausedError while the tenant is not active."""
     tenant = tenant_of(services, pipeline_id)
+    if tenant.state != TenantState.ACTIVE:
+        raise TenantPausedError(refusal(tenant.name, tenant.state, tenant.state_reason).message)
     with write_session(services) as db:
         row = PipelineRepository(db, tenant.id).start_attempt(pipeline_id)
     if row is None:
@@ -71,8 +89,12 @@ def run_pipeline(services: Services, pipeline_id: str, lease: RunnerLease) -> Pi
     run = _Run(services, tenant, row, lease)
     try:
         return run.train()
-    except (*TRANSIENT_ERRORS, LeaseLostError):
+    except (*TRANSIENT_ERRORS, LeaseLostError, TenantPausedError):
         raise
+    except ForbiddenError as exc:  # refused mid-run: an operator suspended or drained the tenant meanwhile?
+        if tenant_of(services, pipeline_id).state != TenantState.ACTIVE:
+            raise TenantPausedError(exc.message) from None
+        return run.fail(f"{type(exc).__name__}: {exc.message}")
     except LoraplexError as exc:
         return run.fail(f"{type(exc).__name__}: {exc.message}")
     except Exception as exc:  # noqa: BLE001 - a bug must still end the pipeline with a message, not leave it RUNNING
@@ -117,6 +139,14 @@ class _Run:
             raise InvalidRequestError(f"no tokenizer: the base model {settings.base_model!r} has none; set tokenizer")
         return load_tokenizer(folder, shown=where)
 
+    def _check_tenant_active(self, step: int) -> None:
+        """TenantPausedError when an operator suspended or drained the tenant since the run started (one read a
+        step: the run's tenant was read at its start)."""
+        tenant = tenant_of(self.services, self.row.id)
+        if tenant.state != TenantState.ACTIVE:
+            why = refusal(tenant.name, tenant.state, tenant.state_reason).message
+            raise TenantPausedError(f"pipeline {self.row.id} waits before step {step}: {why}")
+
     def _start_adapter(self) -> int:
         """This run's adapter, fresh or from the last checkpoint; returns the step it continues after."""
         row, settings = self.row, self.services.settings
@@ -155,6 +185,7 @@ class _Run:
         for step in range(start + 1, total + 1):
             if self.lease.lost:
                 raise LeaseLostError(f"pipeline {row.id}: lease lost before step {step}")
+            self._check_tenant_active(step)
             batch = [train[i] for i in batch_indices(len(train), config.batch_size, config.seed, step)]
             fb = trainer.forward_backward([e.datum() for e in batch])
             opt = trainer.optim_step(self._adam(step, total))

@@ -15,6 +15,7 @@ from loraplex.pipelines.report import sweep_finished, write_sweep_report
 from loraplex.pipelines.runner import (
     TRANSIENT_ERRORS,
     LeaseLostError,
+    TenantPausedError,
     export_final,
     fail_pipeline,
     run_pipeline,
@@ -81,6 +82,10 @@ def run_pipeline_task(self: Task, pipeline_id: str, transient_retries: int = 0) 
         else:
             log.warning("pipeline %s: %s; retrying in %g s", pipeline_id, message, TRANSIENT_RETRY_S)
             raise self.retry(countdown=TRANSIENT_RETRY_S, kwargs={"transient_retries": transient_retries + 1}) from None
+    except TenantPausedError as exc:  # looked at again later; its checkpoint carries it on once the tenant is active
+        log.info("pipeline %s waits: %s", pipeline_id, exc)
+        raise self.retry(countdown=settings.pipeline_slot_wait_seconds,
+                         kwargs={"transient_retries": transient_retries}) from None  # fmt: skip
     except LeaseLostError as exc:
         log.warning("%s; another run continues it", exc)
         return "lease lost"

@@ -24,7 +24,7 @@ import redis
 from safetensors.torch import load_file
 
 from loraplex.client import ServiceClient
-from loraplex.errors import InvalidRequestError, NotFoundError
+from loraplex.errors import ForbiddenError, InvalidRequestError, NotFoundError
 from loraplex.queue import keys
 from loraplex.storage.db import make_db_engine, session_factory
 from loraplex.storage.models import Pipeline
@@ -70,6 +70,7 @@ def worker_env(stack) -> dict[str, str]:
     env.update({"LORAPLEX_CELERY_VISIBILITY_TIMEOUT_SECONDS": "4", "LORAPLEX_CELERY_RESTORE_INTERVAL_SECONDS": "1",
                 "LORAPLEX_PIPELINE_LEASE_SECONDS": "3", "LORAPLEX_PIPELINE_STEP_TIMEOUT_SECONDS": "120",
                 "LORAPLEX_MAX_RUNNING_PIPELINES_PER_TENANT": "4",  # the 2x2 sweep below runs all at once
+                "LORAPLEX_PIPELINE_SLOT_WAIT_SECONDS": "1",  # a suspended tenant's pipeline looks again every second
                 "PYTHONPATH": str(Path(__file__).resolve().parents[2])})  # fmt: skip
     return env
 
@@ -285,6 +286,41 @@ def test_cancel_stops_a_running_pipeline(stack, workers, tmp_path):
     assert client.pipelines.get(pid)["step"] == stopped["step"] < stopped["total_steps"]
     assert stopped["state"] == "cancelled" and client.pipelines.cancel(pid)["state"] == "cancelled"
     assert client.list_checkpoints(model_id)  # its checkpoints stay
+
+
+def test_a_suspended_tenants_pipeline_waits_and_goes_on_after_the_resume(stack, workers, tmp_path):
+    """An operator suspends a tenant mid-pipeline: its steps stop (its requests would be refused) without failing the
+    pipeline; after the resume it goes on from its last checkpoint to its end."""
+    from loraplex.service import tenant_controls
+    from loraplex.service.build import build_services
+    from loraplex.storage.repositories import PipelineRepository, TenantRepository
+
+    key = create_tenants(stack, "pl-sus")["pl-sus"]
+    client = tenant_clients_for(stack, key)
+    cfg = config(write_jsonl(tmp_path / "s.jsonl", prompt_completion(40)), epochs=3, batch_size=2)
+    pid = client.submit_pipeline(cfg)["pipelines"][0]["id"]
+    wait_for(lambda: client.pipelines.get(pid)["step"] >= 3, 60, "three steps")
+    services = build_services(stack.settings)
+    with services.sessions() as db:
+        tenant_id = TenantRepository(db).get_by_name("pl-sus").id
+
+    def row() -> tuple[int, str]:
+        with services.sessions() as db:
+            got = PipelineRepository(db, tenant_id).get(pid)
+            return got.step, str(got.state)
+
+    tenant_controls.suspend_tenant(services, "ops", tenant_id, "maintenance window")
+    time.sleep(2.0)  # the step in flight ends; the next is refused
+    paused = row()
+    time.sleep(2.0)
+    assert row() == paused and paused[1] not in ("failed", "cancelled"), paused
+    with pytest.raises(ForbiddenError, match="maintenance window"):  # the tenant's own calls meanwhile
+        client.pipelines.get(pid)
+    tenant_controls.resume_tenant(services, "ops", tenant_id)
+    time.sleep(stack.settings.auth_cache_seconds + 0.5)  # the gateway's cached "suspended" expires
+    wait_for(lambda: client.pipelines.get(pid)["state"] in ("succeeded", "failed"), 120, "the end")
+    final = client.pipelines.get(pid)
+    assert final["state"] == "succeeded" and final["step"] == final["total_steps"], final
 
 
 def test_bad_configs_are_clear_errors(stack, workers, tmp_path):
