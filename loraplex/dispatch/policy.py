@@ -59,6 +59,7 @@ from loraplex.dispatch.step_split import split_step
 from loraplex.protocol import (
     CONTROL_KINDS,
     KINDS,
+    PLAIN_STEP_KINDS,
     UNCHAINED_KINDS,
     UNORDERED_KINDS,
     BatchPlan,
@@ -262,9 +263,6 @@ def plan_batch(
     return PolicyResult(BatchPlan(tuple(steps)), left, tuple(reqs[i] for i in duplicates), blocked)
 
 
-# The kinds `takes_all` vouches for: chained training steps, planned round by round with no other limit than tokens,
-# slots, rounds and the request budget.
-_SIMPLE_KINDS = frozenset({RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD, RequestKind.OPTIM_STEP})
 
 
 def takes_all(
@@ -304,7 +302,7 @@ class PlanFit:
 
     def add(self, requests: Iterable[PlannedRequest]) -> bool:
         """Add requests to the buffer; returns `takes_all` of the buffer now."""
-        simple, optim = _SIMPLE_KINDS, RequestKind.OPTIM_STEP
+        simple, optim = PLAIN_STEP_KINDS, RequestKind.OPTIM_STEP
         for r in requests:
             self._requests += 1
             slot = (r.model_id, r.seq_id)

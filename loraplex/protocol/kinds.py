@@ -85,6 +85,11 @@ class KindSpec:
     # Skips the tenant's queue quotas: a rejection must fill its seq_id, and a delete frees what a tenant holds.
     quota_exempt: bool = False
     needs_residency: bool = False  # its adapters are swapped into slots before its step runs
+    # A chained training step the policy plans round by round with no other limit than tokens, slots, rounds and the
+    # request budget (dispatch/policy.py's `takes_all` vouches only for these).
+    plain_step: bool = False
+    # A draining tenant may still queue it: a delete frees what the tenant holds, a rejection fills a seq_id.
+    while_draining: bool = False
     counts_usage: bool = False  # a success is recorded as usage (tokens, its share of the plan's seconds)
     # Its tokens (of `part`, datums [start, stop), when it runs in parts): input tokens for forward_backward and
     # forward, a sample's prompt plus the most it can add, 0 otherwise. The queued-tokens quota, the policy's and
@@ -98,19 +103,21 @@ KINDS: dict[RequestKind, KindSpec] = {
         StepKind.CREATE, CreateAdapterPayload, result=CreateResult, control=True, changes_state=True, quota_exempt=True
     ),
     RequestKind.DELETE_ADAPTER: KindSpec(
-        StepKind.DELETE, DeleteAdapterPayload, result=DeleteResult, control=True, quota_exempt=True
-    ),
+        StepKind.DELETE, DeleteAdapterPayload, result=DeleteResult, control=True, quota_exempt=True,
+        while_draining=True,
+    ),  # fmt: skip
     RequestKind.FORWARD_BACKWARD: KindSpec(
         StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, result=ForwardBackwardResult, trains=True,
-        changes_state=True, needs_residency=True, counts_usage=True, tokens=_FB_TOKENS,
+        changes_state=True, needs_residency=True, counts_usage=True, tokens=_FB_TOKENS, plain_step=True,
     ),  # fmt: skip
     RequestKind.FORWARD: KindSpec(
         StepKind.FORWARD_BACKWARD, ForwardBackwardPayload, result=ForwardBackwardResult, needs_residency=True,
-        counts_usage=True, tokens=_FB_TOKENS,
+        counts_usage=True, tokens=_FB_TOKENS, plain_step=True,
     ),  # fmt: skip
     RequestKind.OPTIM_STEP: KindSpec(
-        StepKind.OPTIM_STEP, OptimStepPayload, result=OptimStepResult, changes_state=True, needs_residency=True
-    ),
+        StepKind.OPTIM_STEP, OptimStepPayload, result=OptimStepResult, changes_state=True, needs_residency=True,
+        plain_step=True,
+    ),  # fmt: skip
     RequestKind.SAVE_STATE: KindSpec(
         StepKind.CHECKPOINT, SaveCheckpointPayload, result=SaveResult, saves=CheckpointKind.STATE, needs_residency=True
     ),
@@ -121,7 +128,9 @@ KINDS: dict[RequestKind, KindSpec] = {
     RequestKind.LOAD_STATE: KindSpec(
         StepKind.CHECKPOINT, LoadStatePayload, result=LoadResult, changes_state=True, needs_residency=True
     ),
-    RequestKind.REJECTED: KindSpec(StepKind.REJECT, RejectedPayload, result=RejectedResult, quota_exempt=True),
+    RequestKind.REJECTED: KindSpec(
+        StepKind.REJECT, RejectedPayload, result=RejectedResult, quota_exempt=True, while_draining=True
+    ),
     RequestKind.SAMPLE: KindSpec(
         StepKind.SAMPLE, SamplePayload, result=SampleResult, unordered=True, tokens=SamplePayload.tokens
     ),
@@ -136,6 +145,8 @@ UNORDERED_KINDS = frozenset(k for k, spec in KINDS.items() if spec.unordered)
 UNCHAINED_KINDS = CONTROL_KINDS | UNORDERED_KINDS
 SAVE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.saves)
 STATE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.changes_state)
+PLAIN_STEP_KINDS = frozenset(k for k, spec in KINDS.items() if spec.plain_step)
+WHILE_DRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.while_draining)
 # A step kind's adapters must be in slots when any of its request kinds needs them there.
 RESIDENT_STEPS = frozenset(spec.step for spec in KINDS.values() if spec.needs_residency)
 

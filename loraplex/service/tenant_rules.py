@@ -15,12 +15,10 @@ from __future__ import annotations
 import math
 
 from loraplex.errors import ConflictError, ForbiddenError, InvalidRequestError
-from loraplex.protocol import RequestKind
+from loraplex.protocol import WHILE_DRAINING_KINDS, RequestKind
 from loraplex.storage.enums import TenantState
 
 REASON_CHARS = 255
-# What a draining tenant may still queue: deleting an adapter frees what it holds, and a rejection fills a seq_id.
-DRAINING_MAY_QUEUE = frozenset({RequestKind.DELETE_ADAPTER, RequestKind.REJECTED})
 
 
 def check_transition(name: str, current: TenantState, target: TenantState) -> None:
@@ -48,7 +46,7 @@ def check_serves(name: str, state: TenantState, reason: str | None) -> None:
 
 def check_queues(name: str, state: TenantState, reason: str | None, kind: RequestKind) -> None:
     """A call that queues `kind`: a 403 for a suspended tenant, and for a draining one unless the kind frees or fills."""
-    if state == TenantState.SUSPENDED or (state == TenantState.DRAINING and kind not in DRAINING_MAY_QUEUE):
+    if state == TenantState.SUSPENDED or (state == TenantState.DRAINING and kind not in WHILE_DRAINING_KINDS):
         raise refusal(name, state, reason)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.errors import ConflictError, ForbiddenError, InvalidRequestError, http_status_for
-from loraplex.protocol import RequestKind
+from loraplex.protocol import WHILE_DRAINING_KINDS, RequestKind
 from loraplex.service import tenant_rules as rules
 from loraplex.storage.enums import TenantState
 
@@ -33,7 +33,7 @@ def test_suspended_refuses_everything_draining_only_new_work() -> None:
         with pytest.raises(ForbiddenError):
             rules.check_queues("acme", S, "unpaid", kind)
         rules.check_queues("acme", A, None, kind)
-        if kind in rules.DRAINING_MAY_QUEUE:
+        if kind in WHILE_DRAINING_KINDS:
             rules.check_queues("acme", D, "moving", kind)
         else:
             with pytest.raises(ForbiddenError, match="acme is draining: moving. It accepts no new work"):
