@@ -205,7 +205,7 @@ def _pool_health(services: Services, data: DashboardData) -> list[dict[str, Any]
                 text(holder).split(" ", 1)[-1] if holder else None,
                 ttl / 1000 if ttl and ttl > 0 else None,
             )
-    except redis_lib.RedisError:
+    except redis_lib.RedisError:  # Redis away: the leases show as unknown; the health table's Redis row says why
         pass
     out = []
     for p in health:

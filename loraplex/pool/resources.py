@@ -32,7 +32,7 @@ def resource_reader(blob_root: Path, device_memory: Callable[[], Mapping[str, in
         try:
             usage = shutil.disk_usage(blob_root if blob_root.exists() else blob_root.parent)
             out["checkpoint_disk_free_bytes"], out["checkpoint_disk_size_bytes"] = usage.free, usage.total
-        except OSError:
+        except OSError:  # the blob root unreadable: the reading goes without the disk numbers, the rest still counts
             pass
         return out
 
