@@ -498,6 +498,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"loraplex: {invalid_settings_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        line = store_outage_line(exc)
+        if line is None:
+            raise
+        print(f"loraplex: {line}", file=sys.stderr)
+        return 1
+
+
+def store_outage_line(exc: BaseException) -> str | None:
+    """One line for a store the command needs being down or busy (Redis refused or timed out; the database locked
+    past its busy timeout by another process, or unreachable); None for anything else, a bug that keeps its
+    traceback. A write interrupted this way rolled back: running the command again is safe."""
+    import redis
+    from sqlalchemy.exc import OperationalError
+
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        part = "redis"
+    elif isinstance(exc, OperationalError):
+        part = "the database"
+    else:
+        return None
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return f"{part} is unavailable ({first}); the command stopped there (its open write rolled back): run it again"
 
 
 if __name__ == "__main__":

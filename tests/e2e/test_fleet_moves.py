@@ -18,9 +18,11 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import redis
+from sqlalchemy.engine import make_url
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.launch.embedded import Stack
@@ -56,14 +58,45 @@ def _paused(stack: Stack, *children: str) -> Iterator[None]:
     """The pool processes stopped (SIGSTOP) meanwhile: the tenants' requests in flight queue up on them, so a move
     asked now is handed over with requests queued, and with requests answered but not yet acked or just read."""
     pids = [stack.child(name).pid for name in children]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    database = Path(make_url(stack.settings.resolved_database_url).database or "")
+    for _ in range(100):
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        if not _exclusive_sqlite_locks(pids, database):
+            break
+        # Stopped inside a write or a checkpoint: it would keep the lock, and the CLI's first write would wait on
+        # it until its busy timeout. Let it finish and stop it again.
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+        time.sleep(0.01)
     try:
         time.sleep(0.5)
         yield
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+def _exclusive_sqlite_locks(pids: list[int | None], database: Path) -> list[str]:
+    """The exclusive (WRITE) POSIX locks `pids` hold on the database or its -wal / -shm files, from /proc/locks: a
+    writer's, a checkpointer's or a read-mark update's. Readers' shared locks do not block a writer in WAL mode."""
+    inodes = set()
+    for path in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+        if path.exists():
+            inodes.add(path.stat().st_ino)
+    return [
+        line for line in _lock_lines() if int(line.split()[4]) in pids and int(line.split()[5].split(":")[2]) in inodes
+    ]
+
+
+def _lock_lines() -> list[str]:
+    """/proc/locks' exclusive POSIX locks (not the waiters')."""
+    lines = []
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and fields[1] == "POSIX" and fields[3] == "WRITE" and fields[4].isdigit():
+            lines.append(line)
+    return lines
 
 
 def _handed_over(stack: Stack, model_id: str, target: str) -> list[int]:
@@ -77,8 +110,11 @@ def _cli_asking(stack: Stack, pool: str, *args: str) -> subprocess.Popen[str]:
     cli = subprocess.Popen([sys.executable, "-m", "loraplex.launch.cli", *args], env={**os.environ, **stack.child_env()},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     r = redis.Redis.from_url(stack.settings.redis_url)
+    database = Path(make_url(stack.settings.resolved_database_url).database or "")
     while not handoff.move_orders(r, pool):
-        assert cli.poll() is None, cli.communicate()
+        if cli.poll() is not None:  # what held the database, should it be a lock: every process's locks on it
+            holders = _exclusive_sqlite_locks([int(line.split()[4]) for line in _lock_lines()], database)
+            raise AssertionError((cli.communicate(), holders))
         time.sleep(0.05)
     return cli
 

@@ -76,3 +76,25 @@ def test_the_banner_names_the_pipelines_worker_and_the_admin(tmp_path: Path, wor
     banner = serve_banner(stack)
     assert "http://127.0.0.1:8700/admin" in banner and "loraplex admin create" in banner
     assert ("pipelines.log" in banner) if worker else ("loraplex pipelines worker" in banner)
+
+
+def test_a_database_locked_by_another_process_is_one_line_and_the_next_run_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    from loraplex.launch.cli import main
+    from loraplex.storage import db
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    monkeypatch.delenv("LORAPLEX_DATABASE_URL", raising=False)
+    monkeypatch.setattr(db, "SQLITE_BUSY_TIMEOUT_S", 0.3)  # the real 30 s, shortened for the test
+    assert main(["migrate"]) == 0
+    holder = sqlite3.connect(tmp_path / "loraplex.db")
+    holder.execute("BEGIN IMMEDIATE")  # another process's write transaction, held past the busy timeout
+    capsys.readouterr()
+    assert main(["tenant", "create", "locked-out"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the database is unavailable (database is locked)" in err, err
+    holder.rollback()
+    assert main(["tenant", "create", "locked-out"]) == 0
