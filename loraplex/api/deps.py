@@ -26,6 +26,7 @@ __all__ = [
     "get_services",
     "get_tenant",
     "key_of_request",
+    "key_tenant",
     "tenant_for_key",
 ]
 
@@ -77,11 +78,17 @@ async def get_tenant(
 async def tenant_for_key(services: Services, key: str) -> TenantRef:
     """The tenant of an API key (AuthenticationError if none), through this process's cache; ForbiddenError (403,
     naming the operator's reason) if the tenant is suspended (service/tenant_rules.py)."""
+    tenant = await key_tenant(services, key)
+    tenant_auth.check_serves(tenant)
+    return tenant
+
+
+async def key_tenant(services: Services, key: str) -> TenantRef:
+    """The tenant of an API key whatever its state (AuthenticationError if none), through this process's cache."""
     tenant = services.auth.get(key)
     if tenant is None:
         tenant = await run_in_threadpool(tenant_auth.authenticate, services, key)
         services.auth.put(key, tenant)
-    tenant_auth.check_serves(tenant)
     return tenant
 
 

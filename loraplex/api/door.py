@@ -1,6 +1,6 @@
 """Authentication at the door: an ASGI middleware that checks the API key of every request to a route that needs one
 (any route depending on `get_tenant`) before a byte of its body is read. A missing, malformed or unknown key is a 401
-(a suspended tenant's a 403) answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
+(a suspended tenant's a 403, its chain step's seq_id filled first: api/refused_steps.py) answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
 client's 30 MB or malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
 admin's pages) and unknown paths pass with no key, under the anonymous body limit (api/admission.py).
 
@@ -16,9 +16,11 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT, get_tenant, key_from_scope, tenant_for_key
+from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT, get_tenant, key_from_scope, key_tenant
 from loraplex.api.errors import typed_error_response
+from loraplex.api.refused_steps import fill_refused_step
 from loraplex.errors import AuthenticationError, ForbiddenError
+from loraplex.service import tenant_auth
 
 log = logging.getLogger("loraplex.api")
 
@@ -32,28 +34,37 @@ class Door:
         self.app = app
         self._needs: dict[int, bool] = {}  # id(route) -> whether it needs a key
 
-    def _route_needs_key(self, scope: Scope) -> bool:
+    def _route_needing_key(self, scope: Scope) -> APIRoute | None:
+        """The route the request matches, where it needs a key."""
         app = scope.get("app")
         for route in getattr(getattr(app, "router", None), "routes", ()):
             match, _ = route.matches(scope)
             if match is Match.FULL:
                 if not isinstance(route, APIRoute):
-                    return False  # a mount (the admin) or a docs page: its own rules
+                    return None  # a mount (the admin) or a docs page: its own rules
                 needs = self._needs.get(id(route))
                 if needs is None:
                     needs = self._needs[id(route)] = _needs_tenant(route.dependant)
-                return needs
-        return False  # no route (404) or another method (405): nothing is read
+                return route if needs else None
+        return None  # no route (404) or another method (405): nothing is read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._route_needs_key(scope):
+        route = self._route_needing_key(scope) if scope["type"] == "http" else None
+        if route is None:
             await self.app(scope, receive, send)
             return
         key = key_from_scope(scope)
+        services = scope["app"].state.services
         try:
             if key is None:
                 raise AuthenticationError("missing API key: send it in the X-API-Key header")
-            scope[AUTHENTICATED_TENANT] = await tenant_for_key(scope["app"].state.services, key)
+            tenant = await key_tenant(services, key)
+            try:
+                tenant_auth.check_serves(tenant)
+            except ForbiddenError as refused:  # a suspended tenant: a chain step's seq_id is filled first
+                await fill_refused_step(scope, receive, route, services, tenant, refused)
+                raise
+            scope[AUTHENTICATED_TENANT] = tenant
         except (AuthenticationError, ForbiddenError) as exc:  # no key, a bad one, or a suspended tenant
             response = typed_error_response(exc, scope.get("path", ""))
             response.headers["Connection"] = "close"  # the unread body is not drained for keep-alive

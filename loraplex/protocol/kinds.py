@@ -90,6 +90,9 @@ class KindSpec:
     plain_step: bool = False
     # A draining tenant may still queue it: a delete frees what the tenant holds, a rejection fills a seq_id.
     while_draining: bool = False
+    # A suspended tenant may still queue it: the rejection of a step refused for the suspension fills its seq_id, so
+    # the tenant's next step after a resume does not wait for it.
+    while_suspended: bool = False
     counts_usage: bool = False  # a success is recorded as usage (tokens, its share of the plan's seconds)
     # Its tokens (of `part`, datums [start, stop), when it runs in parts): input tokens for forward_backward and
     # forward, a sample's prompt plus the most it can add, 0 otherwise. The queued-tokens quota, the policy's and
@@ -129,8 +132,9 @@ KINDS: dict[RequestKind, KindSpec] = {
         StepKind.CHECKPOINT, LoadStatePayload, result=LoadResult, changes_state=True, needs_residency=True
     ),
     RequestKind.REJECTED: KindSpec(
-        StepKind.REJECT, RejectedPayload, result=RejectedResult, quota_exempt=True, while_draining=True
-    ),
+        StepKind.REJECT, RejectedPayload, result=RejectedResult, quota_exempt=True, while_draining=True,
+        while_suspended=True,
+    ),  # fmt: skip
     RequestKind.SAMPLE: KindSpec(
         StepKind.SAMPLE, SamplePayload, result=SampleResult, unordered=True, tokens=SamplePayload.tokens
     ),
@@ -147,6 +151,7 @@ SAVE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.saves)
 STATE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.changes_state)
 PLAIN_STEP_KINDS = frozenset(k for k, spec in KINDS.items() if spec.plain_step)
 WHILE_DRAINING_KINDS = frozenset(k for k, spec in KINDS.items() if spec.while_draining)
+WHILE_SUSPENDED_KINDS = frozenset(k for k, spec in KINDS.items() if spec.while_suspended)
 # A step kind's adapters must be in slots when any of its request kinds needs them there.
 RESIDENT_STEPS = frozenset(spec.step for spec in KINDS.values() if spec.needs_residency)
 

@@ -6,9 +6,10 @@ wait for the rejected seq_id until the gap timeout and then fail. So the rejecti
 `rejected` request (loraplex/protocol) under the same (model_id, seq_id), which the pool answers with the same error
 without engine work, and the chain moves on.
 
-Filled: the errors a caller cannot fix by sending the same request again (400, 404, 409, 413, 422). Not filled: 401 (no
-tenant to speak for), 429 and 503 (the caller retries the same seq_id), and a foreign or unknown adapter (its chain is
-not this tenant's to touch). A seq_id that is already claimed (a retry, or a reused seq_id: the 409 itself) is left as
+Filled: the errors a caller cannot fix by sending the same request again (400, 404, 409, 413, 422), and 403 (the
+tenant suspended or draining: the step is refused for good, and its clients go on after a resume). Not filled: 401
+(no tenant to speak for), 429 and 503 (the caller retries the same seq_id), and a foreign or unknown adapter (its chain
+is not this tenant's to touch). A seq_id that is already claimed (a retry, or a reused seq_id: the 409 itself) is left as
 it is: there is no hole.
 """
 
@@ -23,7 +24,7 @@ from loraplex.service.context import Services, TenantRef
 from loraplex.service.submit import submit
 from loraplex.storage.repositories import AdapterRepository
 
-FILLED_STATUSES = frozenset({400, 404, 409, 413, 422})
+FILLED_STATUSES = frozenset({400, 403, 404, 409, 413, 422})
 
 
 def fill_rejected(

@@ -8,14 +8,16 @@ weight and quotas are read.
 - Draining: the calls that would queue new work are a 403 naming the reason; everything else is served (futures,
   listings, downloads, deletes), so its clients collect the results of what is queued while the queue empties. Nothing
   queued is cancelled: draining is "finish what you have, take nothing new".
-- Resume: back to active, from either."""
+- Resume: back to active, from either.
+- A chain step refused for either state has its seq_id filled with the refusal (service/rejections.py), so the
+  tenant's clients, which took the seq_id before they sent the step, go on after the resume without waiting for it."""
 
 from __future__ import annotations
 
 import math
 
 from loraplex.errors import ConflictError, ForbiddenError, InvalidRequestError
-from loraplex.protocol import WHILE_DRAINING_KINDS, RequestKind
+from loraplex.protocol import WHILE_DRAINING_KINDS, WHILE_SUSPENDED_KINDS, RequestKind
 from loraplex.storage.enums import TenantState
 
 REASON_CHARS = 255
@@ -45,8 +47,11 @@ def check_serves(name: str, state: TenantState, reason: str | None) -> None:
 
 
 def check_queues(name: str, state: TenantState, reason: str | None, kind: RequestKind) -> None:
-    """A call that queues `kind`: a 403 for a suspended tenant, and for a draining one unless the kind frees or fills."""
-    if state == TenantState.SUSPENDED or (state == TenantState.DRAINING and kind not in WHILE_DRAINING_KINDS):
+    """A call that queues `kind`: a 403 for a suspended tenant unless the kind fills a refused step's seq_id, and for
+    a draining one unless the kind frees or fills."""
+    if (state == TenantState.SUSPENDED and kind not in WHILE_SUSPENDED_KINDS) or (
+        state == TenantState.DRAINING and kind not in WHILE_DRAINING_KINDS
+    ):
         raise refusal(name, state, reason)
 
 

@@ -130,4 +130,4 @@ def optim_step(
     pool = check_live(services, tenant, model_id)
     with filling_rejections(services, tenant, model_id, seq_id, RequestKind.OPTIM_STEP):
         check_optim_step(payload)
-    return submit(services, tenant, model_id, RequestKind.OPTIM_STEP, payload, seq_id=seq_id, pool=pool)
+        return submit(services, tenant, model_id, RequestKind.OPTIM_STEP, payload, seq_id=seq_id, pool=pool)

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from loraplex.api.deps import tenant_for_key
+from loraplex.protocol import RequestKind
 from loraplex.service import tenant_controls
 from loraplex.service.audit import recent_admin_actions
 from loraplex.service.build import build_services
@@ -22,6 +23,7 @@ from loraplex.service.tenant_controls import TenantLimits
 from loraplex.storage.models import Adapter, AdminAuditEntry, ApiKey, Tenant
 from loraplex.storage.types import utcnow
 from tests.helpers.tenant_state import stream_of
+from tests.helpers.tinker_wire import forward_backward_body
 
 FB = {"seq_id": 1, "data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2, 3, 4]}}]}
 OPS = "ops"
@@ -84,6 +86,42 @@ def test_a_draining_tenant_reads_and_deletes_but_queues_nothing_new(gateway) -> 
         tenant_controls.drain_tenant(services, OPS, gateway.tenant_ids["alice"], "again")
     tenant_controls.resume_tenant(services, OPS, gateway.tenant_ids["alice"])
     assert _adapter(client, alice)
+
+
+def test_a_chain_step_refused_for_the_tenants_state_fills_its_seq_id_so_the_next_step_does_not_wait(gateway) -> None:
+    """Clients take a step's seq_id before sending it: a step refused with 403 (suspended: at the door, before the body
+    is read; draining: in the route) is queued as a rejection in its place, whichever way the request names the
+    seq_id (our client's X-Seq-Id header, a JSON body, the Tinker SDK's protobuf), so after the resume the tenant's
+    next step is not stuck behind a hole. Another tenant's adapter gets nothing filled."""
+    client, services, alice = gateway.client, gateway.services, gateway.keys["alice"]
+    model_id, _ = _adapter(client, alice)
+    bobs_model, _ = _adapter(client, gateway.keys["bob"])
+    fb, opt = f"/v1/adapters/{model_id}/forward_backward", f"/v1/adapters/{model_id}/optim_step"
+    tenant_controls.suspend_tenant(services, OPS, gateway.tenant_ids["alice"], "maintenance")
+    refused = [
+        client.post(fb, json={**FB, "seq_id": 1}, headers={**_h(alice), "X-Seq-Id": "1"}),
+        client.post(opt, json={"seq_id": 2}, headers=_h(alice)),
+        client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 3}, headers=_h(alice)),
+        client.post("/api/v1/forward_backward", content=forward_backward_body(model_id, 4), headers=_h(alice)),
+        client.post(f"/v1/adapters/{bobs_model}/optim_step", json={"seq_id": 1}, headers=_h(alice)),
+    ]
+    tenant_controls.resume_tenant(services, OPS, gateway.tenant_ids["alice"])
+    tenant_controls.drain_tenant(services, OPS, gateway.tenant_ids["alice"], "moving")
+    refused += [
+        client.post(fb, json={**FB, "seq_id": 5}, headers=_h(alice)),
+        client.post(opt, json={"seq_id": 6}, headers=_h(alice)),
+    ]
+    tenant_controls.resume_tenant(services, OPS, gateway.tenant_ids["alice"])
+    assert [r.status_code for r in refused] == [403] * 7, [r.text for r in refused]
+
+    queued = stream_of(services, gateway.tenant_ids["alice"])
+    fills = [(e.model_id, e.seq_id, e.payload) for e in queued if e.kind == RequestKind.REJECTED]
+    assert [(m, s) for m, s, _ in fills] == [(model_id, seq) for seq in range(1, 7)]
+    for (_, seq, payload), why in zip(fills, ["suspended"] * 4 + ["draining"] * 2, strict=True):
+        assert payload.error_type == "ForbiddenError" and why in payload.message, (seq, payload)
+    assert not [e for e in stream_of(services, gateway.tenant_ids["bob"]) if e.kind == RequestKind.REJECTED]
+    # The next step takes the next seq_id as usual.
+    assert client.post(opt, json={"seq_id": 7}, headers=_h(alice)).status_code == 202
 
 
 def test_a_tenants_own_quotas_replace_the_settings_and_empty_restores_them(gateway) -> None:

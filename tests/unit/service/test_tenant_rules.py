@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.errors import ConflictError, ForbiddenError, InvalidRequestError, http_status_for
-from loraplex.protocol import WHILE_DRAINING_KINDS, RequestKind
+from loraplex.protocol import WHILE_DRAINING_KINDS, WHILE_SUSPENDED_KINDS, RequestKind
 from loraplex.service import tenant_rules as rules
 from loraplex.storage.enums import TenantState
 
@@ -23,15 +23,19 @@ def test_every_state_change_but_to_the_same_state_is_allowed() -> None:
                 rules.check_transition("acme", current, target)
 
 
-def test_suspended_refuses_everything_draining_only_new_work() -> None:
+def test_suspended_refuses_everything_but_a_refusals_fill_draining_only_new_work() -> None:
     with pytest.raises(ForbiddenError, match="acme is suspended by an operator: unpaid") as refused:
         rules.check_serves("acme", S, "unpaid")
     assert http_status_for(refused.value) == 403
     rules.check_serves("acme", D, "moving")
     rules.check_serves("acme", A, None)
+    assert set(WHILE_SUSPENDED_KINDS) == {RequestKind.REJECTED}  # it queues no work: it fills a refused step's seq_id
     for kind in RequestKind:
-        with pytest.raises(ForbiddenError):
+        if kind in WHILE_SUSPENDED_KINDS:
             rules.check_queues("acme", S, "unpaid", kind)
+        else:
+            with pytest.raises(ForbiddenError):
+                rules.check_queues("acme", S, "unpaid", kind)
         rules.check_queues("acme", A, None, kind)
         if kind in WHILE_DRAINING_KINDS:
             rules.check_queues("acme", D, "moving", kind)
