@@ -59,13 +59,14 @@ class RequestViews(BaseView):
         rows = stats.rows[-REQUESTS_CHARTED:]
         columns = [(f"{r.kind} #{r.seq_id}", [("queue wait", r.queue_wait_s), ("compute", r.compute_s)]) for r in rows]
         loss = {"loss:sum": [(float(r.seq_id), r.loss) for r in rows if r.loss is not None]}
-        loss_chart = charts.time_lines(loss, start=min((p[0] for p in loss["loss:sum"]), default=0.0),
-                                       end=max((p[0] for p in loss["loss:sum"]), default=1.0), y_unit="loss:sum",
+        first = min((p[0] for p in loss["loss:sum"]), default=0.0)
+        last = max((p[0] for p in loss["loss:sum"]), default=1.0)
+        loss_chart = charts.time_lines(loss, start=first, end=max(last, first + 2), y_unit="loss:sum",
                                        x_label=lambda x: f"seq {x:.0f}") if loss["loss:sum"] else ""  # fmt: skip
         return await self.templates.TemplateResponse(request, "loraplex/requests.html", {
             "label": scope.label, "tenant": scope.tenant_name, "figures": _figures(stats),
             "columns": charts.stacked_columns(columns, y_unit="seconds per request"), "loss": loss_chart,
-            "trace": f"{request.url.path}/trace.json", "shown": len(rows),
+            "trace": f"{request.url.path}/trace.json", "shown": len(rows), "session_id": scope.session_id,
         })  # fmt: skip
 
     async def _trace(self, scope_of: Any, key: str, name: str) -> Response:

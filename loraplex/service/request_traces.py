@@ -34,18 +34,19 @@ class TraceScope:
     tenant_name: str
     model_ids: tuple[str, ...]
     label: str  # "adapter <id>" or "session <id>"
+    session_id: str | None = None  # an adapter's Tinker session, where it has one
 
 
 def adapter_scope(services: Services, tenant: TenantRef | None, model_id: str) -> TraceScope:
     with services.sessions() as db:
-        stmt = select(Adapter.tenant_id, Tenant.name).join(Tenant, Tenant.id == Adapter.tenant_id)
+        stmt = select(Adapter.tenant_id, Tenant.name, Adapter.session_id).join(Tenant, Tenant.id == Adapter.tenant_id)
         stmt = stmt.where(Adapter.model_id == model_id)
         if tenant is not None:
             stmt = stmt.where(Adapter.tenant_id == tenant.id)
         row = db.execute(stmt).first()
     if row is None:
         raise NotFoundError(f"adapter {model_id!r} not found")
-    return TraceScope(row[0], row[1], (model_id,), f"adapter {model_id}")
+    return TraceScope(row[0], row[1], (model_id,), f"adapter {model_id}", row[2])
 
 
 def session_scope(services: Services, tenant: TenantRef | None, session_id: str) -> TraceScope:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tinker
 
 from loraplex.client import AdamParams, Datum, ServiceClient
 from tests.helpers.stack import create_tenants
@@ -120,6 +121,23 @@ def test_training_appears_without_a_reload_and_the_page_fits_1366(stack, keys, p
     _check_trace(api.json(), steps=8)
     other = httpx.get(f"{stack.base_url}/v1/adapters/{model_id}/trace", headers={"X-API-Key": keys["dash-alpha"]})
     assert other.status_code == 404
+
+    # A Tinker SDK adapter (it has a session): its row's page links to its requests, and those to its session's
+    sdk = tinker.ServiceClient(base_url=stack.base_url, api_key=keys["dash-gamma"])
+    trainer = sdk.create_lora_training_client(base_model=stack.settings.base_model, rank=4).result()
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([11, 12, 13]),
+                               loss_fn_inputs={"target_tokens": [12, 13, 14]})  # fmt: skip
+    trainer.forward_backward([datum], "cross_entropy").result()
+    page.goto(f"{stack.base_url}/admin/adapter/details/{trainer.model_id}")
+    with page.expect_navigation():
+        page.click("#adapter-links a:has-text('Its requests and trace')")
+    assert "training utilization" in page.inner_text("#requests-view")
+    with page.expect_navigation():
+        page.click("#session-link a")
+    heading = page.inner_text("#requests-view h2")
+    assert heading.startswith("session ") and "dash-gamma" in heading
+    assert "requests traced" in page.inner_text("#requests-view")
+    _shoot(page, "session-1366x768.png", 1366, 768)
 
 
 def _check_trace(trace: dict[str, Any], steps: int) -> None:
