@@ -146,6 +146,26 @@ def pool_health_exposition(pools: list[PoolHealth]) -> bytes:
     return generate_latest(registry)
 
 
+def tenant_info_exposition(tenants: list[tuple[str, str]]) -> bytes:
+    """`loraplex_tenant_info{tenant, name} 1` per (id, name): the pools label their series with tenant ids, and a
+    dashboard joins this on `tenant` to show names (`* on (tenant) group_left (name) loraplex_tenant_info`)."""
+    family = GaugeMetricFamily("loraplex_tenant_info", "1 per tenant: its id (the pools' tenant label) and its name.",
+                               labels=("tenant", "name"))  # fmt: skip
+    for tenant_id, name in tenants:
+        family.add_metric((tenant_id, name), 1.0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([family]))
+    return generate_latest(registry)
+
+
+class _Families:
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self.families
+
+
 def multiprocess_env(folder: Path, workers: int) -> dict[str, str]:
     """The environment for `workers` gateway processes of one server: with more than one, a fresh (emptied) folder
     for their shared counts; with one, nothing (each process counts for itself)."""

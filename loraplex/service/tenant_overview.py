@@ -55,3 +55,9 @@ def adapter_checkpoints(services: Services, model_id: str) -> list[Checkpoint]:
         db.expunge_all()
         return rows
 
+
+
+def tenant_names(services: Services) -> list[tuple[str, str]]:
+    """(id, name) of every tenant: what the pools' metrics label by id, named (api/metrics.tenant_info_exposition)."""
+    with services.sessions() as db:
+        return [(t.id, t.name) for t in TenantRepository(db).list()]

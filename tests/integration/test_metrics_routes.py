@@ -99,6 +99,10 @@ def test_metrics_pools_merges_every_pools_published_metrics(tmp_path, redis_clie
         labels = tuple(sorted({"pool": pool, "tenant": "tenant-x", "kind": "forward_backward"}.items()))
         assert samples[("loraplex_pool_tokens_total", labels)] == tokens
     assert not any(name.startswith("loraplex_pool_") for name, _ in own)  # the gateway's own: no pool series
+    # each tenant id named, for dashboards to join on `tenant` (the gateway's own /metrics names no tenant)
+    for name, tenant_id in gw.tenant_ids.items():
+        assert samples[("loraplex_tenant_info", (("name", name), ("tenant", tenant_id)))] == 1
+    assert not any(name == "loraplex_tenant_info" for name, _ in own)
 
 
 def test_the_pools_metrics_server_takes_the_same_token() -> None:

@@ -1,6 +1,6 @@
 """The operations kit (ops/): the Grafana dashboard JSON and the Prometheus files parse, every alert rule has what
 Prometheus and Alertmanager need, and every metric name they use is one the code defines (the pool's registry, the
-gateway's, the gateway's pool-health gauges), so a renamed series breaks this test, not the operators' alerts."""
+gateway's, the gateway's pool-health gauges, the tenants' names), so a renamed series breaks this test, not the operators' alerts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.api.metrics import REGISTRY, pool_health_exposition
+from loraplex.api.metrics import REGISTRY, pool_health_exposition, tenant_info_exposition
 from loraplex.pool.metrics import PoolMetrics
 from loraplex.service.pool_health import PoolHealth
 
@@ -30,6 +30,8 @@ def _defined_names() -> set[str]:
             names.update(family.name + suffix for suffix in ("_total", "_bucket", "_sum", "_count"))
     health = pool_health_exposition([PoolHealth("p", True, "", heartbeat_age_s=1.0)]).decode()
     names.update(family.name for family in text_string_to_metric_families(health))
+    info = tenant_info_exposition([("t-1", "acme")]).decode()
+    names.update(family.name for family in text_string_to_metric_families(info))
     return names
 
 

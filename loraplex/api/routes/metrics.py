@@ -3,7 +3,7 @@ published them to Redis (service/pool_metrics_reader.py). A separate path, so sc
 pool N times: scrape /metrics on every replica and /metrics/pools on one (or each pool's own port). With
 LORAPLEX_METRICS_TOKEN set, both answer `Authorization: Bearer <token>` only (401 otherwise). Without one, /metrics is
 open (route templates and status codes: nothing of any tenant), and /metrics/pools, which names every tenant's
-request kinds, tokens and queue depths, answers 403 unless LORAPLEX_METRICS_OPEN is true. Not in the OpenAPI schema:
+request kinds, tokens and queue depths (and `loraplex_tenant_info`, each tenant id's name), answers 403 unless LORAPLEX_METRICS_OPEN is true. Not in the OpenAPI schema:
 it is Prometheus's text format, for scrapers, not a tenant's API."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from fastapi import APIRouter, Request, Response
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.metrics import exposition, pool_health_exposition
+from loraplex.api.metrics import exposition, pool_health_exposition, tenant_info_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError
 from loraplex.runtime.metrics_server import CONTENT_TYPE, token_ok
 from loraplex.service.pool_health import all_pools
 from loraplex.service.pool_metrics_reader import pool_exposition
+from loraplex.service.tenant_overview import tenant_names
 
 router = APIRouter(include_in_schema=False)
 
@@ -56,5 +57,13 @@ async def gateway_metrics(request: Request) -> Response:
 @router.get("/metrics/pools")
 async def pools_metrics(request: Request) -> Response:
     _check_tenant_metrics(request)
-    body = await run_in_threadpool(pool_exposition, request.app.state.services.redis)
-    return Response(body, media_type=CONTENT_TYPE)
+    services = request.app.state.services
+
+    def body() -> bytes:
+        try:  # the tenants' names for the pools' tenant ids; the database away: left out
+            names = tenant_info_exposition(tenant_names(services))
+        except SQLAlchemyError:
+            names = b""
+        return pool_exposition(services.redis) + names
+
+    return Response(await run_in_threadpool(body), media_type=CONTENT_TYPE)
