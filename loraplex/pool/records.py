@@ -42,8 +42,8 @@ from loraplex.storage.repositories import (
     PoolRepository,
     ResidencyRepository,
     TenantRepository,
-    UsageRepository,
 )
+from loraplex.storage.repositories.usage import record_usage_of_tenants
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +125,13 @@ class PlanRecords:
         return True
 
     def write(self, session: Session) -> None:
-        """One statement per adapter touched (its highest applied seq_id) plus one usage INSERT per tenant."""
+        """Creations' statuses one by one (rare), then every adapter's highest applied seq_id in one executemany
+        UPDATE and every tenant's usage in one INSERT, whatever the number of adapters and tenants in the plan."""
         for tenant_id, model_id, status in self.statuses:
             with suppress(NotFoundError):  # deleted before its creation finished
                 AdapterRepository(session, tenant_id).set_status(model_id, status)
-        for (tenant_id, model_id), seq_id in self.applied.items():
-            AdapterRepository(session, tenant_id).record_applied(model_id, seq_id, include_deleted=True)
-        for tenant_id, rows in self.usage.items():
-            UsageRepository(session, tenant_id).record_many(rows)
+        PoolRepository(session).record_applied(self.applied)
+        record_usage_of_tenants(session, self.usage)
 
 
 def record_tier_moves(session: Session, pool: str, changes: Sequence[Any]) -> None:

@@ -26,6 +26,7 @@ from loraplex.storage.repositories import (
     hash_api_key,
 )
 from loraplex.storage.repositories._common import add_or_conflict
+from loraplex.storage.repositories.usage import record_usage_of_tenants
 
 
 def _tenant(factory: sessionmaker[Session], name: str) -> tuple[str, str]:
@@ -223,6 +224,33 @@ def test_applied_seq_id_only_increases(factory: sessionmaker[Session]) -> None:
         assert AdapterRepository(s, a).get("m").applied_seq_id == 9
     with pytest.raises(errors.InvalidRequestError), unit_of_work(factory) as s:
         AdapterRepository(s, a).record_applied("m", -1)
+
+
+def test_a_plans_applied_seq_ids_and_usage_go_in_one_statement_each_and_never_backwards(
+    factory: sessionmaker[Session],
+) -> None:
+    """The pool's per-plan record (pool/records.py): every adapter's applied seq_id in one UPDATE, each as
+    `record_applied(include_deleted=True)` (the max, deleted adapters too, last_used_at touched; another tenant's
+    pairing and a missing row change nothing), and every tenant's usage in one INSERT."""
+    a, _ = _tenant(factory, "a")
+    b, _ = _tenant(factory, "b")
+    for tenant, model_id in ((a, "m1"), (b, "m2"), (a, "m3")):
+        _adapter(factory, tenant, model_id)
+    with unit_of_work(factory) as s:
+        AdapterRepository(s, a).mark_deleted("m3")
+        loaded = AdapterRepository(s, a).get("m1")
+        PoolRepository(s).record_applied({(a, "m1"): 3, (b, "m2"): 5, (a, "m3"): 2, (a, "gone"): 4})
+        assert loaded.applied_seq_id == 3 and loaded.last_used_at is not None  # the loaded copy is refreshed
+    with unit_of_work(factory) as s:
+        PoolRepository(s).record_applied({(a, "m1"): 2, (b, "m2"): 7, (b, "m1"): 9})
+        record_usage_of_tenants(s, {a: [("m1", "forward_backward", 10, 0.5), ("m1", "forward", 4, 0.25)],
+                                    b: [("m2", "forward_backward", 6, 0.5)]})  # fmt: skip
+    with factory() as s:
+        applied = {m: PoolRepository(s).applied_seq_id(m) for m in ("m1", "m2", "m3")}
+        assert applied == {"m1": 3, "m2": 7, "m3": 2}
+        assert (UsageRepository(s, a).totals().tokens, UsageRepository(s, b).totals().tokens) == (14, 6)
+    with pytest.raises(errors.InvalidRequestError), unit_of_work(factory) as s:
+        record_usage_of_tenants(s, {a: [("m1", "forward_backward", -1, 0.5)]})
 
 
 def test_status_changes(factory: sessionmaker[Session]) -> None:

@@ -18,6 +18,7 @@ from tests.helpers.services.postgres import postgres_server
 
 # The SQLite tests' shared bodies, re-collected here: pytest binds them to this module's `factory` fixture (PostgreSQL).
 from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on this module's `factory`
+    test_a_plans_applied_seq_ids_and_usage_go_in_one_statement_each_and_never_backwards,
     test_adapter_fields_round_trip,
     test_adapters_are_scoped_to_their_tenant,
     test_applied_seq_id_only_increases,

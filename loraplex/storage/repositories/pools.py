@@ -3,10 +3,10 @@ the pool over (`take_leadership`); every plan's record transaction checks it fir
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
@@ -23,6 +23,34 @@ class PoolRepository:
         """The last seq_id applied to an adapter, for a (re)starting dispatcher. The pool knows model ids only from
         requests the gateway already authorised, so this read needs no tenant."""
         return self.session.scalar(select(Adapter.applied_seq_id).where(Adapter.model_id == model_id))
+
+    def record_applied(self, applied: Mapping[tuple[str, str], int]) -> None:
+        """Several adapters' applied seq_ids, (tenant_id, model_id) -> seq_id, each as
+        `AdapterRepository.record_applied(include_deleted=True)` writes one (never backwards, `last_used_at` touched),
+        in one executemany UPDATE: a plan's record writes every adapter it answered at once. An adapter whose row is
+        gone (none should be: a delete keeps the row) is passed over."""
+        if not applied:
+            return
+        seq = bindparam("seq")
+        stmt = (
+            update(Adapter)
+            .where(Adapter.model_id == bindparam("mid"), Adapter.tenant_id == bindparam("tid"))
+            .values(
+                applied_seq_id=case(
+                    (or_(Adapter.applied_seq_id.is_(None), Adapter.applied_seq_id < seq), seq),
+                    else_=Adapter.applied_seq_id,
+                ),
+                last_used_at=utcnow(),
+            )
+        )
+        params = [
+            {"tid": tenant_id, "mid": model_id, "seq": seq_id} for (tenant_id, model_id), seq_id in applied.items()
+        ]
+        self.session.connection().execute(stmt, params)
+        for _, model_id in applied:  # a loaded copy in this session is stale now: the next read reloads it
+            loaded = self.session.identity_map.get(self.session.identity_key(Adapter, model_id))
+            if loaded is not None:
+                self.session.expire(loaded, ["applied_seq_id", "last_used_at"])
 
     def adapter(self, model_id: str) -> Adapter | None:
         """An adapter by id, any tenant's and status: moving adapters between pools is the operator's and the pools'

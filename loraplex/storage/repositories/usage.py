@@ -27,6 +27,20 @@ class UsageTotals:
     by_kind: dict[str, KindTotals] = field(default_factory=dict)
 
 
+def record_usage_of_tenants(session: Session, rows: dict[str, list[tuple[str | None, str, int, float]]]) -> None:
+    """Several tenants' (model_id, kind, tokens, seconds) records, tenant id -> rows, in one INSERT (a plan's usage:
+    the pool writes it for every tenant it served; the gateway's reads stay per tenant)."""
+    if any(tokens < 0 or seconds < 0 for tenant_rows in rows.values() for _, _, tokens, seconds in tenant_rows):
+        raise InvalidRequestError("usage tokens and seconds must be non-negative")
+    values = [
+        {"tenant_id": tenant_id, "model_id": m, "kind": k, "tokens": t, "seconds": float(sec)}
+        for tenant_id, tenant_rows in rows.items()
+        for m, k, t, sec in tenant_rows
+    ]
+    if values:
+        session.execute(insert(Usage), values)
+
+
 class UsageRepository:
     def __init__(self, session: Session, tenant_id: str) -> None:
         self.session = session

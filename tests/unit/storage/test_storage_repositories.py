@@ -13,6 +13,7 @@ from loraplex.storage.repositories import TenantRepository
 from tests.helpers.storage_cases import (  # noqa: F401 - collected here, on this module's `factory`
     _adapter,
     _tenant,
+    test_a_plans_applied_seq_ids_and_usage_go_in_one_statement_each_and_never_backwards,
     test_adapter_fields_round_trip,
     test_adapters_are_scoped_to_their_tenant,
     test_applied_seq_id_only_increases,
