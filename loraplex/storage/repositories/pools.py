@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from sqlalchemy import bindparam, case, func, or_, select, update
+from sqlalchemy import Integer, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
@@ -31,7 +31,7 @@ class PoolRepository:
         gone (none should be: a delete keeps the row) is passed over."""
         if not applied:
             return
-        seq = bindparam("seq")
+        seq = bindparam("seq", type_=Integer)
         stmt = (
             update(Adapter)
             .where(Adapter.model_id == bindparam("mid"), Adapter.tenant_id == bindparam("tid"))
