@@ -117,9 +117,14 @@ def _enable_wal(cursor: Any) -> None:
 
 
 def single_read(engine: Engine) -> Connection:
-    """A plain connection (no ORM session) for one SELECT: on SQLite without a BEGIN of its own (NO_BEGIN); the
-    caller closes it (`with`). The hot checks read one row through it (storage/repositories/adapters.live_pool_of)."""
-    return engine.connect().execution_options(**{SQLITE_BEGIN_OPTION: NO_BEGIN})
+    """A plain connection (no ORM session) for one SELECT, without a transaction around it: on SQLite no BEGIN
+    (NO_BEGIN; its isolation level stays as `_on_connect` set it), elsewhere the driver's autocommit (no BEGIN and
+    ROLLBACK round trips; the pool resets it on return). One statement reads one consistent snapshot either way. The
+    caller closes it (`with`); the hot checks read one row through it (storage/repositories/adapters.live_pool_of)."""
+    connection = engine.connect()
+    if engine.dialect.name == "sqlite":
+        return connection.execution_options(**{SQLITE_BEGIN_OPTION: NO_BEGIN})
+    return connection.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

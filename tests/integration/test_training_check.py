@@ -18,7 +18,7 @@ from loraplex.service.context import write_session
 from loraplex.service.schemas import CreateAdapterRequest
 from loraplex.service.training import check_live
 from loraplex.settings import Settings
-from loraplex.storage.repositories import PoolRepository
+from loraplex.storage.repositories import AdapterRepository, PoolRepository
 from loraplex.storage.statement_count import STATEMENTS
 from tests.helpers.queued import queued
 from tests.helpers.services.postgres import PostgresServer, postgres_server
@@ -171,3 +171,17 @@ def test_the_native_training_routes_still_document_their_202_future(gateway) -> 
     for step in ("forward_backward", "forward", "optim_step"):
         answer = paths[f"/v1/adapters/{{model_id}}/{step}"]["post"]["responses"]["202"]
         assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/FutureRef"}, step
+
+
+def test_the_checks_connection_goes_back_to_the_pool_as_it_came(gateway, adapter) -> None:
+    """The check reads outside a transaction (PostgreSQL: the driver's autocommit); the pool must hand the connection
+    to the next session transactional again, or a failed unit of work would leave its writes behind."""
+    services = gateway.services
+    alice = TenantRef(gateway.tenant_ids["alice"], "alice")
+    for _ in range(3):
+        assert check_live(services, alice, adapter) in (None, services.settings.pool)
+    with pytest.raises(RuntimeError, match="undo"), write_session(services) as db:
+        AdapterRepository(db, alice.id).mark_deleted(adapter)
+        db.flush()
+        raise RuntimeError("undo")
+    assert check_live(services, alice, adapter) in (None, services.settings.pool)  # still live: rolled back
