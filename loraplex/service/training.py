@@ -1,7 +1,7 @@
 """The training calls: forward_backward, forward and optim_step, each a step in the adapter's seq_id order that
 returns a future. They take the request's payload (protocol/payloads.py), whichever front end built it (the native
 JSON routes from their body model, the Tinker routes straight from the protobuf message, the pipelines), and check it
-here, once, before it is queued. They are the hot path: the adapter check is one prepared statement on a plain
+here, once, before it is queued. They are the hot path: the adapter check is one prebuilt statement on a plain
 connection of its own (no ORM session), read afresh on every call: no cache can send a step to an adapter's old pool."""
 
 from __future__ import annotations
