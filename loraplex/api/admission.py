@@ -84,7 +84,10 @@ class BodyLimit:
             if remaining <= 0:
                 raise BodyReadTimeout(self.read_timeout_s)
             try:
-                message = await asyncio.wait_for(receive(), remaining)
+                # a timeout scope, not wait_for: wait_for ran receive() as a task of its own, two more turns of the
+                # event loop per body read
+                async with asyncio.timeout(remaining):
+                    message = await receive()
             except TimeoutError:
                 raise BodyReadTimeout(self.read_timeout_s) from None
             if message["type"] == "http.request":

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import redis
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.queue.producer import Producer
@@ -67,6 +68,12 @@ def write_session(services: Services) -> AbstractContextManager[Session]:
     """One transaction: committed when the block ends, rolled back (nothing half-written) on any error. On SQLite it
     takes the write lock up front, so a concurrent writer makes it wait rather than fail."""
     return unit_of_work(services.sessions)
+
+
+def db_engine(services: Services) -> Engine:
+    """The engine the sessions are bound to: a one-row read needs no session (storage/db.py, `single_read`)."""
+    engine: Engine = services.sessions.kw["bind"]
+    return engine
 
 
 def fleet(services: Services) -> Fleet:

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 from loraplex.errors import ConflictError, LoraplexError, NotFoundError, error_name, http_status_for
 from loraplex.protocol import CONTROL_KINDS, RejectedPayload, RequestKind
-from loraplex.service.context import Services, TenantRef
+from loraplex.service.context import Services, TenantRef, db_engine
 from loraplex.service.submit import submit
-from loraplex.storage.repositories import AdapterRepository
+from loraplex.storage.repositories.adapters import live_pool_of
 
 FILLED_STATUSES = frozenset({400, 403, 404, 409, 413, 422})
 
@@ -39,11 +39,10 @@ def fill_rejected(
     """Queue the rejection of `kind` at (model_id, seq_id); False when there is nothing to fill."""
     if kind in CONTROL_KINDS:
         return False
-    with services.sessions() as db:
-        try:
-            pool = AdapterRepository(db, tenant.id).live_pool(model_id)
-        except NotFoundError:
-            return False
+    try:
+        pool = live_pool_of(db_engine(services), tenant.id, model_id)
+    except NotFoundError:
+        return False
     payload = RejectedPayload(rejected_kind=str(kind), error_type=error_name(error_type), message=message)
     try:
         submit(services, tenant, model_id, RequestKind.REJECTED, payload, seq_id=seq_id, pool=pool)

@@ -1,8 +1,8 @@
 """The training calls: forward_backward, forward and optim_step, each a step in the adapter's seq_id order that
 returns a future. They take the request's payload (protocol/payloads.py), whichever front end built it (the native
 JSON routes from their body model, the Tinker routes straight from the protobuf message, the pipelines), and check it
-here, once, before it is queued. They are the hot path: the adapter check is one column read in a short session of
-its own."""
+here, once, before it is queued. They are the hot path: the adapter check is one prebuilt statement on a plain
+connection of its own (no ORM session), read afresh on every call: no cache can send a step to an adapter's old pool."""
 
 from __future__ import annotations
 
@@ -12,20 +12,19 @@ from loraplex.errors import InvalidRequestError, RequestTooLargeError
 from loraplex.protocol import KINDS, ForwardBackwardPayload, OptimStepPayload, RequestKind
 from loraplex.protocol.adam import ADAM_FIELD, adam_problems
 from loraplex.protocol.losses import LOSS_NAMES
-from loraplex.service.context import Services, TenantRef
+from loraplex.service.context import Services, TenantRef, db_engine
 from loraplex.service.rejections import filling_rejections
 from loraplex.service.schemas import FutureRef
 from loraplex.service.submit import submit
 from loraplex.settings import Settings
-from loraplex.storage.repositories import AdapterRepository
+from loraplex.storage.repositories.adapters import live_pool_of
 
 
 def check_live(services: Services, tenant: TenantRef, model_id: str) -> str | None:
-    """404 for an unknown, deleted, or another tenant's adapter (a session of its own: the hot training calls take no
-    request-wide session, one worker-thread hop fewer); else the pool it is placed on, where its requests go (None:
-    the gateway's own)."""
-    with services.sessions() as db:
-        return AdapterRepository(db, tenant.id).live_pool(model_id)
+    """404 for an unknown, deleted, or another tenant's adapter; else the pool it is placed on, where its requests go
+    (None: the gateway's own). One row read on a connection of its own: the hot training calls take no request-wide
+    session (one worker-thread hop fewer), and this check no ORM session either."""
+    return live_pool_of(db_engine(services), tenant.id, model_id)
 
 
 def check_sizes(settings: Settings, tokens: Sequence[int], loss_inputs: Sequence[int]) -> None:
@@ -99,25 +98,30 @@ def forward_backward(
     services: Services, tenant: TenantRef, model_id: str, seq_id: int, payload: ForwardBackwardPayload
 ) -> FutureRef:
     """Accumulate gradients; the result holds per-datum logprobs and the loss metrics."""
-    return _pass(services, tenant, model_id, seq_id, payload, RequestKind.FORWARD_BACKWARD)
+    pool = check_live(services, tenant, model_id)
+    return submit_pass(services, tenant, model_id, seq_id, payload, RequestKind.FORWARD_BACKWARD, pool)
 
 
 def forward(
     services: Services, tenant: TenantRef, model_id: str, seq_id: int, payload: ForwardBackwardPayload
 ) -> FutureRef:
     """Outputs and loss only; no gradient."""
-    return _pass(services, tenant, model_id, seq_id, payload, RequestKind.FORWARD)
+    pool = check_live(services, tenant, model_id)
+    return submit_pass(services, tenant, model_id, seq_id, payload, RequestKind.FORWARD, pool)
 
 
-def _pass(
+def submit_pass(
     services: Services,
     tenant: TenantRef,
     model_id: str,
     seq_id: int,
     payload: ForwardBackwardPayload,
     kind: RequestKind,
+    pool: str | None,
 ) -> FutureRef:
-    pool = check_live(services, tenant, model_id)
+    """A forward_backward or forward (`kind`) whose adapter `check_live` found placed on `pool` in this request (the
+    Tinker route checks it before it expands the body, and passes what it read instead of reading it twice): checked
+    and queued there."""
     with filling_rejections(services, tenant, model_id, seq_id, kind):
         check_forward_backward(services.settings, kind, payload)
         return submit(services, tenant, model_id, kind, payload, seq_id=seq_id, pool=pool)

@@ -22,7 +22,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,8 +32,11 @@ from loraplex.runtime.fsutil import PRIVATE_FILE_MODE, private_dirs
 from loraplex.storage.statement_count import count_statements
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
-# Execution option read by the SQLite "begin" hook: "DEFERRED" (default) or "IMMEDIATE".
+# Execution option read by the SQLite "begin" hook: "DEFERRED" (default), "IMMEDIATE", or NO_BEGIN.
 SQLITE_BEGIN_OPTION = "loraplex_sqlite_begin"
+# No BEGIN at all: each statement is its own transaction (SQLite's autocommit). For a connection that sends one
+# SELECT (`single_read`): the statement reads one consistent snapshot either way, and the BEGIN costs a statement.
+NO_BEGIN = "NONE"
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 ALEMBIC_INI = _REPO_ROOT / "alembic.ini"
@@ -76,7 +79,8 @@ def _sqlite_engine(url: URL, *, echo: bool, foreign_keys: bool) -> Engine:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         mode = conn.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        if mode != NO_BEGIN:
+            conn.exec_driver_sql(f"BEGIN {mode}")
 
     return engine
 
@@ -110,6 +114,17 @@ def _enable_wal(cursor: Any) -> None:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+
+def single_read(engine: Engine) -> Connection:
+    """A plain connection (no ORM session) for one SELECT, without a transaction around it: on SQLite no BEGIN
+    (NO_BEGIN; its isolation level stays as `_on_connect` set it), elsewhere the driver's autocommit (no BEGIN and
+    ROLLBACK round trips; the pool resets it on return). One statement reads one consistent snapshot either way. The
+    caller closes it (`with`); the hot checks read one row through it (storage/repositories/adapters.live_pool_of)."""
+    connection = engine.connect()
+    if engine.dialect.name == "sqlite":
+        return connection.execution_options(**{SQLITE_BEGIN_OPTION: NO_BEGIN})
+    return connection.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -1,10 +1,14 @@
 """Adapters: create, list, read, delete, and the training calls that return futures (rules: service/).
 
-The training calls take no DbDep: the service checks the adapter in a short session of its own."""
+The training calls take no DbDep: the service checks the adapter on a connection of its own. They are async and hand
+the service call to a worker thread themselves: a sync endpoint's answer would be validated in the threadpool too, a
+second hop to a worker thread per request (FastAPI's serialize_response); this way it is validated on the event loop,
+and the OpenAPI schema still documents the 202's FutureRef."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
@@ -44,19 +48,21 @@ def delete_adapter(model_id: str, tenant: TenantDep, services: ServicesDep) -> F
 
 @router.post("/{model_id}/forward_backward", status_code=202)
 @seq_step(RequestKind.FORWARD_BACKWARD)
-def forward_backward(
+async def forward_backward(
     model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep
 ) -> FutureRef:
-    return service.forward_backward(services, tenant, model_id, body.seq_id, body.payload())
+    return await run_in_threadpool(
+        lambda: service.forward_backward(services, tenant, model_id, body.seq_id, body.payload())
+    )
 
 
 @router.post("/{model_id}/forward", status_code=202)
 @seq_step(RequestKind.FORWARD)
-def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
-    return service.forward(services, tenant, model_id, body.seq_id, body.payload())
+async def forward(model_id: str, body: ForwardBackwardRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    return await run_in_threadpool(lambda: service.forward(services, tenant, model_id, body.seq_id, body.payload()))
 
 
 @router.post("/{model_id}/optim_step", status_code=202)
 @seq_step(RequestKind.OPTIM_STEP)
-def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
-    return service.optim_step(services, tenant, model_id, body.seq_id, body.payload())
+async def optim_step(model_id: str, body: OptimStepRequest, tenant: TenantDep, services: ServicesDep) -> FutureRef:
+    return await run_in_threadpool(lambda: service.optim_step(services, tenant, model_id, body.seq_id, body.payload()))

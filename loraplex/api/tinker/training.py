@@ -41,7 +41,7 @@ from loraplex.service.schemas import (
     LoadStateRequest,
     SaveCheckpointRequest,
 )
-from loraplex.service.training import check_live
+from loraplex.service.training import check_live, submit_pass
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -147,17 +147,22 @@ def _forward_backward(services: Services, tenant: TenantRef, raw: bytes, encodin
     decoded = decode_forward_backward(decompress(raw, encoding, services.settings.max_body_bytes))
     # The owner first (404 for a missing or foreign adapter), then the declared sizes: no tensor is expanded for a
     # request that would be refused anyway. The service checks the built payload (tokens, lengths, loss).
-    check_live(services, tenant, decoded.model_id)
+    pool = check_live(services, tenant, decoded.model_id)
     with filling_rejections(services, tenant, decoded.model_id, decoded.seq_id, decoded.kind):
         decoded.check_sizes(services.settings)
         payload = decoded.payload()
-    call = service.forward if decoded.forward_only else service.forward_backward
-    return future_out(Tag.FORWARD, call(services, tenant, decoded.model_id, decoded.seq_id, payload))
+    ref = submit_pass(services, tenant, decoded.model_id, decoded.seq_id, payload, decoded.kind, pool)
+    return future_out(Tag.FORWARD, ref)
 
 
 @router.post("/optim_step")
 @seq_step(RequestKind.OPTIM_STEP)
-def optim_step(body: OptimStepBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+async def optim_step(body: OptimStepBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
+    """Async, its work in one worker-thread hop (api/routes/adapters.py says why)."""
+    return await run_in_threadpool(_optim_step, services, tenant, body)
+
+
+def _optim_step(services: Services, tenant: TenantRef, body: OptimStepBody) -> dict[str, Any]:
     if body.optimizer_params is not None and body.adam_params is None:
         with filling_rejections(services, tenant, body.model_id, body.seq_id, RequestKind.OPTIM_STEP):
             check_optimizer(OptimizerConfigBody(type=str(body.optimizer_params.get("type", "unknown"))))

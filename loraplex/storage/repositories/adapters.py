@@ -7,10 +7,11 @@ import builtins
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import Engine, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.storage.db import single_read
 from loraplex.storage.enums import AdapterStatus
 from loraplex.storage.models import MODEL_ID_LENGTH, Adapter
 from loraplex.storage.repositories._common import add_or_conflict
@@ -19,6 +20,26 @@ from loraplex.storage.types import utcnow
 
 def _not_found(model_id: str) -> NotFoundError:
     return NotFoundError(f"adapter {model_id!r} not found")
+
+
+# Built once: the training calls' check runs it on every request, and building the WHERE clause anew cost more than
+# the read itself. SQLAlchemy's compiled cache then serves its SQL.
+_LIVE_POOL = select(Adapter.pool).where(
+    Adapter.model_id == bindparam("model_id"),
+    Adapter.tenant_id == bindparam("tenant_id"),
+    Adapter.status != AdapterStatus.DELETED,
+)
+
+
+def live_pool_of(engine: Engine, tenant_id: str, model_id: str) -> str | None:
+    """`AdapterRepository.live_pool` as one statement on a plain connection (no ORM session, no BEGIN): the training
+    calls' hot check. Read afresh every time (no cache), so a deleted adapter is refused, and a moved one's requests go
+    to its new pool, from the commit on."""
+    with single_read(engine) as conn:
+        row = conn.execute(_LIVE_POOL, {"model_id": model_id, "tenant_id": tenant_id}).first()
+    if row is None:
+        raise _not_found(model_id)
+    return row[0]
 
 
 class AdapterRepository:
@@ -79,10 +100,7 @@ class AdapterRepository:
     def live_pool(self, model_id: str) -> str | None:
         """The pool a live adapter of this tenant is placed on (None: placed before the fleet, the gateway's own);
         NotFoundError unless there is one (one row read: the training calls' check and their route)."""
-        stmt = select(Adapter.pool).where(
-            Adapter.model_id == model_id, Adapter.tenant_id == self.tenant_id, Adapter.status != AdapterStatus.DELETED
-        )
-        row = self.session.execute(stmt).first()
+        row = self.session.execute(_LIVE_POOL, {"model_id": model_id, "tenant_id": self.tenant_id}).first()
         if row is None:
             raise _not_found(model_id)
         return row[0]
