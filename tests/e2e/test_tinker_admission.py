@@ -1,11 +1,13 @@
 """The Tinker SDK against a stack with tight admission limits and compressed bodies (a stack of its own): a 429 with
 Retry-After is honoured (the SDK backs off and resubmits the same seq_id; every step is applied once, in order), one
-tenant at its quota does not hold another back, and zstd forward_backward bodies train exactly like plain ones."""
+tenant at its quota does not hold another back, zstd forward_backward bodies train exactly like plain ones, and a
+step refused while its tenant is suspended does not hold the tenant's next step after the resume."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +16,10 @@ from tinker import types
 
 from loraplex.launch.embedded import Stack
 from loraplex.runtime.netutil import free_port
+from loraplex.service import tenant_controls
+from loraplex.service.build import build_services
 from loraplex.settings import Settings
+from loraplex.storage.repositories import TenantRepository
 from tests.helpers.stack import create_tenants
 
 
@@ -26,6 +31,7 @@ def tight(tmp_path_factory):
         max_rank=16,
         max_queued_requests_per_tenant=1,  # a second queued request of a tenant is a 429 until the first is answered
         tinker_compress_fwdbwd=True,  # client/config asks the SDK for zstd forward_backward bodies
+        auth_cache_seconds=0.2,  # an operator's suspend and resume reach the gateway process at once
     )
     with Stack(settings, api_port=free_port()) as running:
         yield running
@@ -88,3 +94,29 @@ def test_compressed_bodies_train_exactly_like_plain_ones(tight, stack) -> None:
         finally:
             client.close("success").result()
     assert results[0] == pytest.approx(results[1], rel=1e-6)
+
+
+def test_a_step_refused_while_suspended_does_not_hold_the_next_one_after_the_resume(tight) -> None:
+    """The SDK took the refused step's seq_id (a zstd protobuf forward_backward, refused at the door before its body was
+    read): its place is filled, so after the resume the next steps run at once instead of waiting for it (the gap
+    timeout, 60 s, then a failure)."""
+    keys = create_tenants(tight, "sus-alice")
+    services = build_services(tight.settings)
+    with services.sessions() as db:
+        tenant_id = TenantRepository(db).get_by_name("sus-alice").id
+    client = tinker.ServiceClient(base_url=tight.base_url, api_key=keys["sus-alice"])
+    try:
+        training = client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        before = _steps(training, _data(2), 1)
+        tenant_controls.suspend_tenant(services, "ops", tenant_id, "maintenance window")
+        time.sleep(0.5)
+        with pytest.raises(tinker.PermissionDeniedError, match="maintenance window"):
+            training.forward_backward(_data(2), "cross_entropy").result()
+        tenant_controls.resume_tenant(services, "ops", tenant_id)
+        time.sleep(0.5)
+        started = time.monotonic()
+        after = _steps(training, _data(2), 2)
+        assert time.monotonic() - started < 20, "the next steps waited for the refused one's seq_id"
+        assert after[-1] < before[0]  # training went on from where it was
+    finally:
+        client.close("success").result()
