@@ -1,7 +1,8 @@
 """Authentication at the door: an ASGI middleware that checks the API key of every request to a route that needs one
 (any route depending on `get_tenant`) before a byte of its body is read. A missing, malformed or unknown key is a 401
-(a suspended tenant's a 403, its chain step's seq_id filled first: api/refused_steps.py) answered at once, with `Connection: close` so the server does not read the rest of the body either: an anonymous
-client's 30 MB or malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
+(a suspended tenant's a 403, its chain step's seq_id filled first: api/refused_steps.py) answered at once, with
+`Connection: close` so the server does not read the rest of the body either: an anonymous client's 30 MB or
+malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
 admin's pages) and unknown paths pass with no key, under the anonymous body limit (api/admission.py).
 
 The check is the routes' own (api/deps.py: the process's auth cache, else SQL in a worker thread), and the tenant it

@@ -77,7 +77,8 @@ async def _body(receive: Receive, limit: int, timeout_s: float) -> bytes | None:
                 return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await read()
     except TimeoutError:
         return None
 
