@@ -31,6 +31,14 @@ _LIVE_POOL = select(Adapter.pool).where(
 )
 
 
+def applied_at_least(seq_id: Any) -> Any:
+    """The applied seq_id column raised to `seq_id` (a number or a bind parameter) and never lowered, inside the UPDATE
+    itself, so that concurrent writers cannot move it backwards."""
+    return case(
+        (or_(Adapter.applied_seq_id.is_(None), Adapter.applied_seq_id < seq_id), seq_id), else_=Adapter.applied_seq_id
+    )
+
+
 def live_pool_of(engine: Engine, tenant_id: str, model_id: str) -> str | None:
     """`AdapterRepository.live_pool` as one statement on a plain connection (no ORM session, no BEGIN): the training
     calls' hot check. Read afresh every time (no cache), so a deleted adapter is refused, and a moved one's requests go
@@ -155,10 +163,7 @@ class AdapterRepository:
             update(Adapter)
             .where(*scope)
             .values(
-                applied_seq_id=case(
-                    (or_(Adapter.applied_seq_id.is_(None), Adapter.applied_seq_id < seq_id), seq_id),
-                    else_=Adapter.applied_seq_id,
-                ),
+                applied_seq_id=applied_at_least(seq_id),
                 last_used_at=utcnow(),
             )
             .returning(Adapter.applied_seq_id)

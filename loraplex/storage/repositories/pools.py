@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from sqlalchemy import Integer, bindparam, case, func, or_, select, update
+from sqlalchemy import Integer, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.errors import LeaseLostError, NotFoundError
 from loraplex.storage.enums import AdapterStatus
 from loraplex.storage.models import Adapter, AdapterSnapshotRow, Pool, PoolState
+from loraplex.storage.repositories.adapters import applied_at_least
 from loraplex.storage.types import utcnow
 
 
@@ -36,10 +37,7 @@ class PoolRepository:
             update(Adapter)
             .where(Adapter.model_id == bindparam("mid"), Adapter.tenant_id == bindparam("tid"))
             .values(
-                applied_seq_id=case(
-                    (or_(Adapter.applied_seq_id.is_(None), Adapter.applied_seq_id < seq), seq),
-                    else_=Adapter.applied_seq_id,
-                ),
+                applied_seq_id=applied_at_least(seq),
                 last_used_at=utcnow(),
             )
         )
