@@ -430,6 +430,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ops", default="auto", help="comma list of LoRA paths to compare: auto (fused),reference,grouped")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--skip-frozen", action="store_true", help="no frozen-base rows (a big MoE's take minutes)")
+    p.add_argument("--workloads", default="underfilled,saturated,lone,one_adapter",
+                   help="comma list of the engine rows to time: underfilled,saturated (each mixed and one by one), "
+                        "lone (1x512), one_adapter (one adapter, --saturated-seqs x --seq-len)")  # fmt: skip
     p.add_argument("--elementwise", default="on",
                    help="comma list: on (Triton RMSNorm / RoPE / MLP activation on CUDA, the engine's default), off (HF's eager modules)")  # fmt: skip
     p.add_argument("--graphs", default="on",
@@ -491,9 +495,10 @@ def main() -> None:
 
     model = build_model(args)
     model.requires_grad_(False)  # the frozen base: activation gradients only, no weight gradients (as under LoRA)
-    results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
-    print("frozen base", results["frozen_base"], flush=True)
-    if "on" in args.elementwise.split(",") and kernels_module.available():
+    if not args.skip_frozen:
+        results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
+        print("frozen base", results["frozen_base"], flush=True)
+    if "on" in args.elementwise.split(",") and kernels_module.available() and not args.skip_frozen:
         kernels_module.install(model)
         results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
         print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
@@ -520,21 +525,28 @@ def main() -> None:
         results.setdefault("ops", {})[op_name] = "fused" if engine.fused_lora else getattr(op, "__name__", str(op))
         ids = [f"a{i}" for i in range(args.adapters)]
         per_op: dict[str, Any] = {}
+        wanted = set(args.workloads.split(","))
+        line = []
         for workload, per_adapter in (("underfilled", 1), ("saturated", args.saturated_seqs)):
+            if workload not in wanted:
+                continue
             single = bench_engine_workload(engine, ids, per_adapter, args, concurrent=False)
             mixed = bench_engine_workload(engine, ids, per_adapter, args, concurrent=True)
-            per_op[workload] = {"single": single, "concurrent": mixed, "ratio": mixed["tok_s"] / single["tok_s"]}
-        per_op["lone_1x512"] = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
-        per_op["one_adapter_8x512"] = bench_engine_workload(engine, ids[:1], args.saturated_seqs, args, concurrent=True)
+            per_op[workload] = w = {"single": single, "concurrent": mixed, "ratio": mixed["tok_s"] / single["tok_s"]}
+            line.append(f"{workload} {mixed['tok_s']:,.0f} / {single['tok_s']:,.0f} tok/s ({w['ratio']:.3f}x)")
+        if "lone" in wanted:
+            per_op["lone_1x512"] = lone = bench_engine_workload(engine, ids[:1], 1, args, concurrent=True)
+            line.append(f"lone 1x{args.seq_len} {1e3 * lone['step_s']:.1f} ms")
+        if "one_adapter" in wanted:
+            per_op["one_adapter_8x512"] = one = bench_engine_workload(engine, ids[:1], args.saturated_seqs, args,
+                                                                      concurrent=True)  # fmt: skip
+            line.append(f"one adapter {args.saturated_seqs}x{args.seq_len} {one['tok_s']:,.0f} tok/s")
         if engine.graphs is not None:
             per_op["graphs"] = {"captures": engine.graphs.captures, "replays": engine.graphs.replays}
-        u, sat = per_op["underfilled"], per_op["saturated"]
-        print(f"{op_name} elementwise {fused_elementwise} graphs {graphs} head {head} siblings {siblings}: underfilled {u['concurrent']['tok_s']:,.0f} / "
-              f"{u['single']['tok_s']:,.0f} tok/s ({u['ratio']:.3f}x), saturated {sat['concurrent']['tok_s']:,.0f} / "
-              f"{sat['single']['tok_s']:,.0f} ({sat['ratio']:.3f}x), lone 1x512 {1e3 * per_op['lone_1x512']['step_s']:.1f} ms, "
-              f"one adapter 8x512 {per_op['one_adapter_8x512']['tok_s']:,.0f} tok/s, peak "
-              f"{max(v['peak_gb'] for w in (u, sat) for v in (w['single'], w['concurrent'])):.1f} GB, "
-              f"{per_op.get('graphs')}", flush=True)  # fmt: skip
+        # a row's own peak, or its mixed and one-by-one runs'
+        peaks = [r["peak_gb"] for w in per_op.values() for r in (w, *w.values()) if isinstance(r, dict) and "peak_gb" in r]
+        print(f"{op_name} elementwise {fused_elementwise} graphs {graphs} head {head} siblings {siblings}: "
+              f"{', '.join(line)}, peak {max(peaks, default=0.0):.1f} GB, {per_op.get('graphs')}", flush=True)  # fmt: skip
         suffix = ("" if fused_elementwise == "off" else "_triton_elementwise") + ("" if graphs == "off" else "_graphs")
         suffix += ("" if head == "eager" else "_fused_head") + {"auto": "", "on": "_sibling_nodes", "off": "_layers_alone"}[siblings]
         results[f"engine_{op_name}" + suffix] = per_op

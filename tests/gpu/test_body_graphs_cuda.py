@@ -4,7 +4,8 @@ adapter gradients within 2x the bf16 reference's own error), over steps that cap
 adapters, ranks, lengths and data, and run one-off shapes eagerly; the optimizer steps in between (the graphs read the
 master banks anew each microbatch). Twice: with each LoRA layer alone and with q/k/v, gate/up as sibling nodes
 (lora/siblings.py), captured into the graphs and eager. Then buckets of one group count sharing their static banks, and
-a capture declined for want of room (it runs eagerly, as accurately)."""
+a capture declined for want of room (it runs eagerly, as accurately). Then an MoE engine's graphs, expert LoRA
+included."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ if TYPE_CHECKING:
 
 
 
-def _engines(tmp_path_factory: pytest.TempPathFactory, **graphed_kw: object) -> tuple[Engine, Engine, Engine]:
+def _engines(
+    tmp_path_factory: pytest.TempPathFactory, preset: str = "tiny", **graphed_kw: object
+) -> tuple[Engine, Engine, Engine]:
     """The fp32 oracle, the bf16 reference op and the bf16 engine replaying graphs, each with adapters a-d."""
     from loraplex.models import load_base_model, resolve
 
-    tiny_dir: Path = resolve("tiny", tmp_path_factory.getbasetemp() / "model-cache")
+    tiny_dir: Path = resolve(preset, tmp_path_factory.getbasetemp() / "model-cache")
 
     def engine(dtype: torch.dtype, **kw: object) -> Engine:
         model, _ = load_base_model(str(tiny_dir), tiny_dir.parent, dtype=dtype, device="cuda")
@@ -115,3 +118,26 @@ def test_buckets_share_their_group_counts_banks_and_a_capture_without_room_runs_
         _step_and_compare(engines, items)
     assert graphs.captures == 2 and sorted(k.tokens for k in graphs.declined) == [512, 1024]
     assert graphs.no_room_tokens == 512
+
+
+@pytest.mark.usefixtures("exact_fp32_matmul")
+def test_an_moe_engine_on_cuda_graphs_trains_its_expert_banks_as_the_bf16_reference(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """tiny-moe (LoRA on attention and every expert's gate / up / down): the captured backward adds the expert banks'
+    gradients into the optimizer's (checked by _step_and_compare with every other bank's), across replays with other
+    adapters and data; buckets over the expert LoRA's group limit run eagerly, as accurately."""
+    engines = _engines(tmp_path_factory, preset="tiny-moe")
+    graphs = engines[2].graphs
+    assert graphs is not None and graphs.max_groups == 1023 // 4
+    g = torch.Generator().manual_seed(2)
+    mixed = [[(m, random_data(g, 2, 29 + 3 * i), "cross_entropy", None, False) for i, m in enumerate("abcd")]] * 3
+    lone = [[(m, random_data(g, 1, 64), "cross_entropy", None, False)] for m in "bdb"]
+    for items in mixed + lone:
+        _step_and_compare(engines, items)
+    assert graphs.captures == 2 and graphs.replays == 4, (graphs.captures, graphs.replays)
+    assert any("experts" in name for name in engines[2].adapter_grads("a"))
+    graphs.max_groups = 4  # a new 8-group bucket (256 tokens) over the limit: eager, however often it is seen
+    for items in [[(m, random_data(g, 1, 40), "cross_entropy", None, False) for m in "abcd"]] * 2:
+        _step_and_compare(engines, items)
+    assert graphs.captures == 2

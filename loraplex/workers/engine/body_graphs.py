@@ -8,12 +8,16 @@ A graph replays fixed shapes and addresses, so a microbatch is padded to a bucke
   * LoRA groups up to a power of two: empty groups (no rows) after the real ones;
   * sequence boundaries (cu_seqlens) up to a power of two: empty sequences at the end;
   * the longest sequence up to a power of two (the attention's grid; an upper bound is all it needs).
-Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets and
-per-row scales, the gathered banks and their fp32 gradient buffer) and the two graphs: forward body -> last hidden
+Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets,
+per-row scales and slot ids, the gathered dense banks and their fp32 gradient buffer) and the two graphs: forward body -> last hidden
 state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into the static buffer,
 as in eager). The LM head and the losses stay eager (few launches). The LoRA op reads ranks and scales only on the
 device here (`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the
 graph. Several groups take grouped_mm; one group plain matmuls over r_max with the per-row scale tensor.
+An MoE's expert LoRA is not gathered (its banks are GBs per slot): it reads the master banks in place by the routing's
+static slot ids, and its backward adds into their .grad inside the backward graph (lora/experts.py, `_BankStack`); its
+routing (top-k experts, their sort and offsets) stays on the device. Buckets with more (expert, group) pairs than one
+grouped_mm takes (`max_groups`) run eagerly: their cut reads offsets on the host.
 
 `BodyGraphs` keeps up to `max_graphs` of them, all in one memory pool: a microbatch's forward and backward replay
 before the next one's, so captures may share memory, and so may the static banks (one set per group count, shared by
@@ -208,6 +212,7 @@ class BodyGraph:
         self.cu_seqlens.copy_(staged[2 * n :])
         self.routing.offs.copy_(routing.offs)
         self.routing.row_scales.copy_(routing.row_scales)
+        self.routing.slot_ids.copy_(routing.slot_ids)  # an MoE's expert LoRA reads the master banks by slot
         for group, slot in enumerate(padded.slots):  # row by row: no fp32 [G, P] temporary (4 GiB at 16 groups)
             self.banks.compute[group].copy_(flat[slot])
         assert self.banks.grads is not None
@@ -240,7 +245,8 @@ class BodyGraphs:
     """The captured buckets of one engine (see the module doc). `graph(padded)` returns the bucket's graph, capturing
     it on its second sighting when memory allows (`capture_fits`); None: run this microbatch eagerly.
     `microbatch_tokens`: the engine's microbatch cap (what the eager path must keep room for); `margin`: bytes kept
-    free beyond that (default: 5% of the device, at least 2 GiB)."""
+    free beyond that (default: 5% of the device, at least 2 GiB); `max_groups`: the most LoRA groups (padded) a
+    captured bucket may have (None: any; more run eagerly)."""
 
     def __init__(
         self,
@@ -255,11 +261,13 @@ class BodyGraphs:
         capture_on_sighting: int = 2,
         microbatch_tokens: int = 4096,
         margin: int | None = None,
+        max_groups: int | None = None,
     ) -> None:
         self.run_body, self.context = run_body, context
         self.width, self.dtype, self.max_rank, self.device = width, dtype, max_rank, device
         self.elementwise = elementwise
         self.max_graphs, self.capture_on_sighting = max_graphs, capture_on_sighting
+        self.max_groups = max_groups
         self.microbatch_tokens = microbatch_tokens
         total = torch.cuda.get_device_properties(device).total_memory
         self.margin = max(2 << 30, total // 20) if margin is None else margin
@@ -283,6 +291,8 @@ class BodyGraphs:
             self.replays += 1
             return found
         if len(self.graphs) >= self.max_graphs or key in self.declined:
+            return None
+        if self.max_groups is not None and key.groups > self.max_groups:
             return None
         if self.no_room_tokens is not None and key.tokens >= self.no_room_tokens:
             return None

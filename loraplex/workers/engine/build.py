@@ -53,6 +53,7 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, install_expert_banks
+from loraplex.workers.lora.experts import MAX_GROUPS
 from loraplex.workers.ranks.distributed import RankGroup, shard_base_model
 
 
@@ -84,8 +85,8 @@ def build_engine(
     hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
     body, head = hf.get_decoder(), hf.get_output_embeddings()
     trunk = Trunk(body, head)
-    graphs = graph_runner(trunk, context, dense_width, compute_dtype, where, elementwise, config, group,
-                          fused_grouped and not experts)  # fmt: skip
+    graphs = graph_runner(trunk, context, dense_width, compute_dtype, where, elementwise, config, group, fused_grouped,
+                          experts)  # fmt: skip
     wrap_layers(body.layers)  # activation recomputation, switched per microbatch by config.recompute
     if group is not None and config.shard_base:
         shard_base_model(trunk, body.layers, optimizer.params, group.mesh)
@@ -174,13 +175,15 @@ def fuse_elementwise(model: nn.Module, config: EngineConfig, device: torch.devic
 def graph_runner(
     trunk: Trunk, context: LoraContext, dense_width: int, dtype: torch.dtype, device: torch.device,
     elementwise: FusedElementwise, config: EngineConfig, group: RankGroup | None, graphable_lora: bool,
+    experts: dict[str, ExpertProjectionBank],
 ) -> BodyGraphs | None:  # fmt: skip
     """11. The CUDA-graph runner of the decoder body, where graphs apply: CUDA, one rank or a replicated base (a sharded
-    forward has collectives), the fused grouped LoRA path, and no expert banks (their gradients accumulate through
-    autograd into the masters, which a captured backward, gradients for the microbatch's trigger only, would not)."""
+    forward has collectives) and the fused grouped LoRA path. An MoE's expert LoRA cuts more (expert, group) pairs
+    than grouped_mm takes on the host (lora/experts.py), so its graphs hold at most MAX_GROUPS // experts groups."""
     if device.type != "cuda" or (group is not None and config.shard_base) or not graphable_lora:
         return None
+    max_groups = min((MAX_GROUPS // bank.num_experts for bank in experts.values()), default=None)
     return BodyGraphs(
         trunk.hidden, context, dense_width, dtype, config.max_rank, device, elementwise.active,
-        microbatch_tokens=config.microbatch_tokens,
+        microbatch_tokens=config.microbatch_tokens, max_groups=max_groups,
     )  # fmt: skip

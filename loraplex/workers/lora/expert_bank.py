@@ -6,9 +6,11 @@
 checkpoint's module names read as a dense model's): lora_A [S, E, in, r_max], lora_B [S, E, r_max, out], fp32 masters
 in the optimizer's flat buffer like the dense banks. A projection the pool does not target has no bank (no LoRA).
 
-The expert banks are read by their layer through autograd on the masters (the gradients accumulate into the
-optimizer's flat gradient views); they are not on the dense layers' gather-once path (lora/fused.py), which would copy
-every slot's expert banks (3.3 GB per slot for Qwen3-30B-A3B at rank 16) each microbatch.
+The expert banks are read by their layer from the masters, only the microbatch's slots (their gradients go into the
+optimizer's flat gradient views: in place, by the grouped path's `_BankStack`, when the microbatch has the fused path's
+trigger, so a CUDA graph's backward computes them too); they are not on the dense layers' gather-once path
+(lora/fused.py), which would copy every slot's expert banks (3.3 GB per slot for Qwen3-30B-A3B at rank 16) into a
+[G, P] buffer each microbatch.
 """
 
 from __future__ import annotations
@@ -70,10 +72,14 @@ class SlotBankExperts(nn.Module):
         own = self.projection_banks()
         pairs = [(own[n].lora_A, own[n].lora_B) if n in own else (None, None) for n in EXPERT_PROJECTIONS]
         banks = ExpertBanks(*(t for pair in pairs for t in pair))
-        op = experts_grouped if self.grouped else experts_reference
         base: Any = self.base
-        return op(hidden_states, top_k_index, top_k_weights, base.gate_up_proj, base.down_proj, banks, routing,
-                  base.act_fn)  # fmt: skip
+        args = (hidden_states, top_k_index, top_k_weights, base.gate_up_proj, base.down_proj, banks, routing, base.act_fn)
+        if not self.grouped:
+            return experts_reference(*args)
+        # A training microbatch on the fused path has a trigger: the banks' gradients then go into their .grad in
+        # place, which a CUDA graph's backward (asked for the trigger only) also runs.
+        trigger = self.context.banks.trigger if self.context.banks is not None else None
+        return experts_grouped(*args, trigger=trigger if torch.is_grad_enabled() else None)
 
 
 def is_fused_experts(module: nn.Module) -> bool:

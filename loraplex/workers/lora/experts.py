@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,12 +119,43 @@ def _counts(values: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def _stacked(
-    a_bank: torch.Tensor, b_bank: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype
+    a_bank: torch.Tensor, b_bank: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype, trigger: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
-    """The (expert, group) stacks [E*G, in, r] / [E*G, r, out] of the groups' slots, in the pairs' order."""
+    """The (expert, group) stacks [E*G, in, r] / [E*G, r, out] of the groups' slots, in the pairs' order. With the
+    microbatch's `trigger`, through `_BankStack` (the gradients go straight into the masters' .grad); else through
+    autograd."""
+    if trigger is not None:
+        return _BankStack.apply(trigger, a_bank, slot_ids, dtype), _BankStack.apply(trigger, b_bank, slot_ids, dtype)
     a = a_bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, in, r]
     b = b_bank.index_select(0, slot_ids).transpose(0, 1)
     return a.reshape(-1, *a.shape[2:]).to(dtype), b.reshape(-1, *b.shape[2:]).to(dtype)
+
+
+class _BankStack(torch.autograd.Function):
+    """An fp32 master bank [S, E, d1, d2] -> its groups' (expert, group) stack [E*G, d1, d2] in the compute dtype, whose
+    backward adds the stack's gradient into `bank.grad` in place (index_add_ over the slots) instead of handing autograd
+    a bank-sized gradient. The gradient then reaches the optimizer when the backward is asked for the microbatch's
+    `trigger` only, as a CUDA graph's captured backward is (workers/engine/body_graphs.py); `trigger` is an input so
+    that this node is on that path. Slots may repeat (a graph's pad groups): their rows add up."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, bank: torch.Tensor, slot_ids: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        if bank.grad is None:
+            raise ValueError("an expert bank read for training needs its .grad buffer (the optimizer's flat view)")
+        ctx.bank, ctx.slot_ids = bank, slot_ids
+        stack = bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, d1, d2]
+        return stack.reshape(-1, *stack.shape[2:]).to(dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        bank: torch.Tensor = ctx.bank
+        experts, groups = bank.shape[1], ctx.slot_ids.shape[0]
+        per_group = grad.view(experts, groups, *grad.shape[1:]).transpose(0, 1).to(torch.float32)
+        assert bank.grad is not None
+        bank.grad.index_add_(0, ctx.slot_ids, per_group)
+        return None, None, None, None
 
 
 def _lora_pairs(
@@ -164,19 +196,24 @@ def experts_grouped(
     routing: Routing,
     act: Activation,
     max_groups: int = MAX_GROUPS,
+    trigger: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`experts_reference`'s semantics through grouped GEMMs (module doc). x [N, H] in the compute dtype."""
+    """`experts_reference`'s semantics through grouped GEMMs (module doc). x [N, H] in the compute dtype. It reads the
+    routing's device tensors only (offs, row_scales, slot_ids), so a CUDA graph replays it with another microbatch's
+    routing copied into them. `trigger`: the banks' gradients go into their .grad in place (`_BankStack`)."""
     _check(x, idx, weights, gate_up, routing)
     n, k = idx.shape
     experts, groups = gate_up.shape[0], routing.num_groups
     pair_token = torch.arange(n, device=x.device).repeat_interleave(k)
     pair_expert = idx.reshape(-1)
-    key = pair_expert * groups + routing.row_groups[pair_token]
+    # each row's group from the groups' row ends, on the device
+    row_groups = torch.searchsorted(routing.offs, torch.arange(n, device=x.device, dtype=routing.offs.dtype), right=True)
+    key = pair_expert * groups + row_groups[pair_token]
     order = torch.argsort(key, stable=True)
     tokens = pair_token[order]
     offs_e = _counts(pair_expert, experts).cumsum(0).to(torch.int32)
     offs_eg = _counts(key, experts * groups).cumsum(0).to(torch.int32)
-    row_scales = routing.scale_values[routing.row_groups[tokens]].view(-1, 1)
+    row_scales = routing.row_scales.index_select(0, tokens)
     xs = x.index_select(0, tokens)
 
     def plus_lora(
@@ -184,7 +221,7 @@ def experts_grouped(
     ) -> torch.Tensor:
         if a_bank is None or b_bank is None:
             return base
-        a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype)
+        a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype, trigger)
         return base + _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
 
     gate, up = grouped_mm(dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)

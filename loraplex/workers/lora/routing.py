@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -69,13 +68,6 @@ class Routing:
             scale_values=to_device(scale_values, device),
             row_scales=to_device(row_scales, device),
         )
-
-    @cached_property
-    def row_groups(self) -> torch.Tensor:
-        """int64 [N] on the routing's device: each row's group (the expert LoRA sorts its (token, expert) pairs by it;
-        built on first use and kept, one host-to-device copy per microbatch)."""
-        counts = torch.tensor([e - s for s, e in zip(self.starts, self.ends, strict=True)])
-        return to_device(torch.repeat_interleave(torch.arange(len(self.slots)), counts), self.slot_ids.device)
 
     @property
     def num_groups(self) -> int:

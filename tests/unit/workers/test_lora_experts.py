@@ -102,6 +102,41 @@ def test_grouped_equals_the_reference_outputs_and_gradients(max_groups: int) -> 
     assert float(bank_grads[0][3, :, :, ranks[3] :].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("max_groups", [1023, 5])
+def test_with_a_trigger_the_backward_asked_for_the_trigger_alone_fills_the_banks_grad_in_place(max_groups: int) -> None:
+    """The engine's fused path (and a CUDA graph's captured backward): gradients asked for the microbatch's trigger
+    only still reach every bank's .grad, added in place to what it held, equal to autograd's; slots may repeat (a
+    graph's pad group: its rows have scale 0)."""
+    experts, router = _block(5)
+    x, idx, weights = _inputs(30, router, 6)
+    ranks = [3, 8, 6, 2]
+    banks = _banks(7, ranks)
+    routing = Routing.build([2, 1, 1], [6, 8, 8], [0.5, 2.0, 0.0], [11, 14, 5])  # the last group: pad rows, scale 0
+    args = (experts.gate_up_proj, experts.down_proj, banks, routing, F.silu)
+    dy = torch.randn(30, H, generator=torch.Generator().manual_seed(8))
+    masters = [t for pair in banks.pairs() for t in pair if t is not None]
+    want = torch.autograd.grad(experts_reference(x.detach(), idx, weights, *args), masters, dy)
+    held = [torch.randn(t.shape, generator=torch.Generator().manual_seed(9)) for t in masters]
+    for t, h in zip(masters, held, strict=True):
+        t.grad = h.clone()
+    trigger = torch.zeros((), requires_grad=True)
+    out = experts_grouped(x.detach(), idx, weights, *args, max_groups=max_groups, trigger=trigger)
+    torch.testing.assert_close(out, experts_reference(x.detach(), idx, weights, *args), rtol=1e-5, atol=1e-5)
+    torch.autograd.grad(out, trigger, dy, allow_unused=True)
+    for t, h, w in zip(masters, held, want, strict=True):
+        assert t.grad is not None
+        torch.testing.assert_close(t.grad - h, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bank_without_a_grad_buffer_is_refused_when_read_for_training() -> None:
+    experts, router = _block(6)
+    x, idx, weights = _inputs(4, router, 7)
+    routing = Routing.build([0], [8], [1.0], [4])
+    with pytest.raises(ValueError, match=r"needs its \.grad buffer"):
+        experts_grouped(x, idx, weights, experts.gate_up_proj, experts.down_proj, _banks(0, [8] * S), routing, F.silu,
+                        trigger=torch.zeros((), requires_grad=True))  # fmt: skip
+
+
 def test_bad_shapes_are_refused() -> None:
     experts, router = _block(3)
     x, idx, weights = _inputs(6, router, 4)
