@@ -21,10 +21,12 @@ __all__ = [
     "Services",
     "ServicesDep",
     "TenantDep",
+    "TenantInAnyStateDep",
     "TenantRef",
     "get_db",
     "get_services",
     "get_tenant",
+    "get_tenant_in_any_state",
     "key_of_request",
     "key_tenant",
     "tenant_for_key",
@@ -75,6 +77,22 @@ async def get_tenant(
     return tenant
 
 
+async def get_tenant_in_any_state(
+    request: Request,
+    services: Annotated[Services, Depends(get_services)],
+    x_api_key: Annotated[str | None, Security(_API_KEY)] = None,
+    authorization: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
+) -> TenantRef:
+    """`get_tenant` for the few routes a suspended tenant may still call because they queue no work and keep what it
+    has (the Tinker SDK's telemetry and session heartbeats: refused, the SDK prints tracebacks and lets its session
+    expire during the suspension)."""
+    tenant = request.scope.get(AUTHENTICATED_TENANT)
+    if not isinstance(tenant, TenantRef):
+        tenant = await key_tenant(services, _key_from_headers(x_api_key, authorization))
+    services.rate_limit.take(tenant.id, tenant.name)
+    return tenant
+
+
 async def tenant_for_key(services: Services, key: str) -> TenantRef:
     """The tenant of an API key (AuthenticationError if none), through this process's cache; ForbiddenError (403,
     naming the operator's reason) if the tenant is suspended (service/tenant_rules.py)."""
@@ -113,3 +131,4 @@ def key_from_scope(scope: Scope) -> str | None:
 ServicesDep = Annotated[Services, Depends(get_services)]
 DbDep = Annotated[Session, Depends(get_db)]
 TenantDep = Annotated[TenantRef, Depends(get_tenant)]
+TenantInAnyStateDep = Annotated[TenantRef, Depends(get_tenant_in_any_state)]

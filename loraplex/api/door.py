@@ -1,6 +1,7 @@
 """Authentication at the door: an ASGI middleware that checks the API key of every request to a route that needs one
 (any route depending on `get_tenant`) before a byte of its body is read. A missing, malformed or unknown key is a 401
-(a suspended tenant's a 403, its chain step's seq_id filled first: api/refused_steps.py) answered at once, with
+(a suspended tenant's a 403, its chain step's seq_id filled first: api/refused_steps.py; the routes that take a tenant
+in any state, `get_tenant_in_any_state`, excepted) answered at once, with
 `Connection: close` so the server does not read the rest of the body either: an anonymous client's 30 MB or
 malformed body costs the gateway nothing but its headers. The public routes (healthz, metrics, the
 admin's pages) and unknown paths pass with no key, under the anonymous body limit (api/admission.py).
@@ -17,7 +18,14 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplex.api.deps import AUTH_DEFERRED, AUTHENTICATED_TENANT, get_tenant, key_from_scope, key_tenant
+from loraplex.api.deps import (
+    AUTH_DEFERRED,
+    AUTHENTICATED_TENANT,
+    get_tenant,
+    get_tenant_in_any_state,
+    key_from_scope,
+    key_tenant,
+)
 from loraplex.api.errors import typed_error_response
 from loraplex.api.refused_steps import fill_refused_step
 from loraplex.errors import AuthenticationError, ForbiddenError
@@ -26,34 +34,44 @@ from loraplex.service import tenant_auth
 log = logging.getLogger("loraplex.api")
 
 
-def _needs_tenant(dependant: object) -> bool:
-    return any(d.call is get_tenant or _needs_tenant(d) for d in getattr(dependant, "dependencies", ()))
+def _tenant_rule(dependant: object) -> str | None:
+    """"serving": the route needs the key of a tenant that is served; "any": of a tenant in any state; None: no key."""
+    rules = set()
+    for d in getattr(dependant, "dependencies", ()):
+        if d.call is get_tenant:
+            rules.add("serving")
+        elif d.call is get_tenant_in_any_state:
+            rules.add("any")
+        elif (inner := _tenant_rule(d)) is not None:
+            rules.add(inner)
+    return "serving" if "serving" in rules else ("any" if rules else None)
 
 
 class Door:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._needs: dict[int, bool] = {}  # id(route) -> whether it needs a key
+        self._rules: dict[int, str | None] = {}  # id(route) -> its `_tenant_rule`
 
-    def _route_needing_key(self, scope: Scope) -> APIRoute | None:
-        """The route the request matches, where it needs a key."""
+    def _route_needing_key(self, scope: Scope) -> tuple[APIRoute, str] | None:
+        """The route the request matches and its tenant rule, where it needs a key."""
         app = scope.get("app")
         for route in getattr(getattr(app, "router", None), "routes", ()):
             match, _ = route.matches(scope)
             if match is Match.FULL:
                 if not isinstance(route, APIRoute):
                     return None  # a mount (the admin) or a docs page: its own rules
-                needs = self._needs.get(id(route))
-                if needs is None:
-                    needs = self._needs[id(route)] = _needs_tenant(route.dependant)
-                return route if needs else None
+                if id(route) not in self._rules:
+                    self._rules[id(route)] = _tenant_rule(route.dependant)
+                rule = self._rules[id(route)]
+                return None if rule is None else (route, rule)
         return None  # no route (404) or another method (405): nothing is read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self._route_needing_key(scope) if scope["type"] == "http" else None
-        if route is None:
+        found = self._route_needing_key(scope) if scope["type"] == "http" else None
+        if found is None:
             await self.app(scope, receive, send)
             return
+        route, rule = found
         key = key_from_scope(scope)
         services = scope["app"].state.services
         try:
@@ -61,7 +79,8 @@ class Door:
                 raise AuthenticationError("missing API key: send it in the X-API-Key header")
             tenant = await key_tenant(services, key)
             try:
-                tenant_auth.check_serves(tenant)
+                if rule == "serving":
+                    tenant_auth.check_serves(tenant)
             except ForbiddenError as refused:  # a suspended tenant: a chain step's seq_id is filled first
                 await fill_refused_step(scope, receive, route, services, tenant, refused)
                 raise

@@ -68,6 +68,25 @@ def test_a_suspended_tenant_gets_403_with_the_reason_everywhere_and_its_queue_su
     assert actions[:2] == [(OPS, "resume", "alice"), (OPS, "suspend", "alice")]
 
 
+def test_a_suspended_tenants_sdk_keeps_its_session_and_its_telemetry_is_taken(gateway) -> None:
+    """The Tinker SDK's session heartbeat and telemetry queue no work: a suspended tenant's are answered (its session
+    survives the suspension), while its work routes are a 403; another tenant's session stays its own."""
+    client, alice = gateway.client, gateway.keys["alice"]
+    session = client.post("/api/v1/create_session", json={"tags": []}, headers=_h(alice)).json()["session_id"]
+    tenant_controls.suspend_tenant(gateway.services, OPS, gateway.tenant_ids["alice"], "quota review")
+    beat = client.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=_h(alice))
+    assert beat.status_code == 200, beat.text
+    sent = client.post("/api/v1/telemetry", json={"events": []}, headers=_h(alice))
+    assert sent.status_code == 200 and sent.json() == {"status": "accepted"}, sent.text
+    refused = client.post("/api/v1/create_session", json={"tags": []}, headers=_h(alice))
+    assert refused.status_code == 403 and "quota review" in refused.text, refused.text
+    other = client.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=_h(gateway.keys["bob"]))
+    assert other.status_code == 404, other.text
+    assert client.post("/api/v1/telemetry", json={"events": []}).status_code == 401  # a key is still needed
+    tenant_controls.resume_tenant(gateway.services, OPS, gateway.tenant_ids["alice"])
+    assert client.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=_h(alice)).status_code == 200
+
+
 def test_a_draining_tenant_reads_and_deletes_but_queues_nothing_new(gateway) -> None:
     client, services, alice = gateway.client, gateway.services, gateway.keys["alice"]
     model_id, create_id = _adapter(client, alice)

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from loraplex import service
-from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.deps import ServicesDep, TenantDep, TenantInAnyStateDep
 from loraplex.api.tinker.schemas import CreateSessionBody, FinishBody, SessionBody
 from loraplex.errors import NotSupportedError
 from loraplex.service.health import health_report
@@ -43,8 +43,9 @@ def create_session(body: CreateSessionBody, tenant: TenantDep, services: Service
 
 
 @router.post("/session_heartbeat")
-def session_heartbeat(body: SessionBody, tenant: TenantDep, services: ServicesDep) -> dict[str, Any]:
-    """404 unknown or another tenant's session; 410 once finished or expired (the SDK stops beating)."""
+def session_heartbeat(body: SessionBody, tenant: TenantInAnyStateDep, services: ServicesDep) -> dict[str, Any]:
+    """404 unknown or another tenant's session; 410 once finished or expired (the SDK stops beating). A suspended
+    tenant's session stays alive: its work goes on after the resume."""
     service.heartbeat(services, tenant, body.session_id)
     return {"type": "session_heartbeat"}
 
@@ -59,8 +60,9 @@ def finish_session(
 
 
 @router.post("/telemetry")
-def telemetry(tenant: TenantDep) -> dict[str, str]:
-    """The SDK's telemetry batches are accepted and not kept (the service has its own metrics)."""
+def telemetry(tenant: TenantInAnyStateDep) -> dict[str, str]:
+    """The SDK's telemetry batches are accepted and not kept (the service has its own metrics), from a suspended
+    tenant too (its SDK reports the 403s it met)."""
     return {"status": "accepted"}
 
 
