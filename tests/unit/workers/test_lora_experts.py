@@ -128,6 +128,21 @@ def test_with_a_trigger_the_backward_asked_for_the_trigger_alone_fills_the_banks
         torch.testing.assert_close(t.grad - h, w, rtol=1e-5, atol=1e-5)
 
 
+def test_the_grouped_path_reads_only_the_routings_device_tensors() -> None:
+    """A CUDA graph replays the expert LoRA on a static routing whose host fields are those of its capture and whose
+    device tensors (offs, row_scales, slot_ids) each microbatch's routing is copied into: the output is the same."""
+    experts, router = _block(7)
+    x, idx, weights = _inputs(24, router, 8)
+    banks = _banks(9, [4, 8, 2, 6])
+    real = Routing.build([3, 1, 0, 0], [6, 8, 4, 4], [0.5, 2.0, 0.0, 0.0], [10, 9, 5, 0])  # pad rows, an empty group
+    static = Routing.build([0] * 4, [R] * 4, [0.0] * 4, [24, 0, 0, 0])
+    for name in ("offs", "row_scales", "slot_ids"):
+        getattr(static, name).copy_(getattr(real, name))
+    args = (x, idx, weights, experts.gate_up_proj, experts.down_proj, banks)
+    torch.testing.assert_close(experts_grouped(*args, static, F.silu), experts_grouped(*args, real, F.silu),
+                               rtol=0, atol=0)  # fmt: skip
+
+
 def test_a_bank_without_a_grad_buffer_is_refused_when_read_for_training() -> None:
     experts, router = _block(6)
     x, idx, weights = _inputs(4, router, 7)
