@@ -143,10 +143,12 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
 
     check_applied_once(stack, plans, out)
     assert placed_pool(services, a) == placed_pool(services, b) == "default"
-    # Each hand-over took queued requests along (the tenants had requests in flight on the paused source).
-    for model_id, target in ((a, "default-2"), (a, "default"), (b, "default")):
-        (taken,) = _handed_over(stack, model_id, target)
-        assert taken > 0, (model_id, target)
+    # Each move was one hand-over, and they took queued requests along (the tenants had requests in flight on the
+    # paused source). Not each: a resumed pool may finish the plan it was stopped in, and with it an adapter's queue,
+    # before it reads its move orders.
+    taken = {(model_id, target): _handed_over(stack, model_id, target)
+             for model_id, target in ((a, "default-2"), (a, "default"), (b, "default"))}  # fmt: skip
+    assert all(len(counts) == 1 for counts in taken.values()) and sum(c for (c,) in taken.values()) > 0, taken
     logs = "".join(p.read_text() for p in stack.log_dir.glob("pool*.log"))
     assert f"pool default-2: adopted adapter {a}" in logs and f"pool default: adopted adapter {b}" in logs
 
