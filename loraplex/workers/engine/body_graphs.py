@@ -16,8 +16,7 @@ device here (`MicrobatchBanks(single=False)`): one group's Python rank and scale
 graph. Several groups take grouped_mm; one group plain matmuls over r_max with the per-row scale tensor.
 An MoE's expert LoRA is not gathered (its banks are GBs per slot): it reads the master banks in place by the routing's
 static slot ids, and its backward adds into their .grad inside the backward graph (lora/experts.py, `_BankStack`); its
-routing (top-k experts, their sort and offsets) stays on the device. Buckets with more (expert, group) pairs than one
-grouped_mm takes (`max_groups`) run eagerly: their cut reads offsets on the host.
+routing (top-k experts, their sort and offsets, the chunks past grouped_mm's group limit) stays on the device.
 
 `BodyGraphs` keeps up to `max_graphs` of them, all in one memory pool: a microbatch's forward and backward replay
 before the next one's, so captures may share memory, and so may the static banks (one set per group count, shared by
@@ -245,8 +244,7 @@ class BodyGraphs:
     """The captured buckets of one engine (see the module doc). `graph(padded)` returns the bucket's graph, capturing
     it on its second sighting when memory allows (`capture_fits`); None: run this microbatch eagerly.
     `microbatch_tokens`: the engine's microbatch cap (what the eager path must keep room for); `margin`: bytes kept
-    free beyond that (default: 5% of the device, at least 2 GiB); `max_groups`: the most LoRA groups (padded) a
-    captured bucket may have (None: any; more run eagerly)."""
+    free beyond that (default: 5% of the device, at least 2 GiB)."""
 
     def __init__(
         self,
@@ -261,13 +259,11 @@ class BodyGraphs:
         capture_on_sighting: int = 2,
         microbatch_tokens: int = 4096,
         margin: int | None = None,
-        max_groups: int | None = None,
     ) -> None:
         self.run_body, self.context = run_body, context
         self.width, self.dtype, self.max_rank, self.device = width, dtype, max_rank, device
         self.elementwise = elementwise
         self.max_graphs, self.capture_on_sighting = max_graphs, capture_on_sighting
-        self.max_groups = max_groups
         self.microbatch_tokens = microbatch_tokens
         total = torch.cuda.get_device_properties(device).total_memory
         self.margin = max(2 << 30, total // 20) if margin is None else margin
@@ -291,8 +287,6 @@ class BodyGraphs:
             self.replays += 1
             return found
         if len(self.graphs) >= self.max_graphs or key in self.declined:
-            return None
-        if self.max_groups is not None and key.groups > self.max_groups:
             return None
         if self.no_room_tokens is not None and key.tokens >= self.no_room_tokens:
             return None

@@ -53,7 +53,6 @@ from loraplex.workers.lora import (
     select_lora_op,
 )
 from loraplex.workers.lora.expert_bank import ExpertProjectionBank, install_expert_banks
-from loraplex.workers.lora.experts import MAX_GROUPS
 from loraplex.workers.ranks.distributed import RankGroup, shard_base_model
 
 
@@ -85,8 +84,7 @@ def build_engine(
     hf: Any = model  # a transformers model: its get_* methods are not nn.Module's
     body, head = hf.get_decoder(), hf.get_output_embeddings()
     trunk = Trunk(body, head)
-    graphs = graph_runner(trunk, context, dense_width, compute_dtype, where, elementwise, config, group, fused_grouped,
-                          experts)  # fmt: skip
+    graphs = graph_runner(trunk, context, dense_width, compute_dtype, where, elementwise, config, group, fused_grouped)
     wrap_layers(body.layers)  # activation recomputation, switched per microbatch by config.recompute
     if group is not None and config.shard_base:
         shard_base_model(trunk, body.layers, optimizer.params, group.mesh)
@@ -175,15 +173,12 @@ def fuse_elementwise(model: nn.Module, config: EngineConfig, device: torch.devic
 def graph_runner(
     trunk: Trunk, context: LoraContext, dense_width: int, dtype: torch.dtype, device: torch.device,
     elementwise: FusedElementwise, config: EngineConfig, group: RankGroup | None, graphable_lora: bool,
-    experts: dict[str, ExpertProjectionBank],
 ) -> BodyGraphs | None:  # fmt: skip
     """11. The CUDA-graph runner of the decoder body, where graphs apply: CUDA, one rank or a replicated base (a sharded
-    forward has collectives) and the fused grouped LoRA path. An MoE's expert LoRA cuts more (expert, group) pairs
-    than grouped_mm takes on the host (lora/experts.py), so its graphs hold at most MAX_GROUPS // experts groups."""
+    forward has collectives) and the fused grouped LoRA path (an MoE's expert LoRA included: lora/experts.py)."""
     if device.type != "cuda" or (group is not None and config.shard_base) or not graphable_lora:
         return None
-    max_groups = min((MAX_GROUPS // bank.num_experts for bank in experts.values()), default=None)
     return BodyGraphs(
         trunk.hidden, context, dense_width, dtype, config.max_rank, device, elementwise.active,
-        microbatch_tokens=config.microbatch_tokens, max_groups=max_groups,
+        microbatch_tokens=config.microbatch_tokens,
     )  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from loraplex.workers.lora.context import LoraContext
-from loraplex.workers.lora.experts import ExpertBanks, experts_grouped, experts_reference
+from loraplex.workers.lora.experts import MAX_GROUPS, ExpertBanks, experts_grouped, experts_reference
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -59,6 +59,7 @@ class SlotBankExperts(nn.Module):
             self.add_module(name, ExpertProjectionBank(num_slots, experts, *shapes[name], max_rank, device))
         self.context = context  # a plain object, shared by all layers
         self.grouped = grouped  # grouped_mm fast path, else the reference loop
+        self.max_groups = MAX_GROUPS  # grouped_mm's group limit (experts.py: more run in chunks)
 
     def projection_banks(self) -> dict[str, ExpertProjectionBank]:
         return {n: m for n in EXPERT_PROJECTIONS if isinstance(m := getattr(self, n, None), ExpertProjectionBank)}
@@ -79,7 +80,7 @@ class SlotBankExperts(nn.Module):
         # A training microbatch on the fused path has a trigger: the banks' gradients then go into their .grad in
         # place, which a CUDA graph's backward (asked for the trigger only) also runs.
         trigger = self.context.banks.trigger if self.context.banks is not None else None
-        return experts_grouped(*args, trigger=trigger if torch.is_grad_enabled() else None)
+        return experts_grouped(*args, max_groups=self.max_groups, trigger=trigger if torch.is_grad_enabled() else None)
 
 
 def is_fused_experts(module: nn.Module) -> bool:

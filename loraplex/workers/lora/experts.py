@@ -22,9 +22,10 @@ same outputs). With zero LoRA this is transformers' own `Qwen3MoeExperts.forward
 Fast path (`experts_grouped`): the N*K (token, slot) pairs sorted by (expert, adapter group); the base projections as
 one `grouped_mm` over experts, the LoRA products as `grouped_mm`s over the E*G (expert, group) groups with the
 groups' A/B stacked (`grouped.GroupedLoraDelta`, the dense op's hand-written backward), the routing weights applied
-per pair and the pairs added back to their tokens (index_add_). No host sync, except where E*G exceeds grouped_mm's
-group-count limit (`max_groups`): then the expert blocks are cut where their pairs' row offsets say (one read of
-the per-expert offsets). Rank padding is exact as in grouped.py (the padding is zero).
+per pair and the pairs added back to their tokens (index_add_). No host sync: where E*G exceeds grouped_mm's
+group-count limit (`max_groups`) the LoRA products run in chunks of groups over all the pairs, the pairs outside a
+chunk at row scale 0 (`_lora_pairs`), so a CUDA graph captures any group count. Rank padding is exact as in
+grouped.py (the padding is zero).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from loraplex.workers.lora.gemm import dense, grouped_mm
 from loraplex.workers.lora.grouped import GroupedLoraDelta
 from loraplex.workers.lora.routing import Routing
 
-# grouped_mm's group count above which the LoRA products are cut into expert blocks (one peer measured 1,023 as the
-# limit of the CUDA kernel; the CPU one has none, tests lower it to check the cut).
+# grouped_mm's group count above which the LoRA products run in chunks of groups (one peer measured 1,023 as the
+# limit of the CUDA kernel; the CPU one has none, tests lower it to check the chunks).
 MAX_GROUPS = 1023
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -159,31 +160,28 @@ class _BankStack(torch.autograd.Function):
 
 
 def _lora_pairs(
-    t: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    row_scales: torch.Tensor,
-    offs_eg: torch.Tensor,
-    offs_e: torch.Tensor,
-    groups: int,
-    max_groups: int,
+    t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_scales: torch.Tensor, offs_eg: torch.Tensor, max_groups: int
 ) -> torch.Tensor:
-    """The LoRA delta of the sorted pairs t [P, in] over the (expert, group) groups; cut into expert blocks of at most
-    `max_groups` groups (row ranges from the per-expert offsets: the one host read) beyond the limit."""
+    """The LoRA delta of the sorted pairs t [P, in] over the (expert, group) groups. Beyond grouped_mm's `max_groups`,
+    in chunks of consecutive groups, each over all P rows: a chunk's first group also takes the rows before it and its
+    last the rows after it, at row scale 0 (so they add exact zeros to the delta and to every gradient), and the
+    chunks' deltas add up. The chunks' row ranges stay on the device: no host read, so a CUDA graph captures it."""
     t = dense(t)
-    experts = a.shape[0] // groups
-    if experts * groups <= max_groups:
+    count = a.shape[0]
+    if count <= max_groups:
         return GroupedLoraDelta.apply(t, a, b, row_scales, offs_eg)
-    per_block = max(1, max_groups // groups)
-    ends = [0, *offs_e.tolist()]  # row where each expert's pairs end
-    pieces = []
-    for e0 in range(0, experts, per_block):
-        e1 = min(experts, e0 + per_block)
-        r0, r1 = ends[e0], ends[e1]
-        block = slice(e0 * groups, e1 * groups)
-        offs = offs_eg[block] - r0
-        pieces.append(GroupedLoraDelta.apply(dense(t[r0:r1]), a[block], b[block], row_scales[r0:r1], offs))
-    return torch.cat(pieces)
+    rows = torch.arange(t.shape[0], device=t.device, dtype=offs_eg.dtype).view(-1, 1)
+    everything = torch.full((1,), t.shape[0], device=t.device, dtype=offs_eg.dtype)
+    delta: torch.Tensor | None = None
+    for g0 in range(0, count, max_groups):
+        g1 = min(count, g0 + max_groups)
+        first = offs_eg[g0 - 1] if g0 else offs_eg.new_zeros(())
+        inside = (rows >= first) & (rows < offs_eg[g1 - 1])
+        offs = torch.cat([offs_eg[g0 : g1 - 1], everything])
+        piece = GroupedLoraDelta.apply(t, a[g0:g1], b[g0:g1], row_scales * inside, offs)
+        delta = piece if delta is None else delta + piece
+    assert delta is not None
+    return delta
 
 
 def experts_grouped(
@@ -222,7 +220,7 @@ def experts_grouped(
         if a_bank is None or b_bank is None:
             return base
         a, b = _stacked(a_bank, b_bank, routing.slot_ids, t.dtype, trigger)
-        return base + _lora_pairs(t, a, b, row_scales, offs_eg, offs_e, groups, max_groups)
+        return base + _lora_pairs(t, a, b, row_scales, offs_eg, max_groups)
 
     gate, up = grouped_mm(dense(xs), gate_up.transpose(1, 2), offs=offs_e).chunk(2, dim=-1)
     gate = plus_lora(gate, xs, banks.gate_a, banks.gate_b)

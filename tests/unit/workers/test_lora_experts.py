@@ -1,7 +1,8 @@
 """Expert LoRA (workers/lora/experts.py) on the CPU in fp32: the reference is transformers' own experts forward when the
 adapters are zero and the merged-weights model when they are not (so expert LoRA is scaled by the routing weights, as
 documented), and the grouped fast path equals the reference on random inputs, outputs and gradients, with several
-adapters of different ranks, experts no token picks, and the LoRA products cut into expert blocks."""
+adapters of different ranks, experts no token picks, and the LoRA products in chunks of groups past
+grouped_mm's group limit."""
 
 from __future__ import annotations
 
