@@ -8,6 +8,12 @@
 #   bash benchmarks/gpu_run.sh cost [bench_engine args...]      cost-model coalescing vs one by one (bench_engine --mode cost)
 #   bash benchmarks/gpu_run.sh ragged [bench_engine args...]    ragged vs uniform lengths, packed and padded (--mode ragged)
 #   bash benchmarks/gpu_run.sh rl [bench_rl args...]            RL iterations through the service (needs .whl/ carried too)
+#   bash benchmarks/gpu_run.sh lora                             where one adapter's step loses to the frozen base: both
+#                                                               profiled (profile_engine --frozen), and the LoRA layer
+#                                                               and block candidates (bench_lora_layer)
+#   bash benchmarks/gpu_run.sh moe [bench_engine args...]       the MoE tests (graphs included), then the Qwen3-30B-A3B
+#                                                               shape's lone step eager and on CUDA graphs (an H200: its
+#                                                               base and 4 slots' fp32 state take ~115 GB)
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -66,5 +72,17 @@ case $mode in
     python3 benchmarks/bench_engine.py --mode cost --out "$OUT/bench_cost.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_cost.txt" | grep -v '^ \|^{\|^}' ;;
   ragged)
     python3 benchmarks/bench_engine.py --mode ragged --out "$OUT/bench_ragged.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_ragged.txt" | grep -v '^ \|^{\|^}' ;;
-  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl)"; exit 2 ;;
+  lora)
+    python3 benchmarks/profile_engine.py --rows 8 --elementwise --frozen --kernels 30 --out "$OUT" 2>&1 \
+      | grep -v "^Loading weights" > "$OUT/profile.txt"
+    grep "frozen base\|fwd_bwd\|device ms by kind" "$OUT/profile.txt"
+    python3 benchmarks/bench_lora_layer.py --variants base,graph1 --block-variants base,base_stacked,siblings,widened \
+      --tables "$OUT/lora_layer_tables.txt" 2>&1 | tee "$OUT/lora_layer.txt" | tail -n 30 ;;
+  moe)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_body_graphs_cuda.py tests/gpu/test_lora_experts_cuda.py \
+      tests/gpu/test_sampler_moe_cuda.py -k "moe or experts" 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
+    python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 --slots 4 --cap 2048 --skip-peft --skip-frozen \
+      --iters 3 --warmup 3 --workloads lone,underfilled --graphs off,on --out "$OUT/bench_moe.json" "$@" 2>&1 \
+      | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}' ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl | lora | moe)"; exit 2 ;;
 esac
