@@ -11,8 +11,9 @@
 #   bash benchmarks/gpu_run.sh lora                             where one adapter's step loses to the frozen base: both
 #                                                               profiled (profile_engine --frozen), and the LoRA layer
 #                                                               and block candidates (bench_lora_layer)
-#   bash benchmarks/gpu_run.sh moe [bench_engine args...]       the MoE tests (graphs included), then the Qwen3-30B-A3B
-#                                                               shape's lone step eager and on CUDA graphs (an H200: its
+#   bash benchmarks/gpu_run.sh moe [bench_engine args...]       the MoE tests (graphs included), one MoE layer's bank
+#                                                               gradients two ways (probe_expert_grads), then the
+#                                                               Qwen3-30B-A3B shape's lone step eager and on CUDA graphs (an H200: its
 #                                                               base and 4 slots' fp32 state take ~115 GB)
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
@@ -81,6 +82,7 @@ case $mode in
   moe)
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_body_graphs_cuda.py tests/gpu/test_lora_experts_cuda.py \
       tests/gpu/test_sampler_moe_cuda.py -k "moe or experts" 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
+    python3 benchmarks/probe_expert_grads.py --tokens 512 2>&1 | tee "$OUT/expert_grads.txt"
     python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 --slots 4 --cap 2048 --skip-peft --skip-frozen \
       --iters 3 --warmup 3 --workloads lone,underfilled --graphs off,on --out "$OUT/bench_moe.json" "$@" 2>&1 \
       | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}' ;;
