@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
@@ -70,11 +70,7 @@ async def get_tenant(
     """The key's tenant: the one api/door.py found before the body was read, else from this process's recent checks
     (service/auth_cache.py), else from SQL in a worker thread and a short session of its own (so a long-polling route
     holds no connection). Each call spends one of the tenant's requests (service/rate_limit.py: 429 past its rate)."""
-    tenant = request.scope.get(AUTHENTICATED_TENANT)
-    if not isinstance(tenant, TenantRef):
-        tenant = await tenant_for_key(services, _key_from_headers(x_api_key, authorization))
-    services.rate_limit.take(tenant.id, tenant.name)
-    return tenant
+    return await _tenant_of_request(request, services, x_api_key, authorization, tenant_for_key)
 
 
 async def get_tenant_in_any_state(
@@ -86,9 +82,20 @@ async def get_tenant_in_any_state(
     """`get_tenant` for the few routes a suspended tenant may still call because they queue no work and keep what it
     has (the Tinker SDK's telemetry and session heartbeats: refused, the SDK prints tracebacks and lets its session
     expire during the suspension)."""
+    return await _tenant_of_request(request, services, x_api_key, authorization, key_tenant)
+
+
+async def _tenant_of_request(
+    request: Request,
+    services: Services,
+    x_api_key: str | None,
+    authorization: HTTPAuthorizationCredentials | None,
+    lookup: Callable[[Services, str], Awaitable[TenantRef]],
+) -> TenantRef:
+    """The tenant api/door.py found, else `lookup` of the headers' key; one of its requests spent (rate limit)."""
     tenant = request.scope.get(AUTHENTICATED_TENANT)
     if not isinstance(tenant, TenantRef):
-        tenant = await key_tenant(services, _key_from_headers(x_api_key, authorization))
+        tenant = await lookup(services, _key_from_headers(x_api_key, authorization))
     services.rate_limit.take(tenant.id, tenant.name)
     return tenant
 

@@ -9,9 +9,9 @@ A graph replays fixed shapes and addresses, so a microbatch is padded to a bucke
   * sequence boundaries (cu_seqlens) up to a power of two: empty sequences at the end;
   * the longest sequence up to a power of two (the attention's grid; an upper bound is all it needs).
 Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets,
-per-row scales and slot ids, the gathered dense banks and their fp32 gradient buffer) and the two graphs: forward body -> last hidden
-state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into the static buffer,
-as in eager). The LM head and the losses stay eager (few launches). The LoRA op reads ranks and scales only on the
+per-row scales and slot ids, the gathered dense banks and their fp32 gradient buffer) and the two graphs: forward
+body -> last hidden state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into
+the static buffer, as in eager). The LM head and the losses stay eager (few launches). The LoRA op reads ranks and scales only on the
 device here (`MicrobatchBanks(single=False)`): one group's Python rank and scale would otherwise be baked into the
 graph. Several groups take grouped_mm; one group plain matmuls over r_max with the per-row scale tensor.
 An MoE's expert LoRA is not gathered (its banks are GBs per slot): it reads the master banks in place by the routing's
