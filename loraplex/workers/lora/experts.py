@@ -119,17 +119,20 @@ def _counts(values: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.zeros(bins, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
 
 
+def _stack(bank: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bank [S, E, d1, d2] -> the (expert, group) stack [E*G, d1, d2] of the groups' slots, in the pairs' order."""
+    stack = bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, d1, d2]
+    return stack.reshape(-1, *stack.shape[2:]).to(dtype)
+
+
 def _stacked(
     a_bank: torch.Tensor, b_bank: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype, trigger: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
-    """The (expert, group) stacks [E*G, in, r] / [E*G, r, out] of the groups' slots, in the pairs' order. With the
-    microbatch's `trigger`, through `_BankStack` (the gradients go straight into the masters' .grad); else through
-    autograd."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A and B stacks ([E*G, in, r] / [E*G, r, out]). With the microbatch's `trigger`, through `_BankStack` (the
+    gradients go straight into the masters' .grad); else through autograd."""
     if trigger is not None:
         return _BankStack.apply(trigger, a_bank, slot_ids, dtype), _BankStack.apply(trigger, b_bank, slot_ids, dtype)
-    a = a_bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, in, r]
-    b = b_bank.index_select(0, slot_ids).transpose(0, 1)
-    return a.reshape(-1, *a.shape[2:]).to(dtype), b.reshape(-1, *b.shape[2:]).to(dtype)
+    return _stack(a_bank, slot_ids, dtype), _stack(b_bank, slot_ids, dtype)
 
 
 class _BankStack(torch.autograd.Function):
@@ -145,15 +148,14 @@ class _BankStack(torch.autograd.Function):
         if bank.grad is None:
             raise ValueError("an expert bank read for training needs its .grad buffer (the optimizer's flat view)")
         ctx.bank, ctx.slot_ids = bank, slot_ids
-        stack = bank.index_select(0, slot_ids).transpose(0, 1)  # [E, G, d1, d2]
-        return stack.reshape(-1, *stack.shape[2:]).to(dtype)
+        return _stack(bank, slot_ids, dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         bank: torch.Tensor = ctx.bank
         experts, groups = bank.shape[1], ctx.slot_ids.shape[0]
-        per_group = grad.view(experts, groups, *grad.shape[1:]).transpose(0, 1).to(torch.float32)
+        per_group = grad.reshape(experts, groups, *grad.shape[1:]).transpose(0, 1).to(torch.float32)
         assert bank.grad is not None
         bank.grad.index_add_(0, ctx.slot_ids, per_group)
         return None, None, None, None
