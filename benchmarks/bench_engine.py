@@ -498,10 +498,10 @@ def main() -> None:
     if not args.skip_frozen:
         results["frozen_base"] = bench_frozen_base(model, args, saturated_tokens)
         print("frozen base", results["frozen_base"], flush=True)
-    if "on" in args.elementwise.split(",") and kernels_module.available() and not args.skip_frozen:
-        kernels_module.install(model)
-        results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
-        print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
+        if "on" in args.elementwise.split(",") and kernels_module.available():
+            kernels_module.install(model)
+            results["frozen_base_fused"] = bench_frozen_base(model, args, saturated_tokens, fused=True)
+            print("frozen base, the engine's kernels", results["frozen_base_fused"], flush=True)
     config = EngineConfig(num_slots=args.slots or max(8, args.adapters), max_rank=args.rank, target_modules=TARGETS,
                           microbatch_tokens=args.cap, fused_elementwise="on" in args.elementwise.split(","),
                           cuda_graphs="on" in args.graphs.split(","))  # fmt: skip
