@@ -1,7 +1,7 @@
 """One Qwen3-30B-A3B-shaped MoE layer's expert LoRA, forward + backward (workers/lora/experts.py), with the banks'
 gradients taken two ways, alternating rounds, median wall time each:
   autograd   index_select and cast under autograd: index_select's backward builds a bank-sized gradient [S, E, in, r]
-             per bank tensor, which AccumulateGrad then adds into .grad (the eager path before `_BankStack`)
+             per bank tensor, which AccumulateGrad then adds into .grad (autograd on a plain read of the masters)
   bankstack  `_BankStack` (the microbatch's trigger as input): the stack's gradient index_add_ed into .grad, the
              microbatch's slots only (what the engine runs now, eager and in CUDA graphs)
 
