@@ -303,6 +303,9 @@ def main() -> None:
     p.add_argument("--tenants", default="1,2,4,8,16")
     p.add_argument("--workloads", default="underfilled,saturated", help="comma list: underfilled, saturated, ragged")
     p.add_argument("--cap", type=int, default=4096, help="engine microbatch tokens")
+    p.add_argument("--slots", type=int, default=0,
+                   help="adapter slots of the engine and the pool (0: 8, or the most tenants if more); a big MoE "
+                        "fits fewer slots' fp32 expert banks")  # fmt: skip
     p.add_argument("--plan-tokens", type=int, default=16384)
     # 4: enough rounds that the engine has captured the CUDA graphs of the buckets the plans produce (each on its
     # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, 2026-12-01, H200)
@@ -327,9 +330,10 @@ def main() -> None:
     configs = [(w, n, [workload_lengths(w, i, args.seq_len, args.saturated_seqs) for i in range(n)])
                for w in args.workloads.split(",") for n in tenants]  # fmt: skip
     home = Path(args.home or tempfile.mkdtemp(prefix="bench-service-"))
-    settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype, slots=max(8, *tenants),
-                        max_rank=args.rank, microbatch_tokens=args.cap, plan_tokens=args.plan_tokens,
-                        api_workers=args.api_workers, cost_model=not args.no_cost_model)  # fmt: skip
+    settings = Settings(home=home, base_model=args.model, device=args.device, dtype=args.dtype,
+                        slots=args.slots or max(8, *tenants), max_rank=args.rank, microbatch_tokens=args.cap,
+                        plan_tokens=args.plan_tokens, api_workers=args.api_workers,
+                        cost_model=not args.no_cost_model)  # fmt: skip
     vocab = SHAPE_PRESETS[args.model]["vocab_size"] if args.model in SHAPE_PRESETS else 512
     results: dict[str, Any] = {
         "env": {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
