@@ -3,7 +3,6 @@ when they are sent concurrently; a retried call with the same seq_id is answered
 
 from __future__ import annotations
 
-import math
 import os
 import tarfile
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from loraplex.client.futures import APIFuture
+from loraplex.client.json_body import check_finite, encode
 from loraplex.client.sampling import SamplingClient
 from loraplex.client.transport import Transport
 from loraplex.client.types import AdamParams, Datum, datum_json
@@ -41,28 +41,27 @@ class TrainingClient:
             "loss_fn_config": config or {},
         }
 
-    def _numbered(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`body` with the adapter's next seq_id, taken only once the body is known to be sendable: a non-finite
-        number is an InvalidRequestError naming its field, and takes no seq_id (a taken one that never reaches the
-        server would make the next call wait for it)."""
-        bad = first_non_finite(body)
-        if bad is not None:
-            raise InvalidRequestError(f"{bad}: must be a finite number (NaN and infinity are not JSON)")
-        return {"seq_id": self._take_seq(), **body}
+    def _numbered(self, body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+        """`body` with the adapter's next seq_id, as JSON, and its headers; the seq_id is taken only once the body is
+        known to be sendable: a non-finite number is an InvalidRequestError naming its field, and takes no seq_id (a
+        taken one that never reaches the server would make the next call wait for it). The seq_id also rides in a
+        header: a body the gateway refuses unread (413, too large) still names its seq_id, whose place the gateway
+        then fills with the rejection (so the next call does not wait for it)."""
+        check_finite(body)
+        seq_id = self._take_seq()
+        headers = {SEQ_ID_HEADER: str(seq_id), "Content-Type": "application/json"}
+        return encode({"seq_id": seq_id, **body}), headers
 
-    # The seq_id also rides in a header: a body the gateway refuses unread (413, too large) still names its seq_id,
-    # whose place the gateway then fills with the rejection (so the next call does not wait for it).
     def _submit(self, path: str, body: dict[str, Any]) -> APIFuture:
-        numbered = self._numbered(body)
-        headers = {SEQ_ID_HEADER: str(numbered["seq_id"])}
-        ref = self._transport.request("POST", f"/v1/adapters/{self.model_id}/{path}", json=numbered, headers=headers)
+        content, headers = self._numbered(body)
+        path = f"/v1/adapters/{self.model_id}/{path}"
+        ref = self._transport.request("POST", path, content=content, headers=headers)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     async def _submit_async(self, path: str, body: dict[str, Any]) -> APIFuture:
-        numbered = self._numbered(body)
-        headers = {SEQ_ID_HEADER: str(numbered["seq_id"])}
+        content, headers = self._numbered(body)
         path = f"/v1/adapters/{self.model_id}/{path}"
-        ref = await self._transport.request_async("POST", path, json=numbered, headers=headers)
+        ref = await self._transport.request_async("POST", path, content=content, headers=headers)
         return APIFuture(self._transport, ref["request_id"], ref["model_id"])
 
     def forward_backward(
@@ -180,23 +179,6 @@ class TrainingClient:
     def delete(self) -> dict[str, Any]:
         ref = self._transport.request("DELETE", f"/v1/adapters/{self.model_id}")
         return APIFuture(self._transport, ref["request_id"], ref["model_id"]).result()
-
-
-def first_non_finite(value: Any, at: str = "") -> str | None:
-    """The dotted path of the first NaN or infinite float in a JSON-like body, or None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else at or "value"
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, list | tuple):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = first_non_finite(item, f"{at}.{key}" if at else str(key))
-        if found is not None:
-            return found
-    return None
 
 
 def extract_tar(archive: IO[bytes], out_dir: Path) -> Path:

@@ -11,6 +11,7 @@ import httpx
 
 from loraplex.client.unsettled import UnsettledFutures
 from loraplex.errors import error_class_for_status
+from loraplex.runtime.json_read import parse_json
 
 # A gateway that went away mid-call (killed, restarting): the call is sent again after a short wait, up to the
 # transport's `retry_wait_s`. Safe because every call is idempotent: submissions by (model_id, seq_id), reads anyway.
@@ -25,7 +26,7 @@ DEFAULT_RESULT_TIMEOUT_S = 900.0
 
 def raise_for_status(response: httpx.Response) -> Any:
     if response.is_success:
-        return response.json()
+        return parse_json(response.content)  # a result's logprobs: ~5x faster than httpx's response.json()
     try:
         body = response.json()
     except ValueError:

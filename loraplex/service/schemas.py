@@ -53,7 +53,7 @@ class Datum(Strict):
         for name, values in self.loss_fn_inputs.items():
             if len(values) != n:
                 raise ValueError(f"loss_fn_inputs.{name} has {len(values)} values, model_input has {n}")
-        if any(t < 0 for t in self.model_input):
+        if min(self.model_input) < 0:  # min_length=1; min runs in C (a generator took ~0.3 ms on 4,096 tokens)
             raise ValueError("model_input holds a negative token id")
         return self
 

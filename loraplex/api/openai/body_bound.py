@@ -8,8 +8,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.routing import APIRoute
 
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.errors import RequestTooLargeError
 from loraplex.settings import Settings
 
@@ -23,9 +23,10 @@ def openai_body_limit(settings: Settings) -> int:
     return BODY_BYTES_PER_PROMPT_BYTE * settings.resolved_max_prompt_bytes_per_request + BODY_SLACK_BYTES
 
 
-class BoundedBodyRoute(APIRoute):
+class BoundedBodyRoute(JsonBodyRoute):
     """A route whose body is read with the bound above: past it the rest is read and dropped (a client still sending
-    would see a reset connection, not the 413) and nothing is parsed."""
+    would see a reset connection, not the 413) and nothing is parsed; a body within it is parsed as every route's
+    is (api/json_body.py)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.routes.chain import seq_step
 from loraplex.protocol import RequestKind
 from loraplex.service.schemas import (
@@ -22,7 +23,7 @@ from loraplex.service.schemas import (
     OptimStepRequest,
 )
 
-router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"], route_class=JsonBodyRoute)
 
 
 @router.post("", status_code=202)

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.routes.chain import seq_step
 from loraplex.protocol import RequestKind
 from loraplex.service.schemas import (
@@ -17,7 +18,7 @@ from loraplex.service.schemas import (
     SaveCheckpointRequest,
 )
 
-router = APIRouter(prefix="/v1/adapters", tags=["checkpoints"])
+router = APIRouter(prefix="/v1/adapters", tags=["checkpoints"], route_class=JsonBodyRoute)
 
 
 @router.post("/{model_id}/save_state", status_code=202)

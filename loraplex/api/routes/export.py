@@ -20,8 +20,9 @@ from starlette.background import BackgroundTask
 
 from loraplex import service
 from loraplex.api.deps import Services, ServicesDep, TenantDep, TenantRef
+from loraplex.api.json_body import JsonBodyRoute
 
-router = APIRouter(prefix="/v1/adapters", tags=["export"])
+router = APIRouter(prefix="/v1/adapters", tags=["export"], route_class=JsonBodyRoute)
 
 TAR_MEDIA_TYPE = "application/x-tar"
 CHECKPOINT_HEADER = "X-Loraplex-Checkpoint"  # the tinker path of the exported checkpoint

@@ -15,11 +15,12 @@ from fastapi import APIRouter, Query
 from pydantic import Field
 
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.errors import InvalidRequestError, NotFoundError
 from loraplex.protocol import Outcome
 from loraplex.service.schemas import ErrorOut, FutureOut
 
-router = APIRouter(prefix="/v1/futures", tags=["futures"])
+router = APIRouter(prefix="/v1/futures", tags=["futures"], route_class=JsonBodyRoute)
 
 MAX_ALSO = 32  # other request ids one poll may ask about
 

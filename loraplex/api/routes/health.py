@@ -8,9 +8,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from loraplex.api.deps import ServicesDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.service.health import health_report
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=JsonBodyRoute)
 
 
 @router.get("/v1/healthz")

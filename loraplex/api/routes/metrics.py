@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.metrics import exposition, pool_health_exposition, tenant_info_exposition
 from loraplex.errors import AuthenticationError, ForbiddenError
 from loraplex.runtime.metrics_server import CONTENT_TYPE, token_ok
@@ -19,7 +20,7 @@ from loraplex.service.pool_health import all_pools
 from loraplex.service.pool_metrics_reader import pool_exposition
 from loraplex.service.tenant_overview import tenant_names
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=JsonBodyRoute)
 
 
 def _check_token(request: Request) -> None:

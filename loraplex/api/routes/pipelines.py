@@ -14,12 +14,13 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.routes.export import TAR_MEDIA_TYPE
 from loraplex.service import pipelines as service
 from loraplex.service.pipeline_config import SubmitPipelineRequest
 from loraplex.service.schemas import PipelineList, PipelineOut, PipelineWorkers, SubmittedPipelines
 
-router = APIRouter(tags=["pipelines"])
+router = APIRouter(tags=["pipelines"], route_class=JsonBodyRoute)
 
 
 def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:

@@ -7,10 +7,11 @@ from fastapi import APIRouter, Query
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
 from loraplex.service.schemas import RunOut, RunPage
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JsonBodyRoute)
 
 # The bounds are the service's (a 400 naming them), so every front end shares one rule.
 LIMIT = Query(DEFAULT_PAGE_LIMIT, description=f"Runs per page, 1 to {MAX_PAGE_LIMIT}")

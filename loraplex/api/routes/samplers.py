@@ -7,9 +7,10 @@ from fastapi import APIRouter
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.service.schemas import CreateSamplerRequest, FutureRef, SampleRequest, SamplerOut
 
-router = APIRouter(prefix="/v1/samplers", tags=["sampling"])
+router = APIRouter(prefix="/v1/samplers", tags=["sampling"], route_class=JsonBodyRoute)
 
 
 @router.post("", status_code=201)

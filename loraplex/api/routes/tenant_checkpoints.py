@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.service.paging import DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT
 from loraplex.service.schemas import (
     CheckpointListOut,
@@ -19,7 +20,7 @@ from loraplex.service.schemas import (
     WeightsInfoRequest,
 )
 
-router = APIRouter(prefix="/v1", tags=["checkpoints"])
+router = APIRouter(prefix="/v1", tags=["checkpoints"], route_class=JsonBodyRoute)
 
 LIMIT = Query(DEFAULT_PAGE_LIMIT, description=f"Checkpoints per page, 1 to {MAX_PAGE_LIMIT}")
 OFFSET = Query(0, description="Checkpoints to skip, >= 0")

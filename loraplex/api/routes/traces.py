@@ -12,9 +12,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.service import request_traces
 
-router = APIRouter(prefix="/v1", tags=["traces"])
+router = APIRouter(prefix="/v1", tags=["traces"], route_class=JsonBodyRoute)
 # At most year 5138 (1e11 s): Redis stream ids are milliseconds in 64 bits, and no trace is older than its 7 days.
 SINCE = Query(None, description="Unix seconds: only requests answered from then on", ge=0, le=1e11,
               allow_inf_nan=False)  # fmt: skip

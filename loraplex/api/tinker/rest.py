@@ -15,13 +15,14 @@ from pydantic import Field
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.routes.export import peft_tar_response
 from loraplex.api.tinker.schemas import Body, TtlBody, WeightsInfoBody
 from loraplex.protocol.checkpoint_paths import parse_kind, tinker_path
 from loraplex.service.paging import DEFAULT_PAGE_LIMIT, cursor
 from loraplex.service.schemas import CheckpointOut, RunOut
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=JsonBodyRoute)
 
 LIMIT = Query(DEFAULT_PAGE_LIMIT, description="Page size (1-1000)")
 OFFSET = Query(0, description="Rows to skip")

@@ -13,12 +13,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from loraplex.api.deps import ServicesDep, TenantDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.tinker.codec import PROTOBUF_MEDIA_TYPE
 from loraplex.api.tinker.futures import PROTO_TAGS, json_result, parse_future_id, proto_result
 from loraplex.api.tinker.schemas import RetrieveFutureBody
 from loraplex.errors import NotFoundError
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=JsonBodyRoute)
 
 
 @router.post("/retrieve_future")

@@ -11,12 +11,13 @@ from pydantic import ValidationError
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.tinker.futures import sample_future_out
 from loraplex.api.tinker.schemas import AsampleBody, CreateSamplingSessionBody
 from loraplex.errors import InvalidRequestError, NotSupportedError
 from loraplex.service.schemas import CreateSamplerRequest, SampleRequest
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=JsonBodyRoute)
 
 DEFAULT_MAX_TOKENS = 16  # the SDK's SamplingParams leaves max_tokens unset by default
 

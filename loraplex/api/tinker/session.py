@@ -11,11 +11,12 @@ from fastapi.responses import JSONResponse
 
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep, TenantInAnyStateDep
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.tinker.schemas import CreateSessionBody, FinishBody, SessionBody
 from loraplex.errors import NotSupportedError
 from loraplex.service.health import health_report
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=JsonBodyRoute)
 log = logging.getLogger("loraplex.api.tinker")
 
 SESSION_INFO = (

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex import service
 from loraplex.api.deps import ServicesDep, TenantDep
 from loraplex.api.errors import validation_summary
+from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.routes.chain import seq_step
 from loraplex.api.tinker.codec import decode_forward_backward, decompress, optim_step_payload
 from loraplex.api.tinker.futures import Tag, future_out
@@ -43,7 +44,7 @@ from loraplex.service.schemas import (
 )
 from loraplex.service.training import check_live, submit_pass
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=JsonBodyRoute)
 
 # Tinker's lora_config groups -> the projection names they cover (intersected with the pool's target modules).
 ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
