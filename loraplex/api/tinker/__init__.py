@@ -4,10 +4,9 @@ call of the service layer (service/), the same call the native `/v1` route makes
 
 from fastapi import APIRouter
 
-from loraplex.api.json_body import JsonBodyRoute
 from loraplex.api.tinker import rest, retrieve, sampling, session, training
 
-router = APIRouter(route_class=JsonBodyRoute)
+router = APIRouter()
 for _module in (session, training, sampling, retrieve, rest):
     router.include_router(_module.router)
 
