@@ -68,6 +68,10 @@ def test_a_killed_pools_adapters_continue_on_its_sibling_bit_identical_and_its_r
     dead = stack.child("pool-default-2")
     dead.kill_group()  # SIGKILL, reaped; nothing restarts it
     killed_at = time.monotonic()
+    # An orphan whose client had not read all its steps' answers still sends its final save: it meets the sibling,
+    # which adopts it. One that ran ahead and finished on the dead pool has nothing left to adopt.
+    live = [o.model_id for o in out[1::2] if o.done < 2 * plans[0].steps]
+    assert live, "both orphans finished before the kill: nothing was left to hand over"
     for model_id in orphans:
         assert wait_placed(services, model_id, "default", 120), model_id
     assert time.monotonic() - killed_at >= stack.settings.pool_failover_seconds
@@ -86,7 +90,7 @@ def test_a_killed_pools_adapters_continue_on_its_sibling_bit_identical_and_its_r
     check_applied_once(stack, plans, out)
     assert [placed_pool(services, m) for m in ids] == ["default"] * 4
     logs = _log(stack, "pool")
-    assert all(f"pool default: adopted adapter {m}" in logs for m in orphans)
+    assert all(f"pool default: adopted adapter {m}" in logs for m in live)
     returned = _log(stack, "pool-default-2")[before:]
     assert "pool default-2 ready" in returned and "adopted" not in returned, returned[-3000:]
     r = redis.Redis.from_url(stack.settings.redis_url)
