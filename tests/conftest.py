@@ -35,3 +35,25 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny-moe` preset (Qwen3-MoE, 4 experts, 2 per token) saved once per session."""
     return resolve("tiny-moe", tmp_path_factory.getbasetemp() / "model-cache")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A report's captured output and failure text written with any lone surrogate escaped: the fuzz tests send such
+    strings, the stack logs them, and pytest-xdist's workers must encode every report as UTF-8 to hand it over."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    report.sections = [(name, _utf8_safe(text)) for name, text in report.sections]
+    if report.longrepr is not None:
+        text = str(report.longrepr)
+        if _utf8_safe(text) != text:
+            report.longrepr = _utf8_safe(text)
+    return None
+
+
+def _utf8_safe(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
