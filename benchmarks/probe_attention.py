@@ -1,13 +1,14 @@
 """What the GPU image's torch offers for packed (varlen) attention with Qwen3's grouped-query heads, checked against
 per-sequence causal SDPA, with forward+backward timings for 8 x 512 and ragged lengths (one H100/H200 call).
 
-    python3 benchmarks/probe_attention.py"""
+    python3 benchmarks/probe_attention.py [--flex]    (--flex: flex_attention too, compiled per shape)"""
 
 # ruff: noqa: B023, B905 - each closure is called within its own loop iteration; a probe, run once
 
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 
 import torch
@@ -80,6 +81,43 @@ def main() -> None:
                 print(f"  varlen {how}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
             except Exception as exc:  # noqa: BLE001 - a probe reports what fails
                 print(f"  varlen {how}: {type(exc).__name__}: {str(exc)[:300]}")
+        # Dense SDPA where every sequence has one length (the rows as [S, H, L, D] views of the packed [N, H, D]: no
+        # copy), per backend; and cuDNN over the packed rows with cumulative lengths (what nested tensors call).
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if len(set(lens)) == 1:
+            s_, l_ = len(lens), lens[0]
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                def dcall():  # type: ignore[no-untyped-def]
+                    qd, kd, vd = (t.view(s_, l_, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
+                    with sdpa_kernel(backend):
+                        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                    return out.transpose(1, 2).reshape(n, hq, d)
+                try:
+                    got = dcall()
+                    got_g = torch.autograd.grad(got, (q, k, v), grad)
+                    err = (got - want).abs().max().item()
+                    gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
+                    ms = timed(lambda: torch.autograd.grad(dcall(), (q, k, v), grad))
+                    print(f"  dense sdpa {backend.name}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  dense sdpa {backend.name}: {type(exc).__name__}: {str(exc)[:300]}")
+        for how in ("direct", "repeat"):
+            def ccall():  # type: ignore[no-untyped-def]
+                rep = how == "repeat"
+                kk, vv = (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)) if rep else (k, v)
+                return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, max(lens), max(lens), True, 0.0,
+                                                               True, False)[0]  # fmt: skip
+            try:
+                got = ccall()
+                got_g = torch.autograd.grad(got, (q, k, v), grad)
+                err = (got - want).abs().max().item()
+                gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
+                ms = timed(lambda: torch.autograd.grad(ccall(), (q, k, v), grad))
+                print(f"  cudnn ragged {how}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
+            except Exception as exc:  # noqa: BLE001
+                print(f"  cudnn ragged {how}: {type(exc).__name__}: {str(exc)[:300]}")
+        if "--flex" not in sys.argv:
+            continue
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             seq_id = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))

@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--frozen", action="store_true",
                    help="also the frozen base (activation gradients only) with the engine's kernels, 8x512 padded")
     p.add_argument("--kernels", type=int, default=15, help="rows of the device-time table")
+    p.add_argument("--sources", action="store_true",
+                   help="also where the copies, sums, adds and cats of the last row count's step are called from")
     args = p.parse_args()
     model = build_preset_model(args.model, dtype=torch.bfloat16, device="cuda")
     if args.frozen:
@@ -68,6 +70,24 @@ def main() -> None:
         print(categories(prof))
         if args.out:
             Path(args.out, f"profile_{n}x512.txt").write_text(table_cpu + "\n" + table_gpu)
+    if args.sources:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+            step()
+        print(sources(prof))
+
+
+def sources(prof: profile, ops: tuple[str, ...] = ("aten::copy_", "aten::sum", "aten::add_", "aten::cat", "aten::mul",
+                                                   "aten::add", "aten::fill_", "aten::zero_")) -> str:  # fmt: skip
+    """The device time of each op in `ops` by the Python lines that called it (their shapes too): who copies."""
+    lines = []
+    for ev in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8):
+        if ev.key not in ops or ev.device_time_total <= 0:
+            continue
+        stack = [f for f in ev.stack if "loraplex" in f or "transformers" in f or "torch/nn" in f][:4]
+        lines.append((ev.device_time_total, f"{ev.device_time_total / 1e3:7.2f} ms {ev.count:4d}x {ev.key} "
+                      f"{ev.input_shapes}\n          " + "\n          ".join(stack)))  # fmt: skip
+    lines.sort(key=lambda t: -t[0])
+    return "who calls the copies, sums, adds (device ms, top 25):\n" + "\n".join(text for _, text in lines[:25])
 
 
 def categories(prof: profile) -> str:
