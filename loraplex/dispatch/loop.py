@@ -273,13 +273,19 @@ class Dispatcher:
             return decision
         started = time.monotonic()
         stale = False  # requests arrived that `decision` has not planned
-        fit: PlanFit | None = None  # takes_all of the buffer, kept as it grows
+        fit: PlanFit | None = None  # takes_all of the buffer and the arrivals, kept as they grow
+        # What the wait reads is admitted in one go when the plan is made (its stored-result check one Redis round
+        # trip a plan, not one per arrival: 32 a plan at 16 closed-loop tenants); the coalescer hears of each arrival
+        # at once. Early microbatches cut plans from the buffer as it stands, so they admit each arrival at once.
+        arrived: list[Entry] = []
+        deferred = not self.config.early_microbatch_tokens
         while True:
             now = time.monotonic()
             wait = self.coalescer.wait_s(now, started)
             if wait <= 0:
+                self._admit(arrived, now, noted=True)
                 return self._plan() if stale else decision
-            if stale and self.config.early_microbatch_tokens:
+            if stale and not deferred:
                 decision, stale = self._plan(), False
             early = self._full_microbatches(decision, now)
             if early is not None:
@@ -287,20 +293,31 @@ class Dispatcher:
             entries = self._read(wait)
             if not entries:
                 continue
-            held, advanced = len(self._buffer), self._advanced
-            self._admit(entries, time.monotonic())
             stale = True
+            if not deferred:
+                held, advanced = len(self._buffer), self._advanced
+                self._admit(entries, time.monotonic())
+                if fit is None or self._advanced != advanced:
+                    fit, held = PlanFit(self._applied, self.limits, self._progress), 0
+                if fit.add(h.request for h in self._buffer[held:]):
+                    continue
+            else:
+                fresh = [(sid, env) for sid, env in entries if sid not in self._held_ids]
+                self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
+                arrived += entries
+                if fit is None:
+                    fit = PlanFit(self._applied, self.limits, self._progress)
+                    fit.add(h.request for h in self._buffer)
+                if fit.add(to_planned(env) for _, env in fresh):
+                    continue
+                self._admit(arrived, time.monotonic(), noted=True)
+                arrived, fit = [], None  # the admit may have moved an adapter's applied seq_id: the fit starts over
             # Plan again only when the plan might be full now (PlanFit: each arrival looked at once, no plan);
             # otherwise the plan of everything waits for the end of the wait. A plan per arrival cost ~10 ms a plan
-            # at 16 closed-loop tenants (benchmarks/bench_coalescing.py). The admit only appends to the buffer; one
-            # that moved an adapter's applied seq_id (a redelivered answer) makes the fit start over.
-            if fit is None or self._advanced != advanced:
-                fit = PlanFit(self._applied, self.limits, self._progress)
-                held = 0
-            if not fit.add(h.request for h in self._buffer[held:]):
-                decision, stale = self._plan(), False
-                if decision.pending:  # full now
-                    return decision
+            # at 16 closed-loop tenants (benchmarks/bench_coalescing.py).
+            decision, stale = self._plan(), False
+            if decision.pending:  # full now
+                return decision
 
     def _full_microbatches(self, decision: PolicyResult, now: float) -> PolicyResult | None:
         """The plan cut to the adapters whose forward_backward requests fill whole microbatches, to run now while the
@@ -394,7 +411,11 @@ class Dispatcher:
         return [(sid, env) for sid, env in self.consumer.claim_stale(self.config.claim_idle_ms, self.config.read_count)
                 if sid not in ours]  # fmt: skip
 
-    def _admit(self, entries: Sequence[Entry], now: float) -> None:
+    def _admit(self, entries: Sequence[Entry], now: float, noted: bool = False) -> None:
+        """Take entries into the buffer (those answered before are acked, those of adapters handed to another pool
+        forwarded there). `noted`: the coalescer has heard of their arrival already (`_coalesce`)."""
+        if not entries:
+            return
         # A claim and the backlog scan can both return one of our own entries: keep one per stream id.
         with self._finishing_lock:
             finishing = dict(self._finishing)
@@ -422,7 +443,8 @@ class Dispatcher:
                          "for its state only", req.model_id, req.kind, req.seq_id)  # fmt: skip
             self._buffer.append(_Held(sid, req, now, silent))
             self._held_ids.add(sid)
-        self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
+        if not noted:
+            self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
 
     def _execute_samples_last(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:

@@ -495,3 +495,47 @@ def test_a_plan_filling_whole_microbatches_runs_them_without_waiting_for_the_ten
     ran = [r for s in engine.plans[-1].steps for r in s.requests]
     assert sum(r.num_tokens for r in ran) == 8 and len(loop.pending) == 1  # one full microbatch now, the rest waits
     _drain(loop, results, third)
+
+
+def test_the_coalescing_wait_checks_its_arrivals_for_stored_results_once_and_applies_each_once(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """Four adapters were just answered, so the loop waits for them; their next requests arrive one by one during the
+    wait, one of them a request answered before (its entry read again, as after a crash before its ack). The plan
+    takes the new ones, the answered one is acked without running again, and the arrivals' stored-result checks are
+    made together, not one Redis round trip per arrival."""
+    pool, models = _uid(), [f"m{i}-{_uid()}" for i in range(4)]
+    engine = ArithmeticEngine(dict.fromkeys(models, 1.0))
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    loop = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, coalesce_s=2.0),
+                      PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
+    first = [_fb(m, 1, [1]) for m in models]
+    _drain(loop, results, [producer.submit(env) for env in first])
+    checks: list[int] = []
+    has_many = loop.results.has_many
+
+    def counted(request_ids: list[str]) -> list[bool]:
+        checks.append(len(request_ids))
+        return has_many(request_ids)
+
+    loop.results.has_many = counted  # type: ignore[method-assign]
+    stream = keys.request_stream(pool, first[0].tenant_id)
+    again: list[bytes] = []
+    producer.submit(_fb(models[0], 2, [2]))  # the first arrival: the round starts, and waits for the other three
+
+    def arrive() -> None:
+        for m in models[1:]:
+            time.sleep(0.05)
+            producer.submit(_fb(m, 2, [2]))
+            if not again:  # the answered request's entry, delivered again during the wait
+                again.append(redis_client.xadd(stream, encode(first[0])))
+
+    sender = threading.Thread(target=arrive)
+    sender.start()
+    answered = loop.run_once()
+    sender.join()
+    # Every entry checked once: the first read's, then the wait's arrivals together, except that the re-read entry
+    # (no next request of its adapter) makes the plan worth making at once, so its read is checked when it arrives.
+    assert answered == 4 and sum(checks) == 5 and len(checks) <= 3, checks
+    assert sorted((m, s) for m, s, _ in engine.applied) == sorted([(m, 1) for m in models] + [(m, 2) for m in models])
+    assert not redis_client.xrange(stream, again[0], again[0])  # acked and gone, not run again
