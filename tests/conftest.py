@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.models import resolve
+from loraplex.runtime.utf8 import utf8_safe
 
 # The shared helpers (and the test bodies in tests/helpers/storage_cases.py) get pytest's assertion messages too; this
 # must run before anything imports them.
@@ -43,17 +44,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     strings, the stack logs them, and pytest-xdist's workers must encode every report as UTF-8 to hand it over."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
-    report.sections = [(name, _utf8_safe(text)) for name, text in report.sections]
+    report.sections = [(name, utf8_safe(text)) for name, text in report.sections]
     if report.longrepr is not None:
         text = str(report.longrepr)
-        if _utf8_safe(text) != text:
-            report.longrepr = _utf8_safe(text)
+        if utf8_safe(text) != text:
+            report.longrepr = utf8_safe(text)
     return None
-
-
-def _utf8_safe(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text

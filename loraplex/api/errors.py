@@ -35,6 +35,7 @@ from loraplex.errors import (
     http_status_for,
 )
 from loraplex.runtime.logutil import RateLimitedLog
+from loraplex.runtime.utf8 import utf8_safe
 from loraplex.service.rejections import fill_rejected
 
 log = logging.getLogger("loraplex.api")
@@ -48,23 +49,14 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value).replace("inf", "Infinity").replace("nan", "NaN")
     if isinstance(value, str):
-        return _utf8_safe(value)
+        return utf8_safe(value)
     if value is None or isinstance(value, bool | int | float):
         return value
     if isinstance(value, dict):
-        return {_utf8_safe(str(k)): json_safe(v) for k, v in value.items()}
+        return {utf8_safe(str(k)): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
-    return _utf8_safe(str(value))
-
-
-def _utf8_safe(text: str) -> str:
-    """`text`, with any lone surrogate (JSON allows the escape "\\ud800"; UTF-8 cannot encode it) as its escape."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
+    return utf8_safe(str(value))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -75,7 +67,7 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = list(exc.errors())
         if is_openai_path(request.url.path):
             loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
-            return openai_error(400, _utf8_safe(validation_summary(errors)), param=loc[0] if loc else None)
+            return openai_error(400, utf8_safe(validation_summary(errors)), param=loc[0] if loc else None)
         body = exc.body if isinstance(exc.body, dict) else {}
         await _fill_rejected_step(
             request, body.get("seq_id"), InvalidRequestError, validation_summary(errors), body.get("model_id")
@@ -136,10 +128,10 @@ def _typed_response(exc: LoraplexError, tinker: bool = False, openai: bool = Fal
     elif isinstance(exc, CapacityError) and exc.retry_after_s is not None:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
     if openai:
-        return openai_error(status, _utf8_safe(exc.message), headers, exc=exc)
+        return openai_error(status, utf8_safe(exc.message), headers, exc=exc)
     return JSONResponse(
         status_code=status,
-        content={"detail": _utf8_safe(exc.message), "type": type(exc).__name__, "category": exc.category},
+        content={"detail": utf8_safe(exc.message), "type": type(exc).__name__, "category": exc.category},
         headers=headers,
     )
 
