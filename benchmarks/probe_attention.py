@@ -37,6 +37,19 @@ def timed(fn, reps=20):  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def compare(label, call, inputs, grad, want, want_grads):  # type: ignore[no-untyped-def]
+    """One variant against the reference: its largest errors (output, input gradients) and its fwd+bwd time."""
+    try:
+        got = call()
+        got_grads = torch.autograd.grad(got, inputs, grad)
+        err = (got - want).abs().max().item()
+        gerr = max((a - b).abs().max().item() for a, b in zip(got_grads, want_grads))
+        ms = timed(lambda: torch.autograd.grad(call(), inputs, grad))
+        print(f"  {label}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
+    except Exception as exc:  # noqa: BLE001 - a probe reports what fails
+        print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}")
+
+
 def main() -> None:
     print("torch", torch.__version__)
     try:
@@ -72,15 +85,7 @@ def main() -> None:
                 kk, vv = (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)) if rep else (k, v)
                 extra = {"enable_gqa": True} if how == "flag" else {}
                 return varlen_attn(q, kk, vv, cu, cu, max(lens), max(lens), **kw, **extra)
-            try:
-                got = call()
-                got_g = torch.autograd.grad(got, (q, k, v), grad)
-                err = (got - want).abs().max().item()
-                gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
-                ms = timed(lambda: torch.autograd.grad(call(), (q, k, v), grad))
-                print(f"  varlen {how}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
-            except Exception as exc:  # noqa: BLE001 - a probe reports what fails
-                print(f"  varlen {how}: {type(exc).__name__}: {str(exc)[:300]}")
+            compare(f"varlen {how}", call, (q, k, v), grad, want, want_g)
         # Dense SDPA where every sequence has one length (the rows as [S, H, L, D] views of the packed [N, H, D]: no
         # copy), per backend; and cuDNN over the packed rows with cumulative lengths (what nested tensors call).
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -92,30 +97,14 @@ def main() -> None:
                     with sdpa_kernel(backend):
                         out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
                     return out.transpose(1, 2).reshape(n, hq, d)
-                try:
-                    got = dcall()
-                    got_g = torch.autograd.grad(got, (q, k, v), grad)
-                    err = (got - want).abs().max().item()
-                    gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
-                    ms = timed(lambda: torch.autograd.grad(dcall(), (q, k, v), grad))
-                    print(f"  dense sdpa {backend.name}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  dense sdpa {backend.name}: {type(exc).__name__}: {str(exc)[:300]}")
+                compare(f"dense sdpa {backend.name}", dcall, (q, k, v), grad, want, want_g)
         for how in ("direct", "repeat"):
             def ccall():  # type: ignore[no-untyped-def]
                 rep = how == "repeat"
                 kk, vv = (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)) if rep else (k, v)
                 return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, max(lens), max(lens), True, 0.0,
                                                                True, False)[0]  # fmt: skip
-            try:
-                got = ccall()
-                got_g = torch.autograd.grad(got, (q, k, v), grad)
-                err = (got - want).abs().max().item()
-                gerr = max((a - b).abs().max().item() for a, b in zip(got_g, want_g))
-                ms = timed(lambda: torch.autograd.grad(ccall(), (q, k, v), grad))
-                print(f"  cudnn ragged {how}: max err {err:.3g}, grad err {gerr:.3g}, fwd+bwd {ms:.3f} ms")
-            except Exception as exc:  # noqa: BLE001
-                print(f"  cudnn ragged {how}: {type(exc).__name__}: {str(exc)[:300]}")
+            compare(f"cudnn ragged {how}", ccall, (q, k, v), grad, want, want_g)
         if "--flex" not in sys.argv:
             continue
         try:
