@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A report's captured output and failure text written with any lone surrogate escaped: the fuzz tests send such
     strings, the stack logs them, and pytest-xdist's workers must encode every report as UTF-8 to hand it over."""
     outcome = yield
@@ -47,6 +48,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.sections = [(name, utf8_safe(text)) for name, text in report.sections]
     if report.longrepr is not None:
         text = str(report.longrepr)
-        if utf8_safe(text) != text:
-            report.longrepr = utf8_safe(text)
-    return None
+        safe = utf8_safe(text)
+        if safe != text:
+            report.longrepr = safe
