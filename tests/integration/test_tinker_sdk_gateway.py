@@ -38,7 +38,7 @@ def test_refusals_reach_the_sdk_user_as_errors_with_the_servers_message(server) 
             ).result(timeout=30)
         with pytest.raises(tinker.BadRequestError, match="maximum rank 16"):
             client.create_lora_training_client(base_model="tiny", rank=32).result(timeout=30)
-        sampler = client.create_sampling_client(base_model="tiny")  # a sampling session: no pool needed
+        sampler = client.create_sampling_client(base_model="tiny").result()  # a sampling session: no pool needed
         with pytest.raises(tinker.BadRequestError, match="not offered"):
             sampler.sample(
                 types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2),
@@ -59,6 +59,28 @@ def test_the_sdk_keeps_waiting_on_try_again_while_no_pool_runs(server, caplog) -
         with pytest.raises(TimeoutError):
             future.result(timeout=3)
     finally:
-        client.close("interrupted").result()
+        close_reporting_retries(client, "interrupted")
     polls = [r for r in caplog.records if "because of try_again" in r.getMessage()]
     assert 2 <= len(polls) <= 12, len(polls)  # long polls of 0.5 s over 3 s, not a spin
+
+
+def close_reporting_retries(client: tinker.ServiceClient, status: str, within_s: float = 60.0) -> None:
+    """`client.close(status)`, failing within `within_s` with the SDK's own records of the request failures it met
+    (its telemetry events, which name the exception and status code) rather than waiting out the SDK's five minutes of
+    retries of a session finish."""
+    telemetry = client.get_telemetry()
+    seen: list[dict[str, object]] = []
+    if telemetry is not None:
+        log_event = telemetry.log
+
+        def recording(name: str, event_data: dict[str, object] | None = None, severity: str = "INFO") -> bool:
+            seen.append({"event": name, **(event_data or {})})
+            return log_event(name, event_data, severity)  # type: ignore[arg-type]
+
+        telemetry.log = recording  # type: ignore[method-assign]
+    try:
+        client.close(status).result(timeout=within_s)  # type: ignore[arg-type]
+    except TimeoutError:
+        shown = [{k: v for k, v in e.items() if k != "exception_stack"} for e in seen]
+        stacks = [str(e.get("exception_stack")) for e in seen if e.get("exception_stack")]
+        pytest.fail(f"close did not finish in {within_s:.0f} s; the SDK met: {shown}\n{stacks[:1]}")
