@@ -89,6 +89,35 @@ def test_engine_on_cuda_graphs_is_as_accurate_as_the_bf16_reference(
 
 
 @pytest.mark.usefixtures("exact_fp32_matmul")
+def test_microbatches_of_one_length_replay_the_dense_attention_as_accurately(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sequences of one length filling a bucket (4 adapters x 2 x 32 tokens; one adapter 4 x 64) take the attention's
+    dense path, eager and captured, and stay as accurate; each bucket runs three times (eager, capture, replay)."""
+    from loraplex.workers.kernels import packed_attention as pa
+
+    dense_calls = 0
+    inner = pa.uniform_attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal dense_calls
+        dense_calls += 1
+        return inner(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pa, "uniform_attention", counting)
+    engines = _engines(tmp_path_factory)
+    graphs = engines[2].graphs
+    assert graphs is not None
+    g = torch.Generator().manual_seed(2)
+    plan = [[(m, random_data(g, 2, 32), "cross_entropy", None, False) for m in "abcd"]] * 3
+    plan += [[("c", random_data(g, 4, 64), "cross_entropy", None, False)]] * 3
+    for items in plan:
+        _step_and_compare(engines, items)
+    assert graphs.captures == 2 and all(key.uniform for key in graphs.graphs), list(graphs.graphs)
+    assert sorted(key.max_length for key in graphs.graphs) == [32, 64] and dense_calls > 0
+
+
+@pytest.mark.usefixtures("exact_fp32_matmul")
 def test_buckets_share_their_group_counts_banks_and_a_capture_without_room_runs_eagerly(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -1,5 +1,5 @@
-"""Packed attention and the packed engine on CUDA (bf16): torch.nn.attention.varlen.varlen_attn against the
-per-sequence causal SDPA loop (the plain-torch reference), forward and backward, at Qwen3-4B's heads (32 q / 8 kv,
+"""Packed attention and the packed engine on CUDA (bf16): torch.nn.attention.varlen.varlen_attn, and the dense path for
+rows of one length, against the per-sequence causal SDPA loop (the plain-torch reference), forward and backward, at Qwen3-4B's heads (32 q / 8 kv,
 head dim 128) and the tiny preset's; and a packed engine step against the padded one.
 
 Tolerance: bf16's, stated relative to the bf16 reference. Both bf16 paths are measured against the same computation in
@@ -70,6 +70,36 @@ def test_varlen_equals_the_per_sequence_sdpa_reference_in_bf16(
         print(f"{name}: max |bf16 - fp64| SDPA loop {err_loop:.3g}, varlen {err_varlen:.3g} (max |value| {size:.3g})")
         assert err_varlen <= 2 * err_loop + 1e-3 * max(1.0, size), name
     print(f"varlen vs SDPA loop (both bf16), out: {_max_err(varlen[0], loop[0]):.3g}")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), [(32, 8, 128, [512] * 8), (4, 2, 16, [300] * 3)])
+def test_the_dense_path_for_uniform_rows_equals_the_reference_in_bf16(
+    heads: int, kv_heads: int, dim: int, lengths: list[int]
+) -> None:
+    """uniform_attention (one dense causal SDPA, whatever backend torch picks) held to the varlen test's rule."""
+    g = torch.Generator(device="cuda").manual_seed(heads + dim)
+    n, length = sum(lengths), lengths[0]
+    q, k, v = (torch.randn(n, h, dim, device=CUDA, generator=g) for h in (heads, kv_heads, kv_heads))
+    grad = torch.randn(n, heads, dim, device=CUDA, generator=g)
+    cu = packed_layout(lengths).cu_seqlens.tolist()
+    scale = dim**-0.5
+
+    def run(fn: Any, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*x)
+        return (out, *torch.autograd.grad(out, x, grad.to(dtype)))
+
+    exact = run(lambda a, b, c: pa.packed_attention_reference(a, b, c, cu, scale), torch.float64)
+    loop = run(lambda a, b, c: pa.packed_attention_reference(a, b, c, cu, scale), torch.bfloat16)
+    dense = run(
+        lambda a, b, c: pa.uniform_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), length, scale),
+        torch.bfloat16,
+    )
+    for name, want, lo, de in zip(("out", "dq", "dk", "dv"), exact, loop, dense, strict=True):
+        size = float(want.detach().abs().max())
+        err_loop, err_dense = _max_err(lo, want), _max_err(de, want)
+        print(f"{name}: max |bf16 - fp64| SDPA loop {err_loop:.3g}, dense {err_dense:.3g} (max |value| {size:.3g})")
+        assert err_dense <= 2 * err_loop + 1e-3 * max(1.0, size), name
 
 
 def _small_qwen3(dtype: torch.dtype) -> torch.nn.Module:

@@ -188,6 +188,11 @@ class PackedLayout:
     def num_tokens(self) -> int:
         return int(self.positions.numel())
 
+    @property
+    def uniform(self) -> bool:
+        """Every sequence is max_length long (the attention's dense path)."""
+        return (self.cu_seqlens.numel() - 1) * self.max_length == self.num_tokens
+
 
 def packed_layout(lengths: Sequence[int]) -> PackedLayout:
     """The layout of sequences of these lengths (each >= 1) concatenated in order into one row."""

@@ -7,7 +7,9 @@ A graph replays fixed shapes and addresses, so a microbatch is padded to a bucke
     and add exact zeros to every gradient;
   * LoRA groups up to a power of two: empty groups (no rows) after the real ones;
   * sequence boundaries (cu_seqlens) up to a power of two: empty sequences at the end;
-  * the longest sequence up to a power of two (the attention's grid; an upper bound is all it needs).
+  * the longest sequence up to a power of two (the attention's grid; an upper bound is all it needs), unless every
+    sequence has one length and no pad is needed: then the key holds that length and the body runs the attention's
+    dense path (workers/kernels/packed_attention.py, `uniform_attention`).
 Per bucket (`GraphKey`) one `BodyGraph` holds static inputs (tokens, positions, cu_seqlens, the routing's offsets,
 per-row scales and slot ids, the gathered dense banks and their fp32 gradient buffer) and the two graphs: forward
 body -> last hidden state, backward hidden-state gradient -> the banks' gradients (the LoRA layers' backward adds into
@@ -65,6 +67,7 @@ class GraphKey:
     max_length: int  # the attention's bound on a sequence's length
     elementwise: bool  # the fused norm / activation kernels on while captured
     shared_inputs: bool = True  # sibling LoRA layers as one node while captured (lora/siblings.py)
+    uniform: bool = False  # every sequence is max_length long, no pad (the attention's dense path)
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ def pad_microbatch(
         cu.append(cu[-1] + length)
     boundaries = _pow2(len(cu))
     cu += [tokens] * (boundaries - len(cu))
-    max_length = min(tokens, max(128, _pow2(max(seq_lengths))))
-    key = GraphKey(tokens, groups, boundaries, max_length, bool(elementwise), bool(shared_inputs))
+    uniform = not pad and len(set(lengths)) == 1
+    max_length = lengths[0] if uniform else min(tokens, max(128, _pow2(max(seq_lengths))))
+    key = GraphKey(tokens, groups, boundaries, max_length, bool(elementwise), bool(shared_inputs), uniform)
     return PaddedMicrobatch(key, pad, cu, slots, ranks, scales, rows)
 
 
@@ -132,7 +136,7 @@ class BodyGraph:
     def __init__(
         self,
         key: GraphKey,
-        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor],
         context: LoraContext,
         max_rank: int,
         device: torch.device,
@@ -160,7 +164,7 @@ class BodyGraph:
 
         def forward() -> torch.Tensor:
             with context.use(self.routing, self.banks), torch.enable_grad(), elementwise():
-                return run_body(self.tokens, self.positions, self.cu_seqlens, key.max_length)
+                return run_body(self.tokens, self.positions, self.cu_seqlens, key.max_length, key.uniform)
 
         self._forward = forward
 
@@ -248,7 +252,7 @@ class BodyGraphs:
 
     def __init__(
         self,
-        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+        run_body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor],
         context: LoraContext,
         width: int,
         dtype: torch.dtype,

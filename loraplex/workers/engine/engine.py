@@ -398,6 +398,7 @@ class Engine(SlotRows):
         targets = torch.cat([d.targets for d in datums]).to(self.device, non_blocking=True)
         cu_seqlens: torch.Tensor | None = None
         max_length: int | None = None
+        uniform = False
         real_rows: torch.Tensor | None = None
         if trainable is None:
             trainable = any(not items[s.item].forward_only for s in mb)
@@ -415,7 +416,7 @@ class Engine(SlotRows):
                 tokens, positions, cu_seqlens = (
                     t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
                 )
-                max_length = packed.max_length
+                max_length, uniform = packed.max_length, packed.uniform
         else:
             batch, seq_len = len(mb), max(s.length for s in mb)
             # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs
@@ -439,7 +440,7 @@ class Engine(SlotRows):
                     scope.enter_context(context)
                 lp = self.trunk(
                     tokens, positions, real_rows, targets, self.loss_chunk_tokens, cu_seqlens, max_length,
-                    self.fused_head,
+                    self.fused_head, uniform,
                 )  # fmt: skip
             total: torch.Tensor | None = None
             start = 0

@@ -36,6 +36,7 @@ class Trunk(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_length: int | None = None,
         fused_head: bool = False,
+        uniform: bool = False,
     ) -> torch.Tensor:
         """tokens: int64 [B, T]; positions: int64 [B, T], or None for 0..T-1 in every row (padded rows: the body's default;
         handing them over would make transformers look for packed sequences in them, a device-to-host sync in every
@@ -43,9 +44,10 @@ class Trunk(nn.Module):
         [N] -> fp32 [N] target logprobs of the real rows.
 
         Packed: B = 1, positions restart at 0 for each sequence, cu_seqlens int32 [S+1] (on the device) and max_length
-        (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention).
-        fused_head: the LM head's fused log-softmax where it can run (lm_head.target_logprobs)."""
-        hidden = self.hidden(tokens, positions, cu_seqlens, max_length)
+        (a host int) describe the sequences; the body's attention must be the packed one (install_packed_attention);
+        uniform: every sequence is max_length long (packed_forward_kwargs). fused_head: the LM head's fused
+        log-softmax where it can run (lm_head.target_logprobs)."""
+        hidden = self.hidden(tokens, positions, cu_seqlens, max_length, uniform)
         if real_rows is not None:
             hidden = hidden.index_select(0, real_rows)
         return target_logprobs(hidden, cast(torch.Tensor, self.head.weight), targets, chunk_tokens, fused_head)
@@ -56,6 +58,7 @@ class Trunk(nn.Module):
         positions: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
         max_length: int | None = None,
+        uniform: bool = False,
     ) -> torch.Tensor:
         """The body alone: the final norm's output [B*T, H] (arguments as `forward`'s). With one rank the engine's
         CUDA graphs capture this (workers/engine/body_graphs.py); under FSDP only `forward` runs (the root unit's hooks)."""
@@ -63,6 +66,6 @@ class Trunk(nn.Module):
         if cu_seqlens is not None:
             if max_length is None:
                 raise ValueError("a packed forward needs max_length with cu_seqlens")
-            extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length)
+            extra = packed_forward_kwargs(cast(Any, self.body).config, cu_seqlens, max_length, uniform)
         hidden = self.body(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])

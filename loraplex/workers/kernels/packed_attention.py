@@ -12,6 +12,11 @@ out[s_i:e_i] = causal scaled-dot-product attention of q[s_i:e_i] over k[s_i:e_i]
 value head h // (H / H_kv) (grouped-query heads). No token sees another sequence. Equal to the padded layout's
 attention for each sequence's real tokens (right padding: causal attention keeps a real token blind to the pads after it).
 
+Where every sequence of the row has one length L (`packed_forward_kwargs(..., uniform=True)`; the engine's saturated
+microbatches, 8 x 512), the row is S x L: `uniform_attention` views q / k / v as [S, H, L, D] (no copy) and runs one
+dense causal F.scaled_dot_product_attention, the kernel the frozen base's padded batch gets (cuDNN on Hopper), which
+takes the grouped-query heads without summing dk / dv over each group afterwards.
+
 Kernels (`packed_attention`): CUDA in bf16/fp16 with `torch.nn.attention.varlen.varlen_attn` (flash varlen; causal is
 window_size=(-1, 0); grouped-query heads passed as they are, with `enable_gqa` where that torch asks for it: torch
 2.11 has no such flag and passes them on); anything else (CPU, fp32, a torch without varlen_attn) the
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ATTENTION = "loraplex_packed"  # the attention implementation's name in transformers' registries
+UNIFORM = "loraplex_uniform"  # the forward kwarg saying every packed sequence is max_length long
 FALLBACK_ATTENTION = "sdpa"  # what a call without cu_seqlens runs (the implementation the model had before)
 
 
@@ -109,6 +115,20 @@ def packed_attention(
     return packed_attention_reference(q, k, v, [int(x) for x in cu_seqlens.tolist()], scale)
 
 
+def uniform_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float | None = None
+) -> torch.Tensor:
+    """`packed_attention_reference` where every sequence is `length` long: q [H, N, D], k / v [H_kv, N, D] (the layout
+    transformers hands the attention function, any strides) -> [N, H, D], through one dense causal SDPA over the S =
+    N / length sequences as a batch."""
+    heads, n, dim = q.shape
+    if n % length:
+        raise ValueError(f"{n} packed rows are not sequences of {length}")
+    qs, ks, vs = (t.unflatten(1, (n // length, length)).transpose(0, 1) for t in (q, k, v))  # [S, heads, L, D] views
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=heads != k.shape[0])
+    return out.transpose(1, 2).reshape(n, heads, dim)
+
+
 def continuation_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, block: int | None = None
 ) -> torch.Tensor:
@@ -168,6 +188,8 @@ def packed_attention_forward(
         return out.unsqueeze(0), None
     max_length = kwargs.get("max_length_q")
     max_length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
+    if kwargs.get(UNIFORM):
+        return uniform_attention(query[0], key[0], value[0], max_length, kwargs.get("scaling")).unsqueeze(0), None
     # attention_mask: None from the engine's packed forward; a mask transformers built (a model that takes no prepared
     # mask mapping) describes the same block-causal pattern, which cu_seqlens already gives.
     out = packed_attention(
@@ -202,16 +224,21 @@ def install_packed_attention(model: nn.Module) -> None:
     model.set_attn_implementation(PACKED_ATTENTION)  # type: ignore[operator]
 
 
-def packed_forward_kwargs(config: Any, cu_seqlens: torch.Tensor, max_length: int) -> dict[str, Any]:
+def packed_forward_kwargs(
+    config: Any, cu_seqlens: torch.Tensor, max_length: int, uniform: bool = False
+) -> dict[str, Any]:
     """What the body's forward takes for a packed row: the boundaries under transformers' flash-varlen names, and the
     attention mask mapping given directly (None for each of the config's layer types) where the model takes one
-    (Qwen2/Qwen3: `layer_types`), so transformers neither builds a mask nor inspects the position ids."""
+    (Qwen2/Qwen3: `layer_types`), so transformers neither builds a mask nor inspects the position ids. `uniform`:
+    every sequence is `max_length` long (the dense path, `uniform_attention`)."""
     kwargs: dict[str, Any] = {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
         "max_length_q": max_length,
         "max_length_k": max_length,
     }
+    if uniform:
+        kwargs[UNIFORM] = True
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         kwargs["attention_mask"] = dict.fromkeys(layer_types)

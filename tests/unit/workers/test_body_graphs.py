@@ -20,9 +20,17 @@ def test_pad_tokens_form_their_own_sequence_and_zero_scale_group() -> None:
 def test_a_full_bucket_needs_no_pad_group_and_shapes_share_a_key() -> None:
     p = pad_microbatch([512] * 8, [0, 1, 2, 3], [32] * 4, [2.0] * 4, [1024] * 4, elementwise=False)
     assert p.pad_tokens == 0 and p.group_rows == [1024] * 4 and p.scales == [2.0] * 4
-    assert p.key == GraphKey(tokens=4096, groups=4, boundaries=16, max_length=512, elementwise=False)
+    assert p.key == GraphKey(tokens=4096, groups=4, boundaries=16, max_length=512, elementwise=False, uniform=True)
     q = pad_microbatch([500] * 8, [7, 6, 5, 4], [8] * 4, [1.0] * 4, [1000] * 4, elementwise=False)
     assert q.pad_tokens == 96 and q.key == GraphKey(4096, 8, 16, 512, False)  # + pad group: 5 -> 8 groups
+
+
+def test_only_sequences_of_one_length_filling_the_bucket_take_the_dense_attention() -> None:
+    """Uniform: the exact length is the key's max_length (the dense attention's sequence length), not a bound."""
+    p = pad_microbatch([64] * 4, [2], [8], [1.0], [256], elementwise=False)
+    assert p.key.uniform and p.key.max_length == 64 and p.pad_tokens == 0
+    assert not pad_microbatch([64] * 3, [2], [8], [1.0], [192], elementwise=False).key.uniform  # a pad sequence
+    assert not pad_microbatch([100, 156], [2], [8], [1.0], [256], elementwise=False).key.uniform
 
 
 def test_the_bound_on_sequence_length_never_exceeds_the_bucket() -> None:

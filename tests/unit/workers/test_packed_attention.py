@@ -43,7 +43,8 @@ def test_packed_layout_restarts_positions_and_offsets_per_sequence() -> None:
     lay = packed_layout([3, 1, 4])
     assert lay.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3] and lay.positions.dtype == torch.int64
     assert lay.cu_seqlens.tolist() == [0, 3, 4, 8] and lay.cu_seqlens.dtype == torch.int32
-    assert lay.max_length == 4 and lay.num_tokens == 8
+    assert lay.max_length == 4 and lay.num_tokens == 8 and not lay.uniform
+    assert packed_layout([5, 5, 5]).uniform and packed_layout([7]).uniform
     for bad in ([], [2, 0]):
         with pytest.raises(ValueError):
             packed_layout(bad)
@@ -99,6 +100,24 @@ def test_varlen_path_passes_causal_window_scale_and_heads(monkeypatch: pytest.Mo
     got = pa.packed_attention_varlen(q, k, v, packed_layout(lengths).cu_seqlens, 11, 0.25)
     assert calls == [{"window": (-1, 0), "kv_heads": 2, "max": (11, 11), "gqa": has_gqa or None}]
     assert (got.double() - dense_reference(q, k, v, lengths, 0.25)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "lengths"), [(4, 2, [6] * 5), (6, 6, [13] * 2), (8, 1, [9])])
+def test_uniform_rows_through_one_dense_sdpa_equal_block_causal_attention_with_gradients(
+    heads: int, kv_heads: int, lengths: list[int]
+) -> None:
+    """q / k / v handed over as transformers holds them ([heads, N, D], transposed views of [N, heads, D])."""
+    q, k, v = random_qkv(lengths, heads, kv_heads, 16, seed=heads + len(lengths))
+    got = pa.uniform_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths[0], 0.3)
+    want = dense_reference(q, k, v, lengths, 0.3)
+    assert got.shape == q.shape and (got.double() - want).abs().max().item() < 1e-5
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(2))
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad.double())
+    for g1, g2 in zip(got_grads, want_grads, strict=True):
+        assert (g1.double() - g2).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="not sequences of"):
+        pa.uniform_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), sum(lengths) + 1)
 
 
 def test_varlen_is_used_only_on_cuda_in_half_precision() -> None:
@@ -173,19 +192,32 @@ def test_without_cu_seqlens_the_model_computes_exactly_what_sdpa_did(models: tup
         assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
-def test_a_packed_forward_equals_each_sequence_alone(models: tuple[Any, Any]) -> None:
+@pytest.mark.parametrize("lengths", [[9, 1, 23, 4], [12] * 3], ids=["ragged", "uniform"])
+def test_a_packed_forward_equals_each_sequence_alone(
+    models: tuple[Any, Any], lengths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uniform rows reach the dense path through transformers' forward kwargs (once per layer)."""
     sdpa, packed = models
+    dense_calls = 0
+    inner = pa.uniform_attention
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal dense_calls
+        dense_calls += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "uniform_attention", counting)
     g = torch.Generator().manual_seed(1)
-    lengths = [9, 1, 23, 4]
     seqs = [torch.randint(0, 512, (n,), generator=g) for n in lengths]
     lay = packed_layout(lengths)
     with torch.no_grad():
         hidden = packed.get_decoder()(
             input_ids=torch.cat(seqs).view(1, -1), position_ids=lay.positions.view(1, -1), use_cache=False,
-            **pa.packed_forward_kwargs(packed.config, lay.cu_seqlens, lay.max_length),
+            **pa.packed_forward_kwargs(packed.config, lay.cu_seqlens, lay.max_length, lay.uniform),
         ).last_hidden_state[0]  # fmt: skip
         alone = torch.cat([sdpa.get_decoder()(input_ids=s.view(1, -1)).last_hidden_state[0] for s in seqs])
     assert (hidden - alone).abs().max().item() < 1e-5
+    assert dense_calls == (packed.config.num_hidden_layers if lay.uniform else 0)
 
 
 def test_only_an_sdpa_model_is_switched(tiny_dir: Path) -> None:
