@@ -303,7 +303,7 @@ class Dispatcher:
                     continue
             else:
                 fresh = [(sid, env) for sid, env in entries if sid not in self._held_ids]
-                self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
+                self.coalescer.arrived(((env.model_id, str(env.kind), env.seq_id) for _, env in fresh), time.monotonic())
                 arrived += entries
                 if fit is None:
                     fit = PlanFit(self._applied, self.limits, self._progress)
@@ -444,7 +444,7 @@ class Dispatcher:
             self._buffer.append(_Held(sid, req, now, silent))
             self._held_ids.add(sid)
         if not noted:
-            self.coalescer.arrived(((env.model_id, str(env.kind)) for _, env in fresh), time.monotonic())
+            self.coalescer.arrived(((env.model_id, str(env.kind), env.seq_id) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
 
     def _execute_samples_last(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:

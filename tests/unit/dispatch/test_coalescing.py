@@ -19,18 +19,18 @@ def test_nobody_expected_no_wait() -> None:
 def test_waits_for_the_answered_adapters_still_missing() -> None:
     c = Coalescer(0.05, quiet_s=0.002)
     c.answered([("a", FB, 1), ("b", FB, 1), ("c", FB, 1)], now=1.0)
-    c.arrived([("a", FB)], now=1.01)
+    c.arrived([("a", FB, 9)], now=1.01)
     # b and c are missing: wait until their expectation lapses (1.05), capped by the window from `started`.
     assert c.wait_s(1.02, started=1.02) == pytest.approx(0.03)
-    c.arrived([("b", FB), ("c", FB)], now=1.03)
+    c.arrived([("b", FB, 9), ("c", FB, 9)], now=1.03)
     assert c.wait_s(1.031, started=1.02) == 0.0  # all back: run at once (the quiet gap is for unannounced bursts)
 
 
 def test_a_burst_nobody_announced_is_waited_for_while_it_keeps_coming() -> None:
     c = Coalescer(0.05, quiet_s=0.002)
-    c.arrived([("new1", FB)], now=2.0)
+    c.arrived([("new1", FB, 9)], now=2.0)
     assert c.wait_s(2.0005, started=2.0) == pytest.approx(0.0015)
-    c.arrived([("new2", FB)], now=2.0015)
+    c.arrived([("new2", FB, 9)], now=2.0015)
     assert c.wait_s(2.002, started=2.0) == pytest.approx(0.0015)
     assert c.wait_s(2.004, started=2.0) == 0.0
 
@@ -39,23 +39,40 @@ def test_a_pair_sender_back_after_a_pause_still_brings_its_optim_step() -> None:
     c = Coalescer(0.05, quiet_s=0.0)
     c.answered([("a", FB, 1), ("a", OPT, 2)], now=0.0)
     assert c.wait_s(1.0, started=1.0) == 0.0  # its expectation lapsed long ago
-    c.arrived([("a", FB)], now=1.0)
+    c.arrived([("a", FB, 9)], now=1.0)
     assert c.wait_s(1.001, started=1.001) == pytest.approx(0.049)  # waits for the optim_step, up to one window
-    c.arrived([("a", OPT)], now=1.003)
+    c.arrived([("a", OPT, 10)], now=1.003)
     assert c.wait_s(1.003, started=1.001) == 0.0
 
 
 def test_an_adapter_that_pairs_optim_with_forward_backward_is_awaited_until_its_optim_is_in() -> None:
     c = Coalescer(0.05, quiet_s=0.0)
     c.answered([("a", FB, 1), ("a", OPT, 2)], now=0.0)  # learned: a sends pairs
-    c.arrived([("a", FB)], now=0.01)
+    c.arrived([("a", FB, 9)], now=0.01)
     assert c.wait_s(0.011, started=0.011) > 0.0  # its optim_step is on the way
-    c.arrived([("a", OPT)], now=0.012)
+    c.arrived([("a", OPT, 10)], now=0.012)
     assert c.wait_s(0.012, started=0.011) == 0.0
     c.answered([("a", FB, 3)], now=0.1)
     c.answered([("a", FB, 4)], now=0.2)  # two forward_backwards in a row: no longer a pair sender
-    c.arrived([("a", FB)], now=0.21)
+    c.arrived([("a", FB, 11)], now=0.21)
     assert c.wait_s(0.21, started=0.21) == 0.0
+
+
+def test_an_optim_step_queued_before_its_forward_backward_completes_the_pair_when_that_comes() -> None:
+    """A client sending the two concurrently: the optim_step may be read first; its forward_backward then waits for
+    nothing (before, it waited a whole window for an optim_step already in)."""
+    c = Coalescer(0.05, quiet_s=0.002)
+    c.answered([("a", FB, 1), ("a", OPT, 2)], now=0.0)  # a sends pairs
+    c.arrived([("a", OPT, 4)], now=0.01)
+    c.arrived([("a", FB, 3)], now=0.011)
+    assert c.wait_s(0.011, started=0.011) == 0.0 and c.awaited(0.011) == set()
+    c.answered([("a", FB, 3), ("a", OPT, 4)], now=0.09)
+    c.arrived([("a", OPT, 6), ("a", FB, 5)], now=0.1)  # both in one read
+    assert c.wait_s(0.1, started=0.1) == 0.0
+    c.arrived([("a", FB, 7)], now=0.2)  # in order again: its optim_step is awaited
+    assert c.wait_s(0.2, started=0.2) == pytest.approx(0.05)
+    c.arrived([("a", OPT, 8)], now=0.201)
+    assert c.awaited(0.201) == set() and c.wait_s(0.203, started=0.2) == 0.0  # (the quiet gap: it came unannounced)
 
 
 def test_an_adapter_that_went_quiet_costs_one_window_only() -> None:
@@ -76,7 +93,7 @@ def test_the_total_wait_never_exceeds_one_window() -> None:
 def test_window_zero_disables_it() -> None:
     c = Coalescer(0.0, quiet_s=0.002)
     c.answered([("a", FB, 1)], now=0.0)
-    c.arrived([("b", FB)], now=0.0)
+    c.arrived([("b", FB, 9)], now=0.0)
     assert c.wait_s(0.0, started=0.0) == 0.0
 
 
@@ -84,8 +101,8 @@ def test_awaited_names_the_adapters_still_expected_and_an_arrived_pair_senders_o
     c = Coalescer(0.05, quiet_s=0.0)
     c.answered([("a", FB, 1), ("a", OPT, 2), ("b", FB, 1)], now=0.0)
     assert c.awaited(0.01) == {"a", "b"}
-    c.arrived([("a", FB)], now=0.01)  # a sends pairs: its optim_step is awaited
-    c.arrived([("b", FB)], now=0.01)
+    c.arrived([("a", FB, 9)], now=0.01)  # a sends pairs: its optim_step is awaited
+    c.arrived([("b", FB, 9)], now=0.01)
     assert c.awaited(0.02) == {"a"}
     assert c.awaited(0.07) == set()  # lapsed
 
