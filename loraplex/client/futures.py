@@ -1,5 +1,10 @@
 """A queued request's result: `.result()` blocks, `await future` waits without blocking the event loop.
 
+A training call's future is returned while its request is still being sent (`Transport.send`): `request_id` waits
+for the gateway's answer, and a refusal (the gateway's 4xx, as its typed error) raises from `result()`, `await` and
+`request_id`. Before its first poll a future lets the submissions in flight land (up to SEND_GRACE_S), so the poll
+names them too (client/unsettled.py): a forward_backward and the optim_step sent beside it come back in one answer.
+
 Both wait at most the client's `result_timeout` (ServiceClient(result_timeout=...), default DEFAULT_RESULT_TIMEOUT_S,
 15 minutes) unless given `timeout=` (None: wait forever), then raise FutureTimeoutError naming the request and the last
 state and queue_state the server reported (e.g. "paused_capacity: pool default paused: no heartbeat for 40 s"). A 503
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Generator
+from concurrent.futures import Future
 from typing import Any, Final
 
 from loraplex.client.transport import DEFAULT_RESULT_TIMEOUT_S, Transport
@@ -19,6 +25,7 @@ __all__ = ["DEFAULT", "DEFAULT_RESULT_TIMEOUT_S", "APIFuture"]
 
 POLL_SECONDS = 20.0
 UNAVAILABLE_RETRY_S = 1.0  # between polls while the gateway answers 503
+SEND_GRACE_S = 0.1  # how long a first poll waits for the submissions in flight (a POST takes milliseconds)
 
 
 class _Default:
@@ -30,15 +37,49 @@ DEFAULT: Final = _Default()  # `result(timeout=DEFAULT)`: the client's result_ti
 
 
 class APIFuture:
-    def __init__(self, transport: Transport, request_id: str, model_id: str | None = None) -> None:
+    def __init__(self, transport: Transport, request_id: str | None, model_id: str | None = None) -> None:
+        """The future of a queued request (`request_id`); `APIFuture.send` for one still to be sent."""
         self._transport = transport
-        self.request_id = request_id
+        self._request_id = request_id
+        self._sending: Future[Any] | None = None
         self.model_id = model_id
         self._done: dict[str, Any] | None = None
+        self._polled = False
         self.last_state = "queued"  # what the server last said, for the timeout error
         self.queue_state: str | None = None
         self.queue_state_reason: str | None = None
-        transport.unsettled.add(self)  # another future's poll may bring this one's result (client/unsettled.py)
+        if request_id is not None:
+            transport.unsettled.add(self)  # another future's poll may bring this one's result (client/unsettled.py)
+
+    @classmethod
+    def send(cls, transport: Transport, path: str, model_id: str, **kwargs: Any) -> APIFuture:
+        """POST `path` on the transport's threads (`Transport.send`); the future of the request it queues, returned
+        at once. Its request id is known (and the future among the transport's unsettled ones) before the
+        submission counts as done."""
+        future = cls(transport, None, model_id)
+        future.last_state = "sending"
+        future._sending = transport.send("POST", path, on_answer=future._queued, **kwargs)
+        return future
+
+    def _queued(self, ref: dict[str, Any]) -> None:
+        """The gateway's answer to the submission: the queued request's reference."""
+        self._request_id, self.model_id = ref["request_id"], ref.get("model_id", self.model_id)
+        self.last_state = "queued"
+        self._transport.unsettled.add(self)
+
+    @property
+    def request_id(self) -> str:
+        """The request's id; a future still being sent waits for the gateway's answer (and raises its refusal)."""
+        self._accepted(None)
+        assert self._request_id is not None
+        return self._request_id
+
+    def _accepted(self, timeout: float | None) -> None:
+        """Wait up to `timeout` s (None: as long as it takes) for the submission's answer: the request id, or the
+        gateway's refusal raised. TimeoutError if it is still on its way."""
+        if self._request_id is None:
+            assert self._sending is not None
+            self._sending.result(timeout)  # `_queued` ran before it counts as done
 
     def settle_from(self, body: dict[str, Any]) -> None:
         """The gateway answered this future finished (complete or failed) in another future's poll."""
@@ -68,11 +109,23 @@ class APIFuture:
         return self._done["result"]
 
     def done(self) -> bool:
-        return self._done is not None or self._settle(self._poll(0.0))
+        """Finished (or refused: then `result()` raises at once); a future still being sent is not."""
+        if self._done is not None:
+            return True
+        if self._request_id is None:
+            assert self._sending is not None
+            if not self._sending.done():
+                return False
+            if self._sending.exception() is not None:
+                return True
+        return self._settle(self._poll(0.0))
 
     def _params(self, wait: float) -> dict[str, Any]:
         """The poll's query: how long to wait, and the transport's other unsettled futures (their results may come
-        back with this one's: client/unsettled.py)."""
+        back with this one's: client/unsettled.py); before the first poll, the submissions in flight land."""
+        if not self._polled:
+            self._polled = True
+            self._transport.wait_for_sends(min(wait, SEND_GRACE_S))
         others = self._transport.unsettled.others(self.request_id)
         return {"timeout": wait, "also": ",".join(others)} if others else {"timeout": wait}
 
@@ -92,17 +145,30 @@ class APIFuture:
     def _timed_out(self, limit: float | None) -> FutureTimeoutError:
         queue = f", queue_state {self.queue_state}" if self.queue_state else ""
         reason = f": {self.queue_state_reason}" if self.queue_state_reason else ""
+        name = self._request_id or f"to {self.model_id} (not yet accepted by the gateway)"
         return FutureTimeoutError(
-            f"request {self.request_id} not finished after {limit:g} s (last state {self.last_state}{queue}{reason})",
-            self.request_id,
+            f"request {name} not finished after {limit:g} s (last state {self.last_state}{queue}{reason})",
+            self._request_id or "",
             self.last_state,
             self.queue_state or "",
         )
+
+    def _wait_accepted(self, limit: float | None, deadline: float | None) -> None:
+        """`_accepted` within the caller's deadline: FutureTimeoutError past it."""
+        if self._request_id is None:
+            assert self._sending is not None
+            try:
+                self._accepted(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if self._sending.done():
+                    raise  # the submission's own error
+                raise self._timed_out(limit) from None
 
     def result(self, timeout: float | None | _Default = DEFAULT) -> dict[str, Any]:
         """The result; waits up to `timeout` seconds (default: the client's result_timeout; None: forever), then
         raises FutureTimeoutError (a TimeoutError) naming the request and its last queue_state."""
         limit, deadline = self._deadline(timeout)
+        self._wait_accepted(limit, deadline)
         while self._done is None:
             left = self._left(deadline)
             try:
@@ -117,6 +183,15 @@ class APIFuture:
 
     async def result_async(self, timeout: float | None | _Default = DEFAULT) -> dict[str, Any]:
         limit, deadline = self._deadline(timeout)
+        if self._request_id is None:
+            assert self._sending is not None
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:  # shielded: a timeout here must not cancel the submission itself
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._sending)), left)
+            except TimeoutError:
+                if not self._sending.done():
+                    raise self._timed_out(limit) from None
+            self._accepted(0.0)
         path = f"/v1/futures/{self.request_id}"
         while self._done is None:
             left = self._left(deadline)

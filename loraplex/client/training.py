@@ -1,5 +1,8 @@
 """One adapter's training calls. Each call takes the next `seq_id`, so the server applies them in call order even
-when they are sent concurrently; a retried call with the same seq_id is answered once."""
+when they are sent concurrently; a retried call with the same seq_id is answered once. A call returns its future at
+once and its request is sent on the transport's threads (`Transport.send`), as the Tinker SDK's calls do: a closed
+loop's forward_backward and optim_step travel together. A body that cannot be sent (a non-finite number) raises at
+the call; the gateway's refusal raises from the future's `result()` (client/futures.py)."""
 
 from __future__ import annotations
 
@@ -55,8 +58,7 @@ class TrainingClient:
     def _submit(self, path: str, body: dict[str, Any]) -> APIFuture:
         content, headers = self._numbered(body)
         path = f"/v1/adapters/{self.model_id}/{path}"
-        ref = self._transport.request("POST", path, content=content, headers=headers)
-        return APIFuture(self._transport, ref["request_id"], ref["model_id"])
+        return APIFuture.send(self._transport, path, self.model_id, content=content, headers=headers)
 
     async def _submit_async(self, path: str, body: dict[str, Any]) -> APIFuture:
         content, headers = self._numbered(body)

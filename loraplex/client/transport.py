@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import IO, Any
 
 import httpx
@@ -22,6 +26,9 @@ GONE_RETRY_S = 0.25
 # How long a future's `result()` waits by default (client/futures.py): a cold pool's first steps and a long queue fit;
 # a dead pool does not hang the caller forever.
 DEFAULT_RESULT_TIMEOUT_S = 900.0
+
+# Submissions in flight at once per transport (`send`): a closed loop's forward_backward and optim_step go together.
+SEND_THREADS = 4
 
 
 def raise_for_status(response: httpx.Response) -> Any:
@@ -77,6 +84,41 @@ class Transport:
         self._closing: asyncio.Task[None] | None = None  # a close that `close()` scheduled (loops hold tasks weakly)
         self._base_url, self._headers, self._timeout = base_url, headers, timeout
         self.unsettled = UnsettledFutures()  # this transport's futures not settled yet (client/unsettled.py)
+        self._sender: ThreadPoolExecutor | None = None  # `send`'s threads, started on the first
+        self._sending: set[Future[Any]] = set()
+        self._sending_lock = threading.Lock()
+
+    def send(
+        self, method: str, path: str, on_answer: Callable[[Any], None] | None = None, **kwargs: Any
+    ) -> Future[Any]:
+        """`request` on one of SEND_THREADS background threads: the caller goes on while it is sent (its answer, or
+        its typed error, comes from the returned Future; `on_answer` gets the answer first, on that thread). The
+        threads are joined at `close()`, and at interpreter exit, so a call made is sent."""
+
+        def call() -> Any:
+            answer = self.request(method, path, **kwargs)
+            if on_answer is not None:
+                on_answer(answer)
+            return answer
+
+        with self._sending_lock:
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="loraplex-send")
+            sent = self._sender.submit(call)
+            self._sending.add(sent)
+        sent.add_done_callback(self._sent)
+        return sent
+
+    def _sent(self, sent: Future[Any]) -> None:
+        with self._sending_lock:
+            self._sending.discard(sent)
+
+    def wait_for_sends(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the submissions in flight (so a poll can name their futures: client/unsettled.py)."""
+        with self._sending_lock:
+            sending = list(self._sending)
+        if sending:
+            wait_all(sending, timeout)
 
     def _send(self, method: str, path: str, deadline: float, **kwargs: Any) -> httpx.Response:
         while True:
@@ -132,8 +174,17 @@ class Transport:
                 return raise_for_status(response)
             await asyncio.sleep(wait)
 
+    def _stop_sending(self) -> None:
+        """Send what was submitted, then stop the threads."""
+        with self._sending_lock:
+            sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.shutdown(wait=True)
+
     async def aclose(self) -> None:
-        """Close both clients; call it on the event loop that made the async calls."""
+        """Close both clients (after sending the submissions in flight); call it on the event loop that made the
+        async calls."""
+        await asyncio.to_thread(self._stop_sending)
         client, self._async, self._async_loop = self._async, None, None
         if client is not None:
             await client.aclose()
@@ -143,7 +194,9 @@ class Transport:
         """Close both clients. The async one (if an async call opened it) is closed on its own event loop: at once
         when that loop is idle, waited for when it runs in another thread, scheduled when it is the loop running this
         call (the close then runs at the caller's next await). Connections of a loop that has ended cannot be closed
-        any more: a ResourceWarning then says to `await aclose()` before the loop ends."""
+        any more: a ResourceWarning then says to `await aclose()` before the loop ends. Submissions in flight are
+        sent first."""
+        self._stop_sending()
         self._sync.close()
         client, loop = self._async, self._async_loop
         self._async = self._async_loop = None

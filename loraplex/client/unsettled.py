@@ -17,7 +17,8 @@ MAX_ALSO = 16  # other futures one poll asks about (the gateway takes up to 32)
 
 
 class Settleable(Protocol):
-    request_id: str
+    @property
+    def request_id(self) -> str: ...
 
     def settle_from(self, body: dict[str, Any]) -> None: ...
 

@@ -96,7 +96,7 @@ def test_runs_and_checkpoints_across_them_through_the_client(stack, clients, tmp
     with pytest.raises(NotFoundError):
         one.delete_checkpoint(state)
     with pytest.raises(NotFoundError):
-        first.load_state(state)
+        first.load_state(state).result(timeout=30)
 
     # A deleted run stays listed.
     first.delete()

@@ -70,7 +70,7 @@ def test_restored_adapter_continues_bit_identically(clients):
     listed = trainer.list_checkpoints()
     assert [(c["tinker_path"], c["kind"], c["step"]) for c in listed] == [(saved["path"], "state", 3)]
     with pytest.raises(Exception) as clash:  # the name is taken
-        trainer.save_state("after-3")
+        trainer.save_state("after-3").result(timeout=30)
     assert "409" in str(clash.value)
 
 
@@ -123,7 +123,7 @@ def test_other_tenant_gets_404_and_tampered_files_fail_the_load(stack, clients):
         two.create_training_client_from_state(path)
     theirs = two.create_lora_training_client(rank=4, seed=2)
     with pytest.raises(NotFoundError):
-        theirs.load_state(path)
+        theirs.load_state(path).result(timeout=30)
     with pytest.raises(NotFoundError):
         two.list_checkpoints(trainer.model_id)
 
@@ -159,4 +159,4 @@ def test_retention_deletes_expired_checkpoints(stack, clients):
     assert [c["tinker_path"] for c in trainer.list_checkpoints()] == [keep]
     assert not folder.exists()
     with pytest.raises(NotFoundError):
-        trainer.load_state(temp, with_optimizer=False)
+        trainer.load_state(temp, with_optimizer=False).result(timeout=30)

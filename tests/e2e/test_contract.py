@@ -43,11 +43,11 @@ def test_a_call_the_gateway_rejects_costs_the_next_call_nothing(stack) -> None:
     trainer = client.create_lora_training_client(rank=4)
     data = [Datum.for_next_token([10, 11, 12, 13])]
     with pytest.raises(InvalidRequestError, match="loss_fn"):
-        trainer.forward_backward(data, loss_fn="no_such_loss")
+        trainer.forward_backward(data, loss_fn="no_such_loss").result(timeout=30)
     with pytest.raises(InvalidRequestError, match="invalid checkpoint name"):
-        trainer.save_state("../escape")
+        trainer.save_state("../escape").result(timeout=30)
     with pytest.raises(NotFoundError):
-        trainer.load_state(f"tinker://{trainer.model_id}/weights/never-saved")
+        trainer.load_state(f"tinker://{trainer.model_id}/weights/never-saved").result(timeout=30)
     started = time.monotonic()
     fb = trainer.forward_backward(data)
     assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result(timeout=30) is not None
@@ -120,7 +120,7 @@ def test_a_huge_body_is_refused_unread_and_costs_the_next_call_nothing(stack) ->
     tokens = list(range(3_300_000))
     with pytest.raises(RequestTooLargeError, match="LORAPLEX_MAX_BODY_BYTES"):
         trainer._next_seq = 2  # seq_id 1 went to the raw requests above (held by their rejection)
-        trainer.forward_backward([Datum(model_input=tokens, loss_fn_inputs={"target_tokens": tokens})])
+        trainer.forward_backward([Datum(model_input=tokens, loss_fn_inputs={"target_tokens": tokens})]).result(timeout=60)
     started = time.monotonic()
     assert trainer.forward_backward([Datum.for_next_token([10, 11, 12, 13])]).result(timeout=30)["metrics"]
     assert time.monotonic() - started < 20 and trainer.info()["applied_seq_id"] == 3
@@ -152,7 +152,9 @@ def test_a_request_over_the_plan_token_cap_runs_in_parts_and_others_are_answered
         results[name] = future.result(timeout=300)
         done[name] = time.monotonic()
 
-    waiters = [threading.Thread(target=wait, args=("big", big.forward_backward(data)))]
+    big_step = big.forward_backward(data)
+    assert big_step.request_id  # queued (the calls are sent on the client's threads: the small one must come after)
+    waiters = [threading.Thread(target=wait, args=("big", big_step))]
     waiters.append(threading.Thread(target=wait, args=("small", small.forward_backward(warm))))
     for w in waiters:
         w.start()

@@ -59,7 +59,7 @@ def test_two_tenants_train_concurrently_and_stay_isolated(stack, keys):
     with pytest.raises(NotFoundError):
         from loraplex.client import TrainingClient
 
-        TrainingClient(two._transport, trainer_one.model_id).forward_backward(_data(1))
+        TrainingClient(two._transport, trainer_one.model_id).forward_backward(_data(1)).result(timeout=30)
     # The applied seq_id is recorded: 12 forward_backward + 12 optim_step after create (seq 0).
     with session_factory(make_db_engine(stack.settings.resolved_database_url))() as session:
         adapter = AdapterRepository(session, trainer_one_tenant(stack, keys["t-one"])).get(trainer_one.model_id)

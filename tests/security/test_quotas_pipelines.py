@@ -62,10 +62,11 @@ def test_saves_past_the_checkpoint_count_quota_are_429_queued_ones_counted(quota
     trainer = client.create_lora_training_client(rank=4, seed=1)
     slow = slow_step(trainer)
     accepted, refused = [], []
-    for i in range(SAVES):
+    for save in [trainer.save_state(f"s{i}") for i in range(SAVES)]:  # sent on the client's threads, concurrently
         try:
-            accepted.append(trainer.save_state(f"s{i}"))
-        except CapacityError as exc:  # 429 (the server's QuotaExceededError)
+            assert save.request_id  # the gateway queued it...
+            accepted.append(save)
+        except CapacityError as exc:  # ...or refused it: 429 (the server's QuotaExceededError)
             refused.append(exc)
     assert len(accepted) == MAX_CHECKPOINTS and len(refused) == SAVES - MAX_CHECKPOINTS, (accepted, refused)
     assert all("LORAPLEX_MAX_CHECKPOINTS_PER_TENANT" in exc.message for exc in refused), refused[0]
@@ -92,7 +93,7 @@ def test_saves_past_the_checkpoint_count_quota_are_429_queued_ones_counted(quota
     trainer.delete_checkpoint(paths[0])
     assert trainer.save_state("after-delete").result(timeout=60)["path"].endswith("/after-delete")
     with pytest.raises(CapacityError, match="LORAPLEX_MAX_CHECKPOINTS_PER_TENANT"):
-        trainer.save_weights_for_sampler("one-too-many")
+        trainer.save_weights_for_sampler("one-too-many").result(timeout=30)
     # Another tenant is not held back by this one's quota.
     other = client_for(quota_stack, "neighbour").create_lora_training_client(rank=4, seed=2)
     assert other.save_weights_for_sampler("mine").result(timeout=60)["path"]
@@ -111,7 +112,7 @@ def test_a_save_past_the_bytes_quota_is_429(quota_stack) -> None:
         CheckpointRepository(db, tenant_id).add(trainer.model_id, CheckpointKind.STATE, "huge", "file:///nowhere",
                                                 MAX_BYTES, "0" * 64)  # fmt: skip
     with pytest.raises(CapacityError, match="LORAPLEX_MAX_CHECKPOINT_BYTES_PER_TENANT"):
-        trainer.save_state("more")
+        trainer.save_state("more").result(timeout=30)
     assert "loss:sum" in trainer.forward_backward([Datum.for_next_token([5, 6, 7, 8])]).result(timeout=30)["metrics"]
 
 
