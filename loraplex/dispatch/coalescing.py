@@ -6,8 +6,8 @@ arrival would run them one by one, and a forward_backward apart from its optim_s
 anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s`, for the adapters whose results
 it just handed out, and runs as soon as they are all in. An adapter that sent an optim_step right behind its last
 forward_backward is waited for until that optim_step is in too, whether it was expected or not (a tenant coming back
-after a pause still brings its pair); unless that optim_step came first (a client sending the two concurrently:
-their order on the queue is a race), which completes the pair at once. While entries of adapters nobody expected keep arriving less than `quiet_s`
+after a pause still brings its pair). A client sending the two concurrently may have them queued optim_step first: the
+forward_backward is then awaited, and completes the pair. While entries of adapters nobody expected keep arriving less than `quiet_s`
 apart, it also waits for the rest of that burst. A full plan never waits, nor does one when nobody is expected back (a
 first request, or a tenant that went quiet: its expectation lapses after one window).
 
@@ -55,18 +55,26 @@ class Coalescer:
     def arrived(self, requests: Iterable[tuple[str, str, int | None]], now: float) -> None:
         """(model_id, kind, seq_id) of requests just read, in queue order."""
         for model_id, kind, seq_id in requests:
-            # A forward_backward whose optim_step is in already (sent concurrently, queued first) completes its pair.
+            # A pair sent concurrently may be queued optim_step first: then its forward_backward is still on the way
+            # (awaited), and completes the pair when it comes.
             completes = (
                 kind == FORWARD_BACKWARD and seq_id is not None and self._optim_ahead.get(model_id) == seq_id + 1
             )
+            ahead = (
+                kind == OPTIM_STEP and seq_id is not None and model_id in self._pairs
+                and self._last_fb.get(model_id) != seq_id - 1
+            )  # fmt: skip
             if model_id not in self._expected and not completes:
                 self._last_arrival = now  # part of a burst nobody announced
             if kind == FORWARD_BACKWARD and seq_id is not None:
                 self._last_fb[model_id] = seq_id
-            elif kind == OPTIM_STEP and seq_id is not None and self._last_fb.get(model_id) != seq_id - 1:
+            if completes:
+                del self._optim_ahead[model_id]
+            if ahead and seq_id is not None:
                 self._optim_ahead[model_id] = seq_id
-            if kind == FORWARD_BACKWARD and model_id in self._pairs and self.window_s > 0 and not completes:
-                self._expected[model_id] = now + self.window_s  # its optim_step follows
+            followed = kind == FORWARD_BACKWARD and model_id in self._pairs and not completes  # its optim_step follows
+            if (followed or ahead) and self.window_s > 0:
+                self._expected[model_id] = now + self.window_s
             else:
                 self._expected.pop(model_id, None)
 

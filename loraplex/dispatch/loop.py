@@ -269,7 +269,7 @@ class Dispatcher:
     def _coalesce(self, decision: PolicyResult) -> PolicyResult:
         """Hold an underfilled forward_backward plan back while the tenants just answered are on their way back;
         the whole microbatches it already fills run at once (dispatch/coalescing.py)."""
-        if decision.pending or not any(s.kind == StepKind.FORWARD_BACKWARD for s in decision.plan.steps):
+        if _full(decision) or not any(s.kind == StepKind.FORWARD_BACKWARD for s in decision.plan.steps):
             return decision
         started = time.monotonic()
         stale = False  # requests arrived that `decision` has not planned
@@ -316,7 +316,7 @@ class Dispatcher:
             # otherwise the plan of everything waits for the end of the wait. A plan per arrival cost ~10 ms a plan
             # at 16 closed-loop tenants (benchmarks/bench_coalescing.py).
             decision, stale = self._plan(), False
-            if decision.pending:  # full now
+            if _full(decision):
                 return decision
 
     def _full_microbatches(self, decision: PolicyResult, now: float) -> PolicyResult | None:
@@ -731,3 +731,9 @@ def _plan_of(requests: Sequence[PlannedRequest]) -> BatchPlan:
         else:
             steps.append(Step(kind, (r,)))
     return BatchPlan(tuple(steps))
+
+
+def _full(decision: PolicyResult) -> bool:
+    """The plan left requests out for want of room, not only ones waiting for an earlier seq_id of their adapter (a
+    client's concurrent calls may be queued out of order: an optim_step before its forward_backward)."""
+    return any(r.model_id not in decision.blocked for r in decision.pending)

@@ -539,3 +539,27 @@ def test_the_coalescing_wait_checks_its_arrivals_for_stored_results_once_and_app
     assert answered == 4 and sum(checks) == 5 and len(checks) <= 3, checks
     assert sorted((m, s) for m, s, _ in engine.applied) == sorted([(m, 1) for m in models] + [(m, 2) for m in models])
     assert not redis_client.xrange(stream, again[0], again[0])  # acked and gone, not run again
+
+
+def test_an_optim_step_queued_before_its_forward_backward_waits_for_it_in_the_same_plan(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """Clients that send a step's two calls concurrently (the Python client does) may have them queued optim_step
+    first. The round waits for the missing forward_backward (a plan without it would leave that adapter's step to a
+    plan of its own) and runs both adapters' pairs in one plan, in seq order."""
+    pool, (a, b) = _uid(), (f"a-{_uid()}", f"b-{_uid()}")
+    engine = ArithmeticEngine({a: 1.0, b: 1.0})
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    loop = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, coalesce_s=2.0),
+                      PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
+    _drain(loop, results, [producer.submit(env) for m in (a, b) for env in (_fb(m, 1, [1]), _opt(m, 2))])
+    producer.submit(_opt(a, 4))  # a's optim_step overtook its forward_backward
+    producer.submit(_fb(b, 3, [2]))
+    producer.submit(_opt(b, 4))
+    late = threading.Timer(0.1, lambda: producer.submit(_fb(a, 3, [2])))
+    late.start()
+    started = time.monotonic()
+    answered = loop.run_once()
+    late.join()
+    assert answered == 4 and time.monotonic() - started < 1.5  # one plan, without waiting out the 2 s window
+    assert [(m, s) for m, s, _ in engine.applied if s > 2 and m == a] == [(a, 3), (a, 4)]

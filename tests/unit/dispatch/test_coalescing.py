@@ -58,14 +58,15 @@ def test_an_adapter_that_pairs_optim_with_forward_backward_is_awaited_until_its_
     assert c.wait_s(0.21, started=0.21) == 0.0
 
 
-def test_an_optim_step_queued_before_its_forward_backward_completes_the_pair_when_that_comes() -> None:
-    """A client sending the two concurrently: the optim_step may be read first; its forward_backward then waits for
-    nothing (before, it waited a whole window for an optim_step already in)."""
+def test_an_optim_step_queued_before_its_forward_backward_awaits_it_and_the_pair_completes_when_it_comes() -> None:
+    """A client sending the two concurrently: the optim_step may be read first. Its forward_backward is awaited (a plan
+    made without it would split the round), and waits for nothing once it comes (its optim_step is in)."""
     c = Coalescer(0.05, quiet_s=0.002)
     c.answered([("a", FB, 1), ("a", OPT, 2)], now=0.0)  # a sends pairs
     c.arrived([("a", OPT, 4)], now=0.01)
+    assert c.awaited(0.01) == {"a"} and c.wait_s(0.01, started=0.01) == pytest.approx(0.05)  # its fb is on the way
     c.arrived([("a", FB, 3)], now=0.011)
-    assert c.wait_s(0.011, started=0.011) == 0.0 and c.awaited(0.011) == set()
+    assert c.wait_s(0.011, started=0.01) == 0.0 and c.awaited(0.011) == set()
     c.answered([("a", FB, 3), ("a", OPT, 4)], now=0.09)
     c.arrived([("a", OPT, 6), ("a", FB, 5)], now=0.1)  # both in one read
     assert c.wait_s(0.1, started=0.1) == 0.0
