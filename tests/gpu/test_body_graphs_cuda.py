@@ -18,6 +18,7 @@ import torch
 from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.lora import lora_delta_reference
+from tests.helpers.calls import CallCount
 from tests.helpers.datums import with_datums
 from tests.helpers.gpu import add_four_adapters, flat_logprobs, random_data
 
@@ -96,15 +97,7 @@ def test_microbatches_of_one_length_replay_the_dense_attention_as_accurately(
     dense path, eager and captured, and stay as accurate; each bucket runs three times (eager, capture, replay)."""
     from loraplex.workers.kernels import packed_attention as pa
 
-    dense_calls = 0
-    inner = pa.uniform_attention
-
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal dense_calls
-        dense_calls += 1
-        return inner(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pa, "uniform_attention", counting)
+    dense = CallCount(monkeypatch, pa, "uniform_attention")
     engines = _engines(tmp_path_factory)
     graphs = engines[2].graphs
     assert graphs is not None
@@ -114,7 +107,7 @@ def test_microbatches_of_one_length_replay_the_dense_attention_as_accurately(
     for items in plan:
         _step_and_compare(engines, items)
     assert graphs.captures == 2 and all(key.uniform for key in graphs.graphs), list(graphs.graphs)
-    assert sorted(key.max_length for key in graphs.graphs) == [32, 64] and dense_calls > 0
+    assert sorted(key.max_length for key in graphs.graphs) == [32, 64] and dense.calls > 0
 
 
 @pytest.mark.usefixtures("exact_fp32_matmul")

@@ -23,6 +23,7 @@ from loraplex.workers.engine.build import build_engine
 from loraplex.workers.engine.config import EngineConfig
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.kernels import packed_attention as pa
+from tests.helpers.calls import CallCount
 from tests.helpers.datums import with_datums
 from tests.helpers.gpu import CUDA, add_four_adapters, flat_logprobs, random_data
 
@@ -119,15 +120,7 @@ def _engine(dtype: torch.dtype, packed: bool) -> Engine:
 def test_packed_engine_step_equals_padded_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 adapters, ragged datums (1-400 tokens, several microbatches of 512 tokens), 2 steps with AdamW: the packed
     bf16 engine (varlen_attn) is as close to the fp32 oracle as the padded bf16 engine."""
-    varlen_calls = 0
-    inner = pa.packed_attention_varlen
-
-    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
-        nonlocal varlen_calls
-        varlen_calls += 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(pa, "packed_attention_varlen", counting)
+    varlen = CallCount(monkeypatch, pa, "packed_attention_varlen")
     oracle, padded, packed = (
         _engine(torch.float32, False),
         _engine(torch.bfloat16, False),
@@ -156,7 +149,7 @@ def test_packed_engine_step_equals_padded_in_bf16(monkeypatch: pytest.MonkeyPatc
                 )
         for e in (oracle, padded, packed):
             assert all("metrics" in r for r in e.optim_step([(m, {"learning_rate": 1e-3}) for m in "abcd"]))
-    assert varlen_calls > 0  # the packed engine's attention ran through varlen_attn
+    assert varlen.calls > 0  # the packed engine's attention ran through varlen_attn
 
 
 @pytest.mark.parametrize(("lq", "lk"), [(512, 2048), (1000, 1000), (3, 4099)])

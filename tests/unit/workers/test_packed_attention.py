@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from loraplex.models import load_base_model
 from loraplex.workers.engine.batching import SeqRef, packed_layout, split_microbatches
 from loraplex.workers.kernels import packed_attention as pa
+from tests.helpers.calls import CallCount
 
 
 def dense_reference(
@@ -198,15 +199,7 @@ def test_a_packed_forward_equals_each_sequence_alone(
 ) -> None:
     """Uniform rows reach the dense path through transformers' forward kwargs (once per layer)."""
     sdpa, packed = models
-    dense_calls = 0
-    inner = pa.uniform_attention
-
-    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
-        nonlocal dense_calls
-        dense_calls += 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(pa, "uniform_attention", counting)
+    dense = CallCount(monkeypatch, pa, "uniform_attention")
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 512, (n,), generator=g) for n in lengths]
     lay = packed_layout(lengths)
@@ -217,7 +210,7 @@ def test_a_packed_forward_equals_each_sequence_alone(
         ).last_hidden_state[0]  # fmt: skip
         alone = torch.cat([sdpa.get_decoder()(input_ids=s.view(1, -1)).last_hidden_state[0] for s in seqs])
     assert (hidden - alone).abs().max().item() < 1e-5
-    assert dense_calls == (packed.config.num_hidden_layers if lay.uniform else 0)
+    assert dense.calls == (packed.config.num_hidden_layers if lay.uniform else 0)
 
 
 def test_only_an_sdpa_model_is_switched(tiny_dir: Path) -> None:
