@@ -114,7 +114,8 @@ class Transport:
             self._sending.discard(sent)
 
     def wait_for_sends(self, timeout: float) -> None:
-        """Wait up to `timeout` s for the submissions in flight (so a poll can name their futures: client/unsettled.py)."""
+        """Wait up to `timeout` s for the submissions in flight (so a poll can name their futures:
+        client/unsettled.py)."""
         with self._sending_lock:
             sending = list(self._sending)
         if sending:

@@ -303,7 +303,8 @@ class Dispatcher:
                     continue
             else:
                 fresh = [(sid, env) for sid, env in entries if sid not in self._held_ids]
-                self.coalescer.arrived(((env.model_id, str(env.kind), env.seq_id) for _, env in fresh), time.monotonic())
+                now = time.monotonic()
+                self.coalescer.arrived(((env.model_id, str(env.kind), env.seq_id) for _, env in fresh), now)
                 arrived += entries
                 if fit is None:
                     fit = PlanFit(self._applied, self.limits, self._progress)
