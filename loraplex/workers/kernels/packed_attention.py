@@ -118,14 +118,13 @@ def packed_attention(
 def uniform_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float | None = None
 ) -> torch.Tensor:
-    """`packed_attention_reference` where every sequence is `length` long: q [H, N, D], k / v [H_kv, N, D] (the layout
-    transformers hands the attention function, any strides) -> [N, H, D], through one dense causal SDPA over the S =
-    N / length sequences as a batch."""
-    heads, n, dim = q.shape
+    """`packed_attention_reference` where every sequence is `length` long (q [N, H, D], k / v [N, H_kv, D], any
+    strides -> [N, H, D]), through one dense causal SDPA over the S = N / length sequences as a batch."""
+    n, heads, dim = q.shape
     if n % length:
         raise ValueError(f"{n} packed rows are not sequences of {length}")
-    qs, ks, vs = (t.unflatten(1, (n // length, length)).transpose(0, 1) for t in (q, k, v))  # [S, heads, L, D] views
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=heads != k.shape[0])
+    qs, ks, vs = (t.unflatten(0, (n // length, length)).transpose(1, 2) for t in (q, k, v))  # [S, heads, L, D] views
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=heads != k.shape[1])
     return out.transpose(1, 2).reshape(n, heads, dim)
 
 
@@ -176,27 +175,24 @@ def packed_attention_forward(
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     if kwargs.get("sliding_window") is not None or float(kwargs.get("dropout") or 0.0) != 0.0:
         raise ValueError("packed attention supports neither a sliding window nor attention dropout")
+    # [N, heads, D] views. squeeze, not [0]: indexing's backward writes each gradient into a new zero-filled
+    # [1, heads, N, D] (an allocation, a fill and a copy per tensor and layer, in the heads-first layout).
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
+    scale = kwargs.get("scaling")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and cu_k is not cu and (cu_k.data_ptr() != cu.data_ptr() or cu_k.shape != cu.shape):
         # One sequence's next piece over its earlier positions (the sampler's prefill of a long prompt, its cache
         # handing back every key so far): cu_seq_lens_q = [0, Lq], cu_seq_lens_k = [0, Lk].
         if cu.numel() != 2 or cu_k.numel() != 2:
             raise ValueError("packed attention over keys other than the queries' takes one sequence")
-        out = continuation_attention(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), kwargs.get("scaling")
-        )
-        return out.unsqueeze(0), None
+        return continuation_attention(q, k, v, scale).unsqueeze(0), None
     max_length = kwargs.get("max_length_q")
     max_length = int(max_length) if max_length is not None else int((cu[1:] - cu[:-1]).max())
     if kwargs.get(UNIFORM):
-        return uniform_attention(query[0], key[0], value[0], max_length, kwargs.get("scaling")).unsqueeze(0), None
+        return uniform_attention(q, k, v, max_length, scale).unsqueeze(0), None
     # attention_mask: None from the engine's packed forward; a mask transformers built (a model that takes no prepared
     # mask mapping) describes the same block-causal pattern, which cu_seqlens already gives.
-    out = packed_attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, max_length,
-        kwargs.get("scaling"),
-    )  # fmt: skip
-    return out.unsqueeze(0), None
+    return packed_attention(q, k, v, cu, max_length, scale).unsqueeze(0), None
 
 
 @cache

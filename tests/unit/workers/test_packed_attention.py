@@ -107,9 +107,8 @@ def test_varlen_path_passes_causal_window_scale_and_heads(monkeypatch: pytest.Mo
 def test_uniform_rows_through_one_dense_sdpa_equal_block_causal_attention_with_gradients(
     heads: int, kv_heads: int, lengths: list[int]
 ) -> None:
-    """q / k / v handed over as transformers holds them ([heads, N, D], transposed views of [N, heads, D])."""
     q, k, v = random_qkv(lengths, heads, kv_heads, 16, seed=heads + len(lengths))
-    got = pa.uniform_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths[0], 0.3)
+    got = pa.uniform_attention(q, k, v, lengths[0], 0.3)
     want = dense_reference(q, k, v, lengths, 0.3)
     assert got.shape == q.shape and (got.double() - want).abs().max().item() < 1e-5
     grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(2))
@@ -118,7 +117,26 @@ def test_uniform_rows_through_one_dense_sdpa_equal_block_causal_attention_with_g
     for g1, g2 in zip(got_grads, want_grads, strict=True):
         assert (g1.double() - g2).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="not sequences of"):
-        pa.uniform_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), sum(lengths) + 1)
+        pa.uniform_attention(q, k, v, sum(lengths) + 1)
+
+
+def test_the_interface_hands_q_k_v_on_as_views_whose_backward_allocates_nothing() -> None:
+    """q, k, v as transformers hands them ([1, heads, N, D] views of [1, N, heads, D]) reach the kernel through views
+    only: no aten::select (indexing [0]), whose backward writes each gradient into a new zero-filled [1, heads, N, D].
+    (The dense path: on the CPU the ragged path's reference loop indexes per sequence itself.)"""
+    lengths = [16] * 4
+    lay = packed_layout(lengths)
+    q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in random_qkv(lengths, 8, 2, 16, seed=7))
+    kwargs = pa.packed_forward_kwargs(object(), lay.cu_seqlens, lay.max_length, lay.uniform)
+    out, _ = pa.packed_attention_forward(_Module(), q, k, v, None, scaling=0.25, **kwargs)
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    names = {type(node).__name__ for node in seen}
+    assert "SqueezeBackward1" in names and not any(name.startswith("Select") for name in names), names
 
 
 def test_varlen_is_used_only_on_cuda_in_half_precision() -> None:
