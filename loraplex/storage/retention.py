@@ -29,7 +29,10 @@ def delete_checkpoint_files(blob_store: BlobStore, blob_uri: str) -> bool:
         log.warning("checkpoint files %s are outside the blob store %s: left alone", blob_uri, blob_store.root)
         return False
     if path.is_dir():
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:  # another deleter removed some of it meanwhile: remove what is left
+            shutil.rmtree(path, ignore_errors=True)
         return True
     try:
         path.unlink()

@@ -60,3 +60,30 @@ def test_delete_expired_removes_rows_and_files(tmp_path) -> None:
         written.sha256 = "1" * 64
     assert delete_expired(sessions, blobs, now=NOW) == 1
     assert not folders[(tenants[1], "writing")].exists()
+
+
+def test_a_folder_another_deleter_is_emptying_is_still_removed(tmp_path, monkeypatch) -> None:
+    """Two deleters of one checkpoint's files (a delete request and the retention job): files the other removed while
+    rmtree ran are not an error, and the folder goes. The race is made by removing a file from under rmtree's own
+    unlink (os.unlink wrapped: a timing this test cannot otherwise cause)."""
+    import os
+
+    from loraplex.storage.retention import delete_checkpoint_files
+
+    blobs = BlobStore(tmp_path / "blobs")
+    folder = blobs.path("ckpt/one")
+    folder.mkdir(parents=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "checkpoint.json"):
+        (folder / name).write_bytes(b"x")
+    real_unlink = os.unlink
+    raced: list[str] = []
+
+    def unlink_after_the_other_deleter(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not raced:  # the other deleter takes this file just before us
+            raced.append(str(path))
+            real_unlink(path, *args, **kwargs)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink_after_the_other_deleter)
+    assert delete_checkpoint_files(blobs, folder.as_uri())
+    assert raced and not folder.exists()
