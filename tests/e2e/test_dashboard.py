@@ -20,12 +20,25 @@ import pytest
 import tinker
 
 from loraplex.client import AdamParams, Datum, ServiceClient
+from loraplex.launch.embedded import Stack
+from loraplex.runtime.netutil import free_port
+from loraplex.settings import Settings
 from tests.helpers.stack import create_tenants
 
 CHROMIUM = shutil.which("chromium")
 PASSWORD = "a dashboard password of some length"
 SHOTS = os.environ.get("LORAPLEX_TEST_SCREENSHOTS")
 TENANTS = ("dash-alpha", "dash-beta", "dash-gamma")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    """A stack of this file's own: the dashboard is the operator's view of every tenant, so adapters other test files
+    trained on the shared stack within the page's range would take the adapters panel's places."""
+    settings = Settings(home=tmp_path_factory.mktemp("dashboard"), slots=4, max_rank=16,
+                        pool_metrics_publish_seconds=0.5)  # fmt: skip
+    with Stack(settings, api_port=free_port()) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
