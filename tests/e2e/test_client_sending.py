@@ -76,6 +76,7 @@ def test_a_result_awaited_past_its_timeout_keeps_the_submission_going(stack) -> 
     with pytest.raises(FutureTimeoutError, match="not yet accepted"):
         fb.result(timeout=0.2)
     assert "loss:sum" in fb.result(timeout=30)["metrics"]
+    client.close()
 
 
 async def _async_result(future: Any) -> Any:
