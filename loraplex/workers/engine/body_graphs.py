@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from loraplex.workers.lora.context import LoraContext
+from loraplex.workers.lora.experts import bank_gradients_discarded
 from loraplex.workers.lora.fused import MicrobatchBanks
 from loraplex.workers.lora.routing import Routing
 
@@ -170,11 +171,12 @@ class BodyGraph:
 
     def warm_up(self, rounds: int = 2) -> int:
         """Eager runs on the capture stream, so lazy initialisation, Triton compiles and cuBLAS workspaces stay out of
-        the capture. Returns the most bytes a forward held for its backward (what the capture's pool will keep)."""
+        the capture. They run on the static inputs' placeholders (slot 0, zero tokens): the dense banks' gradients go
+        to the static buffer `load` zeroes, an MoE's expert banks' nowhere (`bank_gradients_discarded`). Returns the most bytes a forward held for its backward (what the capture's pool will keep)."""
         trigger = self.banks.trigger
         assert trigger is not None
         held = 0
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), bank_gradients_discarded():
             for _ in range(rounds):
                 before = torch.cuda.memory_allocated(self.device)
                 out = self._forward()

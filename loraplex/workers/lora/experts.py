@@ -30,7 +30,9 @@ grouped.py (the padding is zero).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +137,23 @@ def _stacked(
     return _stack(a_bank, slot_ids, dtype), _stack(b_bank, slot_ids, dtype)
 
 
+_discarding = threading.local()
+
+
+@contextmanager
+def bank_gradients_discarded() -> Iterator[None]:
+    """Within it, expert banks read for training (`_BankStack`) run their backward's kernels but add nothing to the
+    masters' .grad. A CUDA graph's warm-up (workers/engine/body_graphs.py) runs the body on placeholder inputs whose
+    gradients are no adapter's: added, they would join the adapter in the placeholder's slot (and a placeholder's
+    non-finite activations, times its zero gradient, are NaN)."""
+    previous = getattr(_discarding, "on", False)
+    _discarding.on = True
+    try:
+        yield
+    finally:
+        _discarding.on = previous
+
+
 class _BankStack(torch.autograd.Function):
     """An fp32 master bank [S, E, d1, d2] -> its groups' (expert, group) stack [E*G, d1, d2] in the compute dtype, whose
     backward adds the stack's gradient into `bank.grad` in place (index_add_ over the slots) instead of handing autograd
@@ -147,7 +166,7 @@ class _BankStack(torch.autograd.Function):
                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         if bank.grad is None:
             raise ValueError("an expert bank read for training needs its .grad buffer (the optimizer's flat view)")
-        ctx.bank, ctx.slot_ids = bank, slot_ids
+        ctx.bank, ctx.slot_ids, ctx.discard = bank, slot_ids, getattr(_discarding, "on", False)
         return _stack(bank, slot_ids, dtype)
 
     @staticmethod
@@ -157,7 +176,11 @@ class _BankStack(torch.autograd.Function):
         experts, groups = bank.shape[1], ctx.slot_ids.shape[0]
         per_group = grad.reshape(experts, groups, *grad.shape[1:]).transpose(0, 1).to(torch.float32)
         assert bank.grad is not None
-        bank.grad.index_add_(0, ctx.slot_ids, per_group)
+        if ctx.discard:  # the same kernel, into one slot's scratch
+            scratch = bank.grad.new_zeros(1, *bank.grad.shape[1:])
+            scratch.index_add_(0, torch.zeros_like(ctx.slot_ids), per_group)
+        else:
+            bank.grad.index_add_(0, ctx.slot_ids, per_group)
         return None, None, None, None
 
 

@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
 from loraplex.workers.lora import Routing
-from loraplex.workers.lora.experts import ExpertBanks, experts_grouped, experts_reference
+from loraplex.workers.lora.experts import ExpertBanks, bank_gradients_discarded, experts_grouped, experts_reference
 
 E, H, INTER, K, S, R = 6, 16, 12, 2, 4, 8
 
@@ -127,6 +127,35 @@ def test_with_a_trigger_the_backward_asked_for_the_trigger_alone_fills_the_banks
     for t, h, w in zip(masters, held, want, strict=True):
         assert t.grad is not None
         torch.testing.assert_close(t.grad - h, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_warm_up_backward_adds_nothing_to_the_banks_grad_even_from_non_finite_activations() -> None:
+    """A CUDA graph's warm-up runs placeholder inputs through the body (slot 0) with a zero gradient; within
+    `bank_gradients_discarded` the masters' .grad keeps what it held, though activations that are not finite make that
+    zero gradient NaN; outside it, the same backward poisons slot 0's gradient (the failure this guards)."""
+    experts, router = _block(5)
+    x, idx, weights = _inputs(12, router, 6)
+    x = x.detach().clone()
+    x[3] = float("inf")
+    banks = _banks(7, [3, 8, 6, 2])
+    routing = Routing.build([0], [R], [0.0], [12])  # body_graphs' placeholder routing: one group, slot 0, scale 0
+    masters = [t for pair in banks.pairs() for t in pair if t is not None]
+    held = [torch.randn(t.shape, generator=torch.Generator().manual_seed(9)) for t in masters]
+
+    def warm_up_backward() -> None:
+        for t, h in zip(masters, held, strict=True):
+            t.grad = h.clone()
+        trigger = torch.zeros((), requires_grad=True)
+        out = experts_grouped(x, idx, weights, experts.gate_up_proj, experts.down_proj, banks, routing, F.silu,
+                              trigger=trigger)  # fmt: skip
+        torch.autograd.grad(out, trigger, torch.zeros_like(out), allow_unused=True)
+
+    with bank_gradients_discarded():
+        warm_up_backward()
+    for t, h in zip(masters, held, strict=True):
+        assert t.grad is not None and torch.equal(t.grad, h)
+    warm_up_backward()
+    assert any(not torch.isfinite(t.grad[0]).all() for t in masters if t.grad is not None)
 
 
 def test_the_grouped_path_reads_only_the_routings_device_tensors() -> None:
