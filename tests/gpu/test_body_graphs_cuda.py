@@ -94,7 +94,8 @@ def test_microbatches_of_one_length_replay_the_dense_attention_as_accurately(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sequences of one length filling a bucket (4 adapters x 2 x 32 tokens; one adapter 4 x 64) take the attention's
-    dense path, eager and captured, and stay as accurate; each bucket runs three times (eager, capture, replay)."""
+    dense path in the captures (an eager microbatch from its second time on) and stay as accurate; each bucket runs
+    three times (eager, capture, replay)."""
     from loraplex.workers.kernels import packed_attention as pa
 
     dense = CallCount(monkeypatch, pa, "uniform_attention")

@@ -107,6 +107,7 @@ class Engine(SlotRows):
         self.recompute = config.recompute
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(config.num_slots))
+        self._uniform_shapes_seen: set[tuple[int, int]] = set()
 
     @property
     def fused_modules(self) -> int:
@@ -416,7 +417,8 @@ class Engine(SlotRows):
                 tokens, positions, cu_seqlens = (
                     t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
                 )
-                max_length, uniform = packed.max_length, packed.uniform
+                max_length = packed.max_length
+                uniform = packed.uniform and self._seen_before((packed.num_tokens // max_length, max_length))
         else:
             batch, seq_len = len(mb), max(s.length for s in mb)
             # Right padding: causal attention keeps every real token blind to the pads after it, so a datum's logprobs
@@ -465,6 +467,16 @@ class Engine(SlotRows):
         self._fold_grads(routing, banks)
         self._after_forward(trainable)
         return lp.detach()
+
+    def _seen_before(self, shape: tuple[int, int]) -> bool:
+        """Whether an eager microbatch of S sequences of length L ran before: it takes the attention's dense path from
+        its second time on, as a graph bucket is captured on its second sighting. SDPA's dense kernel on Hopper
+        (cuDNN) builds an execution plan for each new (S, L), ~150 ms on an H100 against ~0.5 ms a layer's use; a
+        one-off length keeps flash varlen, which builds nothing."""
+        if shape in self._uniform_shapes_seen:
+            return True
+        self._uniform_shapes_seen.add(shape)
+        return False
 
     def _replay_body(
         self, graph: BodyGraph, padded: PaddedMicrobatch, tokens: torch.Tensor, positions: torch.Tensor,

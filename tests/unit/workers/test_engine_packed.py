@@ -16,6 +16,7 @@ from loraplex.protocol.payloads import DatumPayload
 from loraplex.workers.engine.batching import layout, split_microbatches
 from loraplex.workers.engine.engine import Engine
 from loraplex.workers.lora import lora_delta_reference
+from tests.helpers.calls import CallCount
 from tests.helpers.lora import ADAPTERS, make_engine
 
 # Every comparison: |packed - padded| <= TOL x scale, the scale being 1 for logprobs and weights, the largest |value| of
@@ -131,3 +132,29 @@ def test_the_layout_can_be_flipped_between_calls(tiny_dir: Path) -> None:
     engine.packed = False
     second = engine.forward_backward([engine.prepare(m, d, loss, c, True) for m, d, loss, c, _ in items])
     compare_results(Diffs(), items, first, second)
+
+
+def test_an_eager_microbatch_of_one_length_takes_the_dense_attention_from_its_second_time_on(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape (S sequences of length L) seen once keeps flash varlen (the dense kernel builds a plan per new shape);
+    seen again it runs the dense path, with the same logprobs; ragged microbatches never do."""
+    from loraplex.workers.kernels import packed_attention as pa
+
+    dense = CallCount(monkeypatch, pa, "uniform_attention")
+    engine = make_engine(tiny_dir, 8, 4096)
+    layers = engine.model.config.num_hidden_layers
+    rng = random.Random(5)
+    three_of_12, ragged, two_of_20 = (random_datums(rng, n, "cross_entropy") for n in ([12] * 3, [9, 12], [20] * 2))
+
+    def logprobs(datums: list[DatumPayload]) -> list[list[float]]:
+        result = engine.forward_backward([engine.prepare("a", datums, "cross_entropy", None, False)])[0]
+        return [out["logprobs"] for out in result["loss_fn_outputs"]]
+
+    first = logprobs(three_of_12)
+    assert dense.calls == 0
+    torch.testing.assert_close(logprobs(three_of_12), first, rtol=0, atol=1e-5)
+    assert dense.calls == layers
+    logprobs(ragged)
+    logprobs(two_of_20)
+    assert dense.calls == layers
