@@ -1,7 +1,10 @@
 """What the GPU image's torch offers for packed (varlen) attention with Qwen3's grouped-query heads, checked against
 per-sequence causal SDPA, with forward+backward timings for 8 x 512 and ragged lengths (one H100/H200 call).
 
-    python3 benchmarks/probe_attention.py [--flex]    (--flex: flex_attention too, compiled per shape)"""
+    python3 benchmarks/probe_attention.py [--flex] [--first-call]
+        --flex: flex_attention too, compiled per shape
+        --first-call: the dense path's first forward+backward at shapes it has not seen, per SDPA backend (cuDNN
+        builds an execution plan per shape; flash builds nothing), against the same shape's steady time"""
 
 # ruff: noqa: B023, B905 - each closure is called within its own loop iteration; a probe, run once
 
@@ -50,8 +53,39 @@ def compare(label, call, inputs, grad, want, want_grads):  # type: ignore[no-unt
         print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
+def first_calls() -> None:
+    """Each backend's first fwd+bwd at (S sequences, L tokens) shapes new to the process, then that shape again: what a
+    microbatch of a length not seen before pays once (eager steps, and each CUDA graph capture)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = 32, 8, 128
+    shapes = [(1, 512), (8, 512), (1, 37), (3, 300), (2, 1024), (16, 256), (1, 2048), (5, 411)]
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):  # libraries loaded, context made
+        x = torch.randn(1, hq, 64, d, device="cuda", dtype=torch.bfloat16)
+        with sdpa_kernel(backend):
+            F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    for offset, backend in enumerate((SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
+        for s_, l_ in shapes:
+            l_ += offset  # a length the other backend's loop did not run, so no cache is shared
+            q, k, v = (torch.randn(s_, h, l_, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (hq, hkv, hkv))
+
+            def call():  # type: ignore[no-untyped-def]
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            print(f"  first call {backend.name} S={s_} L={l_}: {first:.2f} ms, steady {timed(call, reps=10):.3f} ms")
+
+
 def main() -> None:
     print("torch", torch.__version__)
+    if "--first-call" in sys.argv:
+        first_calls()
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError as exc:
