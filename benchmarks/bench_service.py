@@ -222,13 +222,14 @@ def service_config(
         trainers.append(client.create_lora_training_client(rank=args.rank, seed=i))
         create_ms.append(1e3 * (time.perf_counter() - c0))
     ctx = mp.get_context("spawn")
+    aligned = ctx.Barrier(tenants)  # the tenants' aligned warm-up (service_tenant.ALIGNED_WARMUP)
     ready, start, end = (ctx.Barrier(tenants + 1) for _ in range(3))
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=run_tenant,
             args=(base_url, keys[i], trainers[i].model_id, (vocab, lengths[i], 1000 + i),
-                  ADAM, args.warmup, args.steps, ready, start, end, results),
+                  ADAM, args.warmup, args.steps, (aligned, ready, start, end), results),
         )  # fmt: skip
         for i in range(tenants)
     ]
@@ -308,7 +309,8 @@ def main() -> None:
                         "fits fewer slots' fp32 expert banks")  # fmt: skip
     p.add_argument("--plan-tokens", type=int, default=16384)
     # 4: enough rounds that the engine has captured the CUDA graphs of the buckets the plans produce (each on its
-    # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, 2026-12-01, H200)
+    # second sighting) before the timed steps; fewer puts captures into them (RESULTS.md, 2026-12-01, H200). The
+    # tenants then run service_tenant.ALIGNED_WARMUP more, started together as the timed steps are.
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-engine", action="store_true")
