@@ -172,7 +172,8 @@ class BodyGraph:
     def warm_up(self, rounds: int = 2) -> int:
         """Eager runs on the capture stream, so lazy initialisation, Triton compiles and cuBLAS workspaces stay out of
         the capture. They run on the static inputs' placeholders (slot 0, zero tokens): the dense banks' gradients go
-        to the static buffer `load` zeroes, an MoE's expert banks' nowhere (`bank_gradients_discarded`). Returns the most bytes a forward held for its backward (what the capture's pool will keep)."""
+        to the static buffer `load` zeroes, an MoE's expert banks' nowhere (`bank_gradients_discarded`). Returns the
+        most bytes a forward held for its backward (what the capture's pool will keep)."""
         trigger = self.banks.trigger
         assert trigger is not None
         held = 0
