@@ -166,7 +166,9 @@ def test_adapters_moved_under_training_load_end_bit_identical_with_every_request
 
 def test_a_drained_pool_hands_every_adapter_to_its_sibling_under_load_and_takes_no_new_one(stack: Stack) -> None:
     services = build_services(stack.settings)
-    plans = [Plan(t, rank=(8, 4)[t], seed=51 + t, steps=16) for t in range(2)]
+    # Steps enough that neither trainer is through when the pool stops: wait_done waits for the slower one, and a
+    # faster one that had sent its last step by then would be handed over with nothing queued.
+    plans = [Plan(t, rank=(8, 4)[t], seed=51 + t, steps=40) for t in range(2)]
     threads, out, clients = start_trainers(stack, ["dr-c", "dr-d"], plans)
     c, d = out[0].model_id, out[1].model_id
     # default holds the earlier test's two adapters: both new ones went to default-2
