@@ -11,16 +11,18 @@ reads the same routing and banks; its gradients are the plain forward's (tests/u
 
 from __future__ import annotations
 
-import threading
 import types
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch.utils.checkpoint
 from torch import nn
 
-_state = threading.local()
+from loraplex.runtime.thread_switch import ThreadSwitch
+
+_state = ThreadSwitch()
 
 
 @dataclass(frozen=True)
@@ -40,18 +42,9 @@ class RecomputePolicy:
         return self.mode == "always" or (self.mode == "auto" and tokens > self.above_tokens)
 
 
-class recomputing:  # noqa: N801 - used as a context manager, like torch.no_grad
+def recomputing(on: bool) -> AbstractContextManager[None]:
     """Recompute the wrapped layers' forwards in the backward inside this block when `on`."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        self.before = getattr(_state, "on", False)
-        _state.on = self.on
-
-    def __exit__(self, *exc: object) -> None:
-        _state.on = self.before
+    return _state.set(on)
 
 
 def wrap_layers(layers: Sequence[nn.Module]) -> None:
@@ -61,7 +54,7 @@ def wrap_layers(layers: Sequence[nn.Module]) -> None:
         eager = layer.forward
 
         def forward(self: nn.Module, *args: Any, _eager: Any = eager, **kwargs: Any) -> Any:
-            if getattr(_state, "on", False) and torch.is_grad_enabled():
+            if _state.on and torch.is_grad_enabled():
                 return torch.utils.checkpoint.checkpoint(_eager, *args, use_reentrant=False, **kwargs)
             return _eager(*args, **kwargs)
 

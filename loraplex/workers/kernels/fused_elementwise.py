@@ -15,18 +15,19 @@ engine leaves it off unless asked (`EngineConfig(fused_elementwise=True)`; `benc
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_state = threading.local()
+from loraplex.runtime.thread_switch import ThreadSwitch
+
+_state = ThreadSwitch()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,19 +52,13 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-@contextlib.contextmanager
-def active() -> Iterator[None]:
+def active() -> AbstractContextManager[None]:
     """The fused forwards on for the calls inside (the engine's training microbatch)."""
-    before = getattr(_state, "on", False)
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = before
+    return _state.set()
 
 
 def _on() -> bool:
-    return bool(getattr(_state, "on", False))
+    return _state.on
 
 
 def is_rms_norm(m: nn.Module) -> bool:

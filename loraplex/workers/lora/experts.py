@@ -30,14 +30,14 @@ grouped.py (the padding is zero).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from loraplex.runtime.thread_switch import ThreadSwitch
 from loraplex.workers.lora.gemm import dense, grouped_mm
 from loraplex.workers.lora.grouped import GroupedLoraDelta
 from loraplex.workers.lora.routing import Routing
@@ -137,21 +137,15 @@ def _stacked(
     return _stack(a_bank, slot_ids, dtype), _stack(b_bank, slot_ids, dtype)
 
 
-_discarding = threading.local()
+_discarding = ThreadSwitch()
 
 
-@contextmanager
-def bank_gradients_discarded() -> Iterator[None]:
+def bank_gradients_discarded() -> AbstractContextManager[None]:
     """Within it, expert banks read for training (`_BankStack`) run their backward's kernels but add nothing to the
     masters' .grad. A CUDA graph's warm-up (workers/engine/body_graphs.py) runs the body on placeholder inputs whose
     gradients are no adapter's: added, they would join the adapter in the placeholder's slot (and a placeholder's
     non-finite activations, times its zero gradient, are NaN)."""
-    previous = getattr(_discarding, "on", False)
-    _discarding.on = True
-    try:
-        yield
-    finally:
-        _discarding.on = previous
+    return _discarding.set()
 
 
 class _BankStack(torch.autograd.Function):
@@ -166,7 +160,7 @@ class _BankStack(torch.autograd.Function):
                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         if bank.grad is None:
             raise ValueError("an expert bank read for training needs its .grad buffer (the optimizer's flat view)")
-        ctx.bank, ctx.slot_ids, ctx.discard = bank, slot_ids, getattr(_discarding, "on", False)
+        ctx.bank, ctx.slot_ids, ctx.discard = bank, slot_ids, _discarding.on
         return _stack(bank, slot_ids, dtype)
 
     @staticmethod
