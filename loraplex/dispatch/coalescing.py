@@ -4,7 +4,7 @@ Tenants that train in a closed loop (send forward_backward + optim_step, await b
 milliseconds after their results are stored, one after another, each pair as two HTTP requests. Planning at the first
 arrival would run them one by one, and a forward_backward apart from its optim_step (the pool idles between plans
 anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s`, for the adapters whose results
-it just handed out, and runs as soon as they are all in. An adapter that sent an optim_step right behind its last
+it just handed out (from when their results are visible: `published`), and runs as soon as they are all in. An adapter that sent an optim_step right behind its last
 forward_backward is waited for until that optim_step is in too, whether it was expected or not (a tenant coming back
 after a pause still brings its pair). A client sending the two concurrently may have them queued optim_step first: the
 forward_backward is then awaited, and completes the pair. While entries of adapters nobody expected keep arriving
@@ -51,6 +51,16 @@ class Coalescer:
             self._last[model_id] = (kind, seq_id)
             if self.window_s > 0:
                 self._expected[model_id] = now + self.window_s
+
+    def published(self, model_ids: Iterable[str], now: float) -> None:
+        """Results of these adapters became visible to their clients just now (stored after their SQL record, on the
+        finisher thread, milliseconds after `answered`): a round trip starts here, so an adapter still expected is
+        waited for a whole window from now. One already back is not expected again."""
+        if self.window_s <= 0:
+            return
+        for model_id in model_ids:
+            if model_id in self._expected:
+                self._expected[model_id] = max(self._expected[model_id], now + self.window_s)
 
     def arrived(self, requests: Iterable[tuple[str, str, int | None]], now: float) -> None:
         """(model_id, kind, seq_id) of requests just read, in queue order."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
@@ -124,6 +125,8 @@ class Dispatcher:
         self._share_context: tuple[set[str], dict[str, float]] = (set(), {})  # the last plan's tenants and weights
         self._more_ready = False  # the last plan was capped: read without blocking
         self.coalescer = Coalescer(config.coalesce_s)
+        # (adapters, when) of results the finisher made visible, for the coalescer (the loop thread's)
+        self._published: deque[tuple[list[str], float]] = deque()
         self._finisher = Finisher(background=config.pipelined)
         self._prefetcher: Prefetcher | None = None  # started by the first read
         self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
@@ -165,6 +168,7 @@ class Dispatcher:
         entries = self._claim_if_due(now)
         entries += self._read(None if self._more_ready else self.config.block_ms / 1000)
         self._admit(entries, now)
+        self._note_published()
         self._hand_over_if_asked(now)
         t_read = time.monotonic()
         if not self._buffer:
@@ -280,6 +284,7 @@ class Dispatcher:
         arrived: list[Entry] = []
         deferred = not self.config.early_microbatch_tokens
         while True:
+            self._note_published()
             now = time.monotonic()
             wait = self.coalescer.wait_s(now, started)
             if wait <= 0:
@@ -319,6 +324,12 @@ class Dispatcher:
             decision, stale = self._plan(), False
             if _full(decision):
                 return decision
+
+    def _note_published(self) -> None:
+        """Tell the coalescer which adapters' results the finisher made visible since the last call, and when."""
+        while self._published:
+            model_ids, when = self._published.popleft()
+            self.coalescer.published(model_ids, when)
 
     def _full_microbatches(self, decision: PolicyResult, now: float) -> PolicyResult | None:
         """The plan cut to the adapters whose forward_backward requests fill whole microbatches, to run now while the
@@ -605,6 +616,7 @@ class Dispatcher:
         stream_ids = [h.stream_id for h in held]
         published: list[float] = []  # when the finish step stored the results (the plan's timing)
         answered: list[list[Outcome]] = []
+        chained = [r.model_id for r in plan.requests if r.kind not in UNCHAINED_KINDS]
 
         def publish(shown: list[Outcome]) -> None:
             published.append(time.monotonic())
@@ -613,6 +625,7 @@ class Dispatcher:
             shown = [o for o in shown if o.request_id not in silent] if silent else shown
             # A finisher write must land (the plan already ran): ride out a Redis outage (dispatch/stages.py).
             retry_redis(lambda: self.results.put_many(shown), "finishing a plan", self._finisher.warn)
+            self._published.append((chained, time.monotonic()))
 
         def ack() -> None:  # with the request log's moves when it is on
             call = (lambda: self.consumer.ack(stream_ids, actions)) if actions else (lambda: self.consumer.ack(stream_ids))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from loraplex.dispatch.hooks import DispatchConfig, PlanHooks
+from loraplex.dispatch.hooks import AnsweredPlan, DispatchConfig, FinishStep, PlanHooks
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
 from loraplex.protocol.results import DeleteResult, ForwardBackwardResult, OptimStepResult, Result
@@ -563,3 +563,39 @@ def test_an_optim_step_queued_before_its_forward_backward_waits_for_it_in_the_sa
     late.join()
     assert answered == 4 and time.monotonic() - started < 1.5  # one plan, without waiting out the 2 s window
     assert [(m, s) for m, s, _ in engine.applied if s > 2 and m == a] == [(a, 3), (a, 4)]
+
+
+def test_a_tenant_is_waited_for_a_window_from_when_its_result_became_visible(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """The pool records a plan in SQL before it stores the results (here the finish step takes 0.6 s), and the
+    tenants' round trips start when their results are visible: b, back 0.6 s after its result was stored (1.2 s after
+    the plan was answered: past a 1 s window counted from the answer), still shares a's next plan."""
+    pool, (a, b) = _uid(), (f"a-{_uid()}", f"b-{_uid()}")
+    engine = ArithmeticEngine({a: 1.0, b: 1.0})
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+
+    class SlowRecord(FinishStep):
+        def __call__(self, answer: AnsweredPlan) -> None:
+            time.sleep(0.6)
+            super().__call__(answer)
+
+    d = Dispatcher(redis_client, pool, engine,
+                   DispatchConfig.from_settings(settings, block_ms=20, pipelined=True, coalesce_s=1.0),
+                   PlanHooks(finish=SlowRecord(), applied_seq_lookup=lambda m: 0))  # fmt: skip
+    first = [producer.submit(_fb(m, 1, [1])) for m in (a, b)]
+    stop = threading.Event()
+    loop = threading.Thread(target=d.run_forever, args=(stop,))
+    loop.start()
+    try:
+        assert results.wait(first[0], 10) is not None
+        second = [producer.submit(_fb(a, 2, [2]))]
+        assert results.wait(first[1], 10) is not None
+        time.sleep(0.6)
+        second.append(producer.submit(_fb(b, 2, [2])))
+        assert all(results.wait(r, 10) is not None for r in second)
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+    (plan,) = [p for p in engine.plans if any(r.model_id == a and r.seq_id == 2 for r in p.requests)]
+    assert sorted((r.model_id, r.seq_id) for r in plan.requests) == sorted([(a, 2), (b, 2)])

@@ -26,6 +26,22 @@ def test_waits_for_the_answered_adapters_still_missing() -> None:
     assert c.wait_s(1.031, started=1.02) == 0.0  # all back: run at once (the quiet gap is for unannounced bursts)
 
 
+def test_an_adapter_still_missing_is_waited_for_a_window_from_when_its_result_became_visible() -> None:
+    """The finisher stores results after their SQL record, milliseconds after the plan was answered: the tenants'
+    round trips start then. An adapter already back is not expected again by the late notice."""
+    c = Coalescer(0.05, quiet_s=0.002)
+    c.answered([("a", FB, 1), ("b", FB, 1)], now=1.0)
+    c.arrived([("a", FB, 3)], now=1.025)  # a saw its result early (another plan's finish published it)
+    c.published(["a", "b"], now=1.02)
+    assert c.awaited(1.03) == {"b"}
+    assert c.wait_s(1.06, started=1.03) == pytest.approx(0.01)  # b: until 1.07, not 1.05
+    c.published(["b"], now=1.0)  # an older notice never shortens it
+    assert c.awaited(1.06) == {"b"}
+    off = Coalescer(0.0)
+    off.published(["a"], now=1.0)
+    assert off.awaited(1.0) == set()
+
+
 def test_a_burst_nobody_announced_is_waited_for_while_it_keeps_coming() -> None:
     c = Coalescer(0.05, quiet_s=0.002)
     c.arrived([("new1", FB, 9)], now=2.0)
