@@ -3,10 +3,10 @@
 Tenants that train in a closed loop (send forward_backward + optim_step, await both, send the next) come back a few
 milliseconds after their results are stored, one after another, each pair as two HTTP requests. Planning at the first
 arrival would run them one by one, and a forward_backward apart from its optim_step (the pool idles between plans
-anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s`, for the adapters whose results
-it just handed out (from when their results are visible: `published`), and runs as soon as they are all in. An adapter that sent an optim_step right behind its last
-forward_backward is waited for until that optim_step is in too, whether it was expected or not (a tenant coming back
-after a pause still brings its pair). A client sending the two concurrently may have them queued optim_step first: the
+anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s` from when their results became
+visible (`published`), for the adapters whose results it just handed out, and runs as soon as they are all in. An
+adapter that sent an optim_step right behind its last forward_backward is waited for until that optim_step is in too,
+whether it was expected or not (a tenant coming back after a pause still brings its pair). A client sending the two concurrently may have them queued optim_step first: the
 forward_backward is then awaited, and completes the pair. While entries of adapters nobody expected keep arriving
 less than `quiet_s` apart, it also waits for the rest of that burst. A full plan never waits, nor does one when
 nobody is expected back (a first request, or a tenant that went quiet: its expectation lapses after one window).
