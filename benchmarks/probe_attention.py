@@ -67,7 +67,8 @@ def first_calls() -> None:
     for offset, backend in enumerate((SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
         for s_, l_ in shapes:
             l_ += offset  # a length the other backend's loop did not run, so no cache is shared
-            q, k, v = (torch.randn(s_, h, l_, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (hq, hkv, hkv))
+            q, k, v = (torch.randn(s_, h, l_, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                       for h in (hq, hkv, hkv))  # fmt: skip
 
             def call():  # type: ignore[no-untyped-def]
                 with sdpa_kernel(backend):

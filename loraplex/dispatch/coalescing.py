@@ -6,10 +6,11 @@ arrival would run them one by one, and a forward_backward apart from its optim_s
 anyway, waiting for the next arrival). So an underfilled plan waits, up to `window_s` from when their results became
 visible (`published`), for the adapters whose results it just handed out, and runs as soon as they are all in. An
 adapter that sent an optim_step right behind its last forward_backward is waited for until that optim_step is in too,
-whether it was expected or not (a tenant coming back after a pause still brings its pair). A client sending the two concurrently may have them queued optim_step first: the
-forward_backward is then awaited, and completes the pair. While entries of adapters nobody expected keep arriving
-less than `quiet_s` apart, it also waits for the rest of that burst. A full plan never waits, nor does one when
-nobody is expected back (a first request, or a tenant that went quiet: its expectation lapses after one window).
+whether it was expected or not (a tenant coming back after a pause still brings its pair). A client sending the two
+concurrently may have them queued optim_step first: the forward_backward is then awaited, and completes the pair. While
+entries of adapters nobody expected keep arriving less than `quiet_s` apart, it also waits for the rest of that burst. A
+full plan never waits, nor does one when nobody is expected back (a first request, or a tenant that went quiet: its
+expectation lapses after one window).
 
 Waiting only pays when the awaited requests would share a microbatch with what is here. A plan whose forward_backward
 tokens already fill whole microbatches (`full_microbatch_tokens`) runs those at once, and only the rest waits: the
