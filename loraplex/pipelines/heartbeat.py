@@ -28,17 +28,20 @@ class WorkerHeartbeat:
         self._thread = threading.Thread(target=self._run, name="pipelines-heartbeat", daemon=True)
 
     def start(self) -> WorkerHeartbeat:
+        """The first beat now (the worker counts as alive once this returns), the next ones on a thread."""
+        self._beat()
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        while True:
-            try:
-                pipeline_workers.beat(self.client, self.name, self.every_s)
-            except redis.RedisError as exc:  # Redis away: the worker lives on, and beats again when it is back
-                log.warning("pipelines worker heartbeat: %s", exc)
-            if self._stop.wait(self.every_s):
-                return
+        while not self._stop.wait(self.every_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            pipeline_workers.beat(self.client, self.name, self.every_s)
+        except redis.RedisError as exc:  # Redis away: the worker lives on, and beats again when it is back
+            log.warning("pipelines worker heartbeat: %s", exc)
 
     def stop(self) -> None:
         self._stop.set()

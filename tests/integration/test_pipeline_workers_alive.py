@@ -15,10 +15,12 @@ from loraplex.queue import keys, pipeline_workers
 def test_workers_count_while_they_beat_and_leave_or_lapse(redis_client: redis.Redis) -> None:
     redis_client.delete(keys.pipeline_workers())
     assert pipeline_workers.alive_count(redis_client) == 0
-    clean = WorkerHeartbeat(redis_client, "w1@host pid 1", every_s=0.1).start()
-    pipeline_workers.beat(redis_client, "w2@host pid 2", heartbeat_s=0.1)  # one beat, then silence: a killed worker
-    assert pipeline_workers.alive_count(redis_client) == 2
-    clean.stop()
+    clean = WorkerHeartbeat(redis_client, "w1@host pid 1", every_s=0.1).start()  # alive once start returns
+    try:
+        pipeline_workers.beat(redis_client, "w2@host pid 2", heartbeat_s=0.1)  # one beat, then silence: killed
+        assert pipeline_workers.alive_count(redis_client) == 2
+    finally:
+        clean.stop()
     assert pipeline_workers.alive_count(redis_client) == 1  # left at once
     time.sleep(0.35)  # past three of its beats
     assert pipeline_workers.alive_count(redis_client) == 0
