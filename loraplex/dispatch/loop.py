@@ -131,6 +131,7 @@ class Dispatcher:
         self._prefetcher: Prefetcher | None = None  # started by the first read
         self._recovered: set[str] = set()  # adapters whose state was rebuilt exactly up to _applied (seed_applied)
         self._last_after_plan = float("-inf")
+        self._held_waiting_s = 0.0  # rounds that held requests but planned none, counted into the next plan's read
         self._next_handoff_check = 0.0
 
     # -- public ---------------------------------------------------------------------------------------------------
@@ -195,11 +196,15 @@ class Dispatcher:
         self._more_ready = (bool(decision.plan.steps) and bool(decision.pending)) or bool(self._sampling)
         if decision.plan.steps:
             overhead = time.monotonic() - t_read - busy - coalesce - planning
-            timing = {"busy_s": busy, "read_s": t_read - t_start, "plan_s": planning, "coalesce_s": coalesce,
+            read = t_read - t_start + self._held_waiting_s
+            self._held_waiting_s = 0.0
+            timing = {"busy_s": busy, "read_s": read, "plan_s": planning, "coalesce_s": coalesce,
                       "decide_s": deciding, "overhead_s": overhead}  # fmt: skip
             self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
-            self._observe("timed", {"read": t_read - t_start, "plan": planning, "coalesce": coalesce,
+            self._observe("timed", {"read": read, "plan": planning, "coalesce": coalesce,
                                     "loop_other": overhead})  # fmt: skip
+        elif self._buffer:  # e.g. an optim_step read before its forward_backward: the wait goes on, for the next plan
+            self._held_waiting_s += time.monotonic() - t_start
         return answered
 
     def _call_after_plan(self, plan: BatchPlan) -> None:

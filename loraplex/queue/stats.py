@@ -26,7 +26,9 @@ class PlanStats:
     fb_tokens: int = 0
     optim_steps: int = 0
     busy_s: float = 0.0  # executing plans
-    read_s: float = 0.0  # reading the stream before a plan (waits for entries included)
+    # reading the stream before a plan, waits for entries included (and the rounds before it that held requests
+    # but could plan none, e.g. an optim_step read before its forward_backward)
+    read_s: float = 0.0
     plan_s: float = 0.0  # the policy choosing the plan (dispatch/policy.py), before any coalescing wait
     coalesce_s: float = 0.0  # holding underfilled plans back for the tenants just answered (dispatch/coalescing.py)
     # the loop thread's CPU seconds in the policy and the coalescing (admitting arrivals, planning again), waits

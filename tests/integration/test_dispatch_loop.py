@@ -16,6 +16,7 @@ from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
 from loraplex.protocol.results import DeleteResult, ForwardBackwardResult, OptimStepResult, Result
 from loraplex.queue import keys, replay_log
+from loraplex.queue import stats as plan_stats
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
 from loraplex.queue.producer import Producer
@@ -599,3 +600,26 @@ def test_a_tenant_is_waited_for_a_window_from_when_its_result_became_visible(
         loop.join(timeout=10)
     (plan,) = [p for p in engine.plans if any(r.model_id == a and r.seq_id == 2 for r in p.requests)]
     assert sorted((r.model_id, r.seq_id) for r in plan.requests) == sorted([(a, 2), (b, 2)])
+
+
+def test_a_plan_s_read_counts_the_rounds_that_held_only_an_optim_step_waiting_for_its_forward_backward(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """An optim_step read 0.3 s before its forward_backward: the rounds between plan nothing, and their wait is the
+    next plan's read in the pool's statistics (else a closed loop whose client sends the two together shows the
+    pool waiting ~0 ms for requests while it waited for one)."""
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    producer = Producer(redis_client, pool)
+    loop = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, coalesce_s=0.0),
+                      PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
+    producer.submit(_opt(a, 2))
+    late = threading.Timer(0.3, lambda: producer.submit(_fb(a, 1, [1])))
+    late.start()
+    deadline = time.monotonic() + 10
+    while not engine.plans:
+        assert time.monotonic() < deadline
+        loop.run_once()
+    late.join()
+    assert [s for _, s, _ in engine.applied] == [1, 2]
+    assert plan_stats.read(redis_client, pool).read_s >= 0.25
