@@ -263,6 +263,8 @@ def service_config(
         "connections_per_gateway_worker": per_worker,
         # each timed step's slowest tenant, in step order: which round a p99 comes from
         "step_max_ms": [round(1e3 * max(steps[i] for steps in per_tenant), 1) for i in range(args.steps)],
+        # adapters the coalescing wait expected back that missed its window, a plan (queue/stats.py `lapsed`)
+        "lapsed_per_plan": after.lapsed / max(after.plans, 1),
     } | {f"{name}_ms_per_plan": 1e3 * getattr(after, f"{name}_s") / max(after.plans, 1)
          for name in ("busy", "read", "plan", "coalesce", "decide", "overhead", "record", "publish")}  # fmt: skip
 
@@ -386,13 +388,15 @@ def report(title: str, service: dict[str, Any], engine: dict[str, Any], configs:
                  if e and "tok_s_before_after" in e else ""))  # fmt: skip
     print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
     parts = ("busy", "read", "plan", "coalesce", "decide", "overhead", "record", "publish")
-    print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts))
+    print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts)
+          + f" {'lapsed':>7}")  # fmt: skip
     for workload, n, _ in configs:
         s = service[f"{workload}/{n}"]
         e = engine.get(f"{workload}/{n}")
         eround = f"{1e3 * e['round_s']:.1f}" if e else "-"
         cells = " ".join(f"{s[f'{p}_ms_per_plan']:>8.1f}" for p in parts)
-        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells}  "
+        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells} "
+              f"{s.get('lapsed_per_plan', 0.0):>7.2f}  "
               f"connections per gateway worker {s['connections_per_gateway_worker']}")  # fmt: skip
 
 

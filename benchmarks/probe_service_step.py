@@ -148,7 +148,8 @@ def main() -> None:
         print(f"{name:24} p50 {p50_ms(values)}")
     plans = max(window.plans, 1)
     print(f"pool, ms per plan over {window.plans} plans ({window.plans / args.steps:.2f} per round, "
-          f"{window.adapters_per_fb_step:.2f} adapters per forward_backward step):")  # fmt: skip
+          f"{window.adapters_per_fb_step:.2f} adapters per forward_backward step, {window.lapsed} expected adapters "
+          "not back within the coalescing window):")  # fmt: skip
     print("  " + "  ".join(f"{name} {1e3 * getattr(window, f'{name}_s', 0.0) / plans:.2f}" for name in POOL_PARTS
                            if hasattr(window, f"{name}_s")))  # fmt: skip
     if args.trace:

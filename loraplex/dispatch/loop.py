@@ -200,7 +200,9 @@ class Dispatcher:
             self._held_waiting_s = 0.0
             timing = {"busy_s": busy, "read_s": read, "plan_s": planning, "coalesce_s": coalesce,
                       "decide_s": deciding, "overhead_s": overhead}  # fmt: skip
-            self._finisher.submit(stats.add, self.redis, self.pool, stats.PlanStats.of(decision.plan, **timing))
+            lapsed, self.coalescer.lapsed = self.coalescer.lapsed, 0
+            plan_stats = stats.PlanStats.of(decision.plan, **timing, lapsed=lapsed)
+            self._finisher.submit(stats.add, self.redis, self.pool, plan_stats)
             self._observe("timed", {"read": read, "plan": planning, "coalesce": coalesce,
                                     "loop_other": overhead})  # fmt: skip
         elif self._buffer:  # e.g. an optim_step read before its forward_backward: the wait goes on, for the next plan

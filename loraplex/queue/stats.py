@@ -37,6 +37,9 @@ class PlanStats:
     overhead_s: float = 0.0  # the rest of the loop around each plan: decoding, admitting (plus finishing, not pipelined)
     record_s: float = 0.0  # finishing: each plan's finish step up to storing its results (its SQL record)
     publish_s: float = 0.0  # finishing: storing the results and acking the entries
+    # adapters a coalescing wait expected back that were not back within its window (dispatch/coalescing.py): a round
+    # split between plans, or a tenant that stopped
+    lapsed: int = 0
 
     @classmethod
     def of(
@@ -48,6 +51,7 @@ class PlanStats:
         overhead_s: float = 0.0,
         plan_s: float = 0.0,
         decide_s: float = 0.0,
+        lapsed: int = 0,
     ) -> PlanStats:
         fb = [s for s in plan.steps if s.kind == StepKind.FORWARD_BACKWARD]
         return cls(
@@ -63,6 +67,7 @@ class PlanStats:
             coalesce_s=coalesce_s,
             decide_s=decide_s,
             overhead_s=overhead_s,
+            lapsed=lapsed,
         )
 
     def minus(self, earlier: PlanStats) -> PlanStats:

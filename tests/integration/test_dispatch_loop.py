@@ -487,6 +487,7 @@ def test_a_plan_filling_whole_microbatches_runs_them_without_waiting_for_the_ten
     assert waited < 1.0 if early else waited >= 1.5  # c and d never came back: the window (from their answer) ran out
 
     if not early:
+        assert plan_stats.read(redis_client, pool).lapsed == 2  # the statistics name them: c and d
         return
     third = [producer.submit(_fb(c, 2, [1, 1, 1, 1])), producer.submit(_fb(a, 3, [1, 1, 1, 1])),
              producer.submit(_fb(b, 3, [1, 1, 1, 1]))]  # fmt: skip
