@@ -40,7 +40,7 @@ class Coalescer:
         self._last_fb: dict[str, int] = {}  # model_id -> seq_id of its last forward_backward read
         self._optim_ahead: dict[str, int] = {}  # model_id -> seq_id of an optim_step read before its forward_backward
         self._last_arrival = float("-inf")
-        self.lapsed = 0  # expectations that ran out (the adapter not back within its window), for the statistics
+        self._lapsed = 0  # expectations that ran out (the adapter not back within its window), for the statistics
 
     def answered(self, requests: Iterable[tuple[str, str, int]], now: float) -> None:
         """These (model_id, kind, seq_id) were just answered, in seq order: their next ones are likely on the way."""
@@ -100,11 +100,16 @@ class Coalescer:
         """The adapters still expected back (an adapter in the buffer: its optim_step)."""
         return {m for m, t in self._expected.items() if t > now}
 
+    def take_lapsed(self) -> int:
+        """The expectations that ran out since the last call (a plan's statistics)."""
+        lapsed, self._lapsed = self._lapsed, 0
+        return lapsed
+
     def wait_s(self, now: float, started: float) -> float:
         """How long to wait for more before running an underfilled plan (0: run it now); `started`: when this plan's
         wait began (the total wait never exceeds one window)."""
         expected = {m: t for m, t in self._expected.items() if t > now}
-        self.lapsed += len(self._expected) - len(expected)
+        self._lapsed += len(self._expected) - len(expected)
         self._expected = expected
         if self.window_s <= 0:
             return 0.0

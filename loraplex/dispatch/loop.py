@@ -200,8 +200,7 @@ class Dispatcher:
             self._held_waiting_s = 0.0
             timing = {"busy_s": busy, "read_s": read, "plan_s": planning, "coalesce_s": coalesce,
                       "decide_s": deciding, "overhead_s": overhead}  # fmt: skip
-            lapsed, self.coalescer.lapsed = self.coalescer.lapsed, 0
-            plan_stats = stats.PlanStats.of(decision.plan, **timing, lapsed=lapsed)
+            plan_stats = stats.PlanStats.of(decision.plan, **timing, lapsed=self.coalescer.take_lapsed())
             self._finisher.submit(stats.add, self.redis, self.pool, plan_stats)
             self._observe("timed", {"read": read, "plan": planning, "coalesce": coalesce,
                                     "loop_other": overhead})  # fmt: skip

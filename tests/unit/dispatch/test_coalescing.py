@@ -24,17 +24,17 @@ def test_waits_for_the_answered_adapters_still_missing() -> None:
     assert c.wait_s(1.02, started=1.02) == pytest.approx(0.03)
     c.arrived([("b", FB, 9), ("c", FB, 9)], now=1.03)
     assert c.wait_s(1.031, started=1.02) == 0.0  # all back: run at once (the quiet gap is for unannounced bursts)
-    assert c.lapsed == 0
+    assert c.take_lapsed() == 0
 
 
 def test_an_expectation_that_runs_out_is_counted_once() -> None:
     c = Coalescer(0.05, quiet_s=0.002)
     c.answered([("a", FB, 1), ("b", FB, 1)], now=1.0)
     c.arrived([("a", FB, 3)], now=1.01)
-    assert c.wait_s(1.02, started=1.01) > 0 and c.lapsed == 0
-    assert c.wait_s(1.06, started=1.01) == 0.0 and c.lapsed == 1  # b did not come back within its window
+    assert c.wait_s(1.02, started=1.01) > 0 and c.take_lapsed() == 0
+    assert c.wait_s(1.06, started=1.01) == 0.0 and c.take_lapsed() == 1  # b did not come back within its window
     c.wait_s(1.07, started=1.07)
-    assert c.lapsed == 1
+    assert c.take_lapsed() == 0  # counted once, and taken
 
 
 def test_an_adapter_still_missing_is_waited_for_a_window_from_when_its_result_became_visible() -> None:
