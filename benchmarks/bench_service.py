@@ -184,13 +184,21 @@ def bench_service(settings: Settings, configs: list[tuple[str, int, int]], args:
         r = redis.Redis.from_url(stack.settings.redis_url)
         api = next(c for c in stack.children if "uvicorn" in " ".join(map(str, c.args)))
         for workload, tenants, lengths in configs:
-            out[f"{workload}/{tenants}"] = service_config(stack.base_url, keys[:tenants], clients[:tenants], r,
-                                                          settings.pool, lengths, args, vocab, out["create_ms"],
-                                                          lambda pids: gateway_connections(api.pid, stack.api_port, pids))  # fmt: skip
-            print("service", workload, tenants, out[f"{workload}/{tenants}"], flush=True)
+            for loop in args.clients.split(","):
+                key = service_key(workload, tenants, loop)
+                out[key] = service_config(stack.base_url, keys[:tenants], clients[:tenants], r, settings.pool,
+                                          lengths, args, vocab, out["create_ms"],
+                                          lambda pids: gateway_connections(api.pid, stack.api_port, pids),
+                                          pipelined=loop == "pipelined")  # fmt: skip
+                print("service", key, out[key], flush=True)
         for c in clients:
             c.close()
     return out
+
+
+def service_key(workload: str, tenants: int, loop: str) -> str:
+    """A service row's key in the results: the closed loop's keeps the engine row's key."""
+    return f"{workload}/{tenants}" + ("" if loop == "closed" else f"/{loop}")
 
 
 def gateway_connections(api_pid: int, port: int, tenant_pids: list[int]) -> list[int]:
@@ -211,10 +219,10 @@ def gateway_connections(api_pid: int, port: int, tenant_pids: list[int]) -> list
 
 def service_config(
     base_url: str, keys: list[str], clients: list[ServiceClient], r: Any, pool: str, lengths: list[list[int]], args: argparse.Namespace, vocab: int,
-    create_ms: list[float], connections: Any,
+    create_ms: list[float], connections: Any, pipelined: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """N tenant processes (benchmarks/service_tenant.py) train in closed loops at once; the wall time between the
-    start and end barriers gives tokens/s."""
+    """N tenant processes (benchmarks/service_tenant.py) train at once, in closed loops or pipelined ones; the wall
+    time between the start and end barriers gives tokens/s."""
     tenants = len(clients)
     trainers = []
     for i, client in enumerate(clients):
@@ -229,7 +237,7 @@ def service_config(
         ctx.Process(
             target=run_tenant,
             args=(base_url, keys[i], trainers[i].model_id, (vocab, lengths[i], 1000 + i),
-                  ADAM, args.warmup, args.steps, (aligned, ready, start, end), results),
+                  ADAM, args.warmup, args.steps, (aligned, ready, start, end), results, pipelined),
         )  # fmt: skip
         for i in range(tenants)
     ]
@@ -323,12 +331,17 @@ def main() -> None:
     p.add_argument("--world-sizes", default="",
                    help="comma list of pool world sizes: the service at each (with --layouts), instead of one run")  # fmt: skip
     p.add_argument("--layouts", default="fsdp", help="--world-sizes: comma list of pool layouts, fsdp and/or replicate")
+    p.add_argument("--clients", default="closed",
+                   help="closed, pipelined or closed,pipelined: how each tenant's loop sends its steps "
+                        "(benchmarks/service_tenant.py); each a row of its own, against the same engine row")
     p.add_argument("--early-full-microbatches", default="",
                    help="off, on or off,on: the service with LORAPLEX_COALESCE_EARLY_FULL_MICROBATCHES so (each its own "
                         "stack, one after the other in this call); default: the setting as it is")  # fmt: skip
     p.add_argument("--no-cost-model", action="store_true",
                    help="LORAPLEX_COST_MODEL=false in the pool and the engine-only run: one mixed step per round")  # fmt: skip
     args = p.parse_args()
+    if set(args.clients.split(",")) - {"closed", "pipelined"}:
+        p.error(f"--clients takes closed and/or pipelined, got {args.clients!r}")
 
     tenants = [int(t) for t in args.tenants.split(",")]
     configs = [(w, n, [workload_lengths(w, i, args.seq_len, args.saturated_seqs) for i in range(n)])
@@ -375,27 +388,28 @@ def report(title: str, service: dict[str, Any], engine: dict[str, Any], configs:
     creates = service["create_ms"]
     print(f"\n{title}: create_lora_training_client (warm pool, through the service): p50 "
           f"{statistics.median(creates):.1f} ms, max {max(creates):.1f} ms over {len(creates)}")  # fmt: skip
-    print(f"{'workload':12} {'tenants':>7} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
+    rows = [(workload, n, loop) for workload, n, _ in configs for loop in args.clients.split(",")]
+    print(f"{'workload':12} {'tenants':>7} {'loop':>9} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'adapters/fb':>11} {'busy':>5}")  # fmt: skip
-    for workload, n, _ in configs:
-        s = service[f"{workload}/{n}"]
+    for workload, n, loop in rows:
+        s = service[service_key(workload, n, loop)]
         e = engine.get(f"{workload}/{n}")
         ratio = f"{s['tok_s'] / e['tok_s']:.3f}" if e else "-"
         etok = f"{e['tok_s']:,.0f}" if e else "-"
-        print(f"{workload:12} {n:>7} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
+        print(f"{workload:12} {n:>7} {loop:>9} {s['tok_s']:>14,.0f} {etok:>13} {ratio:>6} {s['p50_ms']:>8.1f} "
               f"{s['p99_ms']:>8.1f} {s['adapters_per_fb_step']:>11.2f} {s['pool_busy_fraction']:>5.2f}"
               + ("  engine before/after: {:,.0f} / {:,.0f}".format(*e["tok_s_before_after"])
                  if e and "tok_s_before_after" in e else ""))  # fmt: skip
     print("\nwhere a plan's time went, ms per plan (the finisher's record + publish run beside the next plan)")
     parts = ("busy", "read", "plan", "coalesce", "decide", "overhead", "record", "publish")
-    print(f"{'workload':12} {'tenants':>7} {'engine round':>12} {'plans/round':>11} " + " ".join(f"{p:>8}" for p in parts)
-          + f" {'lapsed':>7}")  # fmt: skip
-    for workload, n, _ in configs:
-        s = service[f"{workload}/{n}"]
+    print(f"{'workload':12} {'tenants':>7} {'loop':>9} {'engine round':>12} {'plans/round':>11} "
+          + " ".join(f"{p:>8}" for p in parts) + f" {'lapsed':>7}")  # fmt: skip
+    for workload, n, loop in rows:
+        s = service[service_key(workload, n, loop)]
         e = engine.get(f"{workload}/{n}")
         eround = f"{1e3 * e['round_s']:.1f}" if e else "-"
         cells = " ".join(f"{s[f'{p}_ms_per_plan']:>8.1f}" for p in parts)
-        print(f"{workload:12} {n:>7} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells} "
+        print(f"{workload:12} {n:>7} {loop:>9} {eround:>12} {s['plans'] / args.steps:>11.2f} {cells} "
               f"{s.get('lapsed_per_plan', 0.0):>7.2f}  "
               f"connections per gateway worker {s['connections_per_gateway_worker']}")  # fmt: skip
 

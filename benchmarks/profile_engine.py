@@ -34,6 +34,12 @@ def main() -> None:
     p.add_argument("--frozen", action="store_true",
                    help="also the frozen base (activation gradients only) with the engine's kernels, 8x512 padded")
     p.add_argument("--kernels", type=int, default=15, help="rows of the device-time table")
+    p.add_argument("--gaps", action="store_true",
+                   help="also where the device idles in each profiled step: busy against wall, the longest gaps and "
+                        "the host code that launched the kernel after each (with Python stacks)")
+    p.add_argument("--gemms", action="store_true",
+                   help="also each matmul shape's device time in the last row count's step, with the bytes it moves "
+                        "and the bandwidth that makes (the skinny LoRA products are bound by memory)")
     p.add_argument("--sources", action="store_true",
                    help="also where the copies, sums, adds and cats of the last row count's step are called from")
     args = p.parse_args()
@@ -61,8 +67,13 @@ def main() -> None:
             step()
         times = [step() for _ in range(5)]
         print(f"{n}x512: fwd_bwd {[round(a * 1e3, 1) for a, _ in times]} ms, optim {[round(b * 1e3, 1) for _, b in times]} ms")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.gaps) as prof:
             step()
+        if args.gaps:
+            try:
+                print(f"{n}x512 step: {idle_gaps(prof)}")
+            except Exception as exc:  # a profiler detail must not cost the rest of the call
+                print(f"{n}x512 step: gaps failed: {exc!r}")
         table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
         table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=90)
         print(table_cpu[-6000:])
@@ -70,6 +81,10 @@ def main() -> None:
         print(categories(prof))
         if args.out:
             Path(args.out, f"profile_{n}x512.txt").write_text(table_cpu + "\n" + table_gpu)
+    if args.gemms:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            step()
+        print(gemm_shapes(prof))
     if args.sources:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
             step()
@@ -88,6 +103,71 @@ def sources(prof: profile, ops: tuple[str, ...] = ("aten::copy_", "aten::sum", "
                       f"{ev.input_shapes}\n          " + "\n          ".join(stack)))  # fmt: skip
     lines.sort(key=lambda t: -t[0])
     return "who calls the copies, sums, adds (device ms, top 25):\n" + "\n".join(text for _, text in lines[:25])
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::_grouped_mm", "aten::bmm", "aten::baddbmm")
+
+
+def gemm_shapes(prof: profile, rows: int = 40) -> str:
+    """Device time of each matmul op by its input shapes (all operands and the output read or written once, bf16:
+    2 bytes an element; addmm's bias operand counted as read), the bytes that moves and the bandwidth it makes."""
+    lines = []
+    total = 0.0
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key not in GEMM_OPS or ev.device_time_total <= 0:
+            continue
+        shapes = [s for s in ev.input_shapes if isinstance(s, list) and len(s) >= 2]
+        elements = sum(_numel(s) for s in shapes)
+        if len(shapes) >= 2:  # the output: [rows of the first product operand, columns of the second]
+            a, b = shapes[-2], shapes[-1]
+            elements += _numel(a[:-1]) * b[-1]
+        per_call_us = ev.device_time_total / ev.count
+        gbps = elements * 2 / (per_call_us * 1e-6) / 1e9 if per_call_us > 0 else 0.0
+        total += ev.device_time_total
+        lines.append((ev.device_time_total, f"{ev.device_time_total / 1e3:7.2f} ms {ev.count:4d}x {per_call_us:7.1f} us "
+                      f"{gbps:6.0f} GB/s {ev.key} {shapes}"))  # fmt: skip
+    lines.sort(key=lambda t: -t[0])
+    return (f"matmuls by shape: {total / 1e3:.1f} ms of device time, the {rows} longest:\n"
+            + "\n".join(text for _, text in lines[:rows]))
+
+
+def _numel(shape: list) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def idle_gaps(prof: profile, longest: int = 15, floor_us: float = 50.0) -> str:
+    """Where the device waits on the host: the union of kernel intervals against the span from the profile's first
+    host event to its last kernel, and the longest gaps between kernels, each named by the host op (and its Python
+    lines) that launched the kernel after it. A CUDA graph's kernels are launched by cudaGraphLaunch."""
+    events = list(prof.events())
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not kernels:
+        return "no device kernels profiled"
+    hosts = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0}
+    start = min(e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+    busy, gaps, edge = 0.0, [], start
+    for k in kernels:
+        if k.time_range.start > edge + floor_us:
+            gaps.append((k.time_range.start - edge, edge, k))
+        if k.time_range.end > edge:
+            busy += k.time_range.end - max(edge, k.time_range.start)
+            edge = k.time_range.end
+    span = edge - start
+    lines = [f"device busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms ({busy / span:.0%}); "
+             f"{len(gaps)} gaps over {floor_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; the longest:"]
+    for length, at, k in sorted(gaps, key=lambda g: -g[0])[:longest]:
+        launcher = hosts.get(k.linked_correlation_id)
+        frames = [f for f in (launcher.stack if launcher is not None else []) if "loraplex" in f or "benchmarks" in f][:3]
+        chain: list[str] = []
+        while launcher is not None and len(chain) < 4:
+            chain.append(launcher.name)
+            launcher = launcher.cpu_parent
+        lines.append(f"  {length / 1e3:7.2f} ms at +{(at - start) / 1e3:7.1f} ms before {k.name[:50]} <- "
+                     f"{' < '.join(chain)}\n      " + "\n      ".join(frames))
+    return "\n".join(lines)
 
 
 def categories(prof: profile) -> str:
@@ -117,9 +197,11 @@ def profile_frozen(model: torch.nn.Module, args: argparse.Namespace) -> None:
     step = frozen_base_step(model, 8, 512, "cuda", fused=True, fused_head=True)
     times = timed(step, 5, 3)
     print(f"frozen base 8x512: {sum(times) / len(times) * 1e3:.1f} ms per step")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.gaps) as prof:
         step()
         sync()
+    if args.gaps:
+        print(f"frozen base 8x512 step: {idle_gaps(prof)}")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels, max_name_column_width=90)[-12000:])
     print("frozen base", categories(prof))
 

@@ -1,6 +1,10 @@
-"""One benchmark tenant in its own process (benchmarks/bench_service.py starts one per tenant): a closed training loop
-through the Python client, as a researcher's script runs it. Separate processes, so the clients' own Python work (JSON
-encoding, HTTP) runs in parallel as it does for real tenants, not behind one interpreter lock."""
+"""One benchmark tenant in its own process (benchmarks/bench_service.py starts one per tenant): a training loop through
+the Python client, as a researcher's script runs it. Separate processes, so the clients' own Python work (JSON
+encoding, HTTP) runs in parallel as it does for real tenants, not behind one interpreter lock.
+
+Two loops: closed (a step's forward_backward and optim_step sent, both awaited, then the next step: the plain loop)
+and pipelined (the next step sent before the previous one is awaited, one step ahead: tinker-cookbook's pipelined
+supervised loop, which keeps the service from idling while the client reads a result and sends the next batch)."""
 
 from __future__ import annotations
 
@@ -29,11 +33,12 @@ ALIGNED_WARMUP = 3
 
 def run_tenant(
     base_url: str, api_key: str, model_id: str, data_spec: tuple[int, int, int, int], adam: dict[str, float],
-    warmup: int, steps: int, barriers: tuple[Any, Any, Any, Any], results: Any,
+    warmup: int, steps: int, barriers: tuple[Any, Any, Any, Any], results: Any, pipelined: bool = False,
 ) -> None:  # fmt: skip
     """Warm up (`warmup` steps on its own, then ALIGNED_WARMUP from the `aligned` barrier), meet the others at `ready`
-    and `start`, time `steps` steps (forward_backward + optim_step sent back to back, then both awaited), put the step
-    times on `results`, meet at `end`. `barriers`: aligned, ready, start, end."""
+    and `start`, time `steps` steps (forward_backward + optim_step sent back to back; closed or pipelined, see the
+    module doc), put the step times (from one step's answers to the next's) on `results`, meet at `end`. `barriers`:
+    aligned, ready, start, end."""
     aligned, ready, start, end = barriers
     try:
         client = ServiceClient(base_url, api_key, timeout=600)
@@ -41,25 +46,30 @@ def run_tenant(
         data = tenant_datums(*data_spec)
         params = AdamParams(**adam)
 
-        def step() -> None:
-            fb = trainer.forward_backward(data, "cross_entropy")
-            opt = trainer.optim_step(params)
-            fb.result()
-            opt.result()
+        def send() -> tuple[Any, Any]:
+            return trainer.forward_backward(data, "cross_entropy"), trainer.optim_step(params)
 
-        for _ in range(warmup):
-            step()
+        def run(n: int) -> list[float]:
+            """n steps, each one's time from the previous step's answers (or the start) to its own; none in flight
+            at the end."""
+            times, last = [], time.perf_counter()
+            sent = send()
+            for i in range(n):
+                ahead = send() if pipelined and i + 1 < n else None
+                for future in sent:
+                    future.result()
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+                sent = ahead if pipelined else send() if i + 1 < n else None
+            return times
+
+        run(warmup)
         aligned.wait()
-        for _ in range(ALIGNED_WARMUP):
-            step()
+        run(ALIGNED_WARMUP)
         ready.wait()
         start.wait()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        results.put(times)
+        results.put(run(steps))
         end.wait()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         results.put(f"{type(exc).__name__}: {exc}")
