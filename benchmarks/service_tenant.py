@@ -32,7 +32,7 @@ ALIGNED_WARMUP = 3
 
 
 def run_tenant(
-    base_url: str, api_key: str, model_id: str, data_spec: tuple[int, int, int, int], adam: dict[str, float],
+    base_url: str, api_key: str, model_id: str, data_spec: tuple[int, list[int], int], adam: dict[str, float],
     warmup: int, steps: int, barriers: tuple[Any, Any, Any, Any], results: Any, pipelined: bool = False,
 ) -> None:  # fmt: skip
     """Warm up (`warmup` steps on its own, then ALIGNED_WARMUP from the `aligned` barrier), meet the others at `ready`
@@ -53,10 +53,10 @@ def run_tenant(
             """n steps, each one's time from the previous step's answers (or the start) to its own; none in flight
             at the end."""
             times, last = [], time.perf_counter()
-            sent = send()
+            sent: tuple[Any, Any] | None = send()
             for i in range(n):
                 ahead = send() if pipelined and i + 1 < n else None
-                for future in sent:
+                for future in sent or ():
                     future.result()
                 now = time.perf_counter()
                 times.append(now - last)
