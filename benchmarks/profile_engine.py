@@ -141,32 +141,39 @@ def _numel(shape: list) -> int:
 def idle_gaps(prof: profile, longest: int = 15, floor_us: float = 50.0) -> str:
     """Where the device waits on the host: the union of kernel intervals against the span from the profile's first
     host event to its last kernel, and the longest gaps between kernels, each named by the host op (and its Python
-    lines) that launched the kernel after it. A CUDA graph's kernels are launched by cudaGraphLaunch."""
-    events = list(prof.events())
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    lines) that launched the kernel after it. A CUDA graph's kernels are launched by cudaGraphLaunch. Read from the
+    profiler's raw (kineto) events: they link each kernel to its launch by correlation id."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None, "profile it first"
+    events = list(prof.profiler.kineto_results.events())
+    kernels = sorted((e for e in events if e.device_type() == cuda), key=lambda e: e.start_ns())
     if not kernels:
         return "no device kernels profiled"
-    hosts = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0}
-    start = min(e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU)
-    busy, gaps, edge = 0.0, [], start
+    # a kernel's linked correlation id is the host op's that launched it (the launch call itself is linked alike);
+    # the host events around that op on its thread (ops, and Python frames with with_stack) say where it ran
+    host = [e for e in events if e.device_type() == cpu]
+    launches = {e.correlation_id(): e for e in host if e.correlation_id() and not e.linked_correlation_id()}
+    ops = host
+    start = min(e.start_ns() for e in events if e.device_type() == cpu)
+    busy, gaps, edge = 0, [], start
     for k in kernels:
-        if k.time_range.start > edge + floor_us:
-            gaps.append((k.time_range.start - edge, edge, k))
-        if k.time_range.end > edge:
-            busy += k.time_range.end - max(edge, k.time_range.start)
-            edge = k.time_range.end
+        if k.start_ns() > edge + floor_us * 1e3:
+            gaps.append((k.start_ns() - edge, edge, k))
+        if k.end_ns() > edge:
+            busy += k.end_ns() - max(edge, k.start_ns())
+            edge = k.end_ns()
     span = edge - start
-    lines = [f"device busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms ({busy / span:.0%}); "
-             f"{len(gaps)} gaps over {floor_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; the longest:"]
+    lines = [f"device busy {busy / 1e6:.1f} ms of {span / 1e6:.1f} ms ({busy / span:.0%}); {len(gaps)} gaps over "
+             f"{floor_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e6:.1f} ms; the longest:"]  # fmt: skip
     for length, at, k in sorted(gaps, key=lambda g: -g[0])[:longest]:
-        launcher = hosts.get(k.linked_correlation_id)
-        frames = [f for f in (launcher.stack if launcher is not None else []) if "loraplex" in f or "benchmarks" in f][:3]
-        chain: list[str] = []
-        while launcher is not None and len(chain) < 4:
-            chain.append(launcher.name)
-            launcher = launcher.cpu_parent
-        lines.append(f"  {length / 1e3:7.2f} ms at +{(at - start) / 1e3:7.1f} ms before {k.name[:50]} <- "
-                     f"{' < '.join(chain)}\n      " + "\n      ".join(frames))
+        launch = launches.get(k.linked_correlation_id())
+        around = [o for o in ops if launch is not None and o is not launch and o.start_ns() <= launch.start_ns()
+                  and launch.end_ns() <= o.end_ns() and o.start_thread_id() == launch.start_thread_id()]  # fmt: skip
+        around.sort(key=lambda o: o.end_ns() - o.start_ns())  # innermost first
+        ours = [o.name() for o in around if "loraplex" in o.name() or "benchmarks" in o.name()][:3]
+        names = " < ".join([o.name() for o in around if "(" not in o.name()][:3] + ours)
+        lines.append(f"  {length / 1e6:7.2f} ms at +{(at - start) / 1e6:7.1f} ms before {k.name()[:40]} <- "
+                     f"{launch.name() if launch is not None else '?'} in {names}")
     return "\n".join(lines)
 
 

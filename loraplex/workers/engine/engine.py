@@ -41,6 +41,7 @@ from loraplex.workers.engine.parts import EngineParts
 from loraplex.workers.engine.recompute import recomputing
 from loraplex.workers.lora import MicrobatchBanks, Routing, check_only_lora_trainable
 from loraplex.workers.lora.init import init_lora_a
+from loraplex.workers.lora.routing import to_device
 from loraplex.workers.ranks.distributed import all_gather_varlen, all_reduce_slot_grads, split_rows
 from loraplex.workers.state.slot_rows import SlotRows
 
@@ -396,7 +397,7 @@ class Engine(SlotRows):
         the device: read back once per step, so the host queues the next microbatch while the device still runs this
         one)."""
         datums = [items[s.item].datums[s.datum] for s in mb]
-        targets = torch.cat([d.targets for d in datums]).to(self.device, non_blocking=True)
+        targets = to_device(torch.cat([d.targets for d in datums]), self.device)
         cu_seqlens: torch.Tensor | None = None
         max_length: int | None = None
         uniform = False
@@ -415,7 +416,7 @@ class Engine(SlotRows):
             graphed = self._body_graph([d.length for d in datums], routing, trainable)
             if graphed is None:
                 tokens, positions, cu_seqlens = (
-                    t.to(self.device, non_blocking=True) for t in (tokens, positions, packed.cu_seqlens)
+                    to_device(t, self.device) for t in (tokens, positions, packed.cu_seqlens)
                 )
                 max_length = packed.max_length
                 uniform = packed.uniform and self._seen_before((packed.num_tokens // max_length, max_length))
@@ -427,7 +428,7 @@ class Engine(SlotRows):
             for b, d in enumerate(datums):
                 tokens[b, : d.length] = d.tokens
             real_rows = torch.cat([torch.arange(d.length) + b * seq_len for b, d in enumerate(datums)])
-            tokens, real_rows = (t.to(self.device, non_blocking=True) for t in (tokens, real_rows))
+            tokens, real_rows = (to_device(t, self.device) for t in (tokens, real_rows))
             positions = None  # 0..seq_len-1 in every row: the body's default
             routing = self._routing(items, mb, seq_len)
         with ExitStack() as scope:  # the backward below runs inside it too: recomputed layers run again there
@@ -451,7 +452,7 @@ class Engine(SlotRows):
                 run_datums = [item.datums[s.datum] for s in run]
                 count = sum(d.length for d in run_datums)
                 inputs = {
-                    k: torch.cat([d.inputs[k] for d in run_datums]).to(self.device, non_blocking=True)
+                    k: to_device(torch.cat([d.inputs[k] for d in run_datums]), self.device)
                     for k in run_datums[0].inputs
                 }
                 segments = segments_of([d.length for d in run_datums], self.device)  # each token's datum

@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.errors import InvalidRequestError
+from loraplex.workers.lora.routing import to_device
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
@@ -125,7 +126,7 @@ class LossSpec:
 def segments_of(lengths: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """int64 [sum(lengths)]: token i's datum index, for datums of these lengths laid end to end."""
     counts = torch.tensor(list(lengths), dtype=torch.int64)
-    return torch.repeat_interleave(torch.arange(len(counts)), counts).to(device or "cpu")
+    return to_device(torch.repeat_interleave(torch.arange(len(counts)), counts), torch.device(device or "cpu"))
 
 
 # ---- losses ----------------------------------------------------------------------------------------------------------
