@@ -8,7 +8,8 @@ call, so service / engine is the service's own cost.
     python3 benchmarks/bench_service.py --world-sizes 1,2,4,8 --layouts fsdp,replicate --tenants 4,16,64   # RESULTS.md, 2026-12-02
 
 Each tenant is one process (benchmarks/service_tenant.py) with its own ServiceClient and adapter; a step is forward_backward + optim_step sent back to
-back, then both results awaited (a closed loop, as a training script runs). Workloads per step and tenant:
+back, then both results awaited (a closed loop, as a training script runs; `--clients pipelined`: the next step sent
+before the previous one is awaited, as tinker-cookbook's pipelined supervised loop does). Workloads per step and tenant:
 underfilled = 1 sequence, saturated = --saturated-seqs sequences (8 x 512 = one 4,096-token microbatch), ragged =
 the saturated tenant's tokens in lognormal lengths (median 256, 32 to 2,048; service_tenant.workload_lengths).
 Prints tokens/s, p50/p99 step latency, adapters per forward_backward step (the pool's plan stats in Redis), the
