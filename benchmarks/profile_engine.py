@@ -153,7 +153,6 @@ def idle_gaps(prof: profile, longest: int = 15, floor_us: float = 50.0) -> str:
     # the host events around that op on its thread (ops, and Python frames with with_stack) say where it ran
     host = [e for e in events if e.device_type() == cpu]
     launches = {e.correlation_id(): e for e in host if e.correlation_id() and not e.linked_correlation_id()}
-    ops = host
     start = min(e.start_ns() for e in events if e.device_type() == cpu)
     busy, gaps, edge = 0, [], start
     for k in kernels:
@@ -167,7 +166,7 @@ def idle_gaps(prof: profile, longest: int = 15, floor_us: float = 50.0) -> str:
              f"{floor_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e6:.1f} ms; the longest:"]  # fmt: skip
     for length, at, k in sorted(gaps, key=lambda g: -g[0])[:longest]:
         launch = launches.get(k.linked_correlation_id())
-        around = [o for o in ops if launch is not None and o is not launch and o.start_ns() <= launch.start_ns()
+        around = [o for o in host if launch is not None and o is not launch and o.start_ns() <= launch.start_ns()
                   and launch.end_ns() <= o.end_ns() and o.start_thread_id() == launch.start_thread_id()]  # fmt: skip
         around.sort(key=lambda o: o.end_ns() - o.start_ns())  # innermost first
         ours = [o.name() for o in around if "loraplex" in o.name() or "benchmarks" in o.name()][:3]
