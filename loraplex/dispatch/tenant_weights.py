@@ -1,6 +1,8 @@
 """The tenants' fair-share weights as the dispatcher reads them: the `tenants.weight` column through a cache, so a plan
-costs no SQL (one SELECT for the tenants whose entry is older than `ttl_s`, at most once per `ttl_s` each). A weight
-change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A failed read (the database away)
+costs no SQL. When any of a plan's tenants has an entry older than `ttl_s`, one SELECT reads all of the plan's tenants:
+their entries then age together, so a steady set of tenants costs one SELECT per `ttl_s` (read one by one, entries
+made at different times would expire one by one, a SELECT each: at 16 tenants ~16 per `ttl_s`, on the dispatcher's
+thread between plans). A weight change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A failed read (the database away)
 keeps the weights known so far (1 for a tenant never read) and is retried on the next plan after `retry_s`. The
 fetch is the pool's (pool/records.sql_weights): this module knows no SQL."""
 
@@ -36,13 +38,13 @@ class TenantWeights:
         stale = [t for t in wanted if now - self._read_at.get(t, -float("inf")) >= self._ttl]
         if stale:
             try:
-                fresh = self._fetch(stale)
+                fresh = self._fetch(wanted)
             except Exception as exc:  # noqa: BLE001 - the pool keeps planning with what it knows
                 self._warn.warning("reading tenant weights failed (%s: %s); retrying", type(exc).__name__, exc)
                 for t in stale:  # try again after retry_s, not on every plan
                     self._read_at[t] = now - self._ttl + self._retry
             else:
-                for t in stale:
+                for t in wanted:
                     self._weights[t] = float(fresh.get(t, 1.0))
                     self._read_at[t] = now
         return {t: self._weights.get(t, 1.0) for t in wanted}

@@ -54,6 +54,30 @@ def test_the_cache_reads_once_per_ttl_and_keeps_what_it_knows_when_the_database_
     assert weights.of({"a"}) == {"a": 3.0} and len(calls) == 3  # retried after retry_s: the new weight
 
 
+def test_tenants_first_seen_at_different_times_are_read_together_once_per_ttl() -> None:
+    """16 tenants join one second apart; every plan (each 0.5 s) asks for all tenants seen so far. Each new tenant
+    costs one SELECT of the plan's tenants; after that the whole set costs one SELECT per ttl, not one per tenant as
+    their entries expire one by one."""
+    now = [0.0]
+    calls: list[set[str]] = []
+
+    def fetch(tenants: Collection[str]) -> dict[str, float]:
+        calls.append(set(tenants))
+        return {}
+
+    weights = TenantWeights(fetch, ttl_s=30, clock=lambda: now[0])
+    tenants = [f"t{i}" for i in range(16)]
+    for k in range(240):  # 120 s of plans
+        now[0] = 0.5 * k
+        seen = tenants[: min(16, int(now[0]) + 1)]
+        assert weights.of(seen) == dict.fromkeys(seen, 1.0)
+    joining = [c for c in calls if len(c) < 16]
+    assert len(joining) == 15  # the arrivals of t0..t14, each a read of the tenants seen so far
+    steady = calls[len(joining) + 1 :]  # after the read that t15's arrival made of all 16
+    assert all(c == set(tenants) for c in steady)
+    assert len(steady) == 3  # at 45, 75 and 105 s: once per ttl (before: ~16 per ttl once the entries had drifted)
+
+
 def test_the_cli_shows_and_sets_a_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     from loraplex.launch import cli
