@@ -53,7 +53,7 @@ def run_tenant(
             """n steps, each one's time from the previous step's answers (or the start) to its own; none in flight
             at the end."""
             times, last = [], time.perf_counter()
-            sent: tuple[Any, Any] | None = send()
+            sent: tuple[Any, Any] | None = send() if n else None
             for i in range(n):
                 ahead = send() if pipelined and i + 1 < n else None
                 for future in sent or ():
