@@ -97,7 +97,8 @@ def main() -> None:
         print(f"{name:8} {n_in}x{n_out}: add {times['add']:6.1f} us (max error {errors['add']:.2e}), out_dtype "
               f"{times['out_dtype']:6.1f} us (max error {errors['out_dtype']:.2e})")  # fmt: skip
     print(
-        f"per model step (x36 layers): add {total['add'] * 36 / 1e3:.2f} ms, out_dtype {total['out_dtype'] * 36 / 1e3:.2f} ms"
+        f"per model step (x36 layers): add {total['add'] * 36 / 1e3:.2f} ms, "
+        f"out_dtype {total['out_dtype'] * 36 / 1e3:.2f} ms"
     )
 
 

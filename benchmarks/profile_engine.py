@@ -6,6 +6,7 @@ model (prints the top host and device ops).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -117,25 +118,18 @@ def gemm_shapes(prof: profile, rows: int = 40) -> str:
         if ev.key not in GEMM_OPS or ev.device_time_total <= 0:
             continue
         shapes = [s for s in ev.input_shapes if isinstance(s, list) and len(s) >= 2]
-        elements = sum(_numel(s) for s in shapes)
+        elements = sum(math.prod(s) for s in shapes)
         if len(shapes) >= 2:  # the output: [rows of the first product operand, columns of the second]
             a, b = shapes[-2], shapes[-1]
-            elements += _numel(a[:-1]) * b[-1]
+            elements += math.prod(a[:-1]) * b[-1]
         per_call_us = ev.device_time_total / ev.count
         gbps = elements * 2 / (per_call_us * 1e-6) / 1e9 if per_call_us > 0 else 0.0
         total += ev.device_time_total
-        lines.append((ev.device_time_total, f"{ev.device_time_total / 1e3:7.2f} ms {ev.count:4d}x {per_call_us:7.1f} us "
-                      f"{gbps:6.0f} GB/s {ev.key} {shapes}"))  # fmt: skip
+        text = f"{ev.device_time_total / 1e3:7.2f} ms {ev.count:4d}x {per_call_us:7.1f} us {gbps:6.0f} GB/s {ev.key}"
+        lines.append((ev.device_time_total, f"{text} {shapes}"))
     lines.sort(key=lambda t: -t[0])
     return (f"matmuls by shape: {total / 1e3:.1f} ms of device time, the {rows} longest:\n"
             + "\n".join(text for _, text in lines[:rows]))
-
-
-def _numel(shape: list) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def idle_gaps(prof: profile, longest: int = 15, floor_us: float = 50.0) -> str:

@@ -2,9 +2,9 @@
 costs no SQL. When any of a plan's tenants has an entry older than `ttl_s`, one SELECT reads all of the plan's tenants:
 their entries then age together, so a steady set of tenants costs one SELECT per `ttl_s` (read one by one, entries
 made at different times would expire one by one, a SELECT each: at 16 tenants ~16 per `ttl_s`, on the dispatcher's
-thread between plans). A weight change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A failed read (the database away)
-keeps the weights known so far (1 for a tenant never read) and is retried on the next plan after `retry_s`. The
-fetch is the pool's (pool/records.sql_weights): this module knows no SQL."""
+thread between plans). A weight change reaches the policy within `ttl_s` (LORAPLEX_TENANT_WEIGHT_CACHE_SECONDS). A
+failed read (the database away) keeps the weights known so far (1 for a tenant never read) and is retried on the next
+plan after `retry_s`. The fetch is the pool's (pool/records.sql_weights): this module knows no SQL."""
 
 from __future__ import annotations
 

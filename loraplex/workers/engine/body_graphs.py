@@ -47,7 +47,7 @@ import torch
 from loraplex.workers.lora.context import LoraContext
 from loraplex.workers.lora.experts import bank_gradients_discarded
 from loraplex.workers.lora.fused import MicrobatchBanks
-from loraplex.workers.lora.routing import Routing
+from loraplex.workers.lora.routing import Routing, to_device
 
 TOKEN_BUCKET = 256
 # A capture's pool keeps what the forward holds for its backward; the backward's own temporaries come on top.
@@ -211,7 +211,7 @@ class BodyGraph:
         device = self.tokens.device
         routing = Routing.build(padded.slots, padded.ranks, padded.scales, padded.group_rows, device)
         host = torch.cat([tokens, positions, torch.tensor(padded.cu_seqlens, dtype=torch.int64)])
-        staged = host.pin_memory().to(device, non_blocking=True)
+        staged = to_device(host, device)
         n = self.key.tokens
         self.tokens.view(-1).copy_(staged[:n])
         self.positions.view(-1).copy_(staged[n : 2 * n])

@@ -75,7 +75,7 @@ def test_tenants_first_seen_at_different_times_are_read_together_once_per_ttl() 
     assert len(joining) == 15  # the arrivals of t0..t14, each a read of the tenants seen so far
     steady = calls[len(joining) + 1 :]  # after the read that t15's arrival made of all 16
     assert all(c == set(tenants) for c in steady)
-    assert len(steady) == 3  # at 45, 75 and 105 s: once per ttl (before: ~16 per ttl once the entries had drifted)
+    assert len(steady) == 3  # at 45, 75 and 105 s: once per ttl, not once per tenant's own expiry
 
 
 def test_the_cli_shows_and_sets_a_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
