@@ -1,9 +1,9 @@
 """A training step's host-to-device copies on CUDA: every one comes from pinned memory. A copy from pageable memory
-waits for the GPU's queue to drain, so the host stops running ahead of the device: a step's loss inputs copied after
-its forward was queued held the host until the forward had run, and the device then idled while the host queued the
-rest (benchmarks/RESULTS.md, Session 26). Checked with a dispatch mode that sees every copy a forward_backward makes,
-on the eager path (two microbatches, so the second microbatch's inputs are copied while the first one runs) and on
-replayed CUDA graphs, with a loss that reads extra inputs (importance_sampling)."""
+waits for the GPU's queue to drain, so the host stops running ahead of the device: a copy made after the forward is
+queued holds the host until the forward has run, and the device then idles while the host queues the rest. Checked
+with a dispatch mode that sees every copy a forward_backward makes, on the eager path (two microbatches, so the
+second microbatch's inputs are copied while the first one runs) and on replayed CUDA graphs, with a loss that reads
+extra inputs (importance_sampling)."""
 
 from __future__ import annotations
 
