@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from loraplex.models import load_base_model
 from loraplex.workers.engine.engine import Engine
-from loraplex.workers.sampling.jobs import SampleJob, SampleParams
+from loraplex.workers.sampling.jobs import SampledSequence, SampleJob, SampleParams
 from loraplex.workers.sampling.sampler import Sampler
 from loraplex.workers.state.checkpoint_state import state_from_engine
 from tests.helpers.peft import export_peft
@@ -39,6 +39,12 @@ def prompts(n: int) -> list[tuple[int, ...]]:
 def jobs() -> list[SampleJob]:
     order = ["r8", None, "r4", "r16", None, "r4", "r8", "r16", "r4"]
     return [SampleJob(p, m, GREEDY) for p, m in zip(prompts(len(order)), order, strict=True)]
+
+
+# Two bf16 paths that order and round their sums differently (the Triton expand, torch's matmuls) may give a logit
+# one bf16 step apart: 2**-5 = 0.031 for logits in [4, 8), and a logprob moves with its
+# logit. Two steps of slack. (One path against itself, a graph replay against eager, holds 2e-2.)
+BF16_PATHS_TOL = 2 * 2**-5
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
@@ -71,10 +77,17 @@ def test_the_expand_kernel_samples_what_the_plain_path_samples(tiny_dir: Path, d
     engine, tokenizer = build(tiny_dir, dtype)
     kernel = Sampler(engine, tokenizer, max_rows=16, expand_kernel=True).generate(jobs())
     plain = Sampler(engine, tokenizer, max_rows=16).generate(jobs())
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 1e-4 if dtype == torch.float32 else BF16_PATHS_TOL
     for a, b in zip(kernel, plain, strict=True):
-        assert a.sequences[0].tokens == b.sequences[0].tokens
-        assert max_diff(a.sequences[0].logprobs, b.sequences[0].logprobs) <= tol
+        same_up_to_a_near_tie(a.sequences[0], b.sequences[0], tol)
+
+
+def same_up_to_a_near_tie(a: SampledSequence, b: SampledSequence, tol: float) -> None:
+    """Greedy tokens equal and logprobs within `tol` up to where the two paths may part: a token where they differ
+    must be one both chose at logprobs within `tol` (a near tie that rounding decided), and past it the sequences
+    continue from different prefixes, so nothing after it is compared."""
+    parted = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)) if x != y), len(a.tokens))
+    assert max_diff(a.logprobs[: parted + 1], b.logprobs[: parted + 1]) <= tol, (parted, a.logprobs, b.logprobs)
 
 
 def test_graph_greedy_equals_peft_generate_and_a_kept_graph_takes_new_adapters(tiny_dir: Path, tmp_path: Path) -> None:

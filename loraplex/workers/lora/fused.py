@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.workers.lora.gemm import alignment, dense, gmm_operand, grouped_mm, plus_matmul
+from loraplex.workers.lora.gemm import accumulate_matmul, alignment, dense, gmm_operand, grouped_mm, plus_matmul
 from loraplex.workers.lora.routing import Routing
 
 
@@ -180,21 +180,21 @@ class _FusedLoraDelta(torch.autograd.Function):
         if ctx.mode == "single":
             r, c = routing.ranks[0], routing.scales[0]
             if gb is not None:
-                gb[0, :r].add_(hs.t() @ grad_out)
+                accumulate_matmul(gb[0, :r], hs.t(), grad_out)
             if need_x or ga is not None:
                 dhs = (grad_out @ b[0, :r].t()) * c
                 if ga is not None:
-                    ga[0, :, :r].add_(x.t() @ dhs)
+                    accumulate_matmul(ga[0, :, :r], x.t(), dhs)
                 if need_x:
                     dx = dhs @ a[0, :, :r].t()
         elif ctx.mode == "single_device":
             if gb is not None:
-                gb[0].add_(hs.t() @ grad_out)
+                accumulate_matmul(gb[0], hs.t(), grad_out)
             if need_x or ga is not None:
                 dhs = grad_out @ b[0].t()
                 dhs.mul_(routing.row_scales)
                 if ga is not None:
-                    ga[0].add_(x.t() @ dhs)
+                    accumulate_matmul(ga[0], x.t(), dhs)
                 if need_x:
                     dx = dhs @ a[0].t()
         elif ctx.mode == "grouped":
@@ -221,11 +221,11 @@ class _FusedLoraDelta(torch.autograd.Function):
             ):
                 gy = grad_out[start:end]
                 if gb is not None:
-                    gb[g, :rank].add_(hs[start:end, :rank].t() @ gy)
+                    accumulate_matmul(gb[g, :rank], hs[start:end, :rank].t(), gy)
                 if need_x or ga is not None:
                     dhs = (gy @ b[g, :rank].t()) * scale
                     if ga is not None:
-                        ga[g, :, :rank].add_(x[start:end].t() @ dhs)
+                        accumulate_matmul(ga[g, :, :rank], x[start:end].t(), dhs)
                     if dx is not None:
                         dx[start:end] = dhs @ a[g, :, :rank].t()
         if need_x and ctx.base_weight is not None:

@@ -32,7 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.workers.lora.fused import BankLayout, MicrobatchBanks, node_mode
-from loraplex.workers.lora.gemm import alignment, dense, gmm_operand, grouped_mm, plus_matmul
+from loraplex.workers.lora.gemm import (
+    accumulate_matmul,
+    alignment,
+    dense,
+    gmm_operand,
+    grouped_mm,
+    matmul_into_float,
+    plus_matmul,
+)
 from loraplex.workers.lora.routing import Routing
 
 
@@ -128,7 +136,7 @@ class _SiblingLora(torch.autograd.Function):
             if gb is not None and grouped:
                 gb[:, :r].add_(grouped_mm(gmm_operand(h.t()), gy, offs=routing.offs)[:, :, : layouts[i].out_features])
             elif gb is not None:
-                gb[0, :r].add_(h.t() @ gy)
+                accumulate_matmul(gb[0, :r], h.t(), gy)
             dhs.append(grouped_mm(gy, b.transpose(-2, -1), offs=routing.offs) if grouped else gy @ b[0].t())
         dh = torch.cat(dhs, dim=1)
         if mode == "single":
@@ -136,7 +144,7 @@ class _SiblingLora(torch.autograd.Function):
         else:
             dh.mul_(routing.row_scales)
         if any(v is not None for v in views):
-            ga_cat = grouped_mm(x.t(), dh, offs=routing.offs) if grouped else (x.t() @ dh).unsqueeze(0)
+            ga_cat = grouped_mm(x.t(), dh, offs=routing.offs) if grouped else matmul_into_float(x.t(), dh).unsqueeze(0)
             for i, v in enumerate(views):
                 if v is not None:
                     v[0][:, :, :r].add_(ga_cat[:, :, i * r : (i + 1) * r])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplex.workers.lora import BankLayout, MicrobatchBanks, Routing, lora_delta_fused, lora_delta_reference
-from loraplex.workers.lora.gemm import gmm_operand
+from loraplex.workers.lora.gemm import accumulate_matmul, gmm_operand, matmul_into_float
 from tests.helpers.datums import with_datums
 from tests.helpers.lora import (
     ADAPTERS,
@@ -214,3 +214,16 @@ def test_fused_flag_can_be_flipped_between_calls(tiny_dir: Path) -> None:
         for name, (ga, gb) in engine.adapter_grads(m).items():
             torch.testing.assert_close(ga, 2 * once[m][name][0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(gb, 2 * once[m][name][1], atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_accumulation_off_cuda_adds_the_product_in_place() -> None:
+    """`accumulate_matmul` off CUDA (cuBLAS's fp32-out GEMM is CUDA-only): the product in the operands' dtype, added to
+    the fp32 gradient view in place; a strided view keeps its neighbours."""
+    g = torch.Generator().manual_seed(0)
+    m1, m2 = torch.randn(24, 40, generator=g).bfloat16(), torch.randn(40, 8, generator=g).bfloat16()
+    wide = torch.randn(24, 16, generator=g)
+    before = wide.clone()
+    accumulate_matmul(wide[:, :8], m1, m2)
+    assert torch.equal(wide[:, :8], before[:, :8] + (m1 @ m2).float())
+    assert torch.equal(wide[:, 8:], before[:, 8:])
+    assert matmul_into_float(m1, m2).dtype == torch.bfloat16
