@@ -128,12 +128,17 @@ def install_slot_banks(
     return banks
 
 
+def _is_bank(name: str) -> bool:
+    return name.endswith(".lora_A") or name.endswith(".lora_B")
+
+
+def base_parameters(model: nn.Module) -> tuple[nn.Parameter, ...]:
+    """Every parameter that is not a LoRA bank: the frozen base."""
+    return tuple(p for name, p in model.named_parameters() if not _is_bank(name))
+
+
 def check_only_lora_trainable(model: nn.Module) -> None:
     """Raise InvalidRequestError if any trainable parameter is not a LoRA bank (a base weight must never train)."""
-    bad = [
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and not (name.endswith(".lora_A") or name.endswith(".lora_B"))
-    ]
+    bad = [name for name, p in model.named_parameters() if p.requires_grad and not _is_bank(name)]
     if bad:
         raise InvalidRequestError(f"non-LoRA parameters are trainable: {bad[:5]}{' ...' if len(bad) > 5 else ''}")
