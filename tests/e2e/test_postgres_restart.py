@@ -99,7 +99,7 @@ def _crash(postgres: PostgresServer) -> None:
     pid = postgres.postmaster_pid()
     assert pid is not None and running(pid)
     postgres.crash()
-    assert not running(pid)  # gone at once (pg_ctl -w waited for it)
+    assert not running(pid)  # crash() waits for the postmaster to exit
 
 
 def test_postgres_crashed_three_times_under_load_loses_and_repeats_nothing(

@@ -119,7 +119,7 @@ class SlotAdamW:
         """Make every bank's `.data` and `.grad` the flat buffers' views again, copying in whatever replaced them (code
         that assigns `p.grad = ...` or moves a module). Cheap when nothing changed: a pointer comparison per bank."""
         for p, (data_view, grad_view) in zip(self.params, self._views, strict=True):
-            if p.data.data_ptr() != data_view.data_ptr():
+            if p.data_ptr() != data_view.data_ptr():  # p.data would make a tensor object per bank, every step
                 data_view.copy_(p.data)
                 p.data = data_view
             if p.grad is None or p.grad.data_ptr() != grad_view.data_ptr():

@@ -14,12 +14,14 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.runtime.netutil import free_port
+from tests.helpers.processes import running
 
 PG_BIN = Path(os.environ.get("LORAPLEX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
@@ -67,8 +69,15 @@ class PostgresServer:
 
     def crash(self) -> None:
         """`pg_ctl stop -m immediate`: the server quits at once, killing every backend (clients see their
-        connections drop), without a shutdown checkpoint."""
+        connections drop), without a shutdown checkpoint. Returns once the postmaster is gone: `pg_ctl -w` returns when its pid file is,
+        which the postmaster removes a moment before it exits."""
+        pid = self.postmaster_pid()
         _run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+        deadline = time.monotonic() + 10.0
+        while pid is not None and running(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postmaster {pid} still running 10 s after pg_ctl stop")
+            time.sleep(0.01)
 
 
 def _as_server_user(args: list[str]) -> list[str]:
