@@ -23,6 +23,8 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
       | grep "^frozen base\|one adapter 8x" | tee -a "$OUT/ab.txt")
   done
 done
+# The device tool brings back at most 8 files from $OUT: the rounds' JSON go back as one archive.
+tar -czf "$OUT/ab-json.tgz" -C "$OUT" $(cd "$OUT" && ls ab-*.json) && rm -f "$OUT"/ab-*.json
 PYTHONPATH=$PWD timeout 90 python3 benchmarks/profile_engine.py --rows 8 --elementwise --graphs --gaps --kernels 20 \
   2>&1 | grep -v "^Loading weights\|USDT" > "$OUT/profile_graphs.txt"
 grep -A 16 "step: device busy\|x512: fwd_bwd\|device ms by kind" "$OUT/profile_graphs.txt" | grep -v "^--$" | head -40

@@ -43,7 +43,9 @@ case $mode in
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
     python3 benchmarks/bench_engine.py --out "$OUT/bench_engine.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}' ;;
   service)
-    python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
+    # its own limit (SERVICE_LIMIT_S) under the device call's, so a run cut short still leaves its stacks' logs below
+    timeout "${SERVICE_LIMIT_S:-520}" python3 benchmarks/bench_service.py --home /tmp/loraplex \
+      --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
     status=${PIPESTATUS[0]}
     # each stack's logs (one per --early-full-microbatches variant or world size: a folder of its own under the home)
     for log in $(find /tmp/loraplex -name pool.log -o -name api.log -o -name redis.log); do
