@@ -18,7 +18,7 @@ ROWS, RANK = 4096, 32
 U32 = 2.0**-24
 
 
-def operands(n_in: int, n_out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def operands(n_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(ROWS, n_in, generator=g, device="cuda").bfloat16()
     dh = torch.randn(ROWS, RANK, generator=g, device="cuda").bfloat16()
@@ -38,7 +38,7 @@ def check(got: torch.Tensor, before: torch.Tensor, m1: torch.Tensor, m2: torch.T
 @pytest.mark.parametrize("module", sorted(QWEN3_4B))
 def test_da_accumulates_in_fp32_dense_and_sliced(module: str) -> None:
     n_in, _ = QWEN3_4B[module]
-    x, dh, acc = operands(n_in, RANK, seed=len(module))
+    x, dh, acc = operands(n_in, seed=len(module))
     before = acc.clone()
     accumulate_matmul(acc, x.t(), dh)  # dense: one GEMM with beta = 1 into acc
     check(acc, before, x.t(), dh)

@@ -1,6 +1,6 @@
 """The GEMM primitives every LoRA path shares: `F.grouped_mm` and the operand rules it needs (16-byte alignment,
-dense or suitably strided operands), and a matmul accumulated in place. Sharp edges of grouped_mm are listed in
-grouped.py's module docstring; this module is where they are handled once."""
+dense or suitably strided operands), a matmul accumulated in place, and the gradients' fp32 sums from bf16 operands.
+Sharp edges of grouped_mm are listed in grouped.py's module docstring; this module is where they are handled once."""
 
 from __future__ import annotations
 
@@ -44,26 +44,23 @@ def plus_matmul(c: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Te
     return c.addmm_(m1, m2) if c.is_contiguous() else torch.addmm(c, m1, m2)
 
 
-def _narrow_on_cuda(acc: torch.Tensor, m1: torch.Tensor) -> bool:
-    """Whether cuBLAS can take fp32 out of `m1`'s 16-bit operands (`out_dtype`: CUDA only)."""
-    return acc.is_cuda and acc.dtype == torch.float32 and m1.dtype in (torch.bfloat16, torch.float16)
+def _fp32_out(m1: torch.Tensor) -> bool:
+    """Whether cuBLAS can write fp32 from these 16-bit operands (`out_dtype`: CUDA only)."""
+    return m1.is_cuda and m1.dtype in (torch.bfloat16, torch.float16)
 
 
 def matmul_into_float(m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
     """m1 @ m2 as fp32 where the operands are 16-bit on CUDA (the GEMM's fp32 accumulator written out, not rounded
     to the operands' dtype first), else in the operands' dtype."""
-    if m1.is_cuda and m1.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(m1, m2, out_dtype=torch.float32)
-    return m1 @ m2
+    return torch.mm(m1, m2, out_dtype=torch.float32) if _fp32_out(m1) else m1 @ m2
 
 
 def accumulate_matmul(acc: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> None:
     """acc += m1 @ m2 for an fp32 gradient `acc` and 16-bit operands. On CUDA one GEMM with beta = 1 into acc itself
     when it is dense: the product is never rounded to bf16 and no product is written and read back for the add
     (probe_fp32_accumulate.py, Qwen3-4B shapes over 4,096 rows: max error against fp64 ~1e-3 instead of ~1, and
-    faster).
-    Elsewhere the product in the operands' dtype, then added."""
-    if _narrow_on_cuda(acc, m1) and acc.is_contiguous():
+    faster); into a strided acc, the fp32 product and an add. Elsewhere the product in the operands' dtype, added."""
+    if _fp32_out(m1) and acc.dtype == torch.float32 and acc.is_contiguous():
         torch.addmm(acc, m1, m2, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(matmul_into_float(m1, m2))
