@@ -39,10 +39,9 @@ from loraplex.workers.engine.losses import segments_of
 from loraplex.workers.engine.optimizer import AdamParams
 from loraplex.workers.engine.parts import EngineParts
 from loraplex.workers.engine.recompute import recomputing
-from loraplex.workers.lora import MicrobatchBanks, Routing, check_only_lora_trainable
+from loraplex.workers.lora import MicrobatchBanks, Routing, base_parameters, check_only_lora_trainable
 from loraplex.workers.lora.init import init_lora_a
 from loraplex.workers.lora.routing import to_device
-from loraplex.workers.lora.slot_bank import base_parameters
 from loraplex.workers.ranks.distributed import all_gather_varlen, all_reduce_slot_grads, split_rows
 from loraplex.workers.state.slot_rows import SlotRows
 
@@ -110,8 +109,8 @@ class Engine(SlotRows):
         self._adapters: dict[str, AdapterRecord] = {}
         self._free = list(range(config.num_slots))
         self._uniform_shapes_seen: set[tuple[int, int]] = set()
-        # Checked every step by a flag read each: walking the module tree by name costs ~2 ms a step at 36 layers, all
-        # of it before the step's first kernel. Built after the base is sharded, so these are the parameters it keeps.
+        # Each step reads these parameters' requires_grad flags; walking the module tree by name instead costs ~2 ms a
+        # step at 36 layers, before the step's first kernel. Listed after the base is sharded: the parameters it keeps.
         self._base_parameters = base_parameters(self.model)
 
     @property

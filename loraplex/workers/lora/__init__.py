@@ -12,6 +12,7 @@ from loraplex.workers.lora.slot_bank import (
     DEFAULT_TARGET_MODULES,
     LoraOp,
     SlotBankLinear,
+    base_parameters,
     check_only_lora_trainable,
     install_slot_banks,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Routing",
     "SiblingGroup",
     "SlotBankLinear",
+    "base_parameters",
     "check_only_lora_trainable",
     "install_sibling_groups",
     "install_slot_banks",
