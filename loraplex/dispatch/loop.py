@@ -45,7 +45,7 @@ import redis as redis_lib
 from loraplex.dispatch.coalescing import Coalescer, full_microbatch_tokens
 from loraplex.dispatch.fair_share import FairShareLedger
 from loraplex.dispatch.hooks import AnsweredPlan, DispatchConfig, LoopProgress, PlanHooks
-from loraplex.dispatch.policy import PlanFit, PolicyLimits, PolicyResult, plan_batch
+from loraplex.dispatch.policy import PlanFit, PolicyLimits, PolicyResult, plan_batch, plan_rounds
 from loraplex.dispatch.stages import Finisher, Prefetcher, lost_group, retry_redis
 from loraplex.errors import ConflictError, EngineError, InvalidRequestError, LoraplexError
 from loraplex.protocol import (
@@ -188,7 +188,7 @@ class Dispatcher:
         busy = 0.0
         if decision.plan.steps:
             self.fair_share.charge(decision.plan, self._share_context[1], self._share_context[0], self._sampling)
-            answered, busy = self._execute_samples_last(decision.plan, by_obj)
+            answered, busy = self._execute_plan(decision.plan, by_obj)
             self._call_after_plan(decision.plan)
         answered += self._answer_duplicates(decision.duplicates, by_obj)
         answered += self._expire_gaps(decision.blocked, time.monotonic())
@@ -465,15 +465,22 @@ class Dispatcher:
             self.coalescer.arrived(((env.model_id, str(env.kind), env.seq_id) for _, env in fresh), time.monotonic())
         self.consumer.ack(stale)
 
-    def _execute_samples_last(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
-        """The plan's SAMPLE step runs after the rest of it is executed and handed to the finisher (so their results do
-        not wait for the slice), for at most as long as the rest took: beside training, sampling takes at most half
-        the pool's time, and a training tenant waits for at most one slice. Returns (answered, executor seconds)."""
+    def _execute_plan(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
+        """The plan's training steps round by round, each round executed and handed to the finisher as it ends
+        (`plan_rounds`: a pipelining tenant's next step then reaches the pool while the plan's later rounds run). Its
+        SAMPLE step runs after them (so their results do not wait for the slice), for at most as long as they took:
+        beside training, sampling takes at most half the pool's time, and a training tenant waits for at most one
+        slice. Returns (answered, executor seconds)."""
         sample = [s for s in plan.steps if s.kind == StepKind.SAMPLE]
         rest = tuple(s for s in plan.steps if s.kind != StepKind.SAMPLE)
-        if not sample or not rest:
+        if not rest:
             return self._execute(plan, by_obj)
-        answered, busy = self._execute(BatchPlan(rest), by_obj)
+        answered, busy = 0, 0.0
+        for round_plan in plan_rounds(BatchPlan(rest)):
+            done, seconds = self._execute(round_plan, by_obj)
+            answered, busy = answered + done, busy + seconds
+        if not sample:
+            return answered, busy
         sampled, sampling = self._execute(BatchPlan(tuple(replace(s, seconds=busy) for s in sample)), by_obj)
         return answered + sampled, busy + sampling
 

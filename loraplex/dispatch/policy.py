@@ -263,6 +263,23 @@ def plan_batch(
     return PolicyResult(BatchPlan(tuple(steps)), left, tuple(reqs[i] for i in duplicates), blocked)
 
 
+def plan_rounds(plan: BatchPlan) -> list[BatchPlan]:
+    """`plan` cut into its rounds (`plan_batch` puts a round's forward_backward steps first, and an adapter in at most
+    one of them), so the loop runs and answers it round by round: a tenant that sent its next step before awaiting
+    this one (that step is in a later round) has its answer while the later rounds run, and its step after that is
+    back before the plan ends. Steps keep their order; a plan of one round comes back whole; creates stay with the
+    first round and deletes with the last."""
+    rounds: list[list[Step]] = [[]]
+    trained: set[str] = set()  # adapters in the current round's forward_backward steps
+    for step in plan.steps:
+        if step.kind == StepKind.FORWARD_BACKWARD:
+            models = {r.model_id for r in step.requests}
+            if trained and (rounds[-1][-1].kind != StepKind.FORWARD_BACKWARD or models & trained):
+                rounds.append([])
+                trained = set()
+            trained |= models
+        rounds[-1].append(step)
+    return [BatchPlan(tuple(steps)) for steps in rounds]
 
 
 def takes_all(

@@ -464,6 +464,42 @@ def test_pipelined_closed_loop_tenants_share_steps_and_every_step_applies_once_i
     assert queue_length(redis_client, pool) == 0  # everything acked
 
 
+def test_a_plan_of_two_rounds_answers_the_first_before_the_second_runs(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """A tenant that sends its next step before awaiting the last (two steps queued: one plan, two rounds) has the
+    first step's results stored while the second round runs, so its step after that is back before the plan ends."""
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    results = ResultStore(redis_client)
+    stored_before_round: list[bool] = []
+    ids: list[str] = []
+
+    class WatchingEngine:  # each round waits (a bounded while) for the first round's results to be stored
+        def execute(self, plan: BatchPlan) -> list[Outcome]:
+            deadline = time.monotonic() + 3.0
+            while engine.plans and not all(results.has_many(ids[:2])) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stored_before_round.append(all(results.has_many(ids[:2])))
+            return engine.execute(plan)
+
+    d = Dispatcher(redis_client, pool, WatchingEngine(),
+                   DispatchConfig.from_settings(settings, block_ms=20, pipelined=True),
+                   PlanHooks(finish=Recording(lambda o, p: None)))  # fmt: skip
+    producer = Producer(redis_client, pool)
+    ids += [producer.submit(e) for e in (_fb(a, 1, [1]), _opt(a, 2), _fb(a, 3, [1]), _opt(a, 4))]
+    try:
+        d.run_once()  # one plan: the policy chains the adapter's four requests into two rounds
+    finally:
+        d.close()
+    assert [[(s.kind, [r.seq_id for r in s.requests]) for s in p.steps] for p in engine.plans] == [
+        [(StepKind.FORWARD_BACKWARD, [1]), (StepKind.OPTIM_STEP, [2])],
+        [(StepKind.FORWARD_BACKWARD, [3]), (StepKind.OPTIM_STEP, [4])],
+    ]
+    assert stored_before_round == [False, True]
+    assert all(results.has_many(ids)) and plan_stats.read(redis_client, pool).plans == 1
+
+
 @pytest.mark.parametrize("early", [True, False], ids=["early", "waits"])
 def test_a_plan_filling_whole_microbatches_runs_them_without_waiting_for_the_tenants_still_expected(
     redis_client: redis.Redis, early: bool

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from loraplex.protocol import PlannedRequest, StepKind
+from loraplex.dispatch.policy import plan_rounds
+from loraplex.protocol import BatchPlan, PlannedRequest, Step, StepKind
 from tests.helpers.policy import CREATE, DELETE, FB, FWD, OPT, REJECTED, req, run, steps
 
 
@@ -196,3 +197,25 @@ def test_a_request_over_the_token_cap_runs_one_part_per_plan_and_others_go_besid
     assert steps(out.plan) == [(StepKind.FORWARD_BACKWARD, [("a", 1)]), (StepKind.OPTIM_STEP, [("a", 2)])]
     assert out.plan.requests[0].part == (4, 5) and not out.plan.requests[0].unfinished
     assert out.applied_seq == {"a": 2} and out.pending == ()
+
+
+def test_plan_rounds_cut_before_each_later_round_s_forward_backward() -> None:
+    create, delete = req("c", -1, CREATE), req("c", -1, DELETE)
+    pending = [create, req("a", 1), req("a", 2, OPT), req("a", 3), req("a", 4, OPT), req("b", 1), req("b", 2), delete]
+    out = run(pending, {"a": 0, "b": 0})
+    rounds = [steps(r) for r in plan_rounds(out.plan)]
+    assert rounds == [
+        [(StepKind.CREATE, [("c", -1)]), (StepKind.FORWARD_BACKWARD, [("a", 1), ("b", 1)])],
+        [(StepKind.FORWARD_BACKWARD, [("b", 2)]), (StepKind.OPTIM_STEP, [("a", 2)])],
+        [(StepKind.FORWARD_BACKWARD, [("a", 3)]), (StepKind.OPTIM_STEP, [("a", 4)]), (StepKind.DELETE, [("c", -1)])],
+    ]  # b's second forward_backward is in round 2, beside a's optim_step
+    assert tuple(r for p in plan_rounds(out.plan) for r in p.requests) == out.plan.requests
+
+
+def test_plan_rounds_keep_a_one_round_plan_whole_and_consecutive_forward_backward_steps_together() -> None:
+    one = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (req("a", 1),)), Step(StepKind.OPTIM_STEP, (req("a", 2, OPT),))))
+    assert plan_rounds(one) == [one]
+    split = BatchPlan((Step(StepKind.FORWARD_BACKWARD, (req("a", 1),)), Step(StepKind.FORWARD_BACKWARD, (req("b", 1),)),
+                       Step(StepKind.OPTIM_STEP, (req("a", 2, OPT), req("b", 2, OPT)))))  # fmt: skip
+    assert plan_rounds(split) == [split]
+    assert plan_rounds(BatchPlan(())) == [BatchPlan(())]
