@@ -264,13 +264,16 @@ def plan_batch(
 
 
 def plan_rounds(plan: BatchPlan) -> list[BatchPlan]:
-    """`plan` cut into its rounds (`plan_batch` puts a round's forward_backward steps first, and an adapter in at most
-    one of them), so the loop runs and answers it round by round: a tenant that sent its next step before awaiting
+    """`plan` cut where a later round's work starts, so the loop runs and answers it piece by piece: before a
+    forward_backward step that follows another kind of step (a round's optim_steps, checkpoints) or that holds an
+    adapter already trained since the last cut (`plan_batch` puts a round's forward_backward steps first, and an
+    adapter in at most one of them). A round of forward_backward steps alone stays with the next one, where its
+    adapters' optim_steps run: their answers could go out no sooner. A tenant that sent its next step before awaiting
     this one (that step is in a later round) has its answer while the later rounds run, and its step after that is
     back before the plan ends. Steps keep their order; a plan of one round comes back whole; creates stay with the
-    first round and deletes with the last."""
+    first piece and deletes with the last."""
     rounds: list[list[Step]] = [[]]
-    trained: set[str] = set()  # adapters in the current round's forward_backward steps
+    trained: set[str] = set()  # adapters in the forward_backward steps since the last cut
     for step in plan.steps:
         if step.kind == StepKind.FORWARD_BACKWARD:
             models = {r.model_id for r in step.requests}

@@ -219,3 +219,10 @@ def test_plan_rounds_keep_a_one_round_plan_whole_and_consecutive_forward_backwar
                        Step(StepKind.OPTIM_STEP, (req("a", 2, OPT), req("b", 2, OPT)))))  # fmt: skip
     assert plan_rounds(split) == [split]
     assert plan_rounds(BatchPlan(())) == [BatchPlan(())]
+
+
+def test_plan_rounds_keep_a_round_of_forward_backward_alone_with_the_next_where_its_optim_steps_run() -> None:
+    fb = [Step(StepKind.FORWARD_BACKWARD, (req(m, 1),)) for m in "abc"]
+    opt = [Step(StepKind.OPTIM_STEP, (req(m, 2, OPT),)) for m in "abc"]
+    plan = BatchPlan((fb[0], fb[1], opt[0], fb[2], opt[1], opt[2]))  # the token cap closed each round's step at one
+    assert [p.steps for p in plan_rounds(plan)] == [(fb[0], fb[1], opt[0]), (fb[2], opt[1], opt[2])]
