@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     # round trips overlap the running plan (dispatch/coalescing.py). Off until measured on the GPU (on the CPU the
     # clients and the pool share two cores, so nothing overlaps there: RESULTS.md, 2026-12-05, CPU).
     coalesce_early_full_microbatches: bool = False
+    # A plan's rounds answered each as it ends (dispatch/policy.plan_rounds): a tenant whose step ran in an early round
+    # sends its next one while the later rounds run. Unset: on when the engine runs on CUDA (its host thread waits on
+    # the device meanwhile), off on the CPU, where the clients, the gateway and Redis would take the engine's cores:
+    # 32 closed-loop tenants on two cores ran 25% slower answered by round (RESULTS.md, Session 28).
+    answer_rounds: bool | None = None
     # Cost-model coalescing (dispatch/step_split.py): the dispatcher runs a round's forward_backward requests as the
     # split into engine steps (one mixed step, per adapter, or full adapters apart) its step cost model predicts
     # cheapest, calibrated online from the pool's measured step times. false: always one mixed step.
@@ -368,6 +373,11 @@ class Settings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bf16" if self.device.startswith("cuda") else "fp32"
+
+    @property
+    def resolved_answer_rounds(self) -> bool:
+        """`answer_rounds` with unset decided by the device."""
+        return self.device.startswith("cuda") if self.answer_rounds is None else self.answer_rounds
 
     @property
     def resolved_api_workers(self) -> int:

@@ -45,6 +45,8 @@ class DispatchConfig:
     # sampled sequences one plan starts: the rows the pool's sampler decodes at once (the pool passes its native
     # sampler's, sized from memory; else an integer settings.sampler_max_rows, else 64)
     sample_rows: int = 64
+    # answer a plan's rounds each as it ends (settings.answer_rounds; dispatch/policy.plan_rounds), else the plan whole
+    answer_rounds: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **knobs: object) -> DispatchConfig:
@@ -57,6 +59,7 @@ class DispatchConfig:
             "claim_idle_ms": s.stale_claim_ms,
             "coalesce_s": s.coalesce_ms / 1000,
             "early_microbatch_tokens": s.microbatch_tokens if s.coalesce_early_full_microbatches else 0,
+            "answer_rounds": s.resolved_answer_rounds,
         }
         if isinstance(s.sampler_max_rows, int):
             base["sample_rows"] = s.sampler_max_rows

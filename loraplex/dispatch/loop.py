@@ -466,9 +466,9 @@ class Dispatcher:
         self.consumer.ack(stale)
 
     def _execute_plan(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
-        """The plan's training steps round by round, each round executed and handed to the finisher as it ends
-        (`plan_rounds`: a pipelining tenant's next step then reaches the pool while the plan's later rounds run). Its
-        SAMPLE step runs after them (so their results do not wait for the slice), for at most as long as they took:
+        """The plan's training steps, round by round with `answer_rounds` (`plan_rounds`: each executed and handed to
+        the finisher as it ends, so a tenant answered early sends its next step while the later rounds run), else
+        whole. Its SAMPLE step runs after them (so their results do not wait for the slice), for at most as long as they took:
         beside training, sampling takes at most half the pool's time, and a training tenant waits for at most one
         slice. Returns (answered, executor seconds)."""
         sample = [s for s in plan.steps if s.kind == StepKind.SAMPLE]
@@ -476,7 +476,7 @@ class Dispatcher:
         if not rest:
             return self._execute(plan, by_obj)
         answered, busy = 0, 0.0
-        for round_plan in plan_rounds(BatchPlan(rest)):
+        for round_plan in plan_rounds(BatchPlan(rest)) if self.config.answer_rounds else [BatchPlan(rest)]:
             done, seconds = self._execute(round_plan, by_obj)
             answered, busy = answered + done, busy + seconds
         if not sample:

@@ -484,7 +484,7 @@ def test_a_plan_of_two_rounds_answers_the_first_before_the_second_runs(
             return engine.execute(plan)
 
     d = Dispatcher(redis_client, pool, WatchingEngine(),
-                   DispatchConfig.from_settings(settings, block_ms=20, pipelined=True),
+                   DispatchConfig.from_settings(settings, block_ms=20, pipelined=True, answer_rounds=True),
                    PlanHooks(finish=Recording(lambda o, p: None)))  # fmt: skip
     producer = Producer(redis_client, pool)
     ids += [producer.submit(e) for e in (_fb(a, 1, [1]), _opt(a, 2), _fb(a, 3, [1]), _opt(a, 4))]
@@ -498,6 +498,22 @@ def test_a_plan_of_two_rounds_answers_the_first_before_the_second_runs(
     ]
     assert stored_before_round == [False, True]
     assert all(results.has_many(ids)) and plan_stats.read(redis_client, pool).plans == 1
+
+
+def test_a_plan_of_two_rounds_is_answered_whole_without_answer_rounds(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """The CPU pools' mode (settings.answer_rounds unset there): the plan runs in one executor call, answered at its
+    end, so the clients' next requests do not take the cores from the engine while it runs."""
+    pool, a = _uid(), f"a-{_uid()}"
+    engine = ArithmeticEngine({a: 1.0})
+    d = Dispatcher(redis_client, pool, engine, DispatchConfig.from_settings(settings, block_ms=20, answer_rounds=False),
+                   PlanHooks(finish=Recording(lambda o, p: None)))  # fmt: skip
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    ids = [producer.submit(e) for e in (_fb(a, 1, [1]), _opt(a, 2), _fb(a, 3, [1]), _opt(a, 4))]
+    d.run_once()
+    assert [[r.seq_id for r in p.requests] for p in engine.plans] == [[1, 2, 3, 4]]
+    assert all(results.has_many(ids))
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["early", "waits"])

@@ -69,3 +69,15 @@ def test_a_cpu_pool_leaves_a_core_to_the_gateway_and_redis(monkeypatch: pytest.M
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert Settings().resolved_pool_cpu_threads == 15 and Settings(world_size=2).resolved_pool_cpu_threads == 7
     assert Settings(pool_cpu_threads=3).resolved_pool_cpu_threads == 3
+
+
+def test_plans_are_answered_by_round_on_cuda_pools_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.dispatch.hooks import DispatchConfig
+
+    assert not DispatchConfig.from_settings(Settings(device="cpu")).answer_rounds
+    assert DispatchConfig.from_settings(Settings(device="cuda")).answer_rounds
+    assert DispatchConfig.from_settings(Settings(device="cuda:1")).answer_rounds
+    monkeypatch.setenv("LORAPLEX_ANSWER_ROUNDS", "true")
+    assert DispatchConfig.from_settings(Settings(device="cpu")).answer_rounds
+    monkeypatch.setenv("LORAPLEX_ANSWER_ROUNDS", "false")
+    assert not DispatchConfig.from_settings(Settings(device="cuda")).answer_rounds
