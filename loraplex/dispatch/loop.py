@@ -468,9 +468,9 @@ class Dispatcher:
     def _execute_plan(self, plan: BatchPlan, by_obj: dict[int, _Held]) -> tuple[int, float]:
         """The plan's training steps, round by round with `answer_rounds` (`plan_rounds`: each executed and handed to
         the finisher as it ends, so a tenant answered early sends its next step while the later rounds run), else
-        whole. Its SAMPLE step runs after them (so their results do not wait for the slice), for at most as long as they took:
-        beside training, sampling takes at most half the pool's time, and a training tenant waits for at most one
-        slice. Returns (answered, executor seconds)."""
+        whole. Its SAMPLE step runs after them (so their results do not wait for the slice), for at most as long as
+        they took: beside training, sampling takes at most half the pool's time, and a training tenant waits for at
+        most one slice. Returns (answered, executor seconds)."""
         sample = [s for s in plan.steps if s.kind == StepKind.SAMPLE]
         rest = tuple(s for s in plan.steps if s.kind != StepKind.SAMPLE)
         if not rest:

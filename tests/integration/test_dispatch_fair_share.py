@@ -79,7 +79,7 @@ def test_a_trickling_tenant_beside_a_weighted_flood_waits_at_most_two_plans(redi
     z, seq, sent_at, due = f"z-{pool}", 1, None, 0
     waits: list[int] = []
     pair: list[str] = []
-    plans = 0  # the dispatcher's plans (the engine sees each round of a plan as a call of its own)
+    plans = 0  # the dispatcher's plans (with answer_rounds the engine sees each round of a plan as a call of its own)
     for _ in range(1000):
         if len(waits) >= 25:
             break
