@@ -9,8 +9,8 @@ adapter that sent an optim_step right behind its last forward_backward is waited
 whether it was expected or not (a tenant coming back after a pause still brings its pair). A client sending the two
 concurrently may have them queued optim_step first: the forward_backward is then awaited, and completes the pair. While
 entries of adapters nobody expected keep arriving less than `quiet_s` apart, it also waits for the rest of that burst. A
-full plan never waits, nor does one when nobody is expected back (a first request, a tenant that went quiet: its
-expectation lapses after one window, or one that pipelines: its next step was read before this one was answered).
+full plan never waits, nor does one when nobody is expected back (a first request, or a tenant that went quiet: its
+expectation lapses after one window).
 
 Waiting only pays when the awaited requests would share a microbatch with what is here. A plan whose forward_backward
 tokens already fill whole microbatches (`full_microbatch_tokens`) runs those at once, and only the rest waits: the
@@ -39,14 +39,11 @@ class Coalescer:
         self._pairs: set[str] = set()  # adapters that send optim_step right behind forward_backward
         self._last_fb: dict[str, int] = {}  # model_id -> seq_id of its last forward_backward read
         self._optim_ahead: dict[str, int] = {}  # model_id -> seq_id of an optim_step read before its forward_backward
-        self._last_read: dict[str, int] = {}  # model_id -> the highest seq_id read (a pipelining tenant's is ahead)
         self._last_arrival = float("-inf")
         self._lapsed = 0  # expectations that ran out (the adapter not back within its window), for the statistics
 
     def answered(self, requests: Iterable[tuple[str, str, int]], now: float) -> None:
-        """These (model_id, kind, seq_id) were just answered, in seq order: their next ones are likely on the way,
-        unless already read (a tenant that sent its next step before awaiting this one is not waited for: the step
-        it sends on this answer would only join what is here, one round later, while the pool idled)."""
+        """These (model_id, kind, seq_id) were just answered, in seq order: their next ones are likely on the way."""
         for model_id, kind, seq_id in requests:
             prev = self._last.get(model_id)
             if kind == OPTIM_STEP and prev == (FORWARD_BACKWARD, seq_id - 1):
@@ -54,9 +51,7 @@ class Coalescer:
             elif kind == FORWARD_BACKWARD and prev is not None and prev[0] == FORWARD_BACKWARD:
                 self._pairs.discard(model_id)
             self._last[model_id] = (kind, seq_id)
-            if self._last_read.get(model_id, seq_id) > seq_id:
-                self._expected.pop(model_id, None)
-            elif self.window_s > 0:
+            if self.window_s > 0:
                 self._expected[model_id] = now + self.window_s
 
     def published(self, model_ids: Iterable[str], now: float) -> None:
@@ -85,8 +80,6 @@ class Coalescer:
                 self._last_arrival = now  # part of a burst nobody announced
             if kind == FORWARD_BACKWARD and seq_id is not None:
                 self._last_fb[model_id] = seq_id
-            if seq_id is not None and seq_id > self._last_read.get(model_id, seq_id - 1):
-                self._last_read[model_id] = seq_id
             if completes:
                 del self._optim_ahead[model_id]
             if ahead and seq_id is not None:
@@ -99,7 +92,7 @@ class Coalescer:
 
     def forget(self, model_id: str) -> None:
         """A deleted adapter."""
-        for table in (self._expected, self._last, self._last_fb, self._optim_ahead, self._last_read):
+        for table in (self._expected, self._last, self._last_fb, self._optim_ahead):
             table.pop(model_id, None)
         self._pairs.discard(model_id)
 

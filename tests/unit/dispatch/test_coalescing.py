@@ -139,14 +139,3 @@ def test_awaited_names_the_adapters_still_expected_and_an_arrived_pair_senders_o
                                                             (9000, 4096, 8192), (512, 0, 0)])  # fmt: skip
 def test_full_microbatch_tokens(tokens: int, microbatch: int, full: int) -> None:
     assert full_microbatch_tokens(tokens, microbatch) == full
-
-
-def test_an_adapter_whose_next_step_is_already_read_is_not_waited_for() -> None:
-    c = Coalescer(0.05, quiet_s=0.002)
-    c.answered([("a", FB, 1), ("a", OPT, 2), ("b", FB, 1), ("b", OPT, 2)], now=1.0)
-    c.arrived([("a", FB, 3), ("a", OPT, 4), ("b", FB, 3), ("b", OPT, 4)], now=1.01)
-    c.arrived([("a", FB, 5), ("a", OPT, 6)], now=1.02)  # a pipelines: its next step is sent before 3-4 are answered
-    c.answered([("a", FB, 3), ("a", OPT, 4), ("b", FB, 3), ("b", OPT, 4)], now=1.1)
-    assert c.awaited(1.11) == {"b"}  # b trains in a closed loop: on its way back; a's next step is here already
-    c.arrived([("b", FB, 5), ("b", OPT, 6)], now=1.12)
-    assert c.wait_s(1.121, started=1.12) == 0.0
