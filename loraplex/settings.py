@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     # A plan's rounds answered each as it ends (dispatch/policy.plan_rounds): a tenant whose step ran in an early round
     # sends its next one while the later rounds run. Unset: on when the engine runs on CUDA (its host thread waits on
     # the device meanwhile), off on the CPU, where the clients, the gateway and Redis would take the engine's cores:
-    # 32 closed-loop tenants on two cores ran 25% slower answered by round (RESULTS.md, Session 28).
+    # 32 closed-loop tenants on two cores ran 25% slower answered by round (RESULTS.md, 2026-12-07, CPU).
     answer_rounds: bool | None = None
     # Cost-model coalescing (dispatch/step_split.py): the dispatcher runs a round's forward_backward requests as the
     # split into engine steps (one mixed step, per adapter, or full adapters apart) its step cost model predicts

@@ -129,7 +129,7 @@ def install_slot_banks(
 
 
 def _is_bank(name: str) -> bool:
-    return name.endswith(".lora_A") or name.endswith(".lora_B")
+    return name.endswith((".lora_A", ".lora_B"))
 
 
 def base_parameters(model: nn.Module) -> tuple[nn.Parameter, ...]:

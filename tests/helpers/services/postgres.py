@@ -69,8 +69,8 @@ class PostgresServer:
 
     def crash(self) -> None:
         """`pg_ctl stop -m immediate`: the server quits at once, killing every backend (clients see their
-        connections drop), without a shutdown checkpoint. Returns once the postmaster is gone: `pg_ctl -w` returns when its pid file is,
-        which the postmaster removes a moment before it exits."""
+        connections drop), without a shutdown checkpoint. Returns once the postmaster is gone: `pg_ctl -w` returns when
+        its pid file is, which the postmaster removes a moment before it exits."""
         pid = self.postmaster_pid()
         _run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
         deadline = time.monotonic() + 10.0
