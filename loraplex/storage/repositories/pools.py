@@ -15,6 +15,16 @@ from loraplex.storage.models import Adapter, AdapterSnapshotRow, Pool, PoolState
 from loraplex.storage.repositories.adapters import applied_at_least
 from loraplex.storage.types import utcnow
 
+# Every plan's record runs these two (a result waits for that record): built once and run on the session's connection
+# as Core statements, the record of a closed-loop plan takes ~0.3 ms on SQLite instead of ~1.0 through the ORM
+# (benchmarks/probe_plan_record.py; RESULTS.md, 2026-12-07, "the plan's record").
+_RECORD_APPLIED = (
+    update(Adapter)
+    .where(Adapter.model_id == bindparam("mid"), Adapter.tenant_id == bindparam("tid"))
+    .values(applied_seq_id=applied_at_least(bindparam("seq", type_=Integer)), last_used_at=bindparam("now"))
+)
+_LEADER_TOKEN_FOR_UPDATE = select(Pool.leader_token).where(Pool.name == bindparam("name")).with_for_update()
+
 
 class PoolRepository:
     def __init__(self, session: Session) -> None:
@@ -32,19 +42,12 @@ class PoolRepository:
         gone (none should be: a delete keeps the row) is passed over."""
         if not applied:
             return
-        seq = bindparam("seq", type_=Integer)
-        stmt = (
-            update(Adapter)
-            .where(Adapter.model_id == bindparam("mid"), Adapter.tenant_id == bindparam("tid"))
-            .values(
-                applied_seq_id=applied_at_least(seq),
-                last_used_at=utcnow(),
-            )
-        )
+        now = utcnow()
         params = [
-            {"tid": tenant_id, "mid": model_id, "seq": seq_id} for (tenant_id, model_id), seq_id in applied.items()
+            {"tid": tenant_id, "mid": model_id, "seq": seq_id, "now": now}
+            for (tenant_id, model_id), seq_id in applied.items()
         ]
-        self.session.connection().execute(stmt, params)
+        self.session.connection().execute(_RECORD_APPLIED, params)
         for _, model_id in applied:  # a loaded copy in this session is stale now: the next read reloads it
             loaded = self.session.identity_map.get(self.session.identity_key(Adapter, model_id))
             if loaded is not None:
@@ -136,7 +139,7 @@ class PoolRepository:
     def check_leader(self, name: str, token: int) -> None:
         """Raise LeaseLostError unless `token` leads the pool; locks the row until the transaction ends, so a takeover
         cannot commit in between. The first statement of each plan's record transaction (one round trip)."""
-        current = self.session.scalar(select(Pool.leader_token).where(Pool.name == name).with_for_update())
+        current = self.session.connection().scalar(_LEADER_TOKEN_FOR_UPDATE, {"name": name})
         if current != token:
             raise LeaseLostError(f"pool {name}: token {token} no longer leads it (the pools row holds {current})")
 
