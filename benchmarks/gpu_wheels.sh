@@ -8,11 +8,10 @@ cd "$(dirname "$0")/.."
 dest=.whl
 mkdir -p "$dest"
 # The versions this venv resolved, so the GPU run uses what CI tests. The GPU image already has torch, transformers,
-# peft, numpy, safetensors, tokenizers, typing_extensions, httpx (and its deps), pyyaml. uvicorn[standard]'s httptools
-# and uvloop come too: without uvloop the gateway would run on asyncio's own loop there, unlike an install.
+# peft, numpy, safetensors, tokenizers, typing_extensions, httpx (and its deps), pyyaml.
 py=${PY:-.venv/bin/python}
 names=(pydantic pydantic_core pydantic-settings python-dotenv typing-inspection annotated-types fastapi starlette
-       uvicorn httptools uvloop sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore
+       uvicorn httptools sqlalchemy greenlet alembic mako redis orjson anyio sniffio h11 click idna certifi httpx httpcore
        tinker protobuf zstandard  # the Tinker routes: the SDK's protobuf messages (the package is not imported), zstd
        prometheus_client  # the pool's and the gateway's metrics (pool/metrics.py, api/metrics.py)
        sqladmin wtforms itsdangerous python-multipart jinja2 markupsafe  # the web admin on the gateway (loraplex/admin/)
