@@ -5,6 +5,8 @@ Redis, dispatcher, pool). Prints:
 - the pool's side, ms per plan over the same window (the pool's plan totals, queue/stats.py): executing, the read
   wait before a plan (the closed-loop gap as the pool sees it), planning, the coalescing wait, the decision's CPU
   time (the policy and the coalescing replans), the finisher's SQL record and result publish;
+- the stages of tenant 0's steps from the pool's request traces (no MONITOR): the result's way to the client, the
+  next request's way to the queue and into the pool, the wait before the engine, the engine, the record and store;
 - with --trace, the closed loop between processes, from a `redis-cli monitor` of the timed steps (server
   timestamps; the client's own clock beside them, the same host): from a plan's published result to the gateway's
   long-poll reading it, the client holding both results, its next forward_backward queued (XADD) and admitted by
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.service_tenant import tenant_datums  # noqa: E402
 from loraplex.client import AdamParams, ServiceClient  # noqa: E402
 from loraplex.launch.embedded import Stack  # noqa: E402
+from loraplex.queue import request_traces  # noqa: E402
 from loraplex.queue import stats as plan_stats  # noqa: E402
 from loraplex.runtime.netutil import free_port  # noqa: E402
 from loraplex.settings import Settings  # noqa: E402
@@ -129,6 +132,7 @@ def main() -> None:
         for proc in procs:
             proc.join(timeout=30)
         window = plan_stats.read_settled(r, settings.pool, before, fb_requests=args.tenants * args.steps)
+        traces = request_traces.read(r, [models[0]])  # written after each plan's results: settled with the window
         parts: dict[str, list[float]] = {name: [] for name in CLIENT_PARTS}
         for steps in per_tenant:
             for _, _, t0, t1, t2, t3, t4 in steps:
@@ -152,8 +156,39 @@ def main() -> None:
           "not back within the coalescing window):")  # fmt: skip
     print("  " + "  ".join(f"{name} {1e3 * getattr(window, f'{name}_s', 0.0) / plans:.2f}" for name in POOL_PARTS
                            if hasattr(window, f"{name}_s")))  # fmt: skip
+    print_stages(traces, per_tenant[0])
     if args.trace:
         print_trace(monitor_file, per_tenant[0])
+
+
+def print_stages(traces: list[request_traces.TraceRecord], steps: list[tuple[Any, ...]]) -> None:
+    """Median stages of tenant 0's timed steps from the pool's request traces (queue/request_traces.py: no MONITOR,
+    so these are the untraced run's) and the client's clock, the same host's wall clock: each step from the previous
+    step's optim_step result stored. `enqueued` is the stream entry's id, whole milliseconds of Redis's clock, so the
+    two gaps that start or end there are ~0.5 ms off each way."""
+    by_id = {t.request_id: t for t in traces}
+    gaps: dict[str, list[float]] = {}
+    for (_pfb, popt, *_, p_done), (fb, opt, *_) in zip(steps, steps[1:], strict=False):
+        prev, f, o = by_id.get(popt), by_id.get(fb), by_id.get(opt)
+        if prev is None or f is None or o is None:
+            continue
+        for name, a, b in (
+            ("result stored -> the client holds both results", prev.done, p_done),
+            ("client holds them -> forward_backward queued", p_done, f.enqueued),
+            ("forward_backward queued -> the pool reads it", f.enqueued, f.read),
+            ("forward_backward read -> optim_step read", f.read, o.read),
+            ("both read -> the engine starts", max(f.read, o.read), min(f.start, o.start)),
+            ("the engine runs the plan", min(f.start, o.start), max(f.end, o.end)),
+            ("the engine ends -> the results stored", max(f.end, o.end), max(f.done, o.done)),
+            ("result stored -> both read (the pool's gap)", prev.done, max(f.read, o.read)),
+        ):
+            gaps.setdefault(name, []).append(b - a)
+    if not gaps:
+        print("stages: no traced step found")
+        return
+    print(f"stages of a step (tenant 0, p50 over {len(next(iter(gaps.values())))} steps, the pool's request traces):")
+    for name, values in gaps.items():
+        print(f"  {name:48} p50 {p50_ms(values)}")
 
 
 # ---- --trace: the closed loop between processes, from redis-cli monitor -----------------------------------------------

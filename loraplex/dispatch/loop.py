@@ -168,7 +168,7 @@ class Dispatcher:
         t_start = now
         entries = self._claim_if_due(now)
         entries += self._read(None if self._more_ready else self.config.block_ms / 1000)
-        self._admit(entries, now)
+        self._admit(entries, time.monotonic())  # read now, not when the wait began (their traces' `read`)
         self._note_published()
         self._hand_over_if_asked(now)
         t_read = time.monotonic()

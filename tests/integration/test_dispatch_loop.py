@@ -15,7 +15,7 @@ from loraplex.dispatch.hooks import AnsweredPlan, DispatchConfig, FinishStep, Pl
 from loraplex.dispatch.loop import Dispatcher
 from loraplex.protocol import BatchPlan, Outcome, RequestKind, StepKind
 from loraplex.protocol.results import DeleteResult, ForwardBackwardResult, OptimStepResult, Result
-from loraplex.queue import keys, replay_log
+from loraplex.queue import keys, replay_log, request_traces
 from loraplex.queue import stats as plan_stats
 from loraplex.queue.envelope import Envelope, encode
 from loraplex.queue.keys import JobState
@@ -676,3 +676,30 @@ def test_a_plan_s_read_counts_the_rounds_that_held_only_an_optim_step_waiting_fo
     late.join()
     assert [s for _, s, _ in engine.applied] == [1, 2]
     assert plan_stats.read(redis_client, pool).read_s >= 0.25
+
+
+def test_a_request_read_while_the_loop_waits_is_traced_from_its_arrival(
+    redis_client: redis.Redis, settings: Settings
+) -> None:
+    """Its trace's `read` is when the loop read it, not when the loop began to wait: the request arrives 0.3 s into a
+    1 s wait, and neither its read time nor its enqueued time in the trace go back before its arrival."""
+    pool, a = _uid(), f"a-{_uid()}"
+    d = Dispatcher(redis_client, pool, ArithmeticEngine({a: 1.0}), DispatchConfig.from_settings(settings, block_ms=1000),
+                   PlanHooks(applied_seq_lookup=lambda m: 0))  # fmt: skip
+    producer, results = Producer(redis_client, pool), ResultStore(redis_client)
+    d.run_once()  # the stream and the consumer group exist; the loop's next read waits
+    sent_at: list[float] = []
+    request_ids: list[str] = []
+
+    def send_late() -> None:
+        time.sleep(0.3)
+        sent_at.append(time.time())
+        request_ids.append(producer.submit(_fb(a, 1, [1, 2])))
+
+    sender = threading.Thread(target=send_late)
+    sender.start()
+    while not request_ids or not results.has_many(request_ids)[0]:
+        d.run_once()
+    sender.join()
+    (record,) = request_traces.read(redis_client, [a])
+    assert record.read >= sent_at[0] and record.enqueued >= sent_at[0] - 0.002  # the entry id: whole milliseconds
