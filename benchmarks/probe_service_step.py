@@ -183,10 +183,15 @@ def print_stages(traces: list[request_traces.TraceRecord], steps: list[tuple[Any
             ("result stored -> both read (the pool's gap)", prev.done, max(f.read, o.read)),
         ):
             gaps.setdefault(name, []).append(b - a)
+    print_gaps(gaps, "stages of a step", "the pool's request traces", "stages: no traced step found")
+
+
+def print_gaps(gaps: dict[str, list[float]], title: str, source: str, none: str) -> None:
+    """Each named gap's median over tenant 0's steps (`none` when no step had them all)."""
     if not gaps:
-        print("stages: no traced step found")
+        print(none)
         return
-    print(f"stages of a step (tenant 0, p50 over {len(next(iter(gaps.values())))} steps, the pool's request traces):")
+    print(f"{title} (tenant 0, p50 over {len(next(iter(gaps.values())))} steps, {source}):")
     for name, values in gaps.items():
         print(f"  {name:48} p50 {p50_ms(values)}")
 
@@ -237,12 +242,8 @@ def print_trace(monitor_file: Path, steps: list[tuple[Any, ...]]) -> None:
             ("result stored -> both admitted", stored, max(admitted_fb, admitted_opt)),
         ):
             gaps.setdefault(name, []).append(b - a)  # type: ignore[operator]
-    if not gaps:
-        print("trace: no complete step found in the monitor output")
-        return
-    print(f"closed loop between processes (tenant 0, p50 over {len(next(iter(gaps.values())))} steps, MONITOR on):")
-    for name, values in gaps.items():
-        print(f"  {name:48} p50 {p50_ms(values)}")
+    none = "trace: no complete step found in the monitor output"
+    print_gaps(gaps, "closed loop between processes", "MONITOR on", none)
 
 
 if __name__ == "__main__":
