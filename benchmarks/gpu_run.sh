@@ -15,6 +15,9 @@
 #                                                               gradients two ways (probe_expert_grads), then the
 #                                                               Qwen3-30B-A3B shape's lone step eager and on CUDA graphs (an H200: its
 #                                                               base and 4 slots' fp32 state take ~115 GB)
+#   bash benchmarks/gpu_run.sh h200                             an H200's targets in one call: 4 saturated tenants through
+#                                                               the service (closed and pipelined), ours against the frozen
+#                                                               base (one adapter 8x512), the MoE lone step (4 slots)
 # With .whl/ present (benchmarks/gpu_wheels.sh, carried by the device tool) the service's wheels are installed into a
 # temp folder and Debian's redis-server is unpacked beside them, so `loraplex serve --embedded` runs there too.
 set -uo pipefail
@@ -88,5 +91,17 @@ case $mode in
     python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 --slots 4 --cap 2048 --skip-peft --skip-frozen \
       --iters 3 --warmup 3 --workloads lone,underfilled --graphs off,on --out "$OUT/bench_moe.json" "$@" 2>&1 \
       | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}' ;;
-  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl | lora | moe)"; exit 2 ;;
+  h200)
+    start=$(date +%s)
+    mkdir -p "$OUT/service"
+    OUT=$OUT/service SERVICE_LIMIT_S=270 bash "$0" service --tenants 4 --workloads saturated --clients closed,pipelined \
+      --steps 6 --warmup 6 > "$OUT/service.txt" 2>&1
+    grep -A4 "^workload" "$OUT/service.txt" | head -n 12
+    timeout 90 python3 benchmarks/bench_engine.py --skip-peft --workloads one_adapter --iters 5 --warmup 3 \
+      --out "$OUT/bench_engine.json" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}'
+    timeout $(( 560 - $(date +%s) + start )) python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 \
+      --slots 4 --adapters 4 --cap 2048 --skip-peft --skip-frozen --iters 3 --warmup 3 --workloads lone --graphs off,on \
+      --out "$OUT/bench_moe.json" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}'
+    (cd "$OUT" && tar -czf service-logs.tgz service && rm -rf service) ;;
+  *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl | lora | moe | h200)"; exit 2 ;;
 esac
