@@ -37,7 +37,7 @@ def record_usage_of_tenants(session: Session, rows: dict[str, list[tuple[str | N
         for tenant_id, tenant_rows in rows.items()
         for m, k, t, sec in tenant_rows
     ]
-    if values:  # on the session's connection (Core): the ORM's bulk insert costs more than the INSERT itself
+    if values:  # on the session's connection (Core), as the record's other statements (repositories/pools.py)
         session.connection().execute(insert(Usage), values)
 
 
