@@ -39,6 +39,32 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/gpu.txt"
+# bench_service.py under its own limit (seconds, below the device call's, so a run cut short still leaves its stacks'
+# logs), its outputs and each stack's logs in the folder given; returns its status.
+bench_service() {
+  local limit=$1 out=$2; shift 2
+  timeout "$limit" python3 benchmarks/bench_service.py --home /tmp/loraplex --out "$out/bench_service.json" "$@" 2>&1 \
+    | tee "$out/bench_service.txt"
+  local status=${PIPESTATUS[0]}
+  # each stack's logs (one per --early-full-microbatches variant or world size: a folder of its own under the home)
+  for log in $(find /tmp/loraplex -name pool.log -o -name api.log -o -name redis.log); do
+    name=$(dirname "$(dirname "$log")"); name=${name#/tmp/loraplex}; name=${name//\//-}
+    cp "$log" "$out/$(basename "$log" .log)${name}.log"
+  done
+  # plans and finishes over slow_plan_log_seconds, CUDA graphs declined for want of memory; redis-server's own
+  # complaints about a slow disk
+  grep -r "slow plan\|slow finish\|not captured" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
+  grep -r "fsync is taking too long\|Background AOF rewrite" --include=redis.log /tmp/loraplex 2>/dev/null | tail -n 20
+  return "$status"
+}
+# The Qwen3-30B-A3B shape's MoE steps (rank 16, 4 slots; later arguments override), eager and on CUDA graphs, under a
+# limit in seconds.
+bench_moe() {
+  local limit=$1; shift
+  timeout "$limit" python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 --slots 4 --cap 2048 \
+    --skip-peft --skip-frozen --iters 3 --warmup 3 --workloads lone,underfilled --graphs off,on \
+    --out "$OUT/bench_moe.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}'
+}
 case $mode in
   tests)
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5 ;;
@@ -46,20 +72,8 @@ case $mode in
     python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
     python3 benchmarks/bench_engine.py --out "$OUT/bench_engine.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}' ;;
   service)
-    # its own limit (SERVICE_LIMIT_S) under the device call's, so a run cut short still leaves its stacks' logs below
-    timeout "${SERVICE_LIMIT_S:-520}" python3 benchmarks/bench_service.py --home /tmp/loraplex \
-      --out "$OUT/bench_service.json" "$@" 2>&1 | tee "$OUT/bench_service.txt"
-    status=${PIPESTATUS[0]}
-    # each stack's logs (one per --early-full-microbatches variant or world size: a folder of its own under the home)
-    for log in $(find /tmp/loraplex -name pool.log -o -name api.log -o -name redis.log); do
-      name=$(dirname "$(dirname "$log")"); name=${name#/tmp/loraplex}; name=${name//\//-}
-      cp "$log" "$OUT/$(basename "$log" .log)${name}.log"
-    done
-    # plans and finishes over slow_plan_log_seconds, CUDA graphs declined for want of memory; redis-server's own
-    # complaints about a slow disk
-    grep -r "slow plan\|slow finish\|not captured" --include=pool.log /tmp/loraplex 2>/dev/null | cut -c1-900
-    grep -r "fsync is taking too long\|Background AOF rewrite" --include=redis.log /tmp/loraplex 2>/dev/null | tail -n 20
-    exit "$status" ;;
+    bench_service "${SERVICE_LIMIT_S:-520}" "$OUT" "$@"
+    exit "$?" ;;
   rl)
     python3 benchmarks/bench_rl.py --home /tmp/loraplex --out "$OUT/bench_rl.json" "$@" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_rl.txt"
     status=${PIPESTATUS[0]}
@@ -88,20 +102,16 @@ case $mode in
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_body_graphs_cuda.py tests/gpu/test_lora_experts_cuda.py \
       tests/gpu/test_sampler_moe_cuda.py -k "moe or experts" 2>&1 | tee "$OUT/gpu-tests.txt" | tail -n 5
     python3 benchmarks/probe_expert_grads.py --tokens 512 2>&1 | tee "$OUT/expert_grads.txt"
-    python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 --slots 4 --cap 2048 --skip-peft --skip-frozen \
-      --iters 3 --warmup 3 --workloads lone,underfilled --graphs off,on --out "$OUT/bench_moe.json" "$@" 2>&1 \
-      | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}' ;;
+    bench_moe 600 "$@" ;;
   h200)
     start=$(date +%s)
     mkdir -p "$OUT/service"
-    OUT=$OUT/service SERVICE_LIMIT_S=270 bash "$0" service --tenants 4 --workloads saturated --clients closed,pipelined \
-      --steps 6 --warmup 6 > "$OUT/service.txt" 2>&1
+    bench_service 270 "$OUT/service" --tenants 4 --workloads saturated --clients closed,pipelined --steps 6 --warmup 6 \
+      > "$OUT/service.txt" 2>&1
     grep -A4 "^workload" "$OUT/service.txt" | head -n 12
     timeout 90 python3 benchmarks/bench_engine.py --skip-peft --workloads one_adapter --iters 5 --warmup 3 \
       --out "$OUT/bench_engine.json" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench.txt" | grep -v '^ \|^{\|^}'
-    timeout $(( 560 - $(date +%s) + start )) python3 benchmarks/bench_engine.py --model qwen3-30b-a3b-shape --rank 16 \
-      --slots 4 --adapters 4 --cap 2048 --skip-peft --skip-frozen --iters 3 --warmup 3 --workloads lone --graphs off,on \
-      --out "$OUT/bench_moe.json" 2>&1 | grep -v "^Loading weights" | tee "$OUT/bench_moe.txt" | grep -v '^ \|^{\|^}'
+    bench_moe $(( 560 - $(date +%s) + start )) --adapters 4 --workloads lone
     (cd "$OUT" && tar -czf service-logs.tgz service && rm -rf service) ;;
   *) echo "unknown mode $mode (engine | service | tests | flood | sampler | cost | ragged | rl | lora | moe | h200)"; exit 2 ;;
 esac
